@@ -1,0 +1,164 @@
+"""The engine seam: what the admission loop sees of an engine, live or simulated.
+
+The live engine (torch tensors) and the simulated engine (cost model) implement the same
+surface and report the same events. Every operation that takes device time returns how long
+it took: the live engine reports wall seconds it measured; the simulated engine reports the
+seconds its cost model predicts and does *not* sleep. The caller (talaria's executor) decides
+what to do with that: nothing live (the time already passed), ``await asyncio.sleep`` in sim.
+Engines never read a clock to make decisions; where one needs "now" (staging that completes
+in the background), it is injected as a callable.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from engine.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the caller
+
+
+@dataclass
+class EngineRequest:
+    """One call as the engine sees it: token ids in, token ids out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    model: str | None = None  # multi-model engines check it is the active model
+    session_id: str | None = None  # lets the engine account / offload KV per session
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request.
+
+    ``new_token_ids`` may be empty (a prefill chunk that did not reach the end of the
+    prompt produces no event at all; a finish by abort produces an event with no tokens).
+    Counts are totals so far for the request, so the last event carries the final usage.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not prefilled: device prefix cache + restored
+    num_restored_tokens: int = 0  # of those, copied back from the host KV store
+    num_output_tokens: int = 0
+
+
+@dataclass
+class StepResult:
+    events: list[TokenEvent]
+    seconds: float  # measured (live) or modelled (sim) duration of the step
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+@dataclass
+class MoveReport:
+    """A byte movement (weights or KV) and how long it took (measured or modelled)."""
+
+    kind: str  # "activate_h2d" | "activate_d2d" | "stage" | "kv_offload" | "kv_restore" | ...
+    bytes: int
+    seconds: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0  # free but still holding a prefix (reusable)
+    num_total_blocks: int = 0
+    block_size: int = 16
+    prefill_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    restored_tokens_total: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class EngineCoreProtocol(Protocol):
+    """Single-model engine core: what ``engine.LLM`` drives and the server wraps."""
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def step(self) -> StepResult: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+class Residency(str, enum.Enum):
+    """Where a model's weights are on an instance."""
+
+    ACTIVE = "active"  # in the weight region: requests can run
+    STAGED = "staged"  # complete copy in the device staging region: activation is D2D
+    STAGING = "staging"  # a background host->staging copy is in progress
+    HOST = "host"  # only in the host weight store: activation is H2D
+    ABSENT = "absent"  # not loaded anywhere on this instance
+
+
+@runtime_checkable
+class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
+    """An engine holding a catalog of models on one device arena, one active at a time.
+
+    Life cycle of session KV (the admission loop drives it; the engine only executes):
+    - while a request runs, its blocks are referenced by it;
+    - when it finishes, its full blocks stay in the device prefix cache (free, evictable,
+      LRU) and the engine remembers the session's block-hash chain;
+    - ``pin_session_kv`` takes a reference on the session's cached blocks so they cannot be
+      evicted (a soft reservation); ``unpin_session_kv`` gives it back;
+    - ``offload_kv`` copies sessions' cached blocks to the host KV store (keyed by
+      (model, block hash)); a later request of the same model restores the longest prefix
+      found there into fresh device blocks instead of prefilling it;
+    - ``activate`` of another model requires no running requests; it drops every device
+      block of the outgoing model (pins included) — offload first to keep them.
+    """
+
+    simulated: bool
+
+    @property
+    def model_names(self) -> list[str]: ...
+
+    @property
+    def active_model(self) -> str | None: ...
+
+    def activate(self, model: str) -> MoveReport: ...
+
+    def stage(self, model: str) -> MoveReport:
+        """Start copying ``model`` into the staging region; ``seconds`` is the time until
+        it is ready (measured when the copy is synchronous, predicted otherwise)."""
+        ...
+
+    def residency(self) -> dict[str, Residency]: ...
+
+    def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
+        """Copy the active model's cached KV of these sessions (None: all) to host."""
+        ...
+
+    def pin_session_kv(self, session_id: str) -> int:
+        """Protect the session's device KV from eviction; returns blocks pinned."""
+        ...
+
+    def unpin_session_kv(self, session_id: str) -> None: ...
+
+    def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
+        """(tokens of the session's last prefix cached on device, tokens in host store)."""
+        ...
