@@ -1,0 +1,294 @@
+"""Step and transfer times of a real server, for the simulated engine.
+
+A step is a roofline: ``max(FLOPs / effective FLOP rate, bytes / effective HBM rate)`` per GPU,
+plus the tensor-parallel all-reduces (two per layer) and a fixed per-step engine overhead.
+FLOPs count the active linear parameters, the LM head for the rows that sample, and attention
+over the context (QK^T and PV). Bytes count the weights a step touches (for MoE layers, the
+experts a batch of T tokens is expected to hit) and the KV cache it reads and writes.
+
+Switch times (a model becoming active on the instance):
+- baseline: an engine without a stable substrate reloads its weights at the rate vLLM's
+  sleep-mode wake measures (which includes freeing and re-allocating device memory), re-zeroes
+  its KV region and re-captures CUDA graphs;
+- host: Talaria's substrate copies the weights into fixed addresses over the pinned host link;
+- staged: the same copy device-to-device from the staging region.
+All times are seconds; byte counts are per GPU (every rank moves its own shard in parallel).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.model_spec import ModelSpec
+from substrate.devices import ServerSpec, server_preset
+
+ACTIVATION_DTYPE_BYTES = 2  # bf16 activations travel in the TP all-reduces
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of datasheet peaks a real engine reaches, and fixed latencies. Each is named
+    with where it comes from; the ones marked 'assumption' are judgement within public ranges."""
+
+    # Large bf16 GEMMs reach 60-75% of dense peak on Hopper (FlashAttention-3 paper: 740 of 989
+    # TFLOP/s for attention; cuBLAS GEMMs similar); MoE grouped GEMMs with TP=8-sharded experts
+    # and uneven routing reach less. 0.5 is an assumption inside that range.
+    compute: float = 0.5
+    # Decode kernels stream weights and KV at 75-90% of HBM peak (assumption, typical of
+    # memory-bound kernels on HBM3/HBM3e).
+    memory: float = 0.8
+    # NCCL all-reduce bus bandwidth on an 8-GPU NVSwitch node reaches roughly 70-85% of the
+    # per-direction NVLink rate for large messages (assumption from published nccl-tests
+    # all_reduce_perf busbw figures); 0.75 assumed.
+    nvlink: float = 0.75
+    # Latency of one small all-reduce inside a CUDA graph on NVLink (vLLM's custom all-reduce
+    # and NCCL report ~5-15 us for KB-sized messages); 8 us assumed.
+    allreduce_latency_s: float = 8e-6
+    # Per-step engine overhead outside the GPU kernels (scheduling, sampling, detokenise,
+    # launching the graph): assumption, 3 ms, the order of the per-step CPU time that vLLM's V1
+    # engine redesign (vLLM blog, 2025-01-27) set out to overlap with GPU work.
+    step_overhead_s: float = 3e-3
+    # vLLM's default gpu_memory_utilization is 0.9: the other 10% of HBM is left for the CUDA
+    # context, NCCL buffers, activations and CUDA graphs (vLLM EngineArgs documentation).
+    memory_reserve_fraction: float = 0.10
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The parts of one step's time; ``seconds`` is what the step takes."""
+
+    compute_s: float
+    memory_s: float
+    allreduce_s: float
+    overhead_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.allreduce_s + self.overhead_s
+
+    @property
+    def memory_bound(self) -> bool:
+        return self.memory_s >= self.compute_s
+
+
+@dataclass(frozen=True)
+class BaselineSwitch:
+    """What a model switch costs an engine without a stable substrate."""
+
+    # vLLM sleep mode, level-1 wake of Qwen3-235B-A22B-FP8 at TP=4 on A100: 5.3-5.7 s for
+    # ~59 GB of weights per GPU, i.e. about 11 GB/s per GPU effective, including freeing and
+    # re-allocating device memory (vLLM blog "Zero-Reload Model Switching with vLLM Sleep
+    # Mode", 2025-10-26). A cold start of the same model took ~97 s.
+    reload_bytes_per_s: float = 11e9
+    # Sleep mode keeps CUDA graphs; an engine that tears down must re-capture them. vLLM v1
+    # captures 67 batch sizes by default at ~0.057 s each in published logs (vllm-project/vllm
+    # PR #22897), about 3.8 s.
+    cuda_graph_capture_s: float = 67 * 0.057
+
+
+class CostModel:
+    """Step and transfer times of ``model`` on ``tp`` GPUs of ``server``."""
+
+    def __init__(
+        self,
+        server: ServerSpec,
+        model: ModelSpec,
+        tp: int = 8,
+        efficiency: Efficiency | None = None,
+        baseline: BaselineSwitch | None = None,
+    ) -> None:
+        if not 1 <= tp <= server.num_devices:
+            raise ValueError(f"tp={tp} must be between 1 and the server's {server.num_devices} GPUs")
+        if model.num_attention_heads % tp:
+            raise ValueError(
+                f"tp={tp} must divide {model.name}'s {model.num_attention_heads} attention heads"
+            )
+        if model.num_kv_heads % tp and tp % model.num_kv_heads:
+            raise ValueError(
+                f"tp={tp} and {model.name}'s {model.num_kv_heads} KV heads must divide one another"
+            )
+        self.server = server
+        self.device = server.device
+        self.model = model
+        self.tp = tp
+        self.eff = efficiency or Efficiency()
+        self.baseline = baseline or BaselineSwitch()
+
+    @classmethod
+    def from_names(
+        cls, server: str = "h200x8", model: str = "qwen3-235b-a22b", tp: int = 8
+    ) -> CostModel:
+        """A cost model for a server preset and a bundled model, by name."""
+        return cls(server_preset(server), ModelSpec.load(model), tp)
+
+    # --- memory -----------------------------------------------------------------------------
+    def weight_bytes_per_gpu(self) -> int:
+        """Every weight matrix is sharded over the TP ranks (vocab-parallel embeddings too)."""
+        return math.ceil(self.model.weight_bytes / self.tp)
+
+    @property
+    def kv_heads_per_gpu(self) -> int:
+        """KV heads are split over ranks; with fewer KV heads than ranks each rank keeps one."""
+        return max(1, self.model.num_kv_heads // self.tp)
+
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * self.kv_heads_per_gpu * m.head_dim * m.kv_dtype_bytes
+
+    def usable_hbm_bytes(self) -> int:
+        """HBM per GPU that weights, staging and KV may use (the rest is the engine reserve)."""
+        return int(self.device.hbm_bytes * (1.0 - self.eff.memory_reserve_fraction))
+
+    def kv_capacity_tokens(
+        self, resident_weight_bytes_per_gpu: int | None = None, staging_bytes_per_gpu: int = 0
+    ) -> int:
+        """Tokens of this model's KV that fit per instance beside the resident weights (default:
+        this model's own) and a staging region; 0 when nothing is left."""
+        weights = (
+            self.weight_bytes_per_gpu()
+            if resident_weight_bytes_per_gpu is None
+            else resident_weight_bytes_per_gpu
+        )
+        if weights < 0 or staging_bytes_per_gpu < 0:
+            raise ValueError("resident weight and staging bytes must be >= 0")
+        free = self.usable_hbm_bytes() - weights - staging_bytes_per_gpu
+        return max(0, free // self.kv_bytes_per_token_per_gpu())
+
+    # --- compute ----------------------------------------------------------------------------
+    def _experts_touched_fraction(self, num_tokens: int) -> float:
+        """Expected share of a MoE layer's routed experts that ``num_tokens`` tokens hit under
+        uniform routing: 1 - (1 - k/E)^T."""
+        m = self.model
+        if m.num_moe_layers == 0 or num_tokens <= 0:
+            return 0.0
+        return 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** num_tokens
+
+    def _step(
+        self, tokens: int, attention_pairs: float, kv_read_tokens: int, logit_rows: int
+    ) -> StepCost:
+        """One forward pass over ``tokens`` new tokens. ``attention_pairs`` is the number of
+        (query, key) pairs attention scores; ``kv_read_tokens`` the KV tokens it reads."""
+        if tokens <= 0:
+            return StepCost(0.0, 0.0, 0.0, 0.0)
+        m, tp = self.model, self.tp
+        flops = (
+            2.0 * m.active_linear_params * tokens
+            + 2.0 * m.vocab_size * m.hidden_size * logit_rows
+            + 4.0 * m.num_layers * m.num_attention_heads * m.head_dim * attention_pairs
+        ) / tp
+        weight_bytes = (
+            m.always_active_linear_params
+            + self._experts_touched_fraction(tokens) * m.routed_expert_params
+        ) * m.weight_dtype_bytes + m.vocab_size * m.hidden_size * max(2, m.weight_dtype_bytes)
+        kv_bytes = (kv_read_tokens + tokens) * self.kv_bytes_per_token_per_gpu()
+        bytes_per_gpu = weight_bytes / tp + kv_bytes
+        return StepCost(
+            compute_s=flops / (self.device.bf16_flops * self.eff.compute),
+            memory_s=bytes_per_gpu / (self.device.hbm_bytes_per_s * self.eff.memory),
+            allreduce_s=self._allreduce_seconds(tokens),
+            overhead_s=self.eff.step_overhead_s,
+        )
+
+    def _allreduce_seconds(self, tokens: int) -> float:
+        """Two ring all-reduces per layer (after attention, after the MLP/MoE)."""
+        tp = self.tp
+        if tp == 1:
+            return 0.0
+        size = tokens * self.model.hidden_size * ACTIVATION_DTYPE_BYTES
+        one = 2.0 * (tp - 1) / tp * size / (self.device.nvlink_bytes_per_s * self.eff.nvlink)
+        return 2 * self.model.num_layers * (one + self.eff.allreduce_latency_s)
+
+    def prefill_seconds(self, num_tokens: int, context_tokens: int = 0) -> float:
+        """Prefill ``num_tokens`` new tokens of one sequence after ``context_tokens`` cached
+        ones, as one pass (the simulated engine chunks long prompts itself)."""
+        _check_non_negative(num_tokens=num_tokens, context_tokens=context_tokens)
+        return self.step_seconds(prefill_tokens=num_tokens, prefill_context=context_tokens)
+
+    def decode_step_seconds(self, batch_size: int, total_context_tokens: int) -> float:
+        """One decode step of ``batch_size`` sequences whose contexts sum to
+        ``total_context_tokens``."""
+        _check_non_negative(batch_size=batch_size, total_context_tokens=total_context_tokens)
+        return self.step_seconds(decode_seqs=batch_size, decode_context=total_context_tokens)
+
+    def step_seconds(
+        self,
+        prefill_tokens: int = 0,
+        prefill_context: int = 0,
+        decode_seqs: int = 0,
+        decode_context: int = 0,
+    ) -> float:
+        """A mixed step: a prefill chunk of ``prefill_tokens`` after ``prefill_context`` cached
+        tokens of its sequence, plus ``decode_seqs`` decodes over ``decode_context`` tokens in
+        all. For several prefill chunks in one step use :meth:`chunks_step_seconds`."""
+        _check_non_negative(prefill_tokens=prefill_tokens, prefill_context=prefill_context)
+        if prefill_context and not prefill_tokens:
+            raise ValueError("prefill_context given without prefill tokens")
+        chunks = [(prefill_tokens, prefill_context)] if prefill_tokens > 0 else []
+        return self.step_cost(chunks, decode_seqs, decode_context).seconds
+
+    def chunks_step_seconds(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_seqs: int = 0,
+        decode_context: int = 0,
+    ) -> float:
+        """A mixed step with prefill chunks given as ``(new_tokens, cached_context)`` pairs."""
+        return self.step_cost(prefill_chunks, decode_seqs, decode_context).seconds
+
+    def step_cost(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_seqs: int = 0,
+        decode_context: int = 0,
+    ) -> StepCost:
+        """The parts of a mixed step's time. Each prefill chunk's last row samples (it may
+        finish its prompt); every decode row samples."""
+        _check_non_negative(decode_seqs=decode_seqs, decode_context=decode_context)
+        if decode_context and not decode_seqs:
+            raise ValueError("decode_context given without decode sequences")
+        tokens = decode_seqs
+        pairs = float(decode_context + decode_seqs)
+        kv_read = decode_context
+        rows = decode_seqs
+        for new, ctx in prefill_chunks:
+            _check_non_negative(prefill_tokens=new, prefill_context=ctx)
+            if new == 0:
+                continue
+            tokens += new
+            pairs += new * ctx + new * (new + 1) / 2.0
+            kv_read += ctx
+            rows += 1
+        return self._step(tokens, pairs, kv_read, rows)
+
+    # --- moving bytes -----------------------------------------------------------------------
+    def switch_seconds_host(self) -> float:
+        """Activate from the pinned host weight store into fixed addresses (H2D)."""
+        return self.weight_bytes_per_gpu() / self.device.host_link_bytes_per_s
+
+    def switch_seconds_staged(self) -> float:
+        """Activate from the device staging region (D2D copy)."""
+        return self.weight_bytes_per_gpu() / self.device.d2d_bytes_per_s
+
+    def switch_seconds_baseline(self, kv_region_bytes_per_gpu: int | None = None) -> float:
+        """Switch in an engine without a stable substrate: reload weights at the sleep-mode
+        wake rate, zero a freshly allocated KV region (default: all KV this model can have
+        alone) and re-capture CUDA graphs."""
+        if kv_region_bytes_per_gpu is None:
+            kv_region_bytes_per_gpu = self.kv_capacity_tokens() * self.kv_bytes_per_token_per_gpu()
+        reload_s = self.weight_bytes_per_gpu() / self.baseline.reload_bytes_per_s
+        kv_init_s = kv_region_bytes_per_gpu / (self.device.hbm_bytes_per_s * self.eff.memory)
+        return reload_s + kv_init_s + self.baseline.cuda_graph_capture_s
+
+    def kv_offload_seconds(self, tokens: int) -> float:
+        """Copy ``tokens`` tokens of KV to pinned host memory (every rank its own heads)."""
+        _check_non_negative(tokens=tokens)
+        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.host_link_bytes_per_s
+
+    def kv_restore_seconds(self, tokens: int) -> float:
+        """Copy ``tokens`` tokens of KV back from pinned host memory."""
+        _check_non_negative(tokens=tokens)
+        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.host_link_bytes_per_s
+
+
+def _check_non_negative(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")

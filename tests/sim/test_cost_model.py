@@ -1,0 +1,215 @@
+"""Cost model sanity: model sizes from real configs, roofline regimes, switch and KV move times,
+and the residency constraints the two server presets must impose."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cost_model import BaselineSwitch, CostModel, Efficiency
+from engine.model_spec import DEFAULT_CATALOG, ModelSpec, catalog
+from substrate.devices import GB, H100, H200, SERVERS, server_preset
+from workloads.generator import default_trace
+
+H200X8 = server_preset("h200x8")
+H100X8 = server_preset("h100x8")
+
+
+def cm(name: str = "qwen3-235b-a22b", server=H200X8, tp: int = 8) -> CostModel:
+    return CostModel(server, ModelSpec.load(name), tp)
+
+
+def test_catalog_bundles_the_default_models() -> None:
+    assert set(DEFAULT_CATALOG) <= set(catalog())
+
+
+@pytest.mark.parametrize("name", catalog())
+def test_parameter_counts_match_the_model_cards(name: str) -> None:
+    m = ModelSpec.load(name)
+    assert m.total_params == pytest.approx(m.reported_total_params, rel=0.03)
+    # Model cards count active parameters with or without embeddings; accept either.
+    assert m.active_linear_params <= m.reported_active_params * 1.06
+    assert m.active_params >= m.reported_active_params * 0.94
+    assert m.weight_bytes == pytest.approx(2 * m.total_params, rel=1e-9)  # bf16
+
+
+def test_kv_bytes_per_token_follows_the_config() -> None:
+    qwen = ModelSpec.load("qwen3-235b-a22b")
+    assert qwen.kv_bytes_per_token == 2 * 94 * 4 * 128 * 2
+    # 4 KV heads on 8 ranks: each rank keeps one (replicated) head.
+    assert cm().kv_bytes_per_token_per_gpu() == 2 * 94 * 1 * 128 * 2
+    assert cm(tp=4).kv_bytes_per_token_per_gpu() == 2 * 94 * 1 * 128 * 2
+    mixtral = cm("mixtral-8x22b")
+    assert mixtral.kv_bytes_per_token_per_gpu() * 8 == mixtral.model.kv_bytes_per_token
+
+
+def test_fp8_weights_halve_the_linear_bytes_but_not_the_embeddings() -> None:
+    bf16 = ModelSpec.load("qwen3-235b-a22b")
+    fp8 = bf16.with_weight_dtype("float8_e4m3fn")
+    assert fp8.weight_bytes == bf16.weight_bytes - (bf16.total_params - bf16.embedding_params)
+
+
+def test_unknown_model_and_server_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'.*qwen3-235b-a22b"):
+        ModelSpec.load("gpt-5")
+    with pytest.raises(ValueError, match="unknown server preset 'tpu'.*h100x8, h200x8"):
+        server_preset("tpu")
+
+
+def test_tp_must_fit_the_server_and_divide_the_heads() -> None:
+    with pytest.raises(ValueError, match="between 1 and"):
+        cm(tp=16)
+    with pytest.raises(ValueError, match="attention heads"):
+        cm("mixtral-8x22b", tp=5)
+
+
+def test_devices_name_their_datasheet_numbers() -> None:
+    assert H200.hbm_bytes == 141 * GB and H100.hbm_bytes == 80 * GB
+    assert H200.hbm_bytes_per_s > H100.hbm_bytes_per_s
+    assert H200.host_link_bytes_per_s == 50 * GB
+    # a D2D copy reads and writes each byte: at most half the HBM rate
+    assert H200.d2d_bytes_per_s <= H200.hbm_bytes_per_s / 2
+    assert set(SERVERS) == {"h200x8", "h100x8"}
+
+
+@pytest.mark.parametrize("name", DEFAULT_CATALOG)
+def test_decode_is_memory_bound_and_long_prefill_compute_bound(name: str) -> None:
+    c = cm(name)
+    decode = c.step_cost([], decode_seqs=8, decode_context=8 * 40_000)
+    assert decode.memory_bound
+    prefill = c.step_cost([(40_000, 0)])
+    assert not prefill.memory_bound
+    assert c.prefill_seconds(40_000) == pytest.approx(prefill.seconds)
+
+
+def test_attention_counts_the_context() -> None:
+    c = cm()
+    assert c.prefill_seconds(2_000, context_tokens=60_000) > c.prefill_seconds(2_000) * 1.5
+    assert c.decode_step_seconds(8, 8 * 60_000) > c.decode_step_seconds(8, 8 * 1_000)
+    # prefill grows faster than linearly in its length (causal attention is quadratic)
+    assert c.prefill_seconds(80_000) > 2.1 * c.prefill_seconds(40_000)
+
+
+def test_decode_weight_reads_grow_with_the_experts_a_batch_touches() -> None:
+    c = cm()
+    one = c.step_cost([], 1, 1_000).memory_s
+    many = c.step_cost([], 64, 64_000).memory_s
+    assert many > one * 1.5  # more distinct experts read ...
+    assert many < one * 64  # ... but weights are shared by the batch
+
+
+def test_mixed_step_costs_at_least_its_parts_and_less_than_their_sum() -> None:
+    c = cm()
+    prefill = c.step_seconds(prefill_tokens=4_096, prefill_context=30_000)
+    decode = c.step_seconds(decode_seqs=16, decode_context=16 * 30_000)
+    mixed = c.step_seconds(4_096, 30_000, 16, 16 * 30_000)
+    assert max(prefill, decode) <= mixed < prefill + decode
+    assert c.chunks_step_seconds([(4_096, 30_000)], 16, 16 * 30_000) == pytest.approx(mixed)
+
+
+def test_step_inputs_are_checked() -> None:
+    c = cm()
+    assert c.step_seconds() == 0.0
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        c.prefill_seconds(-1)
+    with pytest.raises(ValueError, match="decode_context given without decode sequences"):
+        c.step_seconds(decode_context=100)
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        c.kv_offload_seconds(-5)
+
+
+def test_tp1_pays_no_all_reduce() -> None:
+    c = cm("glm-4.5-air", tp=1)
+    assert c.step_cost([(1_000, 0)]).allreduce_s == 0.0
+    assert cm("glm-4.5-air").step_cost([(1_000, 0)]).allreduce_s > 0.0
+
+
+@pytest.mark.parametrize("server", [H200X8, H100X8])
+@pytest.mark.parametrize("name", DEFAULT_CATALOG)
+def test_switch_time_is_bytes_over_bandwidth(server, name: str) -> None:
+    c = cm(name, server)
+    w = c.weight_bytes_per_gpu()
+    assert w == pytest.approx(c.model.weight_bytes / 8, abs=1)
+    assert c.switch_seconds_host() == pytest.approx(w / server.device.host_link_bytes_per_s)
+    assert c.switch_seconds_staged() == pytest.approx(w / server.device.d2d_bytes_per_s)
+    assert c.switch_seconds_staged() < c.switch_seconds_host() < c.switch_seconds_baseline()
+    base = BaselineSwitch()
+    assert c.switch_seconds_baseline(kv_region_bytes_per_gpu=0) == pytest.approx(
+        w / base.reload_bytes_per_s + base.cuda_graph_capture_s
+    )
+
+
+def test_baseline_switch_reproduces_the_sleep_mode_figure() -> None:
+    """vLLM's level-1 wake of Qwen3-235B-A22B-FP8 at TP=4 took 5.3-5.7 s; the baseline's reload
+    part for that configuration (without graph capture, which sleep mode keeps) must agree."""
+    fp8 = ModelSpec.load("qwen3-235b-a22b").with_weight_dtype("float8_e4m3fn")
+    no_graphs = BaselineSwitch(cuda_graph_capture_s=0.0)
+    c = CostModel(H200X8, fp8, tp=4, baseline=no_graphs)
+    assert 5.0 <= c.switch_seconds_baseline(kv_region_bytes_per_gpu=0) <= 6.0
+
+
+def test_kv_moves_are_bytes_over_the_host_link() -> None:
+    c = cm()
+    assert c.kv_offload_seconds(40_000) == pytest.approx(40_000 * 48_128 / (50 * GB))
+    assert c.kv_restore_seconds(40_000) == c.kv_offload_seconds(40_000)
+    # restoring a 40k-token prefix beats recomputing it by a wide margin
+    assert c.kv_restore_seconds(40_000) * 10 < c.prefill_seconds(40_000)
+
+
+def test_kv_capacity_accounts_for_what_else_is_resident() -> None:
+    c = cm()
+    alone = c.kv_capacity_tokens()
+    free = c.usable_hbm_bytes() - c.weight_bytes_per_gpu()
+    assert alone == free // c.kv_bytes_per_token_per_gpu()
+    staged = c.kv_capacity_tokens(staging_bytes_per_gpu=cm("mixtral-8x22b").weight_bytes_per_gpu())
+    assert 0 < staged < alone
+    assert c.kv_capacity_tokens(resident_weight_bytes_per_gpu=c.usable_hbm_bytes()) == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        c.kv_capacity_tokens(staging_bytes_per_gpu=-1)
+
+
+def _session_kv_bytes_per_gpu(server) -> int:
+    """KV per GPU that the default trace's sessions hold at their longest (last prompt plus
+    output), each in its own model's shapes."""
+    models = {n: cm(n, server) for n in DEFAULT_CATALOG}
+    return sum(
+        (s.calls[-1].input_tokens + s.calls[-1].output_tokens)
+        * models[s.model].kv_bytes_per_token_per_gpu()
+        for s in default_trace()
+    )
+
+
+def test_h200x8_cannot_hold_all_three_models_and_the_sessions_kv() -> None:
+    models = [cm(n) for n in DEFAULT_CATALOG]
+    weights = sum(c.weight_bytes_per_gpu() for c in models)
+    usable = models[0].usable_hbm_bytes()
+    assert weights < usable  # the three models alone fit ...
+    assert weights + _session_kv_bytes_per_gpu(H200X8) > usable  # ... not with the sessions' KV
+    # one model resident plus a staged second leaves room for every session of the first
+    qwen = models[0]
+    staged = max(c.weight_bytes_per_gpu() for c in models[1:])
+    assert qwen.kv_capacity_tokens(staging_bytes_per_gpu=staged) > 16 * 40_000
+
+
+def test_h100x8_is_memory_tight() -> None:
+    qwen = cm("qwen3-235b-a22b", H100X8)
+    # the largest model alone leaves room for fewer tokens than the sessions hold
+    assert qwen.kv_capacity_tokens() * qwen.kv_bytes_per_token_per_gpu() < (
+        _session_kv_bytes_per_gpu(H100X8)
+    )
+    assert qwen.kv_capacity_tokens() < 10 * 40_000
+    # and there is no room to stage a second large model beside it
+    staged = cm("mistral-large-2407", H100X8).weight_bytes_per_gpu()
+    assert qwen.kv_capacity_tokens(staging_bytes_per_gpu=staged) == 0
+
+
+def test_efficiency_factors_scale_the_roofline() -> None:
+    slow = CostModel(H200X8, ModelSpec.load("glm-4.5-air"), 8, Efficiency(compute=0.25))
+    fast = cm("glm-4.5-air")
+    assert slow.step_cost([(40_000, 0)]).compute_s == pytest.approx(
+        2 * fast.step_cost([(40_000, 0)]).compute_s
+    )
+
+
+def test_from_names() -> None:
+    c = CostModel.from_names("h100x8", "glm-4.5-air", tp=4)
+    assert c.server is H100X8 and c.model.name == "glm-4.5-air" and c.tp == 4
