@@ -1,0 +1,166 @@
+"""The live host KV store: the ``HostKVIndex`` plus one host tensor per block.
+
+A block's payload is a host tensor ``[num_layers, 2, block_size, kv_heads, head_dim]`` (K at
+``[:, 0]``, V at ``[:, 1]``), pinned when CUDA is present. Payload lifetime: created by
+``save``, freed when the index evicts or drops the block; ``load`` copies and keeps it.
+
+Correctness never depends on this store: a block that is missing (never saved, evicted)
+just ends the restorable prefix there, and the engine prefills the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from substrate.arena import KVCaches
+from substrate.host_kv_index import HostKVIndex, HostKVKey, ValueHook
+from substrate.mover import TorchMover
+from substrate.moves import MoveKind, MoveRecord
+
+__all__ = ["HostKVCache", "HostKVIndex", "HostKVStore"]
+
+
+class HostKVStore:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        pin: bool | None = None,
+        value_hook: ValueHook | None = None,
+        kv_chunk_bytes: int = 64 * 2**20,
+    ) -> None:
+        self.index = HostKVIndex(capacity_bytes, value_hook)
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.kv_chunk_bytes = kv_chunk_bytes
+        self._payloads: dict[HostKVKey, torch.Tensor] = {}
+        self._movers: dict[torch.device, TorchMover] = {}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.index.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used_bytes
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def lookup(self, model: str, block_hashes: Sequence[int], touch: bool = True) -> int:
+        return self.index.lookup(model, block_hashes, touch=touch)
+
+    def save(
+        self,
+        model: str,
+        block_hashes: Sequence[int],
+        block_ids: Sequence[int],
+        kv_caches: KVCaches,
+        session_id: str | None = None,
+    ) -> MoveRecord:
+        """Copy device blocks (``block_ids[i]`` holds the block of ``block_hashes[i]``) to
+        host. Blocks already stored are only touched; old blocks are evicted to make room;
+        the record counts the bytes actually copied."""
+        if len(block_hashes) != len(block_ids):
+            raise ValueError(f"{len(block_hashes)} block hashes for {len(block_ids)} block ids")
+        if not block_hashes:
+            return MoveRecord(MoveKind.KV_OFFLOAD, 0, 0.0)
+        shape, dtype = _block_shape(kv_caches)
+        block_nbytes = math.prod(shape) * dtype.itemsize
+        result = self.index.insert_chain(model, block_hashes, block_nbytes, session_id)
+        for entry in result.evicted:
+            self._payloads.pop(entry.key, None)
+        if not result.inserted:
+            return MoveRecord(MoveKind.KV_OFFLOAD, 0, 0.0)
+        first = {}
+        for h, b in zip(block_hashes, block_ids, strict=True):
+            first.setdefault(h, b)
+        ids = [first[h] for h in result.inserted]
+        host = [torch.empty(shape, dtype=dtype, pin_memory=self.pin) for _ in ids]
+        try:
+            record = self._mover(kv_caches).kv_offload(kv_caches, ids, host)
+        except BaseException:
+            for h in result.inserted:
+                self.index.remove(model, h)
+            raise
+        for h, payload in zip(result.inserted, host, strict=True):
+            self._payloads[(model, h)] = payload
+        return record
+
+    def load(
+        self,
+        model: str,
+        block_hashes: Sequence[int],
+        block_ids: Sequence[int],
+        kv_caches: KVCaches,
+    ) -> MoveRecord:
+        """Copy stored blocks into device blocks ``block_ids`` (the caller allocated them,
+        after ``lookup`` said the hashes are present)."""
+        if len(block_hashes) != len(block_ids):
+            raise ValueError(f"{len(block_hashes)} block hashes for {len(block_ids)} block ids")
+        if not block_hashes:
+            return MoveRecord(MoveKind.KV_RESTORE, 0, 0.0)
+        missing = [h for h in block_hashes if (model, h) not in self._payloads]
+        if missing:
+            raise KeyError(
+                f"{model}: {len(missing)} blocks not in the host KV store, e.g. {missing[0]}"
+            )
+        host = [self._payloads[(model, h)] for h in block_hashes]
+        record = self._mover(kv_caches).kv_restore(host, kv_caches, block_ids)
+        self.index.touch(model, block_hashes)
+        return record
+
+    def drop_model(self, model: str) -> int:
+        """Forget every block of ``model``; returns the bytes freed."""
+        dropped = self.index.drop_model(model)
+        for entry in dropped:
+            self._payloads.pop(entry.key, None)
+        return sum(e.nbytes for e in dropped)
+
+    def bind(self, model: str, kv_caches: KVCaches) -> HostKVCache:
+        return HostKVCache(self, model, kv_caches)
+
+    def _mover(self, kv_caches: KVCaches) -> TorchMover:
+        if not kv_caches:
+            raise ValueError("no KV caches given")
+        device = kv_caches[0][0].device
+        if device not in self._movers:
+            self._movers[device] = TorchMover(device, kv_chunk_bytes=self.kv_chunk_bytes)
+        return self._movers[device]
+
+
+class HostKVCache:
+    """The store as the engine's secondary cache, bound to one model and its device KV
+    caches (rebind after every activation: the caches are re-viewed per model). Records of
+    the copies it made accumulate until ``drain_records``."""
+
+    def __init__(self, store: HostKVStore, model: str, kv_caches: KVCaches) -> None:
+        self.store = store
+        self.model = model
+        self.kv_caches = kv_caches
+        self._records: list[MoveRecord] = []
+
+    def lookup(self, block_hashes: list[int]) -> int:
+        return self.store.lookup(self.model, block_hashes)
+
+    def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
+        self._records.append(self.store.load(self.model, block_hashes, block_ids, self.kv_caches))
+
+    def save(
+        self, block_hashes: list[int], block_ids: list[int], session_id: str | None = None
+    ) -> MoveRecord:
+        record = self.store.save(self.model, block_hashes, block_ids, self.kv_caches, session_id)
+        self._records.append(record)
+        return record
+
+    def drain_records(self) -> list[MoveRecord]:
+        records, self._records = self._records, []
+        return records
+
+
+def _block_shape(kv_caches: KVCaches) -> tuple[tuple[int, ...], torch.dtype]:
+    if not kv_caches:
+        raise ValueError("no KV caches given")
+    k0 = kv_caches[0][0]
+    return (len(kv_caches), 2, *k0.shape[1:]), k0.dtype

@@ -1,0 +1,174 @@
+"""Which KV blocks the host KV store holds: pure bookkeeping, torch-free.
+
+Keys are ``(model, block_hash)``, the hash being the engine's chained prefix hash of a full
+block, so the host store answers the same prefix queries as the device prefix cache. The
+index is bounded in bytes and never refuses an insert for lack of room: it evicts, least
+valuable first (the value hook; default: all equal), least recently used among equals.
+
+Within one chain, ``touch`` stamps the head as the most recent block, so under LRU the tail
+of a prefix is evicted before its head (a missing block ends a restored prefix there, so a
+hole near the head would waste every block after it).
+
+Used by the live store (substrate.host_kv, with tensor payloads) and by the simulator.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+HostKVKey = tuple[str, int]
+
+
+@dataclass
+class HostKVEntry:
+    model: str
+    block_hash: int
+    nbytes: int
+    sessions: set[str] = field(default_factory=set)  # sessions that saved this block
+    stamp: int = 0  # recency: larger is more recent
+
+    @property
+    def key(self) -> HostKVKey:
+        return (self.model, self.block_hash)
+
+
+# Higher value = kept longer. E.g. the admission layer returns 1.0 for blocks of sessions
+# holding a live reservation and 0.0 otherwise.
+ValueHook = Callable[[HostKVEntry], float]
+
+
+@dataclass
+class ChainInsert:
+    """Outcome of ``insert_chain``: the hashes newly inserted (a prefix of the chain's new
+    blocks, in chain order) and the entries evicted to make room."""
+
+    inserted: list[int]
+    evicted: list[HostKVEntry]
+
+
+class HostKVIndex:
+    def __init__(self, capacity_bytes: int, value_hook: ValueHook | None = None) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"host KV capacity must be >= 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.value_hook = value_hook
+        self.used_bytes = 0
+        self._entries: OrderedDict[HostKVKey, HostKVEntry] = OrderedDict()  # oldest first
+        self._clock = 0
+        self._model_bytes: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def get(self, model: str, block_hash: int) -> HostKVEntry | None:
+        return self._entries.get((model, block_hash))
+
+    def entries(self) -> list[HostKVEntry]:
+        """All entries, least recently used first."""
+        return list(self._entries.values())
+
+    def bytes_of(self, model: str) -> int:
+        return self._model_bytes.get(model, 0)
+
+    def models(self) -> list[str]:
+        return [m for m, b in self._model_bytes.items() if b > 0]
+
+    def lookup(self, model: str, block_hashes: Sequence[int], touch: bool = True) -> int:
+        """How many leading hashes of the chain are present (stops at the first missing);
+        with ``touch`` those become the most recently used."""
+        n = 0
+        for h in block_hashes:
+            if (model, h) not in self._entries:
+                break
+            n += 1
+        if touch and n:
+            self.touch(model, block_hashes[:n])
+        return n
+
+    def touch(self, model: str, block_hashes: Sequence[int]) -> None:
+        """Mark present blocks of a chain most recently used, the head most recent."""
+        for h in reversed(block_hashes):
+            entry = self._entries.get((model, h))
+            if entry is not None:
+                self._clock += 1
+                entry.stamp = self._clock
+                self._entries.move_to_end(entry.key)
+
+    def insert_chain(
+        self,
+        model: str,
+        block_hashes: Sequence[int],
+        block_nbytes: int,
+        session_id: str | None = None,
+    ) -> ChainInsert:
+        """Insert the chain's blocks not yet present (each ``block_nbytes``), evicting other
+        blocks as needed. Blocks of this chain already present are kept and touched. If not
+        all new blocks fit even after evicting everything else, the leading ones that fit
+        are inserted and the rest dropped (an unreachable tail is worthless)."""
+        if block_nbytes <= 0:
+            raise ValueError(f"a KV block must have > 0 bytes, got {block_nbytes}")
+        chain_keys = {(model, h) for h in block_hashes}
+        new: list[int] = []
+        for h in block_hashes:
+            if (model, h) not in self._entries and h not in new:
+                new.append(h)
+        evicted = self._make_room(len(new) * block_nbytes, protect=chain_keys)
+        fits = min(len(new), max(0, self.free_bytes) // block_nbytes)
+        inserted = new[:fits]
+        for h in inserted:
+            entry = HostKVEntry(model, h, block_nbytes)
+            self._entries[entry.key] = entry
+            self._add_bytes(model, block_nbytes)
+        if session_id is not None:
+            for h in block_hashes:
+                entry = self._entries.get((model, h))
+                if entry is not None:
+                    entry.sessions.add(session_id)
+        self.touch(model, block_hashes)
+        return ChainInsert(inserted, evicted)
+
+    def remove(self, model: str, block_hash: int) -> HostKVEntry | None:
+        entry = self._entries.pop((model, block_hash), None)
+        if entry is not None:
+            self._add_bytes(model, -entry.nbytes)
+        return entry
+
+    def drop_model(self, model: str) -> list[HostKVEntry]:
+        """Remove every block of ``model``; returns them."""
+        keys = [key for key in self._entries if key[0] == model]
+        return [e for e in (self.remove(*key) for key in keys) if e is not None]
+
+    def evict(self, nbytes: int, protect: Iterable[HostKVKey] = ()) -> list[HostKVEntry]:
+        """Evict until ``nbytes`` are free (or nothing evictable is left)."""
+        return self._make_room(nbytes, protect=set(protect))
+
+    def _make_room(self, nbytes: int, protect: set[HostKVKey]) -> list[HostKVEntry]:
+        need = nbytes - self.free_bytes
+        if need <= 0:
+            return []
+        candidates = [e for key, e in self._entries.items() if key not in protect]
+        if self.value_hook is not None:
+            hook = self.value_hook
+            # stable sort: equal values keep LRU order (the dict is oldest first)
+            candidates.sort(key=hook)
+        evicted: list[HostKVEntry] = []
+        for entry in candidates:
+            if need <= 0:
+                break
+            self.remove(entry.model, entry.block_hash)
+            evicted.append(entry)
+            need -= entry.nbytes
+        return evicted
+
+    def _add_bytes(self, model: str, delta: int) -> None:
+        self.used_bytes += delta
+        self._model_bytes[model] = self._model_bytes.get(model, 0) + delta

@@ -1,0 +1,226 @@
+"""What lives where on one instance: plain-Python bookkeeping, torch-free.
+
+The ledger plans moves (kind and bytes) and records what happened; it moves nothing. A caller
+asks it for a plan, has a mover perform the plan (``TorchMover`` live: measured; ``RateMover``
+in sim: predicted), then commits the plan's outcome and records the move. The recorded moves
+give the instance its measured bandwidths per kind.
+
+Tracked: the active model; the model in the staging region and the staging state; models in
+the host weight store (bytes each); device KV blocks per (model, session); host KV bytes (from
+the shared ``HostKVIndex``, the single source of truth for what the host store holds).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from substrate.host_kv_index import HostKVIndex
+from substrate.moves import MoveKind, MoveRecord, PlannedMove
+
+
+class Placement(enum.StrEnum):
+    """Where a model's weights are (the same strings as ``engine.interface.Residency``)."""
+
+    ACTIVE = "active"
+    STAGED = "staged"
+    STAGING = "staging"
+    HOST = "host"
+    ABSENT = "absent"
+
+
+class StagingState(enum.StrEnum):
+    NONE = "none"  # the staging region holds no complete model
+    IN_PROGRESS = "in_progress"
+    READY = "ready"
+
+
+@dataclass
+class MoveTotals:
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return self.bytes / self.seconds if self.seconds > 0 else None
+
+
+class Ledger:
+    def __init__(
+        self,
+        weight_bytes: int,
+        staging_bytes: int = 0,
+        host_kv: HostKVIndex | None = None,
+    ) -> None:
+        self.weight_bytes = weight_bytes
+        self.staging_bytes = staging_bytes
+        self.host_kv = host_kv if host_kv is not None else HostKVIndex(0)
+        self.active_model: str | None = None
+        self.staged_model: str | None = None
+        self.staging_state = StagingState.NONE
+        self._host_models: dict[str, int] = {}
+        self._device_kv: dict[str, dict[str | None, int]] = {}  # model -> session -> blocks
+        self._kv_block_bytes: dict[str, int] = {}
+        self._moves: dict[str, MoveTotals] = {}
+
+    # ---- weights ----------------------------------------------------------------------
+
+    def add_host_model(self, model: str, nbytes: int) -> None:
+        """Record a model loaded into the host weight store; fails if its shard cannot fit
+        the weight region."""
+        if nbytes > self.weight_bytes:
+            raise ValueError(
+                f"{model}: weight shard of {nbytes} bytes does not fit the weight region "
+                f"of {self.weight_bytes} bytes"
+            )
+        self._host_models[model] = nbytes
+
+    def remove_host_model(self, model: str) -> None:
+        self.model_bytes(model)
+        if model == self.active_model:
+            raise ValueError(f"{model} is active; activate another model before removing it")
+        if model == self.staged_model:
+            self.clear_staging()
+        del self._host_models[model]
+
+    @property
+    def host_models(self) -> dict[str, int]:
+        return dict(self._host_models)
+
+    def model_bytes(self, model: str) -> int:
+        try:
+            return self._host_models[model]
+        except KeyError:
+            raise KeyError(f"model {model!r} is not in the host weight store") from None
+
+    def placement(self, model: str) -> Placement:
+        if model == self.active_model:
+            return Placement.ACTIVE
+        if model == self.staged_model:
+            if self.staging_state is StagingState.READY:
+                return Placement.STAGED
+            if self.staging_state is StagingState.IN_PROGRESS:
+                return Placement.STAGING
+        if model in self._host_models:
+            return Placement.HOST
+        return Placement.ABSENT
+
+    def placements(self) -> dict[str, Placement]:
+        return {model: self.placement(model) for model in self._host_models}
+
+    def plan_activation(self, model: str) -> PlannedMove:
+        """D2D from staging when the model is staged and ready, else H2D from host; no
+        move when it is already active."""
+        nbytes = self.model_bytes(model)
+        if model == self.active_model:
+            return PlannedMove(MoveKind.NONE, 0)
+        if model == self.staged_model and self.staging_state is StagingState.READY:
+            return PlannedMove(MoveKind.ACTIVATE_D2D, nbytes)
+        return PlannedMove(MoveKind.ACTIVATE_H2D, nbytes)
+
+    def commit_activation(self, model: str) -> None:
+        """``model`` now occupies the weight region; the outgoing model's device KV is gone
+        (the KV region is re-viewed). The staging region keeps its content."""
+        self.model_bytes(model)
+        if self.active_model is not None and self.active_model != model:
+            self._device_kv.pop(self.active_model, None)
+        self.active_model = model
+
+    def plan_staging(self, model: str) -> PlannedMove:
+        nbytes = self.model_bytes(model)
+        if self.staging_bytes == 0:
+            raise ValueError(
+                f"{model}: staging is disabled on this instance (staging region of 0 bytes)"
+            )
+        if nbytes > self.staging_bytes:
+            raise ValueError(
+                f"{model}: weight shard of {nbytes} bytes does not fit the staging region of "
+                f"{self.staging_bytes} bytes"
+            )
+        if model == self.staged_model and self.staging_state is not StagingState.NONE:
+            return PlannedMove(MoveKind.NONE, 0)
+        return PlannedMove(MoveKind.STAGE, nbytes)
+
+    def begin_staging(self, model: str) -> None:
+        self.model_bytes(model)
+        self.staged_model = model
+        self.staging_state = StagingState.IN_PROGRESS
+
+    def finish_staging(self, model: str) -> None:
+        if model != self.staged_model or self.staging_state is StagingState.NONE:
+            raise ValueError(f"{model} is not being staged (staging holds {self.staged_model})")
+        self.staging_state = StagingState.READY
+
+    def clear_staging(self) -> None:
+        self.staged_model = None
+        self.staging_state = StagingState.NONE
+
+    # ---- KV ---------------------------------------------------------------------------
+
+    def set_kv_block_bytes(self, model: str, nbytes: int) -> None:
+        """Bytes of one KV block of ``model`` (all layers, K and V) on this rank."""
+        self._kv_block_bytes[model] = nbytes
+
+    def kv_block_bytes(self, model: str) -> int:
+        try:
+            return self._kv_block_bytes[model]
+        except KeyError:
+            raise KeyError(f"no KV block size recorded for model {model!r}") from None
+
+    def set_device_kv(self, model: str, session_id: str | None, num_blocks: int) -> None:
+        """Blocks the session holds on device for ``model`` (0 forgets the session)."""
+        if num_blocks < 0:
+            raise ValueError(f"block count must be >= 0, got {num_blocks}")
+        sessions = self._device_kv.setdefault(model, {})
+        if num_blocks:
+            sessions[session_id] = num_blocks
+        else:
+            sessions.pop(session_id, None)
+
+    def device_kv_blocks(self, model: str, session_id: str | None = None) -> int:
+        sessions = self._device_kv.get(model, {})
+        if session_id is not None:
+            return sessions.get(session_id, 0)
+        return sum(sessions.values())
+
+    def device_kv_bytes(self, model: str) -> int:
+        blocks = self.device_kv_blocks(model)
+        return blocks * self.kv_block_bytes(model) if blocks else 0
+
+    def host_kv_bytes(self, model: str | None = None) -> int:
+        return self.host_kv.used_bytes if model is None else self.host_kv.bytes_of(model)
+
+    # ---- moves ------------------------------------------------------------------------
+
+    def record(self, move: MoveRecord) -> None:
+        if move.kind == MoveKind.NONE:
+            return
+        totals = self._moves.setdefault(move.kind, MoveTotals())
+        totals.count += 1
+        totals.bytes += move.bytes
+        totals.seconds += move.seconds
+
+    def totals(self, kind: str) -> MoveTotals:
+        return self._moves.get(kind, MoveTotals())
+
+    def bandwidth(self, kind: str) -> float | None:
+        """Measured (or modelled) bytes per second of ``kind`` so far; None if none."""
+        return self.totals(kind).bytes_per_s
+
+    def snapshot(self) -> dict[str, object]:
+        """A JSON-able summary for state reports and logs."""
+        return {
+            "active_model": self.active_model,
+            "staged_model": self.staged_model,
+            "staging_state": self.staging_state.value,
+            "placements": {m: p.value for m, p in self.placements().items()},
+            "host_model_bytes": dict(self._host_models),
+            "device_kv_blocks": {m: self.device_kv_blocks(m) for m in self._device_kv},
+            "host_kv_bytes": self.host_kv.used_bytes,
+            "host_kv_capacity_bytes": self.host_kv.capacity_bytes,
+            "moves": {
+                k: {"count": t.count, "bytes": t.bytes, "seconds": t.seconds}
+                for k, t in self._moves.items()
+            },
+        }

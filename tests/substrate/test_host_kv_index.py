@@ -1,0 +1,121 @@
+"""Host KV index: byte bound, LRU order, value hook, prefix lookup (pure Python)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from substrate.host_kv_index import HostKVEntry, HostKVIndex
+
+
+def test_lookup_stops_at_the_first_missing_block() -> None:
+    index = HostKVIndex(1000)
+    index.insert_chain("m", [1, 2, 3, 4], 10)
+    index.remove("m", 3)
+    assert index.lookup("m", [1, 2, 3, 4]) == 2
+    assert index.lookup("m", [2, 4]) == 2
+    assert index.lookup("m", [9, 1]) == 0
+    assert index.lookup("other", [1, 2]) == 0  # keyed by model too
+    assert index.lookup("m", []) == 0
+
+
+def test_byte_bound_and_lru_order() -> None:
+    index = HostKVIndex(100)
+    index.insert_chain("m", [1], 30)
+    index.insert_chain("m", [2], 30)
+    index.insert_chain("m", [3], 30)
+    assert index.used_bytes == 90 and index.free_bytes == 10
+    index.lookup("m", [1])  # 1 is now the most recent; 2 is the oldest
+    result = index.insert_chain("m", [4], 30)
+    assert [e.block_hash for e in result.evicted] == [2]
+    assert result.inserted == [4]
+    assert [e.block_hash for e in index.entries()] == [3, 1, 4]
+    assert index.used_bytes == 90 <= index.capacity_bytes
+    assert index.bytes_of("m") == 90 and index.models() == ["m"]
+
+
+def test_within_a_chain_the_tail_is_evicted_before_the_head() -> None:
+    index = HostKVIndex(40)
+    index.insert_chain("m", [1, 2, 3, 4], 10)
+    result = index.insert_chain("n", [7, 8], 10)
+    assert [e.block_hash for e in result.evicted] == [4, 3]
+    assert index.lookup("m", [1, 2, 3, 4]) == 2
+
+
+def test_value_hook_keeps_reserved_sessions_longest() -> None:
+    reserved = {"keep"}
+
+    def value(entry: HostKVEntry) -> float:
+        return 1.0 if entry.sessions & reserved else 0.0
+
+    index = HostKVIndex(60, value_hook=value)
+    index.insert_chain("m", [1, 2], 10, session_id="keep")  # oldest, but reserved
+    index.insert_chain("m", [3, 4], 10, session_id="drop")
+    index.insert_chain("m", [5, 6], 10)
+    result = index.insert_chain("m", [7, 8, 9, 10], 10)
+    assert sorted(e.block_hash for e in result.evicted) == [3, 4, 5, 6]
+    assert index.lookup("m", [1, 2], touch=False) == 2
+    reserved.clear()  # the reservation expired: now plain LRU applies
+    result = index.insert_chain("m", [11], 10)
+    assert [e.block_hash for e in result.evicted] == [2]
+
+
+def test_a_chain_larger_than_capacity_keeps_its_head_and_never_fails() -> None:
+    index = HostKVIndex(35)
+    index.insert_chain("m", [100], 10)
+    result = index.insert_chain("m", [1, 2, 3, 4, 5], 10)
+    assert result.inserted == [1, 2, 3]
+    assert [e.block_hash for e in result.evicted] == [100]
+    assert index.lookup("m", [1, 2, 3, 4, 5]) == 3
+    assert index.used_bytes == 30
+    again = index.insert_chain("m", [1, 2, 3, 4], 10)  # present blocks are protected
+    assert again.inserted == [] and again.evicted == []
+    with pytest.raises(ValueError, match="> 0 bytes"):
+        index.insert_chain("m", [1], 0)
+    assert HostKVIndex(0).insert_chain("m", [1], 10).inserted == []
+
+
+def test_sessions_and_drop_model() -> None:
+    index = HostKVIndex(100)
+    index.insert_chain("m", [1, 2], 10, session_id="a")
+    index.insert_chain("m", [1, 2, 3], 10, session_id="b")
+    index.insert_chain("n", [1], 10)
+    entry = index.get("m", 1)
+    assert entry is not None and entry.sessions == {"a", "b"}
+    assert len(index.drop_model("m")) == 3
+    assert index.used_bytes == 10 and index.bytes_of("m") == 0 and len(index) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(0, 200),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.lists(st.integers(0, 12), max_size=6),
+            st.integers(1, 40),
+        ),
+        max_size=25,
+    ),
+)
+def test_used_bytes_never_exceed_capacity(
+    capacity: int, ops: list[tuple[str, list[int], int]]
+) -> None:
+    index = HostKVIndex(capacity)
+    for model, chain, nbytes in ops:
+        index.insert_chain(model, chain, nbytes)
+        assert index.used_bytes <= capacity
+        assert index.used_bytes == sum(e.nbytes for e in index.entries())
+        assert index.used_bytes == index.bytes_of("a") + index.bytes_of("b")
+
+
+def test_index_and_ledger_import_without_torch() -> None:
+    code = (
+        "import sys, substrate.host_kv_index, substrate.ledger, substrate.moves; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -1,0 +1,123 @@
+"""The assembled substrate: switches by H2D and D2D at fixed addresses, books kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from substrate_testing import TinyLM, state_of
+
+from substrate.instance_memory import InstanceMemory, KVSpec
+from substrate.layout import WeightLayout
+from substrate.ledger import Placement
+from substrate.moves import MoveKind, PlannedMove
+
+
+def _fill(weights: dict[str, torch.Tensor]):
+    def fill(views: dict[str, torch.Tensor]) -> None:
+        for name, view in views.items():
+            view.copy_(weights[name])
+
+    return fill
+
+
+def test_switch_cycle_keeps_addresses_and_outputs() -> None:
+    torch.manual_seed(2)
+    refs = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    with torch.device("meta"):
+        models = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    layouts = {n: WeightLayout.from_module(m) for n, m in models.items()}
+    specs = {"a": KVSpec(2, 4, 2, 8, torch.float32), "b": KVSpec(3, 4, 1, 8, torch.float32)}
+    mem = InstanceMemory("cpu", layouts, kv_bytes=64 * 1024, host_kv_bytes=1 << 20, pin=False)
+    for name in refs:
+        assert (
+            mem.load_model(name, _fill(state_of(refs[name])), specs[name])
+            == layouts[name].total_bytes
+        )
+        mem.bind_module(name, models[name])
+    assert mem.placements() == {"a": Placement.HOST, "b": Placement.HOST}
+    ptrs = {n: [p.data_ptr() for p in m.parameters()] for n, m in models.items()}
+    ids = torch.tensor([[1, 2, 3]])
+
+    assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
+    torch.testing.assert_close(models["a"](ids), refs["a"](ids))
+    kv_a = mem.kv_caches("a")
+    assert kv_a[0][0].data_ptr() == mem.arena.kv_region.data_ptr()
+    assert mem.activate("a").kind == MoveKind.NONE
+
+    plan = mem.stage("b")
+    assert plan == PlannedMove(MoveKind.STAGE, layouts["b"].total_bytes)
+    assert mem.stage("b").kind == MoveKind.NONE  # already staging or staged
+    assert mem.activate("b").kind == MoveKind.ACTIVATE_D2D
+    torch.testing.assert_close(models["b"](ids), refs["b"](ids))
+    kv_b = mem.kv_caches("b")
+    assert kv_b[0][0].data_ptr() == mem.arena.kv_region.data_ptr() and len(kv_b) == 3
+
+    assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
+    torch.testing.assert_close(models["a"](ids), refs["a"](ids))
+    assert mem.kv_caches("a") is kv_a
+    assert {n: [p.data_ptr() for p in m.parameters()] for n, m in models.items()} == ptrs
+    assert mem.placements() == {"a": Placement.ACTIVE, "b": Placement.STAGED}
+    assert mem.activate("b").kind == MoveKind.ACTIVATE_D2D  # staging still holds b
+
+    ledger = mem.ledger
+    assert ledger.totals(MoveKind.ACTIVATE_H2D).bytes == 2 * layouts["a"].total_bytes
+    assert ledger.totals(MoveKind.ACTIVATE_D2D).bytes == 2 * layouts["b"].total_bytes
+    assert ledger.totals(MoveKind.STAGE).bytes == layouts["b"].total_bytes
+    estimate = mem.estimate(PlannedMove(MoveKind.ACTIVATE_H2D, 1000))
+    assert estimate is not None and estimate > 0
+    assert mem.estimate(PlannedMove(MoveKind.KV_RESTORE, 1000)) is None
+
+
+def test_kv_offload_and_restore_through_the_secondary_cache() -> None:
+    layouts = {"a": WeightLayout.from_module(TinyLM())}
+    spec = KVSpec(2, 4, 2, 8, torch.float32)
+    mem = InstanceMemory(
+        "cpu", layouts, kv_bytes=32 * spec.block_bytes, host_kv_bytes=1 << 20, pin=False
+    )
+    mem.load_model("a", lambda views: None, spec)
+    mem.activate("a")
+    kv = mem.kv_caches("a")
+    for i, (k, v) in enumerate(kv):
+        k.copy_(torch.arange(k.numel(), dtype=k.dtype).view_as(k) + i)
+        v.copy_(-k)
+    before = [(k[[4, 5]].clone(), v[[4, 5]].clone()) for k, v in kv]
+    record = mem.offload_kv("a", [101, 102], [4, 5], session_id="s")
+    assert record.bytes == 2 * spec.block_bytes == mem.ledger.host_kv_bytes("a")
+    for k, v in kv:
+        k.zero_()
+        v.zero_()
+    cache = mem.host_kv_cache("a")
+    assert cache.lookup([101, 102, 103]) == 2
+    cache.load([101, 102], [0, 9])
+    for (k, v), (bk, bv) in zip(kv, before, strict=True):
+        assert torch.equal(k[[0, 9]], bk) and torch.equal(v[[0, 9]], bv)
+
+
+def test_start_up_fails_when_a_shard_does_not_fit() -> None:
+    layouts = {
+        "small": WeightLayout.from_module(TinyLM(hidden=8)),
+        "big": WeightLayout.from_module(TinyLM(hidden=64)),
+    }
+    limit = layouts["small"].total_bytes
+    with pytest.raises(
+        ValueError, match=f"big: weight shard of {layouts['big'].total_bytes} bytes"
+    ) as err:
+        InstanceMemory("cpu", layouts, kv_bytes=0, host_kv_bytes=0, weight_bytes=limit)
+    assert f"weight region of {limit} bytes" in str(err.value)
+    mem = InstanceMemory(
+        "cpu", {"small": layouts["small"]}, kv_bytes=64, host_kv_bytes=0, staging=False
+    )
+    with pytest.raises(ValueError, match="holds no KV block"):
+        mem.load_model("small", lambda views: None, KVSpec(2, 16, 2, 8, torch.float32))
+    with pytest.raises(KeyError, match="not in this instance's catalog"):
+        mem.bind_module("nope", TinyLM())
+
+
+def test_staging_disabled_is_a_clear_error() -> None:
+    layouts = {"a": WeightLayout.from_module(TinyLM())}
+    mem = InstanceMemory("cpu", layouts, kv_bytes=1024, host_kv_bytes=0, staging=False, pin=False)
+    mem.load_model("a", lambda views: None, KVSpec(1, 4, 1, 8, torch.float32))
+    assert mem.arena.staging_bytes == 0
+    with pytest.raises(ValueError, match="staging is disabled"):
+        mem.stage("a")
+    assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
