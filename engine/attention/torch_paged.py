@@ -1,0 +1,93 @@
+"""Pure-torch paged attention: works on any device and is the oracle for the others.
+
+For each layer call: the new tokens' K/V are written into the paged caches at
+``attn.slot_mapping``; then, per sequence, the whole context (cached + new, ``seq_lens[i]``
+tokens) is gathered through the block table and attended causally, the sequence's
+``query_lens[i]`` new tokens being the last ones of its context. Scores and softmax are in
+float32; grouped-query attention shares each KV head among ``heads / kv_heads`` query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``k``/``v`` ``[n, kv_heads, d]`` at flat slots of caches ``[blocks, bs, kv_heads, d]``."""
+    kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens ``[seq_len, kv_heads, d]`` a block table points at."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q`` ``[m, h, d]`` are the last ``m`` positions of ``k``/``v`` ``[s, kv_h, d]``."""
+    m, heads, d = q.shape
+    s, kv_heads = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    qg = q.float().reshape(m, kv_heads, group, d)
+    scores = torch.einsum("mhgd,shd->hgms", qg, k.float()) * scale
+    q_pos = torch.arange(s - m, s, device=q.device)[:, None]
+    k_pos = torch.arange(s, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgms,shd->mhgd", probs, v.float())
+    return out.reshape(m, heads, d).to(q.dtype)
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q`` ``[n, heads, d]``, ``k``/``v`` ``[n, kv_heads, d]`` -> ``[n, heads, d]``."""
+        if q.shape[1] % k.shape[1] != 0:
+            raise ValueError(
+                f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
+            )
+        num_tokens = sum(attn.query_lens_host)
+        if q.shape[0] != num_tokens or attn.slot_mapping.shape[0] != num_tokens:
+            raise ValueError(
+                f"metadata covers {num_tokens} tokens ({attn.slot_mapping.shape[0]} slots) "
+                f"but the batch has {q.shape[0]}"
+            )
+        write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(
+            zip(attn.query_lens_host, attn.seq_lens_host, strict=True)
+        ):
+            if query_len > seq_len:
+                raise ValueError(f"sequence {i}: query_len {query_len} exceeds seq_len {seq_len}")
+            table = attn.block_tables[i]
+            k_ctx = gather_context(k_cache, table, seq_len)
+            v_ctx = gather_context(v_cache, table, seq_len)
+            end = start + query_len
+            out[start:end] = causal_attention(q[start:end], k_ctx, v_ctx, scale)
+            start = end
+        return out

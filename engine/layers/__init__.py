@@ -1,0 +1,1 @@
+"""Parallel layers shared by the model definitions."""

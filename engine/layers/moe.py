@@ -1,0 +1,138 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE).
+
+Routing: softmax over all experts in float32, take the top-k, and renormalise the top-k
+weights to sum to 1 when ``renormalize`` (Mixtral always; Qwen3-MoE when
+``norm_topk_prob``). Mixtral's "softmax over the top-k logits" is the same quantity.
+
+Tensor parallelism: the router is replicated; every expert's gate/up projection is split
+along the intermediate dimension (column-parallel) and its down projection along the same
+dimension (row-parallel), so each rank computes a partial sum for every routed token and one
+all-reduce per layer completes it.
+
+Weights: ``w13`` is ``[E, 2 * I_local, H]`` (gate rows then up rows), ``w2`` is
+``[E, H, I_local]``. The loader accepts per-expert tensors (``shard_id=(e, "gate"|"up"|"down")``)
+or transformers' fused 3-D tensors (``shard_id="gate_up"`` with ``[E, 2I, H]``,
+``shard_id="down"`` with ``[E, H, I]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import ReplicatedLinear, copy_checked, divide
+from engine.parallel.state import ParallelContext
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(
+                f"experts per token ({top_k}) must be in 1..num_experts ({num_experts})"
+            )
+        self.parallel = parallel
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.local_intermediate = divide(
+            intermediate_size, parallel.world_size, "MoE intermediate size"
+        )
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, parallel, dtype)
+        self.experts = _Experts(num_experts, hidden_size, self.local_intermediate, dtype)
+        expert_ids = range(num_experts)
+        self.experts.w13.required_shards = (  # type: ignore[attr-defined]
+            frozenset((e, s) for e in expert_ids for s in ("gate", "up")),
+            frozenset({"gate_up"}),
+        )
+        self.experts.w2.required_shards = (  # type: ignore[attr-defined]
+            frozenset((e, "down") for e in expert_ids),
+            frozenset({"down"}),
+        )
+        self.experts.w13.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.experts.w2.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        full, local = self.intermediate_size, self.local_intermediate
+        start = self.parallel.rank * local
+        if shard_id == "gate_up":
+            self._check(loaded_weight, (self.num_experts, 2 * full, self.hidden_size))
+            gate = loaded_weight[:, start : start + local]
+            up = loaded_weight[:, full + start : full + start + local]
+            copy_checked(param.data, torch.cat((gate, up), dim=1))
+            return
+        if shard_id == "down":
+            self._check(loaded_weight, (self.num_experts, self.hidden_size, full))
+            copy_checked(param.data, loaded_weight[:, :, start : start + local])
+            return
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
+            raise ValueError(f"MoE expert weight needs shard id (expert, part), got {shard_id!r}")
+        expert, part = shard_id
+        if not (isinstance(expert, int) and 0 <= expert < self.num_experts):
+            raise ValueError(f"expert index {expert!r} out of range 0..{self.num_experts - 1}")
+        if part in ("gate", "up"):
+            self._check(loaded_weight, (full, self.hidden_size))
+            offset = 0 if part == "gate" else local
+            copy_checked(
+                param.data[expert, offset : offset + local], loaded_weight[start : start + local]
+            )
+        elif part == "down":
+            self._check(loaded_weight, (self.hidden_size, full))
+            copy_checked(param.data[expert], loaded_weight[:, start : start + local])
+        else:
+            raise ValueError(f"unknown MoE expert part {part!r}")
+
+    @staticmethod
+    def _check(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"shape mismatch: expected {expected}, checkpoint tensor has {tuple(loaded.shape)}"
+            )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids ``[n, k]`` and their weights ``[n, k]`` (float32)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
+        w13, w2, local = self.experts.w13, self.experts.w2, self.local_intermediate
+        for expert in torch.unique(ids).tolist():
+            token_idx, slot = torch.where(ids == expert)
+            h = F.linear(x[token_idx], w13[expert])
+            h = F.silu(h[:, :local]) * h[:, local:]
+            h = F.linear(h, w2[expert])
+            out.index_add_(0, token_idx, h.float() * weights[token_idx, slot, None])
+        return self.parallel.all_reduce(out.to(x.dtype))
+
+
+class _Experts(nn.Module):
+    def __init__(
+        self, num_experts: int, hidden: int, local_intermediate: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * local_intermediate, hidden, dtype=dtype),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden, local_intermediate, dtype=dtype), requires_grad=False
+        )

@@ -1,0 +1,115 @@
+"""The paged torch backend equals dense causal attention, across block boundaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import allocate_kv_caches, build_metadata
+
+from engine.attention.selector import flash_available, get_attention_backend
+from engine.attention.torch_paged import TorchPagedAttention
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference: q [m, h, d] are the last m of k/v [s, kv_h, d]; plain SDPA with repeated KV."""
+    m, heads, _ = q.shape
+    s, kv_heads, _ = k.shape
+    rep = heads // kv_heads
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    mask = torch.ones(m, s, dtype=torch.bool).tril(diagonal=s - m)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
+    torch.manual_seed(0)
+    d, block_size, num_blocks = 8, 4, 40
+    scale = d**-0.5
+    # (cached tokens, new tokens): a prefill from scratch, a chunk after cached context,
+    # and two decodes (one right after a block boundary).
+    seqs = [(0, 11), (9, 6), (12, 1), (7, 1)]
+    k_cache, v_cache = allocate_kv_caches(1, num_blocks, block_size, kv_heads, d)[0]
+    free = torch.randperm(num_blocks).tolist()
+    full_k, full_v, tables = [], [], []
+    for cached, new in seqs:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(table)
+        k_all = torch.randn(total, kv_heads, d)
+        v_all = torch.randn(total, kv_heads, d)
+        full_k.append(k_all)
+        full_v.append(v_all)
+        for pos in range(cached):  # context written by earlier steps
+            slot = table[pos // block_size] * block_size + pos % block_size
+            k_cache.view(-1, kv_heads, d)[slot] = k_all[pos]
+            v_cache.view(-1, kv_heads, d)[slot] = v_all[pos]
+    meta = build_metadata([n for _, n in seqs], [c + n for c, n in seqs], tables, block_size)
+    qs = [torch.randn(n, heads, d) for _, n in seqs]
+    q = torch.cat(qs)
+    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
+    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
+
+    out = TorchPagedAttention().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
+
+    expected = torch.cat(
+        [dense_causal(qi, ki, vi, scale) for qi, ki, vi in zip(qs, full_k, full_v, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # the new tokens' K/V landed in the cache at their slots
+    for (cached, new), table, k_all in zip(seqs, tables, full_k, strict=True):
+        for pos in range(cached, cached + new):
+            slot = table[pos // block_size] * block_size + pos % block_size
+            torch.testing.assert_close(k_cache.view(-1, kv_heads, d)[slot], k_all[pos])
+
+
+def test_metadata_token_count_mismatch_raises() -> None:
+    k_cache, v_cache = allocate_kv_caches(1, 4, 4, 1, 8)[0]
+    meta = build_metadata([2], [2], [[0]], 4)
+    q = torch.randn(3, 2, 8)
+    k = torch.randn(3, 1, 8)
+    with pytest.raises(ValueError, match="slot|tokens"):
+        TorchPagedAttention().forward(q, k, k, k_cache, v_cache, meta, 1.0)
+
+
+def test_selector_cpu_and_errors() -> None:
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        get_attention_backend("nope", "cpu")
+    with pytest.raises((ValueError, ImportError), match="flash"):
+        get_attention_backend("flash", "cpu")
+
+
+@pytest.mark.skipif(
+    not flash_available("cuda") or not torch.cuda.is_available(), reason="needs CUDA and flash-attn"
+)
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_flash_matches_torch_on_gpu(decode_only: bool) -> None:
+    torch.manual_seed(0)
+    device, dtype = "cuda", torch.bfloat16
+    heads, kv_heads, d, block_size, num_blocks = 8, 2, 64, 256, 12
+    seqs = [(0, 300), (260, 40), (511, 1)] if not decode_only else [(300, 1), (511, 1)]
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
+    meta = build_metadata(
+        [n for _, n in seqs], [c + n for c, n in seqs], tables, block_size, device
+    )
+    caches = []
+    for _ in range(2):
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
+        v_cache = torch.randn(num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
+        caches.append((k_cache, v_cache))
+    caches[1] = (caches[0][0].clone(), caches[0][1].clone())
+    n = sum(n for _, n in seqs)
+    q = torch.randn(n, heads, d, dtype=dtype, device=device)
+    k = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
+    v = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
+    flash = get_attention_backend("flash", device)
+    out_flash = flash.forward(q, k, v, *caches[0], meta, d**-0.5)
+    out_torch = TorchPagedAttention().forward(q, k, v, *caches[1], meta, d**-0.5)
+    torch.testing.assert_close(out_flash.float(), out_torch.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(caches[0][0], caches[1][0])
