@@ -1,0 +1,244 @@
+"""The single-model engine core: ``add_request`` / ``step`` / ``abort`` (EngineCoreProtocol).
+
+Token ids in, token ids out; detokenisation is the caller's, except for stop strings: when
+the core is given a tokenizer, requests with stop strings get an incremental detokenizer
+and finish when their output text contains one (the token completing it is the last
+output token). Without a tokenizer, stop strings are ignored (stop token ids still work).
+
+``EngineRequest.model`` is not checked here (one model per core; multi-model engines check
+it). Every request's blocks are freed when it finishes, is aborted or fails validation; an
+abort produces an event with no tokens in the next ``step``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.interface import EngineRequest, EngineStats, StepResult, TokenEvent
+from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
+from engine.model_runner import KVCaches, ModelRunner
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+
+log = structlog.get_logger(__name__)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner: ModelRunner | None = None,
+        tokenizer: Any = None,
+        eos_token_ids: list[int] | None = None,
+        kv_caches: KVCaches | None = None,
+        secondary: SecondaryKVCache | None = None,
+    ) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 requires engine.parallel workers")
+        self.config = config
+        self.runner = runner if runner is not None else ModelRunner.from_config(config, kv_caches)
+        hf_config = self.runner.hf_config
+        model_max = getattr(hf_config, "max_position_embeddings", None)
+        if config.max_model_len is not None:
+            if model_max is not None and config.max_model_len > model_max:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the model's "
+                    f"max_position_embeddings {model_max}"
+                )
+            self.max_model_len = config.max_model_len
+        elif model_max is not None:
+            self.max_model_len = int(model_max)
+        else:
+            raise ValueError("max_model_len is required: the model config names no maximum")
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(
+            eos_token_ids
+            if eos_token_ids is not None
+            else _eos_ids(hf_config, config.model, tokenizer)
+        )
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            secondary=secondary,
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        self._generators: dict[str, torch.Generator] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[TokenEvent] = []
+        self.prefill_tokens_total = 0
+        self.decode_tokens_total = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineRequest) -> None:
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not prompt:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt has {len(prompt)} tokens; max_model_len is "
+                f"{self.max_model_len} and must leave room for at least one generated token"
+            )
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {rid!r}: token id {bad[0]!r} is outside the vocabulary "
+                f"(integers in [0, {self.vocab_size}))"
+            )
+        req = Request(rid, prompt, request.params, session_id=request.session_id)
+        self.scheduler.add_request(req)
+        if request.params.seed is not None:
+            gen = torch.Generator(device=self.runner.device)
+            gen.manual_seed(request.params.seed)
+            self._generators[rid] = gen
+        if self.tokenizer is not None and request.params.stop:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a waiting or running request, freeing its blocks; unknown ids are ignored
+        (the request may have finished already)."""
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return
+        self._forget(request_id)
+        self._pending.append(self._event(req, []))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> StepResult:
+        start = time.perf_counter()
+        events, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        if out.preempted_ids:
+            log.debug("engine.preempted", request_ids=out.preempted_ids)
+        sampled = self.runner.execute(out, self._generators)
+        self.scheduler.update_after_step(out)
+        for tok in sampled:
+            req = self.scheduler.requests[tok.request_id]
+            req.output_token_ids.append(tok.token_id)
+            if tok.logprob is not None:
+                req.output_logprobs.append(tok.logprob)
+            status = self._check_stop(req, tok.token_id)
+            if status is not None:
+                self.scheduler.finish_request(req.request_id, status)
+                self._forget(req.request_id)
+            events.append(
+                self._event(req, [tok.token_id], [tok.logprob] if tok.logprob is not None else None)
+            )
+        self.prefill_tokens_total += out.num_prefill_tokens
+        self.decode_tokens_total += out.num_decode_tokens
+        return StepResult(
+            events=events,
+            seconds=time.perf_counter() - start,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+        )
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        detok = self._detok.get(req.request_id)
+        if detok is not None and detok.find_stop(detok.add(token_id)) is not None:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _event(
+        self, req: Request, tokens: list[int], logprobs: list[float] | None = None
+    ) -> TokenEvent:
+        return TokenEvent(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            finished=req.is_finished,
+            finish_reason=req.status.finish_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_restored_tokens=req.num_restored_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+        self._detok.pop(request_id, None)
+
+    # ------------------------------------------------------------ session KV
+    def pin_session_kv(self, session_id: str) -> int:
+        """Protect the session's cached device blocks from eviction; returns blocks pinned."""
+        return self.kv.pin_session(session_id)
+
+    def unpin_session_kv(self, session_id: str) -> None:
+        self.kv.unpin_session(session_id)
+
+    def session_device_tokens(self, session_id: str) -> int:
+        """Tokens of the session's last finished prefix still cached on the device."""
+        return len(self.kv.session_block_ids(session_id)) * self.kv.block_size
+
+    def reset_kv(self) -> None:
+        """Drop every device block, pins and session memory included (a model switch).
+        Requires no unfinished request."""
+        if self.has_unfinished():
+            raise RuntimeError("cannot reset the KV cache while requests are unfinished")
+        self.kv.reset()
+
+    # --------------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_cached_blocks=self.kv.num_cached_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            block_size=self.kv.block_size,
+            prefill_tokens_total=self.prefill_tokens_total,
+            cached_tokens_total=self.scheduler.cached_tokens_total,
+            restored_tokens_total=self.scheduler.restored_tokens_total,
+            extra={
+                "num_preemptions": float(self.scheduler.num_preemptions),
+                "num_pinned_blocks": float(self.kv.num_pinned_blocks),
+                "decode_tokens_total": float(self.decode_tokens_total),
+            },
+        )
+
+
+def _eos_ids(hf_config: Any, model_dir: str | Path, tokenizer: Any) -> list[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    found: Any = None
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        from transformers import GenerationConfig
+
+        found = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    if found is None and hf_config is not None:
+        found = getattr(hf_config, "eos_token_id", None)
+    if found is None and tokenizer is not None:
+        found = tokenizer.eos_token_id
+    if found is None:
+        return []
+    return [int(x) for x in found] if isinstance(found, list | tuple) else [int(found)]

@@ -1,0 +1,285 @@
+"""Which KV blocks each request holds, prefix caching, the secondary-cache and session hooks.
+
+Torch-free (the simulated engine reuses it with a cost model instead of tensors).
+
+Who frees what:
+- a request references its blocks from ``allocate_slots`` until ``free`` (finish, abort or
+  preemption); ``free`` releases them tail first, so a prefix's last blocks are evicted
+  before its first ones;
+- a block is registered in the prefix map (``cache_computed_blocks``) only once its KV has
+  been computed (after the step that computed it), or right after a secondary-cache load;
+- a pinned session holds one extra reference on each of its cached blocks until
+  ``unpin_session`` (or ``reset``, which drops everything: a model switch).
+
+Prefix lookup never covers a request's last token: its logits must be computed, so at least
+one token is always prefilled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from engine.block_pool import BlockPool
+from engine.request import Request
+
+_ROOT = b"talaria-kv-root"
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Stable 64-bit hash of one block's tokens chained to its parent block's hash.
+
+    Stable across processes and machines (no Python ``hash``), so host-side stores and
+    other processes can key KV by it.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_ROOT if parent_hash is None else parent_hash.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int], block_size: int, parent_hash: int | None = None
+) -> list[int]:
+    """Chained hashes of every *full* block of ``token_ids``."""
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size])
+        out.append(parent_hash)
+    return out
+
+
+@runtime_checkable
+class SecondaryKVCache(Protocol):
+    """A slower KV store behind the device prefix cache (e.g. the host KV store)."""
+
+    def lookup(self, block_hashes: list[int]) -> int:
+        """How many leading hashes of ``block_hashes`` the store holds."""
+        ...
+
+    def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
+        """Copy the KV of these hashes into these (freshly allocated) device blocks."""
+        ...
+
+
+@dataclass
+class ComputedPrefix:
+    """Result of a prefix lookup: nothing is referenced until ``allocate_slots``."""
+
+    block_ids: list[int] = field(default_factory=list)  # device prefix-cache hits
+    restore_hashes: list[int] = field(default_factory=list)  # next blocks the secondary holds
+    block_size: int = 16
+
+    @property
+    def num_device_tokens(self) -> int:
+        return len(self.block_ids) * self.block_size
+
+    @property
+    def num_restored_tokens(self) -> int:
+        return len(self.restore_hashes) * self.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_device_tokens + self.num_restored_tokens
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        secondary: SecondaryKVCache | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.secondary = secondary
+        self.pool = BlockPool(num_blocks)
+        self._req_blocks: dict[str, list[int]] = {}
+        self._req_num_hashed: dict[str, int] = {}
+        self._session_chains: dict[str, list[int]] = {}
+        self._pins: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ hashes
+    def block_hashes(self, request: Request) -> list[int]:
+        """The request's full-block hash chain, extended to its current tokens."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs))
+            hashes.append(parent)
+        return hashes
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, request: Request) -> ComputedPrefix:
+        """Longest cached prefix of the request's tokens (device, then secondary),
+        leaving at least the last token to compute. Side-effect free."""
+        prefix = ComputedPrefix(block_size=self.block_size)
+        if not self.enable_prefix_caching:
+            return prefix
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(request)[:max_blocks]
+        for h in hashes:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            prefix.block_ids.append(block_id)
+        rest = hashes[len(prefix.block_ids) :]
+        if self.secondary is not None and rest:
+            found = self.secondary.lookup(list(rest))
+            prefix.restore_hashes = list(rest[: max(0, min(found, len(rest)))])
+        return prefix
+
+    # -------------------------------------------------------------- allocation
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: ComputedPrefix | None = None
+    ) -> bool:
+        """Make the request's blocks cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        ``prefix`` (first admission only) is referenced, and its restore part is loaded from
+        the secondary cache into fresh blocks. Returns False, changing nothing, when too few
+        blocks are free.
+        """
+        bs = self.block_size
+        rid = request.request_id
+        if prefix is not None:
+            if rid in self._req_blocks:
+                raise RuntimeError(f"request {rid!r} already holds KV blocks")
+            hits = prefix.block_ids
+            hits_free = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+            need = -(-(prefix.num_tokens + num_new_tokens) // bs) - len(hits)
+            if need > self.pool.num_free_blocks - hits_free:
+                return False
+            self.pool.touch(hits)
+            new = self.pool.allocate(need)
+            restored = new[: len(prefix.restore_hashes)]
+            if restored:
+                assert self.secondary is not None
+                try:
+                    self.secondary.load(list(prefix.restore_hashes), list(restored))
+                except BaseException:
+                    self.pool.free(reversed(hits + new))
+                    raise
+                for block_id, h in zip(restored, prefix.restore_hashes, strict=True):
+                    self.pool.cache_block(block_id, h)
+            self._req_blocks[rid] = hits + new
+            self._req_num_hashed[rid] = len(hits) + len(restored)
+            return True
+        blocks = self._req_blocks.setdefault(rid, [])
+        self._req_num_hashed.setdefault(rid, 0)
+        need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(blocks)
+        if need > self.pool.num_free_blocks:
+            return False
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is now computed in the prefix map."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self._req_blocks.get(rid)
+        if blocks is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._req_num_hashed.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._req_num_hashed[rid] = num_full
+
+    def free(self, request: Request, remember_session: bool = False) -> None:
+        """Release the request's blocks (tail first). With ``remember_session``, the
+        request's computed full blocks become its session's remembered prefix."""
+        rid = request.request_id
+        blocks = self._req_blocks.pop(rid, None)
+        self._req_num_hashed.pop(rid, None)
+        if remember_session and request.session_id is not None and self.enable_prefix_caching:
+            num_full = request.num_computed_tokens // self.block_size
+            self._session_chains[request.session_id] = list(self.block_hashes(request)[:num_full])
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._req_blocks.get(request_id, [])
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return request_id in self._req_blocks
+
+    # ----------------------------------------------------------------- sessions
+    def session_block_hashes(self, session_id: str) -> list[int]:
+        """Hash chain of the session's last finished request (prompt + output full blocks)."""
+        return list(self._session_chains.get(session_id, []))
+
+    def session_block_ids(self, session_id: str) -> list[int]:
+        """Device blocks of the session's remembered prefix that are still cached."""
+        out: list[int] = []
+        for h in self._session_chains.get(session_id, []):
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            out.append(block_id)
+        return out
+
+    def pin_session(self, session_id: str) -> int:
+        """Reference the session's cached blocks so they cannot be evicted; returns how
+        many. Re-pinning replaces the previous pin."""
+        block_ids = self.session_block_ids(session_id)
+        self.pool.touch(block_ids)
+        self.unpin_session(session_id)
+        if block_ids:
+            self._pins[session_id] = block_ids
+        return len(block_ids)
+
+    def unpin_session(self, session_id: str) -> None:
+        block_ids = self._pins.pop(session_id, None)
+        if block_ids:
+            self.pool.free(reversed(block_ids))
+
+    def forget_session(self, session_id: str) -> None:
+        self.unpin_session(session_id)
+        self._session_chains.pop(session_id, None)
+
+    @property
+    def pinned_sessions(self) -> list[str]:
+        return list(self._pins)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(b) for b in self._pins.values())
+
+    # -------------------------------------------------------------------- reset
+    def reset(self) -> None:
+        """Drop every device block, pins and session memory included (a model switch).
+        Requires no request to hold blocks."""
+        if self._req_blocks:
+            raise RuntimeError(
+                f"cannot reset the KV cache: {len(self._req_blocks)} requests hold blocks"
+            )
+        for session_id in list(self._pins):
+            self.unpin_session(session_id)
+        self._session_chains.clear()
+        self.pool.reset()
+
+    # -------------------------------------------------------------------- stats
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks

@@ -1,0 +1,169 @@
+"""Offline batch generation for research scripts: ``LLM(path).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.interface import EngineRequest, FinishReason
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+    logprobs: list[float] | None = None
+    num_restored_tokens: int = 0
+
+
+class LLM:
+    """One model on one device. Prompts are strings (tokenized with the model's tokenizer,
+    special tokens added) or lists of token ids."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_blocks: int | None = None,
+        kv_memory_fraction: float = 0.5,
+        tensor_parallel_size: int = 1,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 requires engine.parallel workers")
+        from transformers import AutoTokenizer
+
+        self.config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=kv_cache_blocks,
+            kv_memory_fraction=kv_memory_fraction,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            device=device,
+            seed=seed,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        self.core: EngineCore | None = EngineCore(self.config, tokenizer=self.tokenizer)
+        self._counter = 0
+
+    @property
+    def engine(self) -> EngineCore:
+        if self.core is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self.core
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt; outputs are in prompt order."""
+        core = self.engine
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        if params is None:
+            params = SamplingParams()
+        param_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
+        token_lists = [self._tokens(p) for p in prompts]
+
+        ids: list[str] = []
+        try:
+            for tokens, p in zip(token_lists, param_list, strict=True):
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                core.add_request(EngineRequest(rid, tokens, p))
+                ids.append(rid)
+            results = self._run(core, ids)
+        except BaseException:
+            for rid in ids:
+                core.abort(rid)
+            while core.has_unfinished():
+                core.step()
+            raise
+        return [
+            self._output(rid, tokens, p, results[rid])
+            for rid, tokens, p in zip(ids, token_lists, param_list, strict=True)
+        ]
+
+    def shutdown(self) -> None:
+        self.core = None
+
+    # ------------------------------------------------------------------ helpers
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list):
+            return list(prompt)
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt)}")
+
+    @staticmethod
+    def _run(core: EngineCore, ids: list[str]) -> dict[str, dict]:
+        wanted = set(ids)
+        results: dict[str, dict] = {
+            rid: {"tokens": [], "logprobs": [], "event": None} for rid in ids
+        }
+        while wanted:
+            step = core.step()
+            if not step.events and step.num_prefill_tokens + step.num_decode_tokens == 0:
+                raise RuntimeError(
+                    "the engine made no progress: too few free KV blocks for any waiting "
+                    "request (are blocks pinned?)"
+                )
+            for ev in step.events:
+                if ev.request_id not in results:
+                    continue
+                r = results[ev.request_id]
+                r["tokens"].extend(ev.new_token_ids)
+                if ev.logprobs:
+                    r["logprobs"].extend(ev.logprobs)
+                if ev.finished:
+                    r["event"] = ev
+                    wanted.discard(ev.request_id)
+        return results
+
+    def _output(
+        self, rid: str, prompt: list[int], params: SamplingParams, r: dict
+    ) -> GenerationOutput:
+        ev = r["event"]
+        text = self.tokenizer.decode(r["tokens"], skip_special_tokens=True)
+        for s in params.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        return GenerationOutput(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            token_ids=r["tokens"],
+            text=text,
+            finish_reason=ev.finish_reason,
+            num_prompt_tokens=ev.num_prompt_tokens,
+            num_cached_tokens=ev.num_cached_tokens,
+            num_generated_tokens=ev.num_output_tokens,
+            logprobs=r["logprobs"] if params.logprobs else None,
+            num_restored_tokens=ev.num_restored_tokens,
+        )

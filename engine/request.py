@@ -1,0 +1,92 @@
+"""A request inside the engine and its state machine.
+
+    WAITING --schedule--> RUNNING --preempt--> PREEMPTED --schedule--> RUNNING
+       |                     |                     |
+       +---------------------+---------------------+--> FINISHED_{STOPPED,LENGTH,ABORTED}
+
+Tokens: ``all_token_ids`` is prompt + output. ``num_computed_tokens`` counts the leading
+tokens whose KV is in the request's blocks; a running request that has produced its first
+token always has exactly one token (the last sampled) without KV. Preemption recomputes:
+it drops the blocks and sets ``num_computed_tokens`` back to 0 but keeps the output.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.interface import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens not prefilled on first admission (device prefix cache + restored).
+    num_cached_tokens: int = 0
+    # Of those, copied back from the secondary (host) KV cache.
+    num_restored_tokens: int = 0
+    num_preemptions: int = 0
+    admitted: bool = False  # scheduled at least once (cached counts are then final)
+    # Chained hashes of the full blocks of all_token_ids, extended lazily by the KV manager.
+    block_hashes: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

@@ -1,0 +1,97 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to drawing from ``p``).
+A request with its own generator draws its ``q`` row alone from that generator, so its
+tokens depend only on its seed and its logits, never on what else is in the batch.
+Requests without a generator share the sampler's generator. Logprobs are those of the
+model's distribution (raw logits, before temperature / top-k / top-p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> SamplerOutput:
+        n, vocab = logits.shape
+        if len(params) != n:
+            raise ValueError(f"{n} rows of logits but {len(params)} sampling params")
+        generators = generators if generators is not None else [None] * n
+        logits = logits.float()
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:
+            idx = torch.tensor(rand, device=logits.device)
+            probs = self._filtered_probs(logits[idx], [params[i] for i in rand])
+            q = torch.empty_like(probs)
+            shared = [j for j, i in enumerate(rand) if generators[i] is None]
+            if shared:
+                q[shared] = torch.empty(len(shared), vocab, device=probs.device).exponential_(
+                    generator=self.generator
+                )
+            for j, i in enumerate(rand):
+                gen = generators[i]
+                if gen is not None:
+                    q[j] = torch.empty(vocab, device=probs.device).exponential_(generator=gen)
+            tokens[idx] = (probs / q).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        logprobs: list[float | None] = [None] * n
+        want = [i for i, p in enumerate(params) if p.logprobs]
+        if want:
+            idx = torch.tensor(want, device=logits.device)
+            lp = torch.log_softmax(logits[idx], dim=-1)
+            picked = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+            for i, v in zip(want, picked, strict=True):
+                logprobs[i] = v
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Softmax of temperature-scaled logits with top-k / top-p applied per row."""
+        device = logits.device
+        vocab = logits.shape[1]
+        temps = torch.tensor([p.temperature for p in params], device=device)
+        x = logits / temps.unsqueeze(1)
+        use_k = any(0 < p.top_k < vocab for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        if use_k or use_p:
+            sorted_x, order = x.sort(dim=-1, descending=True)
+            if use_k:
+                k = torch.tensor(
+                    [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device
+                )
+                ranks = torch.arange(vocab, device=device).unsqueeze(0)
+                sorted_x = sorted_x.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+            if use_p:
+                top_p = torch.tensor([p.top_p for p in params], device=device)
+                sp = torch.softmax(sorted_x, dim=-1)
+                before = sp.cumsum(dim=-1) - sp
+                sorted_x = sorted_x.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
+            x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+        return torch.softmax(x, dim=-1)

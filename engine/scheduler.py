@@ -1,0 +1,211 @@
+"""Continuous batching: which requests run this step and how many new tokens each.
+
+Torch-free. Each ``schedule`` call spends a token budget: running requests first (decodes,
+and the next chunk of prefills already started), in admission order; then, if nothing was
+preempted, waiting requests in arrival order (preempted ones go back to the front), each
+after a prefix-cache lookup, with a prefill chunk that fits the remaining budget. When a
+running request cannot get a block, the most recently admitted running request is
+preempted (blocks freed, recomputed later) until it can.
+
+The caller runs the step, then calls ``update_after_step`` (the scheduled tokens' KV is now
+computed) and appends sampled tokens / finishes requests through ``finish_request``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # KV already in the blocks before this step
+    block_ids: list[int]
+    # True when this step reaches the request's last token, so it yields a new token.
+    samples: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.num_computed_tokens
+        return self.request.token_slice(start, start + self.num_new_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.cached_tokens_total = 0  # prompt tokens served from cache at first admission
+        self.restored_tokens_total = 0  # of those, loaded from the secondary cache
+
+    # ------------------------------------------------------------------ queues
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        capacity = self.kv.num_total_blocks * self.kv.block_size
+        longest = min(request.num_tokens + request.params.max_tokens, self.max_model_len)
+        if longest > capacity:
+            raise ValueError(
+                f"request {request.request_id!r} may grow to {longest} tokens; the KV cache "
+                f"holds at most {capacity} ({self.kv.num_total_blocks} blocks of "
+                f"{self.kv.block_size})"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request in any state, freeing every block it holds.
+        Returns the request, or None if it is unknown or already finished."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request, remember_session=status != RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            self._add_scheduled(out, request, num_new)
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+            i += 1
+
+        if not out.preempted_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                prefix = (
+                    self.kv.get_computed_blocks(request)
+                    if not self.kv.holds_blocks(request.request_id)
+                    else None
+                )
+                computed = prefix.num_tokens if prefix is not None else 0
+                num_new = min(request.num_tokens - computed, budget)
+                if not self.kv.allocate_slots(request, num_new, prefix):
+                    break
+                self.waiting.popleft()
+                if prefix is not None:
+                    request.num_computed_tokens = computed
+                    if not request.admitted:
+                        request.num_cached_tokens = min(computed, request.num_prompt_tokens)
+                        request.num_restored_tokens = min(
+                            prefix.num_restored_tokens, request.num_cached_tokens
+                        )
+                        self.cached_tokens_total += request.num_cached_tokens
+                        self.restored_tokens_total += request.num_restored_tokens
+                request.admitted = True
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._add_scheduled(out, request, num_new)
+                budget -= num_new
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        s = ScheduledRequest(
+            request=request,
+            num_new_tokens=num_new,
+            num_computed_tokens=request.num_computed_tokens,
+            block_ids=list(self.kv.block_ids(request.request_id)),
+            samples=request.num_computed_tokens + num_new == request.num_tokens,
+        )
+        out.scheduled.append(s)
+        if s.samples and num_new == 1 and request.num_output_tokens > 0:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, back to the front of the waiting queue."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------ after a step
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """The scheduled tokens' KV is computed: advance counters, cache full blocks."""
+        for s in out.scheduled:
+            request = s.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            self.kv.cache_computed_blocks(request)

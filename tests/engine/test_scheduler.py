@@ -1,0 +1,180 @@
+"""Scheduler: token budget, chunked prefill mixed with decodes, preemption, abort."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+BS = 4
+
+
+def make(num_blocks: int = 32, budget: int = 16, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BS), budget, max_seqs, max_model_len=256)
+
+
+def req(rid: str, n: int, max_tokens: int = 4, base: int = 0) -> Request:
+    return Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens))
+
+
+def step(s: Scheduler) -> SchedulerOutput:
+    """One engine step with a fake model: every sampling request gets token 7; requests
+    reaching max_tokens finish."""
+    out = s.schedule()
+    s.update_after_step(out)
+    for sch in out.scheduled:
+        if sch.samples:
+            r = sch.request
+            r.output_token_ids.append(7)
+            if r.num_output_tokens >= r.params.max_tokens:
+                s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def test_budget_and_chunked_prefill_with_decodes_first() -> None:
+    s = make(budget=10)
+    s.add_request(req("a", 3))
+    out = step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 3)]
+    s.add_request(req("b", 25, base=100))
+    out = step(s)
+    # a decodes first (1 token), b gets a 9-token prefill chunk: 10 tokens in all.
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 9)]
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 9
+    assert not out.scheduled[1].samples
+    out = step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 9)]
+    out = step(s)  # a finishes after this decode (4 tokens)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 7)]
+    assert out.scheduled[1].samples
+    assert "a" not in s.requests
+    assert s.requests["b"].num_output_tokens == 1
+    for x in out.scheduled:
+        assert x.num_new_tokens <= 10
+
+
+def test_block_tables_and_positions_cover_the_context() -> None:
+    s = make(budget=64)
+    s.add_request(req("a", 9))
+    out = step(s)
+    assert out.scheduled[0].block_ids == [0, 1, 2]
+    assert out.scheduled[0].token_ids == list(range(9))
+    out = step(s)
+    x = out.scheduled[0]
+    assert (x.num_computed_tokens, x.num_new_tokens, x.token_ids) == (9, 1, [7])
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    s = make(budget=64, max_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4, base=10 * i))
+    out = step(s)
+    assert [x.request_id for x in out.scheduled] == ["r0", "r1"]
+    assert s.num_waiting == 1
+
+
+def test_preemption_frees_blocks_and_recomputes() -> None:
+    s = make(num_blocks=4, budget=64)
+    s.add_request(req("a", 8, max_tokens=6))
+    s.add_request(req("b", 8, max_tokens=6, base=50))
+    step(s)  # both prefilled: 2 blocks each, pool full
+    assert s.kv.num_free_blocks == 0
+    out = step(s)  # a needs a third block: b (admitted last) is preempted
+    assert out.preempted_ids == ["b"]
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert not s.kv.holds_blocks("b")
+    assert s.waiting[0] is b
+    outputs_b = list(b.output_token_ids)
+    while "a" in s.requests:
+        step(s)
+    # b comes back, recomputes prompt + its output so far, then continues.
+    out = step(s)
+    x = out.scheduled[0]
+    assert x.request_id == "b" and x.num_computed_tokens + x.num_new_tokens == 8 + len(outputs_b)
+    while s.has_unfinished():
+        step(s)
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.num_output_tokens == 6
+    assert s.kv.num_free_blocks == 4 and s.num_preemptions == 1
+
+
+def test_abort_at_any_time_frees_every_block() -> None:
+    s = make(num_blocks=8, budget=6)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 5, base=40))
+    step(s)  # a partially prefilled (6 of 10 tokens)
+    assert s.kv.holds_blocks("a")
+    assert s.finish_request("a", RequestStatus.FINISHED_ABORTED).status.finish_reason == "abort"
+    assert s.finish_request("b", RequestStatus.FINISHED_ABORTED) is not None  # still waiting
+    assert s.finish_request("b", RequestStatus.FINISHED_ABORTED) is None
+    assert s.kv.num_free_blocks == 8 and not s.has_unfinished()
+    assert s.num_running == 0 and s.num_waiting == 0
+
+
+def test_prefix_hit_counted_on_first_admission() -> None:
+    s = make(budget=64)
+    s.add_request(req("a", 10))
+    while s.has_unfinished():
+        step(s)
+    s.add_request(req("b", 12))
+    out = step(s)
+    assert out.scheduled[0].num_computed_tokens == 8
+    assert s.requests["b"].num_cached_tokens == 8
+    assert s.cached_tokens_total == 8
+
+
+def test_bad_input_errors() -> None:
+    s = make(num_blocks=2)
+    s.add_request(req("a", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(req("a", 3))
+    with pytest.raises(ValueError, match="KV cache holds at most 8"):
+        s.add_request(req("big", 6, max_tokens=10))
+    with pytest.raises(ValueError):
+        make(budget=0)
+
+
+def check_invariants(s: Scheduler) -> None:
+    refs = [0] * s.kv.num_total_blocks
+    for rid, r in s.requests.items():
+        blocks = s.kv.block_ids(rid)
+        if r.status == RequestStatus.RUNNING:
+            assert len(blocks) * BS >= r.num_computed_tokens
+        else:
+            assert blocks == []
+        for b in blocks:
+            refs[b] += 1
+    assert [s.kv.pool.ref_count(b) for b in range(len(refs))] == refs
+    assert s.kv.num_free_blocks == refs.count(0)
+    assert len(s.running) <= s.max_num_seqs
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step"]), st.integers(0, 59))))
+def test_random_workload_keeps_block_accounting(program: list[tuple[str, int]]) -> None:
+    s = make(num_blocks=10, budget=8, max_seqs=3)
+    n = 0
+    for op, arg in program:
+        if op == "add":
+            # Three prompt families share prefixes, so prefix hits happen.
+            s.add_request(req(f"r{n}", arg % 20 + 1, max_tokens=arg % 5 + 1, base=100 * (arg % 3)))
+            n += 1
+        elif op == "abort" and s.requests:
+            s.finish_request(
+                sorted(s.requests)[arg % len(s.requests)], RequestStatus.FINISHED_ABORTED
+            )
+        else:
+            step(s)
+        check_invariants(s)
+    for _ in range(500):
+        if not s.has_unfinished():
+            break
+        step(s)
+        check_invariants(s)
+    assert not s.has_unfinished()
+    assert s.kv.num_free_blocks == 10
