@@ -1,0 +1,70 @@
+"""The `talaria` command: the composition root that wires every part together.
+
+It is the one module of ``talaria`` allowed to import ``router`` and ``workloads``
+(DESIGN.md section 3); each subcommand imports what it needs when it runs, so
+``talaria --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def _cmd_make_models(args: argparse.Namespace) -> int:
+    from engine.tiny_models import make_tiny_models
+
+    paths = make_tiny_models(Path(args.dir), size=args.size, seed=args.seed)
+    for name, path in paths.items():
+        print(f"{name}\t{path}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from talaria.demo import run_demo
+
+    run_demo(size=args.size, max_tokens=args.max_tokens)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="talaria", description="Session-aware serving of LLMs for coding agents."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-models", help="write small random-weight HF checkpoints")
+    p.add_argument("dir", help="directory to write the models into")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_make_models)
+
+    p = sub.add_parser("demo", help="generate from the tiny models with the engine library")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.set_defaults(func=_cmd_demo)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"talaria {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
