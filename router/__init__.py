@@ -1,0 +1,5 @@
+"""The router: OpenAI-compatible front door with session-aware placement.
+
+``router.core.RouterCore`` (placement + forwarding, no HTTP) is what the replay driver uses
+in-process; ``router.app.create_app`` wraps it in the aiohttp API.
+"""

@@ -1,0 +1,281 @@
+"""The router's core: place a call, forward it, stream its events, keep the books.
+
+Nothing here is HTTP: the aiohttp layer (router.app) and the replay driver (in-process,
+virtual clock) call :meth:`RouterCore.submit` alike. Time comes from the injected clock
+(default: the running loop's ``loop.time()``).
+
+Failure rules: an instance that fails before the first event (:class:`InstanceUnavailable`)
+is marked down and the call is retried once on the next-best instance; an overloaded one
+is skipped the same way. After the first event a failure ends the stream with an error
+event (``finish_reason="error"``): never a silent truncation. A consumer that stops
+iterating early (``aclose``) aborts the call on its instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import structlog
+
+from router.metrics import RouterMetrics
+from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
+from router.sessions import SessionRecord, SessionTable
+from router.tokenization import block_hashes
+from talaria.protocol import (
+    CallEvent,
+    CallRequest,
+    InstanceClient,
+    InstanceState,
+    InstanceUnavailable,
+    Overloaded,
+)
+
+log = structlog.get_logger(__name__)
+
+MAX_ATTEMPTS = 2  # the first choice and one retry
+
+
+class NoHealthyInstance(RuntimeError):
+    """No healthy instance can take the call."""
+
+
+class CallRejected(RuntimeError):
+    """The instance refused the call as invalid (its 4xx other than 429)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class RouterCore:
+    def __init__(
+        self,
+        clients: Mapping[str, InstanceClient],
+        policy: str | PlacementPolicy = "talaria",
+        *,
+        sessions: SessionTable | None = None,
+        metrics: RouterMetrics | None = None,
+        context: PlacementContext | None = None,
+        clock: Callable[[], float] | None = None,
+        block_size: int = 16,
+        refresh_after_call: bool = True,
+    ) -> None:
+        self.clients: dict[str, InstanceClient] = dict(clients)
+        self.context = context if context is not None else PlacementContext()
+        self.policy: PlacementPolicy = make_policy(policy, self.context) if isinstance(policy, str) else policy
+        self.sessions = sessions if sessions is not None else SessionTable()
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.block_size = block_size
+        self.refresh_after_call = refresh_after_call
+        self._clock = clock
+        self.states: dict[str, InstanceState] = {}
+        self.healthy: set[str] = set(self.clients)  # optimistic until a poll or call says no
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    # ---- instance health and state ---------------------------------------------------------
+
+    def update_state(self, state: InstanceState) -> None:
+        self.states[state.instance_id] = state
+        if state.healthy:
+            self.mark_up(state.instance_id)
+        else:
+            self.mark_down(state.instance_id, "instance reports unhealthy")
+
+    def mark_up(self, instance_id: str) -> None:
+        if instance_id in self.clients and instance_id not in self.healthy:
+            log.info("router.instance_up", instance=instance_id)
+            self.healthy.add(instance_id)
+
+    def mark_down(self, instance_id: str, reason: str) -> None:
+        if instance_id in self.healthy:
+            log.warning("router.instance_down", instance=instance_id, reason=reason)
+            self.healthy.discard(instance_id)
+
+    async def refresh(self, instance_id: str) -> bool:
+        """Fetch one instance's state; marks it up or down. Returns whether it is healthy."""
+        try:
+            state = await self.clients[instance_id].state()
+        except Exception as exc:  # any failure to report counts as down
+            self.mark_down(instance_id, f"state poll failed: {exc!r}")
+            return False
+        self.update_state(state)
+        return state.healthy
+
+    def cleanup_sessions(self) -> int:
+        dropped = self.sessions.cleanup(self.now())
+        for record in dropped:
+            self._observe_sct(record)
+        return len(dropped)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- placement and forwarding -----------------------------------------------------------
+
+    def placement_call(self, call: CallRequest, hashes: list[int] | None = None) -> PlacementCall:
+        return PlacementCall(
+            model=call.model,
+            session_id=call.session_id,
+            prompt_len=len(call.prompt_token_ids),
+            block_hashes=hashes if hashes is not None else block_hashes(call.prompt_token_ids, self.block_size),
+            block_size=self.block_size,
+            max_tokens=call.params.max_tokens,
+        )
+
+    def rank(self, call: CallRequest, session: SessionRecord | None = None) -> list[str]:
+        return self.policy.choose(self.placement_call(call), session, self.states, set(self.healthy))
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        """Place and forward ``call``; yields its events, each tagged with ``instance_id``.
+
+        Raises before the first event: :class:`NoHealthyInstance`, :class:`Overloaded`,
+        :class:`CallRejected`."""
+        start = self.now()
+        hashes = block_hashes(call.prompt_token_ids, self.block_size)
+        pcall = self.placement_call(call, hashes)
+        session = self.sessions.start_call(
+            call.session_id, call.model, start, pcall.prompt_len, call.expected_gap_s
+        )
+        previous = session.instance_id
+        ranked = self.policy.choose(pcall, session, self.states, set(self.healthy))
+        instance_id: str | None = None
+        stream: AsyncIterator[CallEvent] | None = None
+        first: CallEvent | None = None
+        outputs: list[int] = []
+        outcome = "error"
+        finished = False
+        try:
+            instance_id, stream, first = await self._open(call, ranked, pcall)
+            self.metrics.placements.inc(
+                instance=instance_id, returning="yes" if previous == instance_id else "no"
+            )
+            event: CallEvent = first
+            first_token_seen = False
+            while True:
+                event.instance_id = instance_id
+                outputs.extend(event.token_ids)
+                if not first_token_seen and (event.token_ids or event.finished):
+                    first_token_seen = True
+                    self.metrics.ttft.observe(self.now() - start, model=call.model)
+                    self.context.prefill_done(instance_id, pcall.prompt_len)
+                if event.finished:
+                    finished = True
+                    failed = event.error is not None or event.finish_reason == "error"
+                    outcome = "error" if failed else "ok"
+                    self._count_usage(call, event, len(outputs))
+                yield event
+                if finished:
+                    break
+                event = await self._next(stream, call, instance_id)
+        except BaseException:
+            if instance_id is not None and not finished:
+                outcome = "aborted"
+            raise
+        finally:
+            await self._finish(call, instance_id, stream, start, hashes, outputs, outcome, pcall)
+
+    async def _open(
+        self, call: CallRequest, ranked: list[str], pcall: PlacementCall
+    ) -> tuple[str, AsyncIterator[CallEvent], CallEvent]:
+        if not ranked:
+            raise NoHealthyInstance(f"no healthy instance can serve model {call.model!r}")
+        errors: list[Exception] = []
+        for attempt, instance_id in enumerate(ranked[:MAX_ATTEMPTS]):
+            if attempt:
+                self.metrics.retries.inc(model=call.model)
+            stream = aiter(self.clients[instance_id].submit(call))
+            self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.max_tokens)
+            try:
+                first = await anext(stream)
+            except (InstanceUnavailable, StopAsyncIteration) as exc:
+                self.mark_down(instance_id, f"call failed before first token: {exc!r}")
+                errors.append(exc if isinstance(exc, InstanceUnavailable) else InstanceUnavailable("stream ended with no event"))
+            except Overloaded as exc:
+                errors.append(exc)
+            except BaseException:
+                self._release(instance_id, pcall)
+                await _close(stream)
+                raise
+            else:
+                self.context.prefix_index.insert(instance_id, call.model, pcall.block_hashes)
+                return instance_id, stream, first
+            self._release(instance_id, pcall)
+            await _close(stream)
+        overloaded = [e for e in errors if isinstance(e, Overloaded)]
+        if overloaded:
+            raise Overloaded(str(overloaded[-1]), min(e.retry_after_s for e in overloaded))
+        raise NoHealthyInstance(f"no instance could take the call: {errors[-1]}")
+
+    async def _next(self, stream: AsyncIterator[CallEvent], call: CallRequest, instance_id: str) -> CallEvent:
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            message = "instance closed the stream before the call finished"
+        except (TimeoutError, InstanceUnavailable, Overloaded, ConnectionError) as exc:
+            self.mark_down(instance_id, f"call failed after first token: {exc!r}")
+            message = f"instance {instance_id} failed mid-call: {exc}"
+        return CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error=message)
+
+    def _release(self, instance_id: str, pcall: PlacementCall) -> None:
+        self.context.prefill_done(instance_id, pcall.prompt_len)
+        self.context.remove(instance_id, pcall.prompt_len + pcall.max_tokens)
+
+    def _count_usage(self, call: CallRequest, event: CallEvent, n_outputs: int) -> None:
+        usage = event.usage
+        prompt = usage.prompt_tokens if usage else len(call.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(prompt, model=call.model)
+        self.metrics.completion_tokens.inc(usage.completion_tokens if usage else n_outputs, model=call.model)
+        if usage:
+            self.metrics.cached_tokens.inc(usage.cached_tokens, model=call.model)
+
+    async def _finish(
+        self, call: CallRequest, instance_id: str | None, stream: AsyncIterator[CallEvent] | None,
+        start: float, hashes: list[int], outputs: list[int], outcome: str, pcall: PlacementCall,
+    ) -> None:
+        now = self.now()
+        if instance_id is not None and stream is not None:
+            self._release(instance_id, pcall)
+            if outcome == "aborted":
+                with contextlib.suppress(Exception):
+                    await self.clients[instance_id].abort(call.call_id)
+            await _close(stream)
+            self.metrics.call_time.observe(now - start, model=call.model)
+        self.metrics.requests.inc(model=call.model, instance=instance_id or "none", outcome=outcome)
+        kv_tokens = len(call.prompt_token_ids) + len(outputs)
+        kv_hashes: list[int] = []
+        if instance_id is not None:
+            full = len(hashes) * self.block_size
+            tail = call.prompt_token_ids[full:] + outputs
+            more = block_hashes(tail, self.block_size, parent=hashes[-1] if hashes else None)
+            kv_hashes = hashes + more
+            self.context.prefix_index.insert(instance_id, call.model, more)
+        before = self.sessions.get(call.session_id)
+        record = self.sessions.end_call(
+            call.session_id, instance_id, now, kv_hashes, kv_tokens, last_call=call.last_call
+        )
+        if record is not None and before is not None and call.session_id not in self.sessions:
+            self._observe_sct(record)
+        if instance_id is not None and self.refresh_after_call:
+            task = asyncio.ensure_future(self.refresh(instance_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _observe_sct(self, record: SessionRecord) -> None:
+        if record.last_finish is not None:
+            self.metrics.sct.observe(record.last_finish - record.started_at, model=record.model)
+
+
+async def _close(stream: AsyncIterator[CallEvent]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()

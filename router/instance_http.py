@@ -1,0 +1,127 @@
+"""The router's HTTP client for one instance's internal API.
+
+``POST /internal/v1/calls`` (body: CallRequest JSON) streams NDJSON CallEvent lines;
+429 means overloaded (``retry_after_s`` in the body, ``Retry-After`` header); other 4xx
+mean the call is invalid; 5xx, refused connections and timeouts mean the instance is
+unavailable. ``POST /internal/v1/calls/{id}/abort``, ``GET /internal/v1/state``,
+``GET /health``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.core import CallRejected
+from talaria.protocol import CallEvent, CallRequest, InstanceState, InstanceUnavailable, Overloaded
+
+
+class HttpInstanceClient:
+    """An :class:`~talaria.protocol.InstanceClient` over aiohttp. The ClientSession is
+    created on first use inside the running loop (or passed in, then not closed here)."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        base_url: str,
+        session: aiohttp.ClientSession | None = None,
+        connect_timeout_s: float = 5.0,
+        request_timeout_s: float = 10.0,
+    ) -> None:
+        self.instance_id = instance_id
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._owns_session = session is None
+        self._connect_timeout_s = connect_timeout_s
+        self._request_timeout_s = request_timeout_s
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+            self._owns_session = True
+        return self._session
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        url = f"{self.base_url}/internal/v1/calls"
+        # No total timeout: a long call streams for as long as it decodes.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
+        try:
+            response = await self._http().post(
+                url, data=orjson.dumps(call.to_dict()),
+                headers={"Content-Type": "application/json"}, timeout=timeout,
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise InstanceUnavailable(f"{self.instance_id}: cannot reach {url}: {exc!r}") from exc
+        async with response:
+            if response.status != 200:
+                await self._raise_for(response)
+            buffer = bytearray()  # split lines by hand: an event may exceed readline's limit
+            try:
+                async for chunk in response.content.iter_any():
+                    buffer += chunk
+                    while (end := buffer.find(b"\n")) >= 0:
+                        line = bytes(buffer[:end]).strip()
+                        del buffer[: end + 1]
+                        if line:
+                            yield CallEvent.from_dict(orjson.loads(line))
+                if bytes(buffer).strip():
+                    yield CallEvent.from_dict(orjson.loads(bytes(buffer)))
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise InstanceUnavailable(f"{self.instance_id}: stream broke: {exc!r}") from exc
+
+    async def _raise_for(self, response: aiohttp.ClientResponse) -> None:
+        body = await _json(response)
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        message = str(message or response.reason or response.status)
+        if response.status == 429:
+            retry = body.get("retry_after_s") or response.headers.get("Retry-After") or 1.0
+            raise Overloaded(f"{self.instance_id}: {message}", float(retry))
+        if 400 <= response.status < 500:
+            raise CallRejected(response.status, f"{self.instance_id}: {message}")
+        raise InstanceUnavailable(f"{self.instance_id}: HTTP {response.status}: {message}")
+
+    async def abort(self, call_id: str) -> None:
+        url = f"{self.base_url}/internal/v1/calls/{call_id}/abort"
+        timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
+        try:
+            async with self._http().post(url, timeout=timeout) as response:
+                await response.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise InstanceUnavailable(f"{self.instance_id}: abort failed: {exc!r}") from exc
+
+    async def state(self) -> InstanceState:
+        url = f"{self.base_url}/internal/v1/state"
+        timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
+        try:
+            async with self._http().get(url, timeout=timeout) as response:
+                if response.status != 200:
+                    raise InstanceUnavailable(f"{self.instance_id}: state HTTP {response.status}")
+                data = orjson.loads(await response.read())
+        except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
+            raise InstanceUnavailable(f"{self.instance_id}: state poll failed: {exc!r}") from exc
+        data.setdefault("instance_id", self.instance_id)
+        return InstanceState.from_dict(data)
+
+    async def health(self) -> bool:
+        timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
+        try:
+            async with self._http().get(f"{self.base_url}/health", timeout=timeout) as response:
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+
+async def _json(response: aiohttp.ClientResponse) -> dict[str, Any]:
+    try:
+        data = orjson.loads(await response.read())
+    except (orjson.JSONDecodeError, aiohttp.ClientError):
+        return {}
+    return data if isinstance(data, dict) else {}

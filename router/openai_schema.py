@@ -1,0 +1,348 @@
+"""Parse and validate OpenAI request bodies; build OpenAI response objects.
+
+Parsing never trusts the body: every wrong type, missing field or out-of-range value raises
+an :class:`~router.errors.ApiError` (400) whose message names the field. Unknown fields are
+ignored, as OpenAI-compatible servers do, so clients that send extra options keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from router.errors import bad_request
+
+MAX_STOP_STRINGS = 16
+MAX_TOKENS_LIMIT = 1 << 24  # above any context length; the tokenizer's limit is checked later
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@dataclass
+class CompletionBody:
+    """One validated /v1/chat/completions or /v1/completions request."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+    expected_gap_s: float | None = None
+    last_call: bool = False
+    ignore_eos: bool = False
+
+
+def parse_chat(body: Any) -> CompletionBody:
+    data = _object(body)
+    parsed = _common(data, "chat")
+    parsed.messages = _messages(data.get("messages"))
+    max_tokens = data.get("max_completion_tokens")
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = data.get("max_tokens"), "max_tokens"
+    parsed.max_tokens = _max_tokens(max_tokens, name)
+    parsed.logprobs = _bool(data, "logprobs")
+    top = data.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= 20):
+        raise bad_request("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+    return parsed
+
+
+def parse_completion(body: Any) -> CompletionBody:
+    data = _object(body)
+    parsed = _common(data, "completion")
+    parsed.prompt = _prompt(data.get("prompt"))
+    parsed.max_tokens = _max_tokens(data.get("max_tokens"), "max_tokens")
+    logprobs = data.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
+        raise bad_request("logprobs must be an integer in [0, 5] or null", "logprobs")
+    parsed.logprobs = logprobs is not None
+    if data.get("echo") is True:
+        raise bad_request("echo is not supported", "echo")
+    best_of = data.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad_request("best_of must be 1", "best_of")
+    return parsed
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _common(data: dict[str, Any], kind: Literal["chat", "completion"]) -> CompletionBody:
+    model = data.get("model")
+    if model is None:
+        raise bad_request("missing required field 'model'", "model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model must be a non-empty string", "model")
+    parsed = CompletionBody(kind=kind, model=model)
+    parsed.temperature = _number(data, "temperature", 1.0, 0.0, 2.0)
+    parsed.top_p = _number(data, "top_p", 1.0, 0.0, 1.0)
+    if parsed.top_p == 0.0:
+        raise bad_request("top_p must be in (0, 1]", "top_p")
+    top_k = data.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+        raise bad_request("top_k must be an integer >= -1 (-1 or 0 disable it)", "top_k")
+    parsed.top_k = max(0, top_k or 0)
+    seed = data.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad_request("seed must be an integer", "seed")
+    parsed.seed = seed
+    n = data.get("n")
+    if n is not None and n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    parsed.stop = _stop(data.get("stop"))
+    parsed.stream = _bool(data, "stream")
+    options = data.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("stream_options must be an object", "stream_options")
+        if not parsed.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        parsed.include_usage = _bool(options, "include_usage", "stream_options.include_usage")
+    parsed.ignore_eos = _bool(data, "ignore_eos")
+    session_id = data.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise bad_request("session_id must be a non-empty string", "session_id")
+    parsed.session_id = session_id
+    _hints(data.get("talaria"), parsed)
+    return parsed
+
+
+def _hints(hints: Any, parsed: CompletionBody) -> None:
+    if hints is None:
+        return
+    if not isinstance(hints, dict):
+        raise bad_request("talaria must be an object of session hints", "talaria")
+    gap = hints.get("expected_gap_s")
+    if gap is not None:
+        if not _is_number(gap) or gap < 0:
+            raise bad_request("talaria.expected_gap_s must be a number >= 0", "talaria.expected_gap_s")
+        parsed.expected_gap_s = float(gap)
+    parsed.last_call = _bool(hints, "last_call", "talaria.last_call")
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if messages is None:
+        raise bad_request("missing required field 'messages'", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array", "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", where)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
+        clean = dict(message)
+        clean["content"] = _content(message.get("content"), role, where, message)
+        out.append(clean)
+    return out
+
+
+def _content(content: Any, role: str, where: str, message: dict[str, Any]) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        return ""
+    if isinstance(content, list):
+        texts: list[str] = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(
+                    f"{where}.content[{j}] must be a text part (only text is supported)",
+                    f"{where}.content",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content")
+            texts.append(text)
+        return "".join(texts)
+    raise bad_request(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    if prompt is None:
+        raise bad_request("missing required field 'prompt'", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if not all(_is_int(t) and t >= 0 for t in prompt):
+            raise bad_request("prompt must be a string or an array of token ids (integers >= 0)", "prompt")
+        return list(prompt)
+    raise bad_request("prompt must be a string or an array of token ids", "prompt")
+
+
+def _max_tokens(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise bad_request(f"{name} must be an integer", name)
+    if value < 1:
+        raise bad_request(f"{name} must be at least 1, got {value}", name)
+    if value > MAX_TOKENS_LIMIT:
+        raise bad_request(f"{name} is too large: {value}", name)
+    return int(value)
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request("stop must be a non-empty string or an array of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    return list(stop)
+
+
+def _number(data: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or not lo <= value <= hi:
+        raise bad_request(f"{name} must be a number in [{lo:g}, {hi:g}]", name)
+    return float(value)
+
+
+def _bool(data: dict[str, Any], key: str, name: str | None = None) -> bool:
+    value = data.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"{name or key} must be a boolean", name or key)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs, strict=False)
+        ]
+    }
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs[: len(tokens)],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_completion(
+    call_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{call_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage,
+    }
+
+
+def chat_chunk(
+    call_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    usage: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choices = []
+    if delta is not None:
+        choices = [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ]
+    return {
+        "id": f"chatcmpl-{call_id}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def text_completion(
+    call_id: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    usage: dict[str, Any] | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A text_completion object; streamed chunks are the same object (``text=None``: a
+    usage-only chunk with no choices)."""
+    choices = []
+    if text is not None:
+        choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+    return {
+        "id": f"cmpl-{call_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }

@@ -1,0 +1,114 @@
+"""The router's session table: where each session's calls went and how they came back.
+
+Times are the caller's clock (the event loop's ``loop.time()``, virtual in simulation).
+A session record lives while calls are in flight and ``ttl_s`` after its last finish;
+``cleanup`` drops the stale ones (and a session whose client said ``last_call`` goes when
+that call ends).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    model: str
+    started_at: float
+    instance_id: str | None = None  # where its last call ran
+    prompt_tokens: int = 0  # of its last call
+    kv_tokens: int = 0  # prompt + output of its last finished call
+    block_hashes: list[int] = field(default_factory=list)  # of prompt + output, full blocks
+    last_finish: float | None = None
+    last_seen: float = 0.0
+    calls: int = 0
+    active_calls: int = 0
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    expected_gap_hint: float | None = None
+
+    def predicted_gap(self) -> float | None:
+        """The client's hint if it sent one, else the median of the observed tool gaps."""
+        if self.expected_gap_hint is not None:
+            return self.expected_gap_hint
+        return statistics.median(self.gaps) if self.gaps else None
+
+
+class SessionTable:
+    def __init__(self, ttl_s: float = 1800.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"session ttl_s must be > 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._sessions: dict[str, SessionRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        return self._sessions.get(session_id)
+
+    def start_call(
+        self,
+        session_id: str,
+        model: str,
+        now: float,
+        prompt_tokens: int,
+        expected_gap_s: float | None = None,
+    ) -> SessionRecord:
+        """Record a call's arrival (its gap since the previous finish) and return the
+        record as it was before this call's placement."""
+        record = self._sessions.get(session_id)
+        if record is None or record.model != model:
+            record = SessionRecord(session_id=session_id, model=model, started_at=now)
+            self._sessions[session_id] = record
+        elif record.last_finish is not None and record.active_calls == 0:
+            record.gaps.append(max(0.0, now - record.last_finish))
+        record.calls += 1
+        record.active_calls += 1
+        record.prompt_tokens = prompt_tokens
+        record.last_seen = now
+        record.expected_gap_hint = expected_gap_s
+        return record
+
+    def end_call(
+        self,
+        session_id: str,
+        instance_id: str | None,
+        now: float,
+        kv_block_hashes: list[int],
+        kv_tokens: int,
+        last_call: bool = False,
+    ) -> SessionRecord | None:
+        """Record a call's end; returns the record, removed from the table if the session
+        ended (``last_call``)."""
+        record = self._sessions.get(session_id)
+        if record is None:
+            return None
+        record.active_calls = max(0, record.active_calls - 1)
+        record.last_finish = now
+        record.last_seen = now
+        if instance_id is not None:
+            record.instance_id = instance_id
+            record.block_hashes = kv_block_hashes
+            record.kv_tokens = kv_tokens
+        if last_call and record.active_calls == 0:
+            del self._sessions[session_id]
+        return record
+
+    def cleanup(self, now: float) -> list[SessionRecord]:
+        """Drop sessions idle for more than ``ttl_s``; returns what was dropped."""
+        stale = [
+            r for r in self._sessions.values()
+            if r.active_calls == 0 and now - r.last_seen > self.ttl_s
+        ]
+        for record in stale:
+            del self._sessions[record.session_id]
+        return stale
+
+    def on_instance(self, instance_id: str) -> int:
+        return sum(1 for r in self._sessions.values() if r.instance_id == instance_id)

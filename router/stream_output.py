@@ -1,0 +1,94 @@
+"""Turns a call's CallEvents into the text the client sees: detokenise, cut at stop strings,
+keep logprobs and usage. One assembler per call; the streaming and the collecting handler
+share it, so both answer the same text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router import openai_schema as schema
+from router.tokenization import ModelTokenizer, StopMatcher
+from talaria.protocol import CallEvent, CallUsage
+
+
+@dataclass
+class Piece:
+    """What one event added: text safe to send, and its tokens' logprobs if asked for."""
+
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class OutputAssembler:
+    def __init__(
+        self, tok: ModelTokenizer, prompt_ids: Sequence[int], stops: Sequence[str], want_logprobs: bool
+    ) -> None:
+        self._tok = tok
+        self._detok = tok.detokenizer(prompt_ids)
+        self._stop = StopMatcher(stops)
+        self._want_logprobs = want_logprobs
+        self._text: list[str] = []
+        self._all = Piece()
+        self.prompt_tokens = len(prompt_ids)
+        self.token_ids: list[int] = []
+        self.reported: CallUsage | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def add(self, event: CallEvent) -> Piece:
+        if self.done:
+            return Piece()
+        self.token_ids.extend(event.token_ids)
+        if event.usage is not None:
+            self.reported = event.usage
+        emit, stopped = self._stop.feed(self._detok.push(event.token_ids))
+        piece = Piece(text=emit)
+        if self._want_logprobs and event.logprobs:
+            piece.tokens = self._tok.token_strings(event.token_ids)
+            piece.logprobs = list(event.logprobs)
+            self._all.tokens += piece.tokens
+            self._all.logprobs += piece.logprobs
+        self._text.append(emit)
+        if stopped:
+            self.finish_reason, self.done = "stop", True
+        elif event.finished:
+            self.done = True
+            self.finish_reason = event.finish_reason or "stop"
+            if event.error is not None or self.finish_reason in ("error", "abort"):
+                self.error = event.error or "the instance aborted the call"
+        return piece
+
+    def flush(self) -> str:
+        """Release text held back for a possible stop string (call it once, at the end)."""
+        rest = self._stop.flush()
+        self._text.append(rest)
+        return rest
+
+    @property
+    def text(self) -> str:
+        self.flush()
+        return "".join(self._text)
+
+    def usage(self) -> dict[str, Any]:
+        reported = self.reported
+        prompt = reported.prompt_tokens if reported else self.prompt_tokens
+        stopped_here = self._stop.stopped  # cut at the router: count the tokens received
+        completion = reported.completion_tokens if reported and not stopped_here else len(self.token_ids)
+        cached = reported.cached_tokens if reported else 0
+        return schema.usage_dict(prompt, completion, cached)
+
+    def chat_logprobs(self, piece: Piece | None = None) -> dict[str, Any] | None:
+        if not self._want_logprobs:
+            return None
+        piece = piece or self._all
+        return schema.chat_logprobs(piece.tokens, piece.logprobs)
+
+    def completion_logprobs(self, piece: Piece | None = None) -> dict[str, Any] | None:
+        if not self._want_logprobs:
+            return None
+        piece = piece or self._all
+        return schema.completion_logprobs(piece.tokens, piece.logprobs)

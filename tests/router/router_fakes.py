@@ -1,0 +1,120 @@
+"""Router test helpers: a tiny byte-level BPE tokenizer with a chat template, and fake
+instances that stream fixed tokens (or fail, or are overloaded) in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from talaria.protocol import (
+    CallEvent,
+    CallRequest,
+    CallUsage,
+    InstanceState,
+    InstanceUnavailable,
+    ModelState,
+    Overloaded,
+    Residency,
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "Hello world, this is a test of the tiny tokenizer.",
+    "def main():\n    print('hello')\n",
+    "The agent calls the model again and again with a growing prompt.",
+    "Session completion time matters more than one call.",
+] * 20
+CONTEXT_LEN = 256
+
+
+def write_tokenizer(path: Path, context_len: int = CONTEXT_LEN) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=specials,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": context_len}))
+    return path
+
+
+class FakeInstance:
+    """An in-process InstanceClient. Streams ``reply`` one token per event (the last event
+    carries finished + usage), or fails as configured."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        reply: list[int],
+        *,
+        unavailable: bool = False,
+        fail_after: int | None = None,
+        overloaded: bool = False,
+        cached_tokens: int = 0,
+        state: InstanceState | None = None,
+        hold: asyncio.Event | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.reply = reply
+        self.unavailable = unavailable
+        self.fail_after = fail_after
+        self.overloaded = overloaded
+        self.cached_tokens = cached_tokens
+        self.state_obj = state or InstanceState(instance_id=instance_id)
+        self.hold = hold  # when set, the stream waits on it after the first token
+        self.calls: list[CallRequest] = []
+        self.aborted: list[str] = []
+        self.state_polls = 0
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        self.calls.append(call)
+        if self.unavailable:
+            raise InstanceUnavailable(f"{self.instance_id} is down")
+        if self.overloaded:
+            raise Overloaded(f"{self.instance_id} queue full", retry_after_s=2.5)
+        tokens = self.reply[: call.params.max_tokens]
+        for i, token in enumerate(tokens):
+            if self.fail_after is not None and i == self.fail_after:
+                raise InstanceUnavailable(f"{self.instance_id} died mid-call")
+            if i == 1 and self.hold is not None:
+                await self.hold.wait()
+            await asyncio.sleep(0)
+            last = i == len(tokens) - 1
+            yield CallEvent(
+                call_id=call.call_id,
+                token_ids=[token],
+                logprobs=[-0.25],
+                finished=last,
+                finish_reason=("length" if len(tokens) == call.params.max_tokens else "stop") if last else None,
+                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens) if last else None,
+            )
+
+    async def abort(self, call_id: str) -> None:
+        self.aborted.append(call_id)
+
+    async def state(self) -> InstanceState:
+        self.state_polls += 1
+        if self.unavailable:
+            raise InstanceUnavailable(f"{self.instance_id} is down")
+        return self.state_obj
+
+
+def model_state(name: str, residency: Residency = Residency.ACTIVE, **kw: float) -> ModelState:
+    return ModelState(name=name, residency=residency, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,304 @@
+"""The router's HTTP API through aiohttp's test server, with fake instances."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from router_fakes import FakeInstance
+
+from router.app import CORE_KEY, RouterConfig, create_app
+from router.tokenization import ModelTokenizer
+
+REPLY_TEXT = "Hello world, this is a test."
+
+
+@asynccontextmanager
+async def serve(
+    tokenizer: ModelTokenizer, clients: dict[str, Any], **config: Any
+) -> AsyncIterator[TestClient]:
+    cfg = RouterConfig(models={"tiny": "/unused"}, instances={i: "" for i in clients},
+                       poll_interval_s=None, **config)
+    app = create_app(cfg, clients, tokenizers={"tiny": tokenizer})
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+def reply(tokenizer: ModelTokenizer, text: str = REPLY_TEXT) -> list[int]:
+    return tokenizer.encode_text(text, add_special_tokens=False)
+
+
+def chat_body(**kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Hello world"}], **kw}
+
+
+async def sse(resp: Any) -> list[Any]:
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    out = []
+    for block in (await resp.text()).split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+async def test_chat_non_streaming_with_usage(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer), cached_tokens=4)
+    async with serve(tokenizer, {"a": a}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=100))
+        assert resp.status == 200, await resp.text()
+        data = await resp.json()
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": REPLY_TEXT}
+    assert data["choices"][0]["finish_reason"] == "stop"
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
+    assert a.calls[0].prompt_token_ids == prompt_ids
+    assert a.calls[0].last_call is True  # no session id: a session of one
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == len(prompt_ids)
+    assert usage["completion_tokens"] == len(reply(tokenizer))
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+async def test_chat_streaming_with_usage(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    async with serve(tokenizer, {"a": a}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(
+            stream=True, stream_options={"include_usage": True}, max_tokens=3))
+        events = await sse(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == tokenizer.decode(reply(tokenizer)[:3])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_completions_string_and_token_prompts(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    async with serve(tokenizer, {"a": a}) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 50})
+        data = await resp.json()
+        assert resp.status == 200 and data["object"] == "text_completion"
+        assert data["choices"][0]["text"] == REPLY_TEXT
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50,
+                                                          "logprobs": 1})
+        data = await resp.json()
+        assert a.calls[1].prompt_token_ids == [5, 6, 7]
+        lp = data["choices"][0]["logprobs"]
+        assert "".join(lp["tokens"]) == REPLY_TEXT and lp["token_logprobs"][0] == -0.25
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "stream": True,
+                                                          "max_tokens": 50})
+        events = await sse(resp)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == REPLY_TEXT
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_stop_string_truncates_and_aborts(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    async with serve(tokenizer, {"a": a}) as client:
+        for stream in (False, True):
+            resp = await client.post("/v1/chat/completions", json=chat_body(stop=[" is"], stream=stream))
+            if stream:
+                events = await sse(resp)
+                text = "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"])
+                assert events[-2]["choices"][0]["finish_reason"] == "stop"
+            else:
+                data = await resp.json()
+                text = data["choices"][0]["message"]["content"]
+                assert data["choices"][0]["finish_reason"] == "stop"
+            assert text == "Hello world, this"
+    assert a.aborted == [c.call_id for c in a.calls]
+
+
+async def test_sessions_from_header_and_body(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    async with serve(tokenizer, {"a": a}) as client:
+        await client.post("/v1/chat/completions", json=chat_body(), headers={"X-Session-ID": "hdr"})
+        await client.post("/v1/chat/completions", json=chat_body(session_id="body",
+                                                                 talaria={"expected_gap_s": 2.0}))
+        await client.post("/v1/chat/completions", json=chat_body(session_id="body", talaria={"last_call": True}))
+        resp = await client.post("/v1/chat/completions", json=chat_body(session_id="x"),
+                                 headers={"X-Session-ID": "y"})
+        assert resp.status == 400
+        core = client.app[CORE_KEY]
+        assert "hdr" in core.sessions and "body" not in core.sessions
+    assert [c.session_id for c in a.calls] == ["hdr", "body", "body"]
+    assert a.calls[1].expected_gap_s == 2.0 and not a.calls[1].last_call
+    assert a.calls[2].last_call
+
+
+async def test_retry_before_first_token(tokenizer: ModelTokenizer) -> None:
+    down = FakeInstance("a", reply(tokenizer), unavailable=True)
+    up = FakeInstance("b", reply(tokenizer))
+    async with serve(tokenizer, {"a": down, "b": up}, policy="load") as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        events = await sse(resp)
+        assert events[-1] == "[DONE]" and len(down.calls) == 1 and len(up.calls) == 1
+        health = await (await client.get("/health")).json()
+        assert health["healthy_instances"] == ["b"]
+
+
+async def test_error_after_first_token(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer), fail_after=3)
+    async with serve(tokenizer, {"a": a}) as client:
+        events = await sse(await client.post("/v1/chat/completions", json=chat_body(stream=True)))
+        assert "error" in events[-2] and "died mid-call" in events[-2]["error"]["message"]
+        assert events[-1] == "[DONE]"
+        assert not any(c.get("choices") and c["choices"][0].get("finish_reason") for c in events[:-2])
+        a.unavailable = False
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status == 502
+        assert "died mid-call" in (await resp.json())["error"]["message"]
+
+
+async def test_503_and_429(tokenizer: ModelTokenizer) -> None:
+    down = FakeInstance("a", reply(tokenizer), unavailable=True)
+    async with serve(tokenizer, {"a": down}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_healthy_instance"
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status == 503 and len(down.calls) == 1  # marked down: not tried again
+    busy = FakeInstance("a", reply(tokenizer), overloaded=True)
+    async with serve(tokenizer, {"a": busy}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert resp.status == 429 and resp.headers["Retry-After"] == "3"
+        assert (await resp.json())["error"]["type"] == "rate_limit_error"
+
+
+BAD_INPUTS: list[tuple[str, Any, int, str]] = [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", [1, 2], 400, "JSON object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "'model'"),
+    ("/v1/chat/completions", {"model": 3, "messages": []}, 400, "model must be"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "'messages'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages must be"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("/v1/chat/completions", chat_body(max_tokens=-1), 400, "max_tokens must be at least 1"),
+    ("/v1/chat/completions", chat_body(max_tokens="10"), 400, "max_tokens must be an integer"),
+    ("/v1/chat/completions", chat_body(max_tokens=10**9), 400, "max_tokens"),
+    ("/v1/chat/completions", chat_body(max_tokens=250), 400, "at most"),
+    ("/v1/chat/completions", chat_body(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("/v1/chat/completions", chat_body(temperature=3), 400, "temperature"),
+    ("/v1/chat/completions", chat_body(temperature="hot"), 400, "temperature"),
+    ("/v1/chat/completions", chat_body(top_p=0), 400, "top_p"),
+    ("/v1/chat/completions", chat_body(n=2), 400, "n=1"),
+    ("/v1/chat/completions", chat_body(stop=[1]), 400, "stop"),
+    ("/v1/chat/completions", chat_body(stream="yes"), 400, "stream must be a boolean"),
+    ("/v1/chat/completions", chat_body(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("/v1/chat/completions", chat_body(seed=1.5), 400, "seed"),
+    ("/v1/chat/completions", chat_body(session_id=7), 400, "session_id"),
+    ("/v1/chat/completions", chat_body(talaria={"expected_gap_s": -1}), 400, "expected_gap_s"),
+    ("/v1/chat/completions", chat_body(messages=[{"role": "user", "content": "word " * 300}]), 400,
+     "prompt tokens"),
+    ("/v1/completions", {"model": "tiny"}, 400, "'prompt'"),
+    ("/v1/completions", {"model": "tiny", "prompt": 42}, 400, "prompt must be"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, -2]}, 400, "token ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 100000]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "empty"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-9"),
+    ("/v1/chat/completions", b"x" * 5000, 413, "exceeded"),
+]
+
+
+async def test_bad_input_battery_then_still_serving(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    async with serve(tokenizer, {"a": a}, max_body_bytes=4096) as client:
+        for path, body, status, needle in BAD_INPUTS:
+            raw = body if isinstance(body, bytes) else orjson.dumps(body)
+            resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+            assert resp.status == status, (body, await resp.text())
+            err = (await resp.json())["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert needle in err["message"], (needle, err)
+        resp = await client.get("/v1/chat/completions")
+        assert resp.status == 405 and "error" in await resp.json()
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status == 200
+    assert len(a.calls) == 1
+
+
+async def test_api_key(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    async with serve(tokenizer, {"a": a}, api_key="sekret") as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            resp = await client.post("/v1/chat/completions", json=chat_body(), headers=headers)
+            assert resp.status == 401
+            assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        resp = await client.post("/v1/chat/completions", json=chat_body(),
+                                 headers={"Authorization": "Bearer sekret"})
+        assert resp.status == 200
+        assert (await client.get("/health")).status == 200  # health needs no key
+
+
+async def test_models_health_metrics(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer), cached_tokens=2)
+    async with serve(tokenizer, {"a": a}) as client:
+        models = await (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert models["data"][0]["max_model_len"] == 256
+        await client.post("/v1/chat/completions", json=chat_body(), headers={"X-Session-ID": "s"})
+        await asyncio.sleep(0.01)  # the post-call state refresh
+        text = await (await client.get("/metrics")).text()
+    assert 'talaria_router_requests_total{instance="a",model="tiny",outcome="ok"} 1' in text
+    assert 'talaria_router_cached_tokens_total{model="tiny"} 2' in text
+    assert 'talaria_router_ttft_seconds_count{model="tiny"} 1' in text
+    assert 'talaria_instance_healthy{instance="a"} 1' in text
+    assert "talaria_router_sessions 1" in text
+
+
+async def test_client_disconnect_aborts_call(tokenizer: ModelTokenizer) -> None:
+    hold = asyncio.Event()
+    a = FakeInstance("a", reply(tokenizer), hold=hold)
+    async with serve(tokenizer, {"a": a}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")  # the role chunk
+        resp.close()  # the client goes away mid-stream
+        hold.set()
+        for _ in range(100):
+            if a.aborted:
+                break
+            await asyncio.sleep(0.01)
+    assert a.aborted == [a.calls[0].call_id]
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        RouterConfig(models={"m": "/x"}, instances={}, policy="random")
+    with pytest.raises(ValueError, match="at least one model"):
+        RouterConfig(models={}, instances={})
+    with pytest.raises(ValueError, match="max_model_lens"):
+        RouterConfig(models={"m": "/x"}, instances={}, max_model_lens={"z": 5})
+
+
+async def test_concurrent_sessions_all_complete(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    b = FakeInstance("b", reply(tokenizer))
+    async with serve(tokenizer, {"a": a, "b": b}, policy="cache_aware") as client:
+        async def one(i: int) -> str:
+            resp = await client.post("/v1/chat/completions", json=chat_body(stream=i % 2 == 0),
+                                     headers={"X-Session-ID": f"s{i % 4}"})
+            if i % 2 == 0:
+                events = await sse(resp)
+                return "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"])
+            return (await resp.json())["choices"][0]["message"]["content"]
+
+        texts = await asyncio.gather(*(one(i) for i in range(12)))
+        core = client.app[CORE_KEY]
+        assert all(v == 0 for v in core.context.outstanding_tokens.values())
+        assert all(v == 0 for v in core.context.outstanding_prefill.values())
+        assert {r.session_id: r.calls for r in map(core.sessions.get, ["s0", "s1", "s2", "s3"])} == {
+            "s0": 3, "s1": 3, "s2": 3, "s3": 3}
+    assert texts == [REPLY_TEXT] * 12
+    assert len(a.calls) + len(b.calls) == 12

@@ -1,0 +1,134 @@
+"""HttpInstanceClient against a small aiohttp server speaking the instance's internal API."""
+
+from __future__ import annotations
+
+import socket
+
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from router.core import CallRejected
+from router.instance_http import HttpInstanceClient
+from talaria.protocol import (
+    CallEvent,
+    CallRequest,
+    CallUsage,
+    InstanceState,
+    InstanceUnavailable,
+    ModelState,
+    Overloaded,
+    Residency,
+    SamplingParams,
+    SessionKV,
+    to_json,
+)
+
+ABORTED = web.AppKey("aborted", list[str])
+RECEIVED = web.AppKey("received", list[CallRequest])
+
+
+def fake_instance_app(mode: dict[str, str], model: str = "m") -> web.Application:
+    aborted: list[str] = []
+    received: list[CallRequest] = []
+
+    async def calls(request: web.Request) -> web.StreamResponse:
+        call = CallRequest.from_dict(orjson.loads(await request.read()))
+        received.append(call)
+        if mode["calls"] == "overloaded":
+            return web.json_response({"error": "queue full", "retry_after_s": 4.0}, status=429,
+                                     headers={"Retry-After": "4"})
+        if mode["calls"] == "bad":
+            return web.json_response({"error": {"message": "model not here", "type": "x"}}, status=404)
+        if mode["calls"] == "crash":
+            return web.json_response({"error": {"message": "boom", "type": "x"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        if mode["calls"] == "big":  # one event far above aiohttp's readline limit
+            event = CallEvent(call.call_id, list(range(40_000)), finished=True, finish_reason="length")
+            await resp.write(to_json(event))  # and no trailing newline
+            await resp.write_eof()
+            return resp
+        for i, tok in enumerate([7, 8, 9]):
+            last = i == 2
+            event = CallEvent(call.call_id, [tok], finished=last, finish_reason="length" if last else None,
+                              usage=CallUsage(len(call.prompt_token_ids), 3, 1) if last else None)
+            await resp.write(to_json(event) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def abort(request: web.Request) -> web.Response:
+        aborted.append(request.match_info["call_id"])
+        return web.json_response({"aborted": True})
+
+    async def state(request: web.Request) -> web.Response:
+        st = InstanceState("i0", active_model=model, switches=2,
+                           sessions={"s": SessionKV("s", model, device_tokens=5)})
+        st.models[model] = ModelState(model, residency=Residency.ACTIVE, queued_calls=1)
+        return web.Response(body=to_json(st), content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app[ABORTED] = aborted
+    app[RECEIVED] = received
+    app.router.add_post("/internal/v1/calls", calls)
+    app.router.add_post("/internal/v1/calls/{call_id}/abort", abort)
+    app.router.add_get("/internal/v1/state", state)
+    app.router.add_get("/health", health)
+    return app
+
+
+def call() -> CallRequest:
+    return CallRequest("c1", "s", "m", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0),
+                       expected_gap_s=1.5)
+
+
+async def test_stream_state_abort_health() -> None:
+    mode = {"calls": "ok"}
+    app = fake_instance_app(mode)
+    async with TestServer(app) as server:
+        client = HttpInstanceClient("i0", str(server.make_url("/")))
+        events = [e async for e in client.submit(call())]
+        assert [e.token_ids for e in events] == [[7], [8], [9]]
+        assert events[-1].finished and events[-1].usage == CallUsage(4, 3, 1)
+        sent = app[RECEIVED][0]
+        assert sent == call()  # the request crossed intact, sampling params included
+        state = await client.state()
+        assert state.models["m"].residency == Residency.ACTIVE and state.switches == 2
+        assert state.sessions["s"].device_tokens == 5
+        await client.abort("c1")
+        assert app[ABORTED] == ["c1"]
+        assert await client.health()
+
+        mode["calls"] = "big"
+        events = [e async for e in client.submit(call())]
+        assert len(events) == 1 and events[0].token_ids == list(range(40_000))
+
+        mode["calls"] = "overloaded"
+        with pytest.raises(Overloaded) as info:
+            [e async for e in client.submit(call())]
+        assert info.value.retry_after_s == 4.0
+        mode["calls"] = "bad"
+        with pytest.raises(CallRejected) as rejected:
+            [e async for e in client.submit(call())]
+        assert rejected.value.status == 404 and "model not here" in rejected.value.message
+        mode["calls"] = "crash"
+        with pytest.raises(InstanceUnavailable, match="HTTP 500"):
+            [e async for e in client.submit(call())]
+        await client.close()
+
+
+async def test_unreachable_instance() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = HttpInstanceClient("gone", f"http://127.0.0.1:{port}", connect_timeout_s=1.0)
+    with pytest.raises(InstanceUnavailable, match="cannot reach"):
+        [e async for e in client.submit(call())]
+    with pytest.raises(InstanceUnavailable):
+        await client.state()
+    assert not await client.health()
+    await client.close()

@@ -1,0 +1,101 @@
+"""Block hashes, incremental detokenisation, stop strings, the session table."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.sessions import SessionTable
+from router.tokenization import ModelTokenizer, StopMatcher, block_hashes
+
+
+def test_block_hashes_chain_prefixes() -> None:
+    a = list(range(100))
+    b = list(range(40)) + [999] + list(range(41, 100))
+    ha, hb = block_hashes(a, 16), block_hashes(b, 16)
+    assert len(ha) == 6  # only full blocks
+    assert ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert ha[3:] != hb[3:]  # chained: a change poisons every later block
+    assert block_hashes(a[:15], 16) == []
+    # Continuing a chain from a parent equals hashing the whole sequence.
+    assert ha[:2] + block_hashes(a[32:], 16, parent=ha[1]) == ha
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes(a, 0)
+
+
+def test_chat_template_and_context_length(tokenizer: ModelTokenizer) -> None:
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
+    text = tokenizer.tokenizer.decode(ids)
+    assert text == "<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.context_len == 256
+
+
+def test_max_model_len_overrides_config(model_dir) -> None:  # type: ignore[no-untyped-def]
+    assert ModelTokenizer.load("tiny", model_dir, max_model_len=64).context_len == 64
+    with pytest.raises(FileNotFoundError, match="model directory"):
+        ModelTokenizer.load("x", model_dir / "missing")
+
+
+def test_token_ids_outside_vocab_rejected(tokenizer: ModelTokenizer) -> None:
+    tokenizer.check_token_ids([0, 1, tokenizer.vocab_size - 1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tokenizer.check_token_ids([5, tokenizer.vocab_size])
+
+
+@pytest.mark.parametrize("text", ["Hello world, this is a test.", "naïve café ü — 漢字 ok", "  spaced\n\nlines"])
+def test_incremental_detokenizer_matches_full_decode(tokenizer: ModelTokenizer, text: str) -> None:
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    ids = tokenizer.encode_text(text, add_special_tokens=False)
+    detok = tokenizer.detokenizer(prompt)
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@given(st.text(alphabet="abc", max_size=40), st.lists(st.integers(1, 5), min_size=1, max_size=20))
+def test_stop_matcher_cuts_exactly_at_first_stop(text: str, cuts: list[int]) -> None:
+    stops = ["cab", "bb"]
+    matcher = StopMatcher(stops)
+    out, pos, k = [], 0, 0
+    while pos < len(text):
+        c = cuts[k % len(cuts)]
+        k += 1
+        emitted, stopped = matcher.feed(text[pos : pos + c])
+        out.append(emitted)
+        pos += c
+        if stopped:
+            break
+    out.append(matcher.flush())
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    expected = text[: min(hits)] if hits else text
+    assert "".join(out) == expected
+    assert matcher.stopped == bool(hits)
+
+
+def test_session_table_gaps_and_ttl() -> None:
+    table = SessionTable(ttl_s=100.0)
+    table.start_call("s", "m", 0.0, 100)
+    table.end_call("s", "a", 10.0, [1, 2], 140)
+    rec = table.start_call("s", "m", 12.5, 150)
+    assert list(rec.gaps) == [2.5] and rec.instance_id == "a" and rec.calls == 2
+    table.end_call("s", "a", 20.0, [1, 2, 3], 170)
+    table.start_call("s", "m", 21.5, 180, expected_gap_s=7.0)
+    rec = table.get("s")
+    assert rec is not None and rec.predicted_gap() == 7.0
+    table.end_call("s", "a", 30.0, [1], 190)
+    assert rec.kv_tokens == 190 and rec.block_hashes == [1]
+    # A different model starts the session afresh.
+    assert table.start_call("s", "other", 31.0, 10).calls == 1
+    table.end_call("s", "b", 32.0, [], 10)
+    assert table.cleanup(100.0) == [] and "s" in table
+    assert [r.session_id for r in table.cleanup(133.0)] == ["s"] and len(table) == 0
+
+
+def test_session_ends_on_last_call() -> None:
+    table = SessionTable()
+    table.start_call("s", "m", 0.0, 10)
+    assert table.end_call("s", "a", 1.0, [], 10, last_call=True) is not None
+    assert "s" not in table
+    with pytest.raises(ValueError, match="ttl_s"):
+        SessionTable(ttl_s=0)
