@@ -1,0 +1,160 @@
+"""Runs engine operations so that their time is spent on the right clock.
+
+Live engine: every blocking operation runs on one dedicated worker thread
+(``loop.run_in_executor``), so the event loop keeps serving HTTP and timers while a step or a
+weight copy is in progress; the time has passed when the call returns.
+
+Simulated engine (``engine.simulated``): the operation is called directly (no thread) and
+returns the seconds its cost model predicts; the executor then ``await asyncio.sleep``s that
+long, so the virtual clock advances by exactly the modelled duration. ``stage`` is the one
+exception: staging is a background copy, so it is started and not waited for (the engine's
+residency tells when it is ready).
+
+Invariant: at most one timed operation is in flight, and the cheap synchronous calls
+(``add_request``, ``abort``, ``pin_session_kv``...) are refused while one is, so the engine is
+never touched from two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from engine.interface import (
+    EngineRequest,
+    EngineStats,
+    MoveReport,
+    MultiModelEngineProtocol,
+    Residency,
+    StepResult,
+)
+
+T = TypeVar("T")
+
+__all__ = ["EngineExecutor", "EngineBusy"]
+
+
+class EngineBusy(RuntimeError):
+    """An engine call was attempted while another operation was in flight."""
+
+
+class EngineExecutor:
+    def __init__(
+        self,
+        engine: MultiModelEngineProtocol,
+        thread_init: Callable[[], None] | None = None,
+    ) -> None:
+        """``thread_init`` runs once on the live worker thread before its first op (e.g.
+        ``torch.cuda.set_device`` for the rank's device)."""
+        self.engine = engine
+        self._thread_init = thread_init
+        self.simulated = bool(getattr(engine, "simulated", False))
+        self._pool: ThreadPoolExecutor | None = None
+        self._busy: str | None = None
+        self.on_report: list[Callable[[str, StepResult | MoveReport, str | None], None]] = []
+
+    # timed operations -------------------------------------------------------------------
+
+    async def step(self) -> StepResult:
+        model = self.engine.active_model
+        result = await self._timed("step", self.engine.step, lambda r: r.seconds)
+        self._report("step", result, model)
+        return result
+
+    async def activate(self, model: str) -> MoveReport:
+        report = await self._timed("activate", lambda: self.engine.activate(model), _secs)
+        self._report("activate", report, model)
+        return report
+
+    async def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
+        model = self.engine.active_model
+        report = await self._timed("offload_kv", lambda: self.engine.offload_kv(session_ids), _secs)
+        self._report("offload_kv", report, model)
+        return report
+
+    async def stage(self, model: str) -> MoveReport:
+        """Start staging ``model``; in sim the copy runs in the background (no sleep)."""
+        if self.simulated:
+            self._check_idle("stage")
+            report = self.engine.stage(model)
+        else:
+            report = await self._timed("stage", lambda: self.engine.stage(model), _secs)
+        self._report("stage", report, model)
+        return report
+
+    # cheap synchronous calls ------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        self._check_idle("add_request")
+        self.engine.add_request(request)
+
+    def abort(self, request_id: str) -> None:
+        self._check_idle("abort")
+        self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        self._check_idle("has_unfinished")
+        return self.engine.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        self._check_idle("stats")
+        return self.engine.stats()
+
+    def residency(self) -> dict[str, Residency]:
+        self._check_idle("residency")
+        return self.engine.residency()
+
+    def pin_session_kv(self, session_id: str) -> int:
+        self._check_idle("pin_session_kv")
+        return self.engine.pin_session_kv(session_id)
+
+    def unpin_session_kv(self, session_id: str) -> None:
+        self._check_idle("unpin_session_kv")
+        self.engine.unpin_session_kv(session_id)
+
+    def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
+        self._check_idle("session_kv_tokens")
+        return self.engine.session_kv_tokens(session_id)
+
+    @property
+    def busy(self) -> str | None:
+        """Name of the operation in flight, or None."""
+        return self._busy
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # internals --------------------------------------------------------------------------
+
+    async def _timed(self, name: str, op: Callable[[], T], seconds: Callable[[T], float]) -> T:
+        self._check_idle(name)
+        self._busy = name
+        try:
+            if self.simulated:
+                result = op()
+                await asyncio.sleep(max(0.0, seconds(result)))
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="engine", initializer=self._thread_init
+                    )
+                result = await asyncio.get_running_loop().run_in_executor(self._pool, op)
+        finally:
+            self._busy = None
+        return result
+
+    def _check_idle(self, name: str) -> None:
+        if self._busy is not None:
+            raise EngineBusy(f"engine call {name!r} while {self._busy!r} is in flight")
+
+    def _report(self, kind: str, result: StepResult | MoveReport, model: str | None) -> None:
+        for callback in self.on_report:
+            callback(kind, result, model)
+
+
+def _secs(report: MoveReport) -> float:
+    return report.seconds

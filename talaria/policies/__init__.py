@@ -1,0 +1,1 @@
+"""Admission policies of an instance: one concept per module."""

@@ -1,0 +1,76 @@
+"""Soft reservations: budget kept for a session's likely return.
+
+Lifetime (the admission loop drives it; this module is bookkeeping only):
+- created when a call ends (not for a last call): expected return, expiry, and the number of
+  device KV blocks pinned for it (``engine.pin_session_kv``; ``pinned`` is True while the
+  engine holds that pin);
+- while alive and pinned, its blocks cannot be evicted and count in the admission budget;
+  it also tells session-prefill that a continuation is coming;
+- it ends when the session's next call is admitted (consumed), when it expires, or when it
+  yields under memory pressure; the loop unpins (offloading first when host KV is on);
+- a switch away from its model unpins it (after the offload, when host KV is on), but the
+  reservation stays alive with zero device blocks: it still predicts the return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Reservation", "ReservationBook"]
+
+
+@dataclass
+class Reservation:
+    session_id: str
+    model: str
+    created: float
+    expected_return: float
+    expires: float
+    blocks: int = 0
+    pinned: bool = False
+
+
+class ReservationBook:
+    def __init__(self) -> None:
+        self._by_session: dict[str, Reservation] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_session)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._by_session
+
+    def get(self, session_id: str) -> Reservation | None:
+        return self._by_session.get(session_id)
+
+    def add(self, reservation: Reservation) -> None:
+        if reservation.session_id in self._by_session:
+            raise ValueError(f"session {reservation.session_id!r} already has a reservation")
+        self._by_session[reservation.session_id] = reservation
+
+    def pop(self, session_id: str) -> Reservation | None:
+        return self._by_session.pop(session_id, None)
+
+    def all(self) -> list[Reservation]:
+        return list(self._by_session.values())
+
+    def for_model(self, model: str) -> list[Reservation]:
+        return [r for r in self._by_session.values() if r.model == model]
+
+    def expired(self, now: float) -> list[Reservation]:
+        return [r for r in self._by_session.values() if r.expires <= now]
+
+    def pinned_blocks(self, model: str) -> int:
+        return sum(r.blocks for r in self._by_session.values() if r.model == model and r.pinned)
+
+    def next_expiry(self) -> float | None:
+        return min((r.expires for r in self._by_session.values()), default=None)
+
+    def yield_order(self, model: str, exclude: str | None = None) -> list[Reservation]:
+        """Pinned reservations of ``model``, least valuable (latest expected return) first."""
+        pinned = [
+            r
+            for r in self._by_session.values()
+            if r.model == model and r.pinned and r.session_id != exclude
+        ]
+        return sorted(pinned, key=lambda r: r.expected_return, reverse=True)

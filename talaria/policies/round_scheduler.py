@@ -1,0 +1,92 @@
+"""The round scheduler (the baseline): models with pending work take slots round-robin.
+
+A slot of model m admits m's queued calls until the queue is empty or the quantum expires;
+then it closes: calls of m arriving later wait for m's next slot, in-flight calls finish, and
+the next model in round order with pending work gets the instance. If m is the only model with
+pending work its slot continues (or reopens) instead: there is nothing to switch to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["Slot", "RoundScheduler"]
+
+
+@dataclass
+class Slot:
+    model: str
+    opened: float
+    quantum_s: float
+    closed_at: float | None = None  # loop time the slot closed (None: open)
+    sp_used_s: float = 0.0  # estimated extra slot time session-prefill has added
+    sp_given_up: set[str] = field(default_factory=set)  # sessions SP stopped waiting for
+
+    @property
+    def open(self) -> bool:
+        return self.closed_at is None
+
+    def quantum_expired(self, now: float) -> bool:
+        return now >= self.opened + self.quantum_s
+
+    def close(self, now: float) -> None:
+        if self.closed_at is None:
+            self.closed_at = now
+
+
+class RoundScheduler:
+    def __init__(self, models: list[str]) -> None:
+        if not models:
+            raise ValueError("an instance needs at least one model")
+        self.order = list(models)
+
+    def next_model(self, current: str | None, has_work: Callable[[str], bool]) -> str | None:
+        """The next model after ``current`` in round order with pending work; ``current``
+        itself comes last (it is chosen only when no other model has work)."""
+        start = self.order.index(current) + 1 if current in self.order else 0
+        n = len(self.order)
+        for i in range(n):
+            model = self.order[(start + i) % n]
+            if has_work(model):
+                return model
+        return None
+
+    def models_before(self, current: str | None, target: str) -> list[str]:
+        """Models that come after ``current`` and before ``target`` in round order."""
+        if target not in self.order:
+            raise ValueError(f"unknown model {target!r}")
+        start = self.order.index(current) + 1 if current in self.order else 0
+        out: list[str] = []
+        n = len(self.order)
+        for i in range(n):
+            model = self.order[(start + i) % n]
+            if model == target:
+                break
+            out.append(model)
+        return out
+
+    def wait_s(
+        self,
+        current: str | None,
+        target: str,
+        *,
+        current_open: bool,
+        current_left_s: float,
+        has_work: Callable[[str], bool],
+        slot_s: Callable[[str], float],
+        switch_s: Callable[[str], float],
+    ) -> float:
+        """Estimated seconds until ``target``'s slot opens.
+
+        0 when ``target`` holds the open slot. Otherwise: what is left of the current slot,
+        then each model ahead of ``target`` in round order that has work (its switch and its
+        slot), then the switch to ``target``. A closed slot of ``target`` itself waits for
+        a whole round unless no other model has work (then it reopens at once).
+        """
+        if target == current and current_open:
+            return 0.0
+        ahead = [m for m in self.models_before(current, target) if m != current and has_work(m)]
+        if target == current and not ahead:
+            return current_left_s
+        return current_left_s + sum(switch_s(m) + slot_s(m) for m in ahead) + switch_s(target)

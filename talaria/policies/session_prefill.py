@@ -1,0 +1,139 @@
+"""Session-prefill (SP): a cost-benefit decision to serve a continuation in the current slot.
+
+When the active model's slot has closed (queue empty or quantum expired) a continuation of
+that model, already queued or reserved to arrive within the horizon, may still be served in
+this slot. It pays when what the session saves
+
+    benefit = the round it would otherwise wait (other models' slots and switches)
+            + the switch back to this model + the KV rebuild it avoids
+
+exceeds what the others pay
+
+    cost = extra_delay * (calls waiting for other models)
+
+where ``extra_delay`` is how much longer the slot lasts because of it: idle time until its
+arrival (for a reserved one) plus its service beyond the end of the work already in flight.
+The extension a slot gets from SP is bounded by ``sp_budget_s`` in total, so other models'
+calls wait at most one quantum + one SP budget + drain + switches for their slot. A hold (idle
+wait for a reserved continuation) never lasts beyond its predicted arrival plus a margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    from talaria.admission import Instance
+    from talaria.estimates import PendingCall
+    from talaria.policies.round_scheduler import Slot
+
+log = structlog.get_logger("talaria.session_prefill")
+
+__all__ = ["SPCandidate", "SPDecision", "decide", "decide_queued", "hold_until"]
+
+
+@dataclass
+class SPCandidate:
+    session_id: str
+    arrival: float  # loop time: now for a queued call, the expected return for a reserved one
+    service_s: float  # estimated prefill of its new suffix + decode of its output
+    rebuild_s: float  # what rebuilding its KV would cost after a switch away and back
+    queued: bool
+
+
+@dataclass
+class SPDecision:
+    take: bool
+    benefit_s: float
+    cost_s: float
+    extra_delay_s: float
+    reason: str
+
+
+def decide(
+    cand: SPCandidate,
+    *,
+    now: float,
+    drain_end: float,
+    waiting_other_calls: int,
+    round_wait_s: float,
+    switch_back_s: float,
+    horizon_s: float,
+    budget_left_s: float,
+) -> SPDecision:
+    """Whether to serve ``cand`` in the current (closed) slot of its model."""
+    start = max(now, cand.arrival)
+    extra = max(0.0, start + cand.service_s - max(now, drain_end))
+    if waiting_other_calls == 0:
+        # Nothing else waits: the slot continues anyway; there is nothing to decide.
+        return SPDecision(False, 0.0, 0.0, extra, "no other model waiting")
+    benefit = round_wait_s + switch_back_s + cand.rebuild_s
+    cost = extra * waiting_other_calls
+    if cand.arrival - now > horizon_s:
+        return SPDecision(False, benefit, cost, extra, "beyond horizon")
+    if extra > budget_left_s:
+        return SPDecision(False, benefit, cost, extra, "exceeds SP budget")
+    if benefit <= cost:
+        return SPDecision(False, benefit, cost, extra, "costs more than it saves")
+    return SPDecision(True, benefit, cost, extra, "saves more than it costs")
+
+
+def decide_queued(inst: Instance, slot: Slot, pending: PendingCall) -> SPDecision:
+    """Whether to admit a queued continuation into ``slot`` (closed) now."""
+    now = inst.now()
+    model = slot.model
+    return decide(
+        inst.est.sp_candidate_queued(pending),
+        now=now,
+        drain_end=now + inst.est.drain_left_s(),
+        waiting_other_calls=inst.others_waiting(model),
+        round_wait_s=inst.est.round_wait_s(model),
+        switch_back_s=inst.est.switch_back_s(model),
+        horizon_s=inst.policy.sp_horizon_s,
+        budget_left_s=inst.policy.sp_budget_s - slot.sp_used_s,
+    )
+
+
+def hold_until(inst: Instance, slot: Slot) -> float | None:
+    """Loop time until which the idle engine keeps ``slot`` for a reserved continuation, or
+    None to switch now. Never past the continuation's predicted arrival plus the idle margin,
+    nor past the slot's SP budget. Sessions not worth waiting for are marked given up."""
+    model = slot.model
+    now = inst.now()
+    margin = inst.policy.sp_idle_margin_s
+    queued = {p.call.session_id for p in inst.queues[model]}
+    candidates: list[tuple[float, SPCandidate]] = []
+    for res in inst.reservations.for_model(model):
+        if res.session_id in slot.sp_given_up or res.session_id in queued:
+            continue
+        until = res.expected_return + margin
+        if until <= now:
+            slot.sp_given_up.add(res.session_id)
+            continue
+        candidates.append((until, inst.est.sp_candidate_reserved(res)))
+    budget_left = inst.policy.sp_budget_s - slot.sp_used_s
+    for until, cand in sorted(candidates, key=lambda item: item[1].arrival):
+        decision = decide(
+            cand,
+            now=now,
+            drain_end=now,
+            waiting_other_calls=inst.others_waiting(model),
+            round_wait_s=inst.est.round_wait_s(model),
+            switch_back_s=inst.est.switch_back_s(model),
+            horizon_s=inst.policy.sp_horizon_s,
+            budget_left_s=budget_left,
+        )
+        if decision.take:
+            log.debug(
+                "sp_hold",
+                session=cand.session_id,
+                until=until,
+                benefit=decision.benefit_s,
+                cost=decision.cost_s,
+            )
+            return min(until, now + budget_left)
+        slot.sp_given_up.add(cand.session_id)
+    return None

@@ -1,0 +1,39 @@
+"""D2D staging: which model to copy into the device staging region while the current runs.
+
+The model most likely needed next is the next one in round order (after the active model)
+with queued calls, else with live reservations. It is staged only when its weights are only
+in host memory and no other staging copy is in progress, so a staged model is not replaced
+while it is still the best guess.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.interface import Residency
+
+if TYPE_CHECKING:
+    from talaria.admission import Instance
+
+__all__ = ["predicted_next", "staging_target"]
+
+
+def predicted_next(inst: Instance) -> str | None:
+    active = inst.active_model
+    reserved = {r.model for r in inst.reservations.all()}
+    nxt = inst.rounds.next_model(active, lambda m: m != active and bool(inst.queues[m]))
+    if nxt is None:
+        nxt = inst.rounds.next_model(active, lambda m: m != active and m in reserved)
+    return nxt
+
+
+def staging_target(inst: Instance) -> str | None:
+    """The model to start staging now, or None."""
+    nxt = predicted_next(inst)
+    if nxt is None:
+        return None
+    if any(r == Residency.STAGING for r in inst.residency.values()):
+        return None
+    if inst.residency.get(nxt) != Residency.HOST:
+        return None
+    return nxt

@@ -1,0 +1,148 @@
+"""An instance's per-session state: history, where each session's KV is, soft reservations.
+
+It carries out the reservation life cycle described in ``talaria.policies.reservations``
+(create on call end, consume on admission, expire, yield under memory pressure, unpin on a
+switch away, release on shutdown). All engine calls go through the executor, from the
+admission loop's task only.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from talaria.config import PolicyConfig
+from talaria.executor import EngineExecutor
+from talaria.policies.gap_predictor import GapPredictor
+from talaria.policies.reservations import Reservation, ReservationBook
+from talaria.protocol import CallRequest
+from talaria.rates import RateBook
+
+log = structlog.get_logger("talaria.sessions")
+
+__all__ = ["SessionKeeper"]
+
+
+class SessionKeeper:
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        executor: EngineExecutor,
+        rates: RateBook,
+        counters: dict[str, int],
+    ) -> None:
+        self.policy = policy
+        self.executor = executor
+        self.rates = rates
+        self.counters = counters
+        self.gaps = GapPredictor(policy.default_gap_s, policy.gap_ewma_alpha)
+        self.reservations = ReservationBook()
+        self.kv_tokens: dict[str, tuple[int, int]] = {}  # session -> (device, host) tokens
+        for key in ("reservations", "reservations_consumed", "reservations_expired"):
+            counters.setdefault(key, 0)
+        counters.setdefault("reservations_yielded", 0)
+
+    def model_of(self, session_id: str) -> str | None:
+        hist = self.gaps.get(session_id)
+        return hist.model if hist is not None else None
+
+    def on_arrival(self, call: CallRequest, now: float) -> bool:
+        """Record a call's arrival; True when it continues a session served here before."""
+        hist = self.gaps.get(call.session_id)
+        continuation = hist is not None and hist.calls > 0 and hist.model == call.model
+        self.gaps.on_arrival(call.session_id, call.model, len(call.prompt_token_ids), now)
+        return continuation
+
+    def on_admit(self, session_id: str) -> None:
+        """The session's call is in the engine: its request now references the session's
+        blocks, so its reservation (if any) is consumed and its pin released."""
+        res = self.reservations.pop(session_id)
+        if res is None:
+            return
+        if res.pinned:
+            self.executor.unpin_session_kv(session_id)
+        self.counters["reservations_consumed"] += 1
+
+    def on_call_end(self, call: CallRequest, output_tokens: int, now: float) -> None:
+        """Learn from a finished call and reserve for the session's likely return."""
+        total = len(call.prompt_token_ids) + output_tokens
+        self.gaps.on_end(
+            call.session_id, total, output_tokens, now, call.expected_gap_s, call.last_call
+        )
+        self.kv_tokens[call.session_id] = self.executor.session_kv_tokens(call.session_id)
+        if not self.policy.soft_reservations or call.last_call:
+            return
+        gap = self.gaps.predict_gap(call.session_id)
+        if gap is None or gap >= self.policy.reservation_ttl_s:
+            return
+        old = self.reservations.pop(call.session_id)
+        if old is not None and old.pinned:
+            self.executor.unpin_session_kv(call.session_id)
+        blocks = self.executor.pin_session_kv(call.session_id)
+        self.reservations.add(
+            Reservation(
+                session_id=call.session_id,
+                model=call.model,
+                created=now,
+                expected_return=now + gap,
+                expires=now + self.policy.reservation_ttl_s,
+                blocks=blocks,
+                pinned=True,
+            )
+        )
+        self.counters["reservations"] += 1
+
+    def expire(self, now: float) -> None:
+        for res in self.reservations.expired(now):
+            self.reservations.pop(res.session_id)
+            if res.pinned:
+                self.executor.unpin_session_kv(res.session_id)
+            self.counters["reservations_expired"] += 1
+
+    async def yield_reservation(self, res: Reservation) -> None:
+        """Memory pressure: give up a reservation's blocks, offloading them first when host
+        KV is on (so the session restores instead of recomputing)."""
+        if self.policy.host_kv:
+            report = await self.executor.offload_kv([res.session_id])
+            self.rates.observe_kv_size(report.bytes, self.kv_tokens.get(res.session_id, (0, 0))[0])
+        self.reservations.pop(res.session_id)
+        if res.pinned:
+            self.executor.unpin_session_kv(res.session_id)
+        self.counters["reservations_yielded"] += 1
+        self.kv_tokens[res.session_id] = self.executor.session_kv_tokens(res.session_id)
+        log.debug("reservation_yielded", session=res.session_id, blocks=res.blocks)
+
+    def device_tokens_of(self, model: str) -> int:
+        return sum(dev for s, (dev, _host) in self.kv_tokens.items() if self.model_of(s) == model)
+
+    def switch_out(self, model: str) -> None:
+        """``model`` is being switched out: its reservations stay alive (they still predict
+        returns) but lose their device blocks, which the switch drops (pins included)."""
+        for res in self.reservations.for_model(model):
+            if res.pinned:
+                self.executor.unpin_session_kv(res.session_id)
+                res.pinned = False
+            res.blocks = 0
+
+    def release_all(self) -> None:
+        """On shutdown: unpin every live reservation (best effort if the engine failed)."""
+        for res in self.reservations.all():
+            self.reservations.pop(res.session_id)
+            if not res.pinned:
+                continue
+            try:
+                self.executor.unpin_session_kv(res.session_id)
+            except Exception:
+                log.exception("unpin_failed", session=res.session_id)
+
+    def refresh(self, now: float, live_sessions: set[str]) -> None:
+        """Re-read where each session's KV is; forget sessions with nothing left here that
+        have been quiet for ``session_memory_s``."""
+        for session_id, hist in list(self.gaps.sessions.items()):
+            kv = self.executor.session_kv_tokens(session_id)
+            quiet = now - hist.last_seen > self.policy.session_memory_s
+            empty = kv == (0, 0) and session_id not in self.reservations
+            if empty and quiet and session_id not in live_sessions:
+                self.gaps.forget(session_id)
+                self.kv_tokens.pop(session_id, None)
+            else:
+                self.kv_tokens[session_id] = kv

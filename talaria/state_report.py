@@ -1,0 +1,76 @@
+"""The instance's report to the router: residency, pressure, rates, sessions, blocks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.interface import Residency
+from talaria.protocol import InstanceState, ModelState, SessionKV
+
+if TYPE_CHECKING:
+    from talaria.admission import Instance
+
+__all__ = ["build_state"]
+
+
+def build_state(inst: Instance) -> InstanceState:
+    """Assemble an InstanceState from the loop's bookkeeping (no engine call: safe while
+    an engine operation is in flight)."""
+    now = inst.now()
+    est = inst.est
+    models: dict[str, ModelState] = {}
+    for name in inst.models:
+        rates = inst.rates.models[name]
+        queue = inst.queues[name]
+        running = [p for p in inst.running.values() if p.call.model == name]
+        running_tokens = 0
+        for p in running:
+            prompt_left = est.new_tokens(p.call) if p.usage is None else 0
+            running_tokens += prompt_left + max(0, int(p.expected_out) - p.out_tokens)
+        models[name] = ModelState(
+            name=name,
+            residency=inst.residency.get(name, Residency.ABSENT),
+            queued_calls=len(queue),
+            queued_tokens=sum(est.new_tokens(p.call) for p in queue),
+            running_calls=len(running),
+            running_tokens=running_tokens,
+            wait_s=est.wait_s(name),
+            prefill_tokens_per_s=rates.prefill_tokens_per_s.value,
+            decode_step_s=rates.decode_step_s.value,
+            switch_host_s=rates.switch_host_s.value,
+            switch_staged_s=rates.switch_staged_s.value,
+            kv_restore_bytes_per_s=inst.rates.kv_offload_bytes_per_s.value,
+            kv_bytes_per_token=int(round(inst.rates.kv_bytes_per_token.value)),
+        )
+    sessions: dict[str, SessionKV] = {}
+    for session_id, hist in inst.gaps.sessions.items():
+        device, host = inst.kv_tokens.get(session_id, (0, 0))
+        res = inst.reservations.get(session_id)
+        if device == 0 and host == 0 and res is None:
+            continue
+        sessions[session_id] = SessionKV(
+            session_id=session_id,
+            model=hist.model,
+            device_tokens=device,
+            host_tokens=host,
+            reserved_until=res.expires if res is not None else None,
+            expected_return=res.expected_return if res is not None else None,
+        )
+    model = inst.active_model
+    return InstanceState(
+        instance_id=inst.instance_id,
+        now=now,
+        healthy=inst.healthy,
+        active_model=model,
+        models=models,
+        sessions=sessions,
+        total_kv_blocks=inst.stats.num_total_blocks,
+        free_kv_blocks=inst.stats.num_free_blocks,
+        reserved_kv_blocks=inst.reservations.pinned_blocks(model) if model is not None else 0,
+        block_size=inst.stats.block_size,
+        switches=inst.counters["switches"],
+        kv_restored_bytes=int(
+            inst.stats.restored_tokens_total * inst.rates.kv_bytes_per_token.value
+        ),
+        kv_offloaded_bytes=inst.rates.kv_offloaded_bytes,
+    )

@@ -1,0 +1,108 @@
+"""EngineExecutor: sim ops run inline and advance virtual time; live ops run on one thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from fake_engine import FakeEngine
+
+from engine.interface import EngineRequest
+from engine.sampling_params import SamplingParams
+from talaria.clock import run_live, run_virtual
+from talaria.executor import EngineBusy, EngineExecutor
+
+
+class ThreadRecordingEngine(FakeEngine):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.threads: list[int] = []
+
+    def step(self):  # type: ignore[no-untyped-def]
+        self.threads.append(threading.get_ident())
+        return super().step()
+
+    def activate(self, model: str):  # type: ignore[no-untyped-def]
+        self.threads.append(threading.get_ident())
+        return super().activate(model)
+
+
+def _request(rid: str) -> EngineRequest:
+    return EngineRequest(
+        rid, list(range(10)), SamplingParams(max_tokens=2), model="a", session_id="s"
+    )
+
+
+def test_sim_ops_run_inline_and_advance_virtual_time_by_their_seconds() -> None:
+    engine = ThreadRecordingEngine(["a", "b"], step_s=0.25, switch_host_s=3.0, stage_s=7.0)
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        ex = EngineExecutor(engine)
+        times = [loop.time()]
+        await ex.activate("a")
+        times.append(loop.time())
+        ex.add_request(_request("r1"))
+        await ex.step()
+        times.append(loop.time())
+        await ex.stage("b")  # a background copy: started, not waited for
+        times.append(loop.time())
+        ex.close()
+        return times
+
+    times = run_virtual(main())
+    assert times == [0.0, 3.0, 3.25, 3.25]
+    assert set(engine.threads) == {threading.get_ident()}  # no run_in_executor in sim
+
+
+def test_live_ops_run_on_one_worker_thread() -> None:
+    engine = ThreadRecordingEngine(["a"], simulated=False)
+
+    inits: list[int] = []
+
+    async def main() -> None:
+        ex = EngineExecutor(engine, thread_init=lambda: inits.append(threading.get_ident()))
+        await ex.activate("a")
+        ex.add_request(_request("r1"))
+        await ex.step()
+        await ex.step()
+        ex.close()
+
+    run_live(main())
+    assert len(set(engine.threads)) == 1
+    assert engine.threads[0] != threading.get_ident()
+    assert inits == engine.threads[:1]  # initialised once, on that thread
+
+
+def test_engine_calls_are_refused_while_an_op_is_in_flight() -> None:
+    engine = FakeEngine(["a"], step_s=1.0, active="a")
+
+    async def main() -> None:
+        ex = EngineExecutor(engine)
+        ex.add_request(_request("r1"))
+        task = asyncio.ensure_future(ex.step())
+        await asyncio.sleep(0.5)
+        assert ex.busy == "step"
+        with pytest.raises(EngineBusy, match="add_request.*step"):
+            ex.add_request(_request("r2"))
+        await task
+        assert ex.busy is None
+        ex.add_request(_request("r2"))
+
+    run_virtual(main())
+
+
+def test_reports_reach_listeners() -> None:
+    engine = FakeEngine(["a", "b"], switch_host_s=2.0)
+    seen: list[tuple[str, str | None]] = []
+
+    async def main() -> None:
+        ex = EngineExecutor(engine)
+        ex.on_report.append(lambda kind, result, model: seen.append((kind, model)))
+        await ex.activate("b")
+        await ex.offload_kv(None)
+        await ex.step()
+
+    run_virtual(main())
+    assert seen == [("activate", "b"), ("offload_kv", "b"), ("step", "b")]

@@ -1,0 +1,48 @@
+"""PolicyConfig: presets form the ablation ladder; bad values are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from talaria.config import PRESETS, PolicyConfig, preset
+
+MECHANISMS = ("d2d_staging", "host_kv", "session_prefill", "soft_reservations")
+
+
+def test_presets_add_one_mechanism_at_a_time() -> None:
+    ladder = ["baseline", "+staging", "+host_kv", "+sp", "talaria"]
+    assert list(PRESETS) == ladder
+    on = [{m for m in MECHANISMS if getattr(PRESETS[name], m)} for name in ladder]
+    assert on[0] == set()
+    for before, after in zip(on, on[1:], strict=False):
+        assert before < after and len(after - before) == 1
+    assert on[-1] == set(MECHANISMS)
+
+
+def test_overrides_and_from_dict() -> None:
+    cfg = preset("talaria", host_kv=False, slot_quantum_s=5.0)
+    assert not cfg.host_kv and cfg.session_prefill and cfg.slot_quantum_s == 5.0
+    assert PolicyConfig.from_dict({"preset": "baseline", "sp_budget_s": 3}).sp_budget_s == 3
+    assert PolicyConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"slot_quantum_s": 0}, "slot_quantum_s"),
+        ({"sp_budget_s": -1}, "sp_budget_s"),
+        ({"max_queue_calls": 0}, "max_queue_calls"),
+        ({"gap_ewma_alpha": 1.5}, "gap_ewma_alpha"),
+        ({"host_kv": "yes"}, "host_kv"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**kwargs)
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown policy preset"):
+        preset("fastest")
+    with pytest.raises(ValueError, match="unknown PolicyConfig field"):
+        preset("talaria", router_affinity=True)

@@ -1,0 +1,104 @@
+"""Small units: round order, wait estimates, gap prediction, reservation bookkeeping, rates."""
+
+from __future__ import annotations
+
+import pytest
+from fake_engine import FakeEngine
+
+from engine.interface import MoveReport, MultiModelEngineProtocol, StepResult
+from talaria.policies.gap_predictor import GapPredictor
+from talaria.policies.reservations import Reservation, ReservationBook
+from talaria.policies.round_scheduler import RoundScheduler
+from talaria.rates import RateBook
+
+
+def test_fake_engine_implements_the_protocol() -> None:
+    assert isinstance(FakeEngine(["a"]), MultiModelEngineProtocol)
+
+
+def test_round_order_puts_the_current_model_last() -> None:
+    rounds = RoundScheduler(["a", "b", "c"])
+    work = {"a", "c"}
+    assert rounds.next_model("a", work.__contains__) == "c"
+    assert rounds.next_model("c", work.__contains__) == "a"
+    assert rounds.next_model("b", work.__contains__) == "c"
+    assert rounds.next_model(None, work.__contains__) == "a"
+    assert rounds.next_model("a", {"a"}.__contains__) == "a"
+    assert rounds.next_model("a", set().__contains__) is None
+    with pytest.raises(ValueError, match="at least one model"):
+        RoundScheduler([])
+
+
+def test_wait_estimate_walks_the_round() -> None:
+    rounds = RoundScheduler(["a", "b", "c"])
+    kw = dict(
+        current_left_s=1.0,
+        has_work={"a", "b", "c"}.__contains__,
+        slot_s={"a": 10.0, "b": 20.0, "c": 30.0}.__getitem__,
+        switch_s={"a": 1.0, "b": 2.0, "c": 3.0}.__getitem__,
+    )
+    assert rounds.wait_s("a", "a", current_open=True, **kw) == 0.0
+    assert rounds.wait_s("a", "b", current_open=True, **kw) == 1.0 + 2.0
+    assert rounds.wait_s("a", "c", current_open=True, **kw) == 1.0 + (2.0 + 20.0) + 3.0
+    # a's slot closed while others wait: a whole round, then the switch back
+    assert rounds.wait_s("a", "a", current_open=False, **kw) == 1.0 + 22.0 + 33.0 + 1.0
+    alone = dict(kw, has_work={"a"}.__contains__)
+    assert rounds.wait_s("a", "a", current_open=False, **alone) == 1.0
+
+
+def test_gap_prediction_prior_session_ewma_hint_and_last_call() -> None:
+    gaps = GapPredictor(default_gap_s=5.0, alpha=0.5)
+    gaps.on_arrival("s", "m", 100, now=0.0)
+    gaps.on_end("s", 110, 10, now=1.0, hint_gap_s=None, last_call=False)
+    assert gaps.predict_gap("s") == 5.0  # the prior
+    gaps.on_arrival("s", "m", 130, now=3.0)  # gap 2.0
+    gaps.on_end("s", 140, 10, now=4.0, hint_gap_s=None, last_call=False)
+    assert gaps.predict_gap("s") == 2.0
+    gaps.on_arrival("s", "m", 150, now=8.0)  # gap 4.0 -> EWMA 3.0
+    gaps.on_end("s", 160, 10, now=9.0, hint_gap_s=None, last_call=False)
+    assert gaps.predict_gap("s") == 3.0
+    assert gaps.get("s").new_tokens == pytest.approx(0.5 * 10 + 0.5 * 20)  # growth 20, 10
+    gaps.on_arrival("s", "m", 170, now=9.5)
+    gaps.on_end("s", 180, 10, now=10.0, hint_gap_s=0.25, last_call=False)
+    assert gaps.predict_gap("s") == 0.25  # the client's hint wins
+    gaps.on_arrival("s", "m", 190, now=10.5)
+    gaps.on_end("s", 200, 10, now=11.0, hint_gap_s=None, last_call=True)
+    assert gaps.predict_gap("s") is None
+    gaps.on_arrival("t", "m", 10, now=12.0)
+    gaps.on_end("t", 20, 10, now=13.0, hint_gap_s=None, last_call=False)
+    assert gaps.predict_gap("t") == gaps.global_gap_s < 5.0  # learned across sessions
+
+
+def test_reservation_book_yield_order_and_expiry() -> None:
+    book = ReservationBook()
+    book.add(Reservation("s1", "a", 0.0, expected_return=5.0, expires=10.0, blocks=3, pinned=True))
+    book.add(Reservation("s2", "a", 0.0, expected_return=9.0, expires=20.0, blocks=4, pinned=True))
+    book.add(Reservation("s3", "b", 0.0, expected_return=1.0, expires=5.0, blocks=0))
+    with pytest.raises(ValueError, match="already has a reservation"):
+        book.add(Reservation("s1", "a", 0.0, 1.0, 2.0))
+    assert [r.session_id for r in book.yield_order("a")] == ["s2", "s1"]
+    assert [r.session_id for r in book.yield_order("a", exclude="s2")] == ["s1"]
+    assert book.pinned_blocks("a") == 7
+    assert [r.session_id for r in book.expired(10.0)] == ["s1", "s3"]
+    assert book.next_expiry() == 5.0
+
+
+def test_rates_learn_from_reported_seconds() -> None:
+    rates = RateBook(["a"], alpha=0.5)
+    rates.observe("step", StepResult([], 0.1, num_prefill_tokens=0, num_decode_tokens=4), "a")
+    rates.observe("step", StepResult([], 0.3, num_prefill_tokens=1000, num_decode_tokens=4), "a")
+    m = rates.models["a"]
+    assert m.decode_step_s.value == pytest.approx(0.1)
+    fused = StepResult([], 0.5, num_decode_tokens=20, num_steps=5)
+    rates.observe("step", fused, "a")
+    assert m.decode_step_s.value == pytest.approx(0.1)
+    rates.observe("step", StepResult([], 0.0, num_steps=0), "a")  # nothing ran
+    assert m.decode_step_s.count == 2
+    assert m.prefill_tokens_per_s.value == pytest.approx(1000 / 0.2)
+    rates.observe("activate", MoveReport("activate_h2d", 10**9, 4.0), "a")
+    rates.observe("activate", MoveReport("activate_d2d", 10**9, 0.5), "a")
+    assert m.switch_s(staged=False) == 4.0 and m.switch_s(staged=True) == 0.5
+    rates.observe("offload_kv", MoveReport("kv_offload", 2000, 0.001), "a")
+    rates.observe_kv_size(2000, 20)
+    assert rates.restore_s(1000) == pytest.approx(1000 * 100 / 2e6)
+    assert RateBook(["a"], 0.5).restore_s(1000) == 0.0  # unknown: free

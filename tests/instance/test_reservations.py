@@ -1,0 +1,111 @@
+"""Soft reservations: protect a session's KV until expiry; under memory pressure offload
+(host KV on) before the blocks are given up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_engine import FakeEngine
+from instance_helpers import call, run_call
+
+from talaria.admission import Instance
+from talaria.clock import run_virtual
+from talaria.config import preset
+
+
+def test_reservation_protects_kv_until_expiry_then_releases_it() -> None:
+    engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1, switch_host_s=2.0)
+    policy = preset("talaria", reservation_ttl_s=10.0)
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, policy)
+        await inst.start()
+        await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))  # ends 2.5, reserved
+        assert engine.pinned("s")
+        reserved = inst.state()
+        await run_call(inst, call("u-0", "u", "a", 100, 5, last=True))  # cached, not pinned
+        # v needs room: the engine evicts the unreserved u, not the older reserved s
+        await run_call(inst, call("v-0", "v", "a", 120, 5, last=True))
+        protected = engine.pinned("s"), list(engine.evicted), engine.session_kv_tokens("s")
+        await asyncio.sleep(12.6 - asyncio.get_running_loop().time())
+        after = inst.state()
+        await inst.stop()
+        return reserved, protected, after, inst
+
+    reserved, (pinned, evicted, kv), after, inst = run_virtual(main())
+    res = reserved.sessions["s"]
+    assert res.reserved_until == pytest.approx(12.5)
+    assert res.expected_return == pytest.approx(7.5)
+    assert res.device_tokens == 105
+    assert reserved.reserved_kv_blocks == 7
+    assert pinned and evicted == ["u"] and kv == (105, 0)
+    assert not engine.pinned("s")
+    assert inst.counters["reservations_expired"] == 1
+    assert after.sessions["s"].reserved_until is None
+    assert after.reserved_kv_blocks == 0
+
+
+@pytest.mark.parametrize("host_kv", [True, False])
+def test_memory_pressure_offloads_a_reservation_before_dropping_it(host_kv: bool) -> None:
+    engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1, switch_host_s=2.0)
+    policy = preset("talaria", host_kv=host_kv)
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, policy)
+        await inst.start()
+        await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))
+        assert engine.pinned("s")
+        # w needs 15 of 20 blocks while s's reservation pins 7: s must yield
+        await run_call(inst, call("w-0", "w", "a", 230, 10, last=True))
+        back = await run_call(inst, call("s-1", "s", "a", 125, 5))
+        await inst.stop()
+        return back, inst
+
+    back, inst = run_virtual(main())
+    assert inst.counters["reservations_yielded"] == 1
+    assert "s" in engine.evicted
+    unpin = engine.log.index(("unpin", "s"))
+    assert unpin < engine.log.index(("add", "w-0"))
+    usage = back.last.usage
+    assert usage is not None
+    if host_kv:
+        assert engine.log.index(("offload", "s")) < unpin
+        assert usage.restored_tokens == 105 and usage.cached_tokens == 105
+    else:
+        assert ("offload", "s") not in engine.log
+        assert usage.restored_tokens == 0 and usage.cached_tokens == 0
+
+
+def test_no_reservation_for_a_last_call_or_when_disabled() -> None:
+    async def main(policy_name: str, last: bool) -> int:
+        engine = FakeEngine(["a"], step_s=0.1)
+        inst = Instance("i", engine, preset(policy_name))
+        await inst.start()
+        await run_call(inst, call("x", "s", "a", 50, 3, last=last))
+        pins = engine.pins
+        await inst.stop()
+        return pins
+
+    assert run_virtual(main("talaria", last=False)) == 1
+    assert run_virtual(main("talaria", last=True)) == 0
+    assert run_virtual(main("+sp", last=False)) == 0  # reservations off
+
+
+def test_gap_is_learned_per_session() -> None:
+    engine = FakeEngine(["a"], step_s=0.1, switch_host_s=0.0)
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("talaria", default_gap_s=7.0))
+        await inst.start()
+        await run_call(inst, call("s-0", "s", "a", 50, 3))
+        first = inst.state().sessions["s"].expected_return - asyncio.get_running_loop().time()
+        await asyncio.sleep(3.0)
+        await run_call(inst, call("s-1", "s", "a", 60, 3))
+        second = inst.state().sessions["s"].expected_return - asyncio.get_running_loop().time()
+        await inst.stop()
+        return first, second
+
+    first, second = run_virtual(main())
+    assert first == pytest.approx(7.0)  # the prior
+    assert second == pytest.approx(3.0)  # the session's own measured gap
