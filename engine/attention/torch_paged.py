@@ -1,10 +1,12 @@
 """Pure-torch paged attention: works on any device and is the oracle for the others.
 
 For each layer call: the new tokens' K/V are written into the paged caches at
-``attn.slot_mapping``; then, per sequence, the whole context (cached + new, ``seq_lens[i]``
-tokens) is gathered through the block table and attended causally, the sequence's
-``query_lens[i]`` new tokens being the last ones of its context. Scores and softmax are in
-float32; grouped-query attention shares each KV head among ``heads / kv_heads`` query heads.
+``attn.slot_mapping``; then each sequence's whole context (cached + new, ``seq_lens[i]``
+tokens) is gathered through its block table and attended causally, the sequence's
+``query_lens[i]`` new tokens being the last ones of its context. Decodes (one new token)
+are attended together in one padded batch; prefill chunks one sequence at a time. Scores
+and softmax are in float32; grouped-query attention shares each KV head among
+``heads / kv_heads`` query heads.
 """
 
 from __future__ import annotations
@@ -52,6 +54,38 @@ def causal_attention(
     return out.reshape(m, heads, d).to(q.dtype)
 
 
+def batched_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: ``q`` ``[b, h, d]`` -> ``[b, h, d]``.
+
+    Contexts are gathered padded to the longest; padded keys are masked out and padded
+    values zeroed (a never-written slot may hold anything, NaN included).
+    """
+    b, heads, d = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    max_blocks = -(-max(seq_lens) // block_size)
+    table = block_tables[:, :max_blocks].long()
+    k = k_cache[table].reshape(b, max_blocks * block_size, kv_heads, d).float()
+    v = v_cache[table].reshape(b, max_blocks * block_size, kv_heads, d).float()
+    padding = torch.arange(max_blocks * block_size, device=q.device)[None, :] >= torch.tensor(
+        seq_lens, device=q.device
+    )[:, None]
+    v = v.masked_fill(padding[:, :, None, None], 0.0)
+    qg = q.float().reshape(b, kv_heads, group, d)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v)
+    return out.reshape(b, heads, d).to(q.dtype)
+
+
 class TorchPagedAttention:
     name = "torch"
 
@@ -78,16 +112,33 @@ class TorchPagedAttention:
             )
         write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = torch.empty_like(q)
+        decode_rows: list[int] = []  # sequence index of each decode
+        decode_tokens: list[int] = []  # its token's row in q
         start = 0
         for i, (query_len, seq_len) in enumerate(
             zip(attn.query_lens_host, attn.seq_lens_host, strict=True)
         ):
             if query_len > seq_len:
                 raise ValueError(f"sequence {i}: query_len {query_len} exceeds seq_len {seq_len}")
-            table = attn.block_tables[i]
-            k_ctx = gather_context(k_cache, table, seq_len)
-            v_ctx = gather_context(v_cache, table, seq_len)
             end = start + query_len
-            out[start:end] = causal_attention(q[start:end], k_ctx, v_ctx, scale)
+            if query_len == 1:
+                decode_rows.append(i)
+                decode_tokens.append(start)
+            else:
+                table = attn.block_tables[i]
+                k_ctx = gather_context(k_cache, table, seq_len)
+                v_ctx = gather_context(v_cache, table, seq_len)
+                out[start:end] = causal_attention(q[start:end], k_ctx, v_ctx, scale)
             start = end
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=q.device)
+            tokens = torch.tensor(decode_tokens, device=q.device)
+            out[tokens] = batched_decode_attention(
+                q[tokens],
+                k_cache,
+                v_cache,
+                attn.block_tables.index_select(0, rows),
+                [attn.seq_lens_host[i] for i in decode_rows],
+                scale,
+            )
         return out
