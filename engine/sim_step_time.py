@@ -1,0 +1,66 @@
+"""Pricing runs of decode steps in closed form (the simulated engine's hot path)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class DecodeLine:
+    """A decode step of ``num_seqs`` sequences as a function of their summed context C.
+
+    The cost model's compute and memory times of such a step are each affine in C (attention
+    pairs and KV bytes read grow linearly; weights, LM head, all-reduces and overhead do
+    not), so two evaluations give both lines exactly and any run of consecutive decode steps
+    is priced without calling the cost model again.
+    """
+
+    num_seqs: int
+    compute0: float
+    compute_per_token: float
+    memory0: float
+    memory_per_token: float
+    fixed: float  # all-reduces + per-step overhead
+
+    _PROBE = 1 << 20  # context tokens at the second evaluation
+
+    @classmethod
+    def of(cls, cost: CostModel, num_seqs: int) -> DecodeLine:
+        a = cost.step_cost([], num_seqs, 0)
+        b = cost.step_cost([], num_seqs, cls._PROBE)
+        return cls(
+            num_seqs,
+            a.compute_s,
+            (b.compute_s - a.compute_s) / cls._PROBE,
+            a.memory_s,
+            (b.memory_s - a.memory_s) / cls._PROBE,
+            a.allreduce_s + a.overhead_s,
+        )
+
+    def seconds(self, context: int, num_steps: int = 1) -> float:
+        """``num_steps`` consecutive decode steps, the first over ``context`` tokens, each
+        next one over ``num_seqs`` more: the sum of max(compute, memory), split exactly at
+        the one step where the two lines may cross."""
+        n = num_steps
+        if n < 1:
+            return 0.0
+        grow = self.num_seqs
+        c0, dc = self.compute0 + self.compute_per_token * context, self.compute_per_token * grow
+        m0, dm = self.memory0 + self.memory_per_token * context, self.memory_per_token * grow
+        diff0, ddiff = c0 - m0, dc - dm
+        if ddiff == 0.0:  # parallel: one line is the maximum throughout
+            cross, compute_first = (n if diff0 >= 0 else 0), True
+        else:
+            cross = min(n, max(0, math.ceil(-diff0 / ddiff)))
+            compute_first = ddiff < 0  # compute is the larger before the crossing
+        first, then = ((c0, dc), (m0, dm)) if compute_first else ((m0, dm), (c0, dc))
+        return _affine_sum(*first, 0, cross) + _affine_sum(*then, cross, n) + n * self.fixed
+
+
+def _affine_sum(a: float, d: float, lo: int, hi: int) -> float:
+    """Sum of ``a + d * j`` for j in [lo, hi)."""
+    k = hi - lo
+    return k * a + d * (lo + hi - 1) * k / 2.0 if k > 0 else 0.0

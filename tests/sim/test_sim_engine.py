@@ -1,0 +1,432 @@
+"""The simulated engine: modelled seconds, prefix reuse, host KV restore, switches, capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cost_model import CostModel
+from engine.interface import (
+    EngineRequest,
+    FinishReason,
+    MultiModelEngineProtocol,
+    Residency,
+    StepResult,
+    TokenEvent,
+)
+from engine.model_spec import ModelSpec
+from engine.sampling_params import SamplingParams
+from engine.sim_engine import DecodeLine, SimEngine, SimEngineConfig
+from substrate.devices import server_preset
+
+QWEN = "qwen3-235b-a22b"
+GLM = "glm-4.5-air"
+MISTRAL = "mistral-large-2407"
+BS = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(models: tuple[str, ...] = (QWEN, GLM), clock: Clock | None = None, **cfg) -> SimEngine:
+    return SimEngine(list(models), SimEngineConfig(**cfg), clock or Clock())
+
+
+def cost(model: str = QWEN) -> CostModel:
+    return CostModel(server_preset("h200x8"), ModelSpec.load(model), 8)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 4, model: str = QWEN,
+        session: str | None = None) -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), model=model,
+                         session_id=session)
+
+
+def tokens(n: int, start: int = 1) -> list[int]:
+    return [(start + i) % 150_000 + 1 for i in range(n)]
+
+
+def drain(engine: SimEngine) -> tuple[list[StepResult], dict[str, list[TokenEvent]]]:
+    steps: list[StepResult] = []
+    events: dict[str, list[TokenEvent]] = {}
+    while engine.has_unfinished():
+        step = engine.step()
+        steps.append(step)
+        for ev in step.events:
+            events.setdefault(ev.request_id, []).append(ev)
+    return steps, events
+
+
+def output(events: list[TokenEvent]) -> list[int]:
+    return [t for ev in events for t in ev.new_token_ids]
+
+
+def test_implements_the_multi_model_protocol() -> None:
+    engine = make()
+    assert isinstance(engine, MultiModelEngineProtocol)
+    assert engine.simulated is True
+    assert engine.model_names == [QWEN, GLM]
+    assert engine.active_model is None
+
+
+def test_prefill_and_decode_cost_what_the_cost_model_says() -> None:
+    engine = make(max_fused_decode_steps=8)
+    engine.activate(QWEN)
+    engine.add_request(req("a", tokens(10_000), max_tokens=4))
+    steps, events = drain(engine)
+    c = cost()
+    # chunked prefill: 8192 then 1808 tokens (the second chunk samples the first token);
+    # then the remaining 3 tokens are one fused decode step of three sub-steps.
+    expected = [
+        c.chunks_step_seconds([(8192, 0)]),
+        c.chunks_step_seconds([(1808, 8192)]),
+        sum(c.decode_step_seconds(1, 10_000 + j) for j in range(3)),
+    ]
+    assert [s.seconds for s in steps] == pytest.approx(expected, rel=1e-12)
+    assert [s.num_prefill_tokens for s in steps] == [8192, 1808, 0]
+    assert [s.num_decode_tokens for s in steps] == [0, 0, 3]
+    assert [s.num_steps for s in steps] == [1, 1, 3]
+    evs = events["a"]
+    assert [len(ev.new_token_ids) for ev in evs] == [1, 3]
+    last = evs[-1]
+    assert last.finished and last.finish_reason == FinishReason.LENGTH
+    assert (last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) == (
+        10_000, 4, 0)
+
+
+def test_fusing_decode_steps_changes_neither_time_nor_tokens() -> None:
+    runs = []
+    for fused in (1, 8):
+        engine = make(max_fused_decode_steps=fused)
+        engine.activate(QWEN)
+        for i, n in enumerate((3000, 5000, 7000)):
+            engine.add_request(req(f"r{i}", tokens(n, 100 * i), max_tokens=11 + 7 * i))
+        steps, events = drain(engine)
+        runs.append((steps, {rid: output(evs) for rid, evs in events.items()}))
+    (plain, out1), (fused_steps, out8) = runs
+    assert out1 == out8
+    assert [len(out1[r]) for r in ("r0", "r1", "r2")] == [11, 18, 25]
+    assert sum(s.seconds for s in fused_steps) == pytest.approx(
+        sum(s.seconds for s in plain), rel=1e-12)
+    assert sum(s.num_steps for s in fused_steps) == len(plain)
+    assert len(fused_steps) < len(plain)
+
+
+def test_decode_line_is_exact_across_the_compute_memory_crossing() -> None:
+    c = cost(MISTRAL)  # dense: at 256 sequences compute-bound at short context
+    line = DecodeLine.of(c, 256)
+    parts = [c.step_cost([], 256, ctx) for ctx in (0, 2_000_000)]
+    assert not parts[0].memory_bound and parts[1].memory_bound
+    # find the crossing context, then price a window of steps around it
+    lo, hi = 0, 2_000_000
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not c.step_cost([], 256, mid).memory_bound else (lo, mid)
+    start, n = lo - 256 * 20, 50
+    expected = sum(c.decode_step_seconds(256, start + 256 * j) for j in range(n))
+    assert line.seconds(start, n) == pytest.approx(expected, rel=1e-12)
+    assert line.seconds(start) == pytest.approx(c.decode_step_seconds(256, start), rel=1e-12)
+
+
+def test_continuation_reuses_the_device_prefix_and_pays_only_the_suffix() -> None:
+    engine = make()
+    engine.activate(QWEN)
+    prompt = tokens(5000)
+    engine.add_request(req("c1", prompt, max_tokens=10, session="s"))
+    _, ev1 = drain(engine)
+    out = output(ev1["c1"])
+    # 5009 tokens computed (the last sampled token has no KV): 78 full blocks on device
+    assert engine.session_kv_tokens("s") == (78 * BS, 0)
+    prompt2 = prompt + out + tokens(2000, 50_000)
+    engine.add_request(req("c2", prompt2, max_tokens=2, session="s"))
+    first = engine.step()
+    cached = 78 * BS
+    assert first.seconds == pytest.approx(
+        cost().chunks_step_seconds([(len(prompt2) - cached, cached)]), rel=1e-12)
+    assert first.num_prefill_tokens == len(prompt2) - cached
+    _, ev2 = drain(engine)
+    last = ev2["c2"][-1]
+    assert last.num_cached_tokens == cached and last.num_restored_tokens == 0
+    assert engine.stats().cached_tokens_total == cached
+
+
+def _offload_switch_and_return(engine: SimEngine) -> tuple[StepResult, TokenEvent, list[int]]:
+    engine.activate(QWEN)
+    prompt = tokens(6000)
+    engine.add_request(req("c1", prompt, max_tokens=5, session="s"))
+    _, ev1 = drain(engine)
+    prompt2 = prompt + output(ev1["c1"]) + tokens(1000, 70_000)
+    engine.offload_kv(None)
+    engine.activate(GLM)
+    assert engine.session_kv_tokens("s")[0] == 0  # device KV of the outgoing model is gone
+    engine.activate(QWEN)
+    engine.add_request(req("c2", prompt2, max_tokens=1, session="s"))
+    first = engine.step()
+    _, ev2 = drain(engine)
+    events = first.events + [e for evs in ev2.values() for e in evs]
+    return first, events[-1], prompt2
+
+
+def test_offloaded_kv_is_restored_from_host_after_a_switch() -> None:
+    engine = make(host_kv_bytes=10**12)
+    first, last, prompt2 = _offload_switch_and_return(engine)
+    restored = 6004 // BS * BS  # 6004 computed tokens -> 93 full blocks
+    assert last.num_restored_tokens == restored and last.num_cached_tokens == restored
+    c = cost()
+    assert first.seconds == pytest.approx(
+        c.chunks_step_seconds([(len(prompt2) - restored, restored)])
+        + c.kv_restore_seconds(restored), rel=1e-12)
+    assert engine.session_kv_tokens("s")[1] == restored
+    stats = engine.stats()
+    assert stats.restored_tokens_total == restored
+    assert stats.extra["host_kv_used_bytes"] == 93 * BS * c.kv_bytes_per_token_per_gpu()
+    assert engine.session_kv_tokens("s")[0] > 0
+    engine.forget_session("s")
+    assert engine.session_kv_tokens("s") == (0, 0)
+
+
+def test_offload_reports_bytes_and_seconds_once_per_block() -> None:
+    engine = make(host_kv_bytes=10**12)
+    engine.activate(QWEN)
+    engine.add_request(req("c1", tokens(3000), max_tokens=2, session="s"))
+    drain(engine)
+    c = cost()
+    report = engine.offload_kv(["s"])
+    blocks = 3001 // BS
+    assert report.kind == "kv_offload"
+    assert report.bytes == blocks * BS * c.kv_bytes_per_token_per_gpu()
+    assert report.seconds == pytest.approx(c.kv_offload_seconds(blocks * BS), rel=1e-12)
+    assert engine.offload_kv(["s"]).bytes == 0  # already on host: nothing copied
+    assert engine.offload_kv(["other"]).bytes == 0
+
+
+def test_without_host_kv_a_returning_session_recomputes() -> None:
+    engine = make(host_kv_bytes=0)
+    first, last, prompt2 = _offload_switch_and_return(engine)
+    assert last.num_restored_tokens == 0 and last.num_cached_tokens == 0
+    assert first.num_prefill_tokens == len(prompt2)  # 7005 tokens: one chunk, from scratch
+    assert first.seconds == pytest.approx(
+        cost().chunks_step_seconds([(len(prompt2), 0)]), rel=1e-12)
+    assert engine.session_kv_tokens("s")[1] == 0  # nothing on host; c2's KV is on device
+
+
+def test_baseline_switch_pays_the_baseline_reload() -> None:
+    engine = make(stable_substrate=False, staging=False)
+    report = engine.activate(QWEN)
+    assert report.kind == "activate_reload"
+    assert report.seconds == pytest.approx(cost().switch_seconds_baseline(), rel=1e-12)
+    assert engine.activate(GLM).seconds == pytest.approx(
+        cost(GLM).switch_seconds_baseline(), rel=1e-12)
+    assert engine.residency() == {QWEN: Residency.HOST, GLM: Residency.ACTIVE}
+    with pytest.raises(ValueError, match="no staging region"):
+        engine.stage(QWEN)
+    # no staging region: the KV region is all the model's own weights leave
+    assert engine.kv_capacity_blocks(QWEN) == cost().kv_capacity_tokens() // BS
+
+
+def test_substrate_switch_is_host_then_staged_once_the_copy_completes() -> None:
+    clock = Clock()
+    engine = make(clock=clock)
+    a = engine.activate(QWEN)
+    assert (a.kind, a.seconds) == ("activate_h2d", pytest.approx(cost().switch_seconds_host()))
+    clock.now = 100.0
+    stage = engine.stage(GLM)
+    ready = cost(GLM).switch_seconds_host()
+    assert (stage.kind, stage.seconds) == ("stage", pytest.approx(ready))
+    assert engine.residency()[GLM] == Residency.STAGING
+    assert engine.stage(GLM).bytes == 0  # already staging: nothing new moves
+    clock.now = 100.0 + ready
+    assert engine.residency() == {QWEN: Residency.ACTIVE, GLM: Residency.STAGED}
+    b = engine.activate(GLM)
+    assert (b.kind, b.seconds) == ("activate_d2d", pytest.approx(cost(GLM).switch_seconds_staged()))
+    # the staging region still holds GLM: switching back to it later is D2D again
+    engine.activate(QWEN)
+    assert engine.residency()[GLM] == Residency.STAGED
+    with pytest.raises(ValueError, match="active model"):
+        engine.stage(QWEN)
+
+
+def test_activating_a_model_still_staging_is_a_host_copy() -> None:
+    clock = Clock()
+    engine = make(clock=clock)
+    engine.activate(QWEN)
+    engine.stage(GLM)
+    clock.now = cost(GLM).switch_seconds_host() / 2
+    report = engine.activate(GLM)
+    assert (report.kind, report.seconds) == (
+        "activate_h2d", pytest.approx(cost(GLM).switch_seconds_host()))
+
+
+def test_staging_region_shrinks_kv_capacity() -> None:
+    with_staging = make(staging=True)
+    without = make(staging=False)
+    largest = cost().weight_bytes_per_gpu()  # qwen is the largest shard of the catalog
+    assert with_staging.kv_capacity_blocks(GLM) == (
+        cost(GLM).kv_capacity_tokens(largest, largest) // BS)
+    assert without.kv_capacity_blocks(GLM) == cost(GLM).kv_capacity_tokens(largest, 0) // BS
+    assert with_staging.kv_capacity_blocks(GLM) < without.kv_capacity_blocks(GLM)
+    with_staging.activate(GLM)
+    assert with_staging.stats().num_total_blocks == with_staging.kv_capacity_blocks(GLM)
+
+
+def test_too_many_long_requests_preempt_and_all_finish() -> None:
+    engine = make()  # qwen with staging: ~194k tokens of KV
+    capacity = engine.kv_capacity_blocks(QWEN) * BS
+    engine.activate(QWEN)
+    for i in range(3):
+        engine.add_request(req(f"L{i}", tokens(90_000, 1000 * i), max_tokens=40))
+    assert 3 * 90_000 > capacity
+    _, events = drain(engine)
+    assert engine.stats().extra["num_preemptions"] > 0
+    for i in range(3):
+        evs = events[f"L{i}"]
+        assert len(output(evs)) == 40 and evs[-1].finish_reason == FinishReason.LENGTH
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_request_that_cannot_fit_the_kv_cache_is_refused() -> None:
+    engine = make()
+    engine.activate(QWEN)
+    too_long = engine.kv_capacity_blocks(QWEN) * BS
+    with pytest.raises(ValueError, match="KV cache holds at most"):
+        engine.add_request(req("big", tokens(too_long)))
+
+
+def test_abort_frees_blocks_and_reports_an_empty_finished_event() -> None:
+    engine = make()
+    engine.activate(QWEN)
+    total = engine.stats().num_total_blocks
+    engine.add_request(req("a", tokens(20_000)))
+    engine.step()  # first prefill chunk holds blocks
+    assert engine.stats().num_free_blocks < total
+    engine.abort("a")
+    engine.abort("unknown")  # ignored
+    assert engine.stats().num_free_blocks == total
+    step = engine.step()
+    assert [(e.request_id, e.new_token_ids, e.finished, e.finish_reason) for e in step.events] == [
+        ("a", [], True, FinishReason.ABORT)]
+    assert not engine.has_unfinished()
+
+
+def test_bad_requests_and_switches_raise_clear_errors() -> None:
+    engine = make()
+    with pytest.raises(RuntimeError, match="no model is active"):
+        engine.add_request(req("x", tokens(10)))
+    engine.activate(QWEN)
+    with pytest.raises(ValueError, match="is for model 'glm-4.5-air'"):
+        engine.add_request(req("x", tokens(10), model=GLM))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.add_request(req("x", tokens(ModelSpec.load(QWEN).max_position_embeddings)))
+    with pytest.raises(ValueError, match="outside"):
+        engine.add_request(req("x", [1, 2, 10**9]))
+    with pytest.raises(ValueError, match="unknown model"):
+        engine.activate("gpt-5")
+    engine.add_request(req("x", tokens(100)))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(req("x", tokens(100)))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        engine.activate(GLM)
+    with pytest.raises(ValueError, match="staging needs the stable substrate"):
+        SimEngineConfig(stable_substrate=False, staging=True)
+
+
+def _two_sessions_then_pressure(pin: bool) -> SimEngine:
+    """Sessions s then t finish (s's blocks are older, evicted first); a long request then
+    needs 100 more blocks than were never used."""
+    engine = make()
+    engine.activate(QWEN)
+    for sid, start in (("s", 0), ("t", 40_000)):
+        engine.add_request(req(f"p{sid}", tokens(20_000, start), max_tokens=2, session=sid))
+        drain(engine)
+    if pin:
+        assert engine.pin_session_kv("s") == 20_001 // BS
+        assert engine.stats().extra["num_pinned_blocks"] == 20_001 // BS
+    never_used = engine.kv_capacity_blocks(QWEN) - 2 * (20_002 // BS + 1)
+    engine.add_request(req("q", tokens((never_used + 100) * BS - 1, 90_000), max_tokens=1))
+    drain(engine)
+    return engine
+
+
+def test_pinned_session_kv_is_not_evicted_under_pressure() -> None:
+    full = 20_001 // BS * BS
+    unpinned = _two_sessions_then_pressure(pin=False)
+    assert unpinned.session_kv_tokens("s")[0] < full  # the older session lost its tail
+    assert unpinned.session_kv_tokens("t")[0] == full
+    pinned = _two_sessions_then_pressure(pin=True)
+    assert pinned.session_kv_tokens("s")[0] == full
+    assert pinned.session_kv_tokens("t")[0] < full  # eviction went to the unpinned one
+    pinned.unpin_session_kv("s")
+    assert pinned.stats().extra["num_pinned_blocks"] == 0
+
+
+def test_a_switch_drops_pinned_kv() -> None:
+    engine = make()
+    engine.activate(QWEN)
+    engine.add_request(req("p", tokens(5000), max_tokens=2, session="s"))
+    drain(engine)
+    assert engine.pin_session_kv("s") > 0
+    engine.activate(GLM)
+    assert engine.session_kv_tokens("s") == (0, 0)
+    assert engine.pin_session_kv("s") == 0
+    assert engine.stats().extra["num_pinned_blocks"] == 0
+
+
+def test_a_request_blocked_by_pinned_blocks_waits_at_the_step_overhead() -> None:
+    engine = make()
+    engine.activate(QWEN)
+    capacity = engine.kv_capacity_blocks(QWEN)
+    engine.add_request(req("p", tokens((capacity - 100) * BS), max_tokens=1, session="s"))
+    drain(engine)
+    engine.pin_session_kv("s")
+    engine.add_request(req("q", tokens(20_000, 200_000), max_tokens=1))
+    step = engine.step()  # its first 8192-token chunk needs 128 blocks; fewer are free
+    assert (step.events, step.num_steps) == ([], 0)
+    assert step.seconds == cost().eff.step_overhead_s
+    engine.unpin_session_kv("s")
+    _, events = drain(engine)
+    assert events["q"][-1].finished
+
+
+def test_synthetic_tokens_are_deterministic_and_in_vocabulary() -> None:
+    outs = []
+    for _ in range(2):
+        engine = make(models=(MISTRAL,))
+        engine.activate(MISTRAL)
+        engine.add_request(req("same", tokens(500), max_tokens=30, model=MISTRAL))
+        _, events = drain(engine)
+        outs.append(output(events["same"]))
+    assert outs[0] == outs[1]
+    assert all(0 <= t < ModelSpec.load(MISTRAL).vocab_size for t in outs[0])
+    assert len(set(outs[0])) > 20
+
+
+def test_model_rates_come_from_the_cost_model() -> None:
+    engine = make(models=(QWEN, GLM, MISTRAL))
+    c = cost(GLM)
+    rates = engine.model_rates(GLM, context_tokens=4096)
+    assert rates["prefill_tokens_per_s"] == pytest.approx(
+        8192 / c.chunks_step_seconds([(8192, 4096)]))
+    assert rates["decode_step_s"] == pytest.approx(c.decode_step_seconds(1, 4096))
+    assert rates["switch_host_s"] == pytest.approx(c.switch_seconds_host())
+    assert rates["switch_staged_s"] == pytest.approx(c.switch_seconds_staged())
+    assert rates["kv_bytes_per_token"] == c.kv_bytes_per_token_per_gpu()
+    assert rates["kv_restore_bytes_per_s"] == c.device.host_link_bytes_per_s
+    baseline = make(stable_substrate=False, staging=False).model_rates(GLM)
+    assert baseline["switch_host_s"] == pytest.approx(c.switch_seconds_baseline())
+
+
+def test_continuation_with_a_diverging_prompt_only_reuses_the_matching_blocks() -> None:
+    engine = make()
+    engine.activate(QWEN)
+    prompt = tokens(4000)
+    engine.add_request(req("c1", prompt, max_tokens=2, session="s"))
+    drain(engine)
+    changed = prompt[:1000] + [7] + prompt[1001:]  # block 15 (tokens 960..1023) differs
+    engine.add_request(req("c2", changed, max_tokens=1, session="s"))
+    _, events = drain(engine)
+    assert events["c2"][-1].num_cached_tokens == 15 * BS
