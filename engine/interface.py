@@ -61,6 +61,10 @@ class StepResult:
     seconds: float  # measured (live) or modelled (sim) duration of the step
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Engine steps this result stands for: the simulated engine fuses consecutive
+    # decode-only steps (then ``seconds`` is their sum and every running request gets up to
+    # ``num_steps`` tokens); the simulated engine reports 0 when nothing ran.
+    num_steps: int = 1
 
 
 @dataclass
