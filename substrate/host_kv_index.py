@@ -118,9 +118,11 @@ class HostKVIndex:
             raise ValueError(f"a KV block must have > 0 bytes, got {block_nbytes}")
         chain_keys = {(model, h) for h in block_hashes}
         new: list[int] = []
+        seen: set[int] = set()
         for h in block_hashes:
-            if (model, h) not in self._entries and h not in new:
+            if (model, h) not in self._entries and h not in seen:
                 new.append(h)
+                seen.add(h)
         evicted = self._make_room(len(new) * block_nbytes, protect=chain_keys)
         fits = min(len(new), max(0, self.free_bytes) // block_nbytes)
         inserted = new[:fits]
@@ -155,11 +157,21 @@ class HostKVIndex:
         need = nbytes - self.free_bytes
         if need <= 0:
             return []
-        candidates = [e for key, e in self._entries.items() if key not in protect]
         if self.value_hook is not None:
-            hook = self.value_hook
             # stable sort: equal values keep LRU order (the dict is oldest first)
-            candidates.sort(key=hook)
+            candidates = sorted(
+                (e for key, e in self._entries.items() if key not in protect), key=self.value_hook
+            )
+        else:
+            # oldest first; only as many entries as the room needs are visited
+            candidates = []
+            room = 0
+            for key, e in self._entries.items():
+                if room >= need:
+                    break
+                if key not in protect:
+                    candidates.append(e)
+                    room += e.nbytes
         evicted: list[HostKVEntry] = []
         for entry in candidates:
             if need <= 0:
