@@ -15,6 +15,9 @@ class EngineConfig:
     capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use).
     ``max_model_len`` None means the model's ``max_position_embeddings``.
     ``dtype`` "auto" means the checkpoint's dtype (float32 when it names none).
+    At ``tensor_parallel_size`` > 1 the ranks meet at ``distributed_address``:
+    ``distributed_port`` (0: a free port chosen by the OS); a collective that waits longer
+    than ``distributed_timeout_s`` fails.
     """
 
     model: str | Path
@@ -30,6 +33,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"
     seed: int = 0
+    distributed_address: str = "127.0.0.1"
+    distributed_port: int = 0
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -49,4 +55,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if not 0 <= self.distributed_port <= 65535:
+            raise ValueError(f"distributed_port must be in [0, 65535], got {self.distributed_port}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(
+                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}"
             )

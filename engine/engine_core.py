@@ -41,9 +41,11 @@ class EngineCore:
         kv_caches: KVCaches | None = None,
         secondary: SecondaryKVCache | None = None,
     ) -> None:
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 requires engine.parallel workers")
         self.config = config
+        if runner is None and config.tensor_parallel_size > 1:
+            from engine.parallel.tp_runner import start_tensor_parallel
+
+            runner = start_tensor_parallel(config, kv_caches)  # type: ignore[assignment]
         self.runner = runner if runner is not None else ModelRunner.from_config(config, kv_caches)
         hf_config = self.runner.hf_config
         model_max = getattr(hf_config, "max_position_embeddings", None)
@@ -206,6 +208,12 @@ class EngineCore:
         if self.has_unfinished():
             raise RuntimeError("cannot reset the KV cache while requests are unfinished")
         self.kv.reset()
+
+    def shutdown(self) -> None:
+        """Stop what the runner started (tensor-parallel workers); a no-op at TP=1."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # --------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:

@@ -26,8 +26,9 @@ class GenerationOutput:
 
 
 class LLM:
-    """One model on one device. Prompts are strings (tokenized with the model's tokenizer,
-    special tokens added) or lists of token ids."""
+    """One model on one device, or over ``tensor_parallel_size`` ranks (worker processes
+    started here, stopped by ``shutdown`` or at interpreter exit). Prompts are strings
+    (tokenized with the model's tokenizer, special tokens added) or lists of token ids."""
 
     def __init__(
         self,
@@ -46,8 +47,6 @@ class LLM:
         device: str = "auto",
         seed: int = 0,
     ) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 requires engine.parallel workers")
         from transformers import AutoTokenizer
 
         self.config = EngineConfig(
@@ -111,6 +110,9 @@ class LLM:
         ]
 
     def shutdown(self) -> None:
+        """Stop the engine (and its tensor-parallel workers); idempotent."""
+        if self.core is not None:
+            self.core.shutdown()
         self.core = None
 
     # ------------------------------------------------------------------ helpers

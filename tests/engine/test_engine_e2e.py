@@ -209,7 +209,7 @@ def test_bad_input_raises_and_allocates_nothing(model_dirs: dict[str, Path]) -> 
     while core.has_unfinished():
         core.step()
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(model_dirs["llama"], tensor_parallel_size=2)
+        LLM(model_dirs["llama"], tensor_parallel_size=3)  # 4 heads cannot split 3 ways
     with pytest.raises(ValueError, match="max_position_embeddings"):
         EngineCore(EngineConfig(model=model_dirs["llama"], max_model_len=10**6, num_kv_blocks=4))
     stats = core.stats()
