@@ -1,0 +1,398 @@
+"""The live multi-model engine: a catalog of models on one device arena, one active at a time.
+
+Implements ``engine.interface.MultiModelEngineProtocol`` with real tensors. Each model has
+its own ``EngineCore`` (scheduler, KV cache manager with the host KV store as its secondary
+cache, runner bound to the shared weight and KV regions); only the active model's core takes
+requests and runs. ``activate`` resets the outgoing core's device KV (its blocks are about to
+be overwritten by the incoming model's) and copies the incoming weights into the weight
+region (D2D from staging when staged, else H2D from the host weight store). Every move is
+timed (``MoveReport`` with measured seconds).
+
+Device work goes through ``RankModels`` (engine.multi_model_rank), whose methods take plain
+data so that, at TP=N, every rank can execute the same activate / stage / offload in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.interface import (
+    EngineRequest,
+    EngineStats,
+    MoveReport,
+    Residency,
+    StepResult,
+)
+from engine.model_catalog import read_catalog
+from engine.model_runner import resolve_device
+from engine.multi_model_rank import RankModels
+from engine.multi_model_rates import ModelRateMeter
+from substrate.moves import MoveKind, MoveRecord
+
+log = structlog.get_logger(__name__)
+
+
+class ModelNotActiveError(ValueError):
+    """A request named a model that is not the active one (or none is active)."""
+
+
+@dataclass
+class MultiModelConfig:
+    """How to build a multi-model engine on one device (TP=1).
+
+    KV region: ``kv_bytes`` if given (each model gets as many blocks as fit, or exactly
+    ``num_kv_blocks`` if that is given too), else sized so that every model gets
+    ``num_kv_blocks`` blocks. ``weight_bytes`` None sizes the weight region for the largest
+    shard. ``wait_for_staging``: ``stage`` blocks until the copy is done and reports its
+    measured seconds (otherwise it returns at once with a predicted duration).
+    ``initial_model`` is activated at start-up when given.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    host_kv_bytes: int = 1 << 30
+    staging: bool = True
+    weight_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    initial_model: str | None = None
+    wait_for_staging: bool = False
+    load_tokenizers: bool = True
+    pin_host_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes is None and self.num_kv_blocks is None:
+            raise ValueError("MultiModelConfig needs kv_bytes or num_kv_blocks")
+        if self.kv_bytes is not None and self.kv_bytes <= 0:
+            raise ValueError(f"kv_bytes must be > 0, got {self.kv_bytes}")
+        if self.host_kv_bytes < 0:
+            raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
+
+
+class MultiModelEngine:
+    simulated = False
+
+    def __init__(
+        self, models: Mapping[str, str | Path], config: MultiModelConfig | None = None
+    ) -> None:
+        if config is None:
+            raise ValueError("MultiModelEngine needs a MultiModelConfig (KV sizing)")
+        self.config = config
+        self.catalog = read_catalog(
+            models, config.dtype, config.block_size, load_tokenizers=config.load_tokenizers
+        )
+        self.device = resolve_device(config.device)
+        self.rank = RankModels(
+            self.catalog,
+            self.device,
+            block_size=config.block_size,
+            kv_bytes=config.kv_bytes,
+            num_kv_blocks=config.num_kv_blocks,
+            host_kv_bytes=config.host_kv_bytes,
+            staging=config.staging,
+            weight_bytes=config.weight_bytes,
+            attention_backend=config.attention_backend,
+            seed=config.seed,
+            pin=config.pin_host_memory,
+        )
+        self._secondaries: dict[str, RankSecondary] = {}
+        self.cores: dict[str, EngineCore] = {}
+        for name, entry in self.catalog.items():
+            secondary = RankSecondary(self.rank, name)
+            self._secondaries[name] = secondary
+            self.cores[name] = EngineCore(
+                EngineConfig(
+                    model=entry.path,
+                    max_model_len=config.max_model_len,
+                    block_size=config.block_size,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    max_num_seqs=config.max_num_seqs,
+                    enable_prefix_caching=config.enable_prefix_caching,
+                    device=str(self.device),
+                    seed=config.seed,
+                ),
+                runner=self.rank.runners[name],
+                tokenizer=entry.tokenizer,
+                secondary=secondary,
+            )
+        self._active: str | None = None
+        self._sessions: dict[str, dict[str, list[int]]] = {name: {} for name in self.catalog}
+        self._session_model: dict[str, str] = {}
+        self._meters = {
+            name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
+        }
+        self._restores: list[MoveReport] = []
+        if config.initial_model is not None:
+            self.activate(config.initial_model)
+
+    # ------------------------------------------------------------------ catalog
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.catalog)
+
+    @property
+    def active_model(self) -> str | None:
+        return self._active
+
+    def residency(self) -> dict[str, Residency]:
+        self._poll_staging()
+        return {name: Residency(p.value) for name, p in self.rank.placements().items()}
+
+    # ---------------------------------------------------------------- switching
+    def activate(self, model: str) -> MoveReport:
+        """Make ``model`` the active one. Requires no unfinished request; drops every device
+        KV block of the outgoing model (offload first to keep them)."""
+        self._check_model(model)
+        if model == self._active:
+            return MoveReport(MoveKind.NONE, 0, 0.0)
+        if self.has_unfinished():
+            raise RuntimeError(
+                f"cannot activate {model!r}: {self._active!r} still has unfinished requests"
+            )
+        self._poll_staging(block=self.rank.staged_model == model)
+        if self._active is not None:
+            outgoing = self.cores[self._active]
+            self._remember_sessions(self._active)
+            outgoing.reset_kv()
+        self._active = None  # if the copy fails, no model is runnable (weights are torn)
+        record = self.rank.activate(model)
+        self._active = model
+        self._meters[model].observe_move(record)
+        log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds)
+        return _report(record)
+
+    def stage(self, model: str) -> MoveReport:
+        """Start copying ``model`` into the staging region. ``seconds``: measured when the
+        config waits for staging (or when no rate is known yet, so nothing can be predicted),
+        else predicted from the measured host-link rate."""
+        self._check_model(model)
+        self._poll_staging(block=self.rank.staged_model not in (None, model))
+        plan, record = self.rank.stage(model, wait=self.config.wait_for_staging)
+        if record is None and plan.kind == MoveKind.STAGE:
+            estimate = self.rank.estimate(plan)
+            if estimate is None:
+                record = self.rank.poll_staging(block=True)
+            else:
+                return MoveReport(MoveKind.STAGE, plan.bytes, estimate)
+        if record is None:
+            return MoveReport(plan.kind, plan.bytes, 0.0)
+        self._meters[model].observe_move(record)
+        return _report(record)
+
+    def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
+        """Copy the active model's cached device KV of these sessions (None: every session
+        it has served) to the host KV store; blocks already there are only touched, and the
+        store evicts least recently used blocks to make room."""
+        if self._active is None:
+            return MoveReport(MoveKind.KV_OFFLOAD, 0, 0.0)
+        model = self._active
+        core = self.cores[model]
+        sessions = list(self._sessions[model]) if session_ids is None else session_ids
+        nbytes, seconds = 0, 0.0
+        for sid in sessions:
+            if self._session_model.get(sid) != model:
+                continue
+            block_ids = core.kv.session_block_ids(sid)
+            if not block_ids:
+                continue
+            hashes = core.kv.session_block_hashes(sid)[: len(block_ids)]
+            record = self.rank.offload_kv(model, hashes, block_ids, sid)
+            nbytes += record.bytes
+            seconds += record.seconds
+        report = MoveReport(MoveKind.KV_OFFLOAD, nbytes, seconds)
+        self._meters[model].observe_move(MoveRecord(report.kind, report.bytes, report.seconds))
+        return report
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: EngineRequest) -> None:
+        model = request.model
+        if model is None and len(self.catalog) == 1:
+            model = next(iter(self.catalog))
+        if model is None:
+            raise ModelNotActiveError(
+                f"request {request.request_id!r} names no model; this engine serves "
+                f"{', '.join(self.catalog)}"
+            )
+        self._check_model(model)
+        if model != self._active:
+            raise ModelNotActiveError(
+                f"request {request.request_id!r} is for model {model!r}, but the active model "
+                f"is {self._active!r}; activate {model!r} first"
+            )
+        self.cores[model].add_request(request)
+        if request.session_id is not None:
+            self._session_model[request.session_id] = model
+            self._sessions[model].setdefault(request.session_id, [])
+
+    def step(self) -> StepResult:
+        if self._active is None:
+            return StepResult(events=[], seconds=0.0)
+        model = self._active
+        result = self.cores[model].step()
+        meter = self._meters[model]
+        meter.observe_step(result)
+        for record in self._secondaries[model].drain_records():
+            meter.observe_move(record)
+            self._restores.append(_report(record))
+        return result
+
+    def abort(self, request_id: str) -> None:
+        for core in self.cores.values():
+            core.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(core.has_unfinished() for core in self.cores.values())
+
+    def take_restore_reports(self) -> list[MoveReport]:
+        """KV restores (kind "kv_restore") performed inside steps since the last call."""
+        out, self._restores = self._restores, []
+        return out
+
+    # --------------------------------------------------------------- session KV
+    def pin_session_kv(self, session_id: str) -> int:
+        core = self._active_core_of(session_id)
+        return core.pin_session_kv(session_id) if core is not None else 0
+
+    def unpin_session_kv(self, session_id: str) -> None:
+        core = self._active_core_of(session_id)
+        if core is not None:
+            core.unpin_session_kv(session_id)
+
+    def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
+        """(tokens of the session's last prefix cached on device, tokens in the host store)."""
+        model = self._session_model.get(session_id)
+        if model is None:
+            return 0, 0
+        bs = self.config.block_size
+        core = self.cores[model]
+        if model == self._active:
+            device = core.session_device_tokens(session_id)
+            chain = core.kv.session_block_hashes(session_id) or self._sessions[model][session_id]
+        else:
+            device = 0
+            chain = self._sessions[model].get(session_id, [])
+        host = self.rank.host_kv_lookup(model, chain) * bs if chain else 0
+        return device, host
+
+    # -------------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        """The active model's scheduler and block counts; token totals over all models."""
+        cores = list(self.cores.values())
+        active = self.cores[self._active] if self._active is not None else None
+        base = (
+            active.stats() if active is not None else EngineStats(block_size=self.config.block_size)
+        )
+        base.prefill_tokens_total = sum(c.prefill_tokens_total for c in cores)
+        base.cached_tokens_total = sum(c.scheduler.cached_tokens_total for c in cores)
+        base.restored_tokens_total = sum(c.scheduler.restored_tokens_total for c in cores)
+        for kind in MoveKind.ALL:
+            nbytes, seconds = self.rank.move_totals(kind)
+            base.extra[f"{kind}_bytes_total"] = float(nbytes)
+            base.extra[f"{kind}_seconds_total"] = seconds
+        used, capacity = self.rank.host_kv_usage()
+        base.extra["host_kv_used_bytes"] = float(used)
+        base.extra["host_kv_capacity_bytes"] = float(capacity)
+        return base
+
+    def model_rates(self, model: str, context_tokens: int = 0) -> dict[str, float]:
+        """Measured rates of ``model`` on this instance, the keys of the simulated engine's
+        ``model_rates`` plus a few (0.0 where nothing was measured yet):
+        prefill_tokens_per_s, decode_step_s, switch_host_s, switch_staged_s, stage_s,
+        kv_restore_bytes_per_s, kv_offload_bytes_per_s, kv_bytes_per_token,
+        kv_capacity_tokens, weight_bytes. Live rates are averages over every step and move
+        measured so far; ``context_tokens`` is accepted for signature parity with the
+        simulated engine and does not change them."""
+        self._check_model(model)
+        rates = self._meters[model].rates()
+        rates["kv_capacity_tokens"] = float(
+            self.rank.runners[model].num_blocks * self.config.block_size
+        )
+        rates["weight_bytes"] = float(self.catalog[model].layout.total_bytes)
+        return rates
+
+    def shutdown(self) -> None:
+        """Stop what the cores' runners started (nothing at TP=1)."""
+        for core in self.cores.values():
+            core.shutdown()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_model(self, model: str) -> None:
+        if model not in self.catalog:
+            raise KeyError(
+                f"model {model!r} is not in this engine's catalog ({', '.join(self.catalog)})"
+            )
+
+    def _poll_staging(self, block: bool = False) -> None:
+        """Book a completed staging copy against the staged model's rates."""
+        name = self.rank.staged_model
+        record = self.rank.poll_staging(block=block)
+        if record is not None and name is not None:
+            self._meters[name].observe_move(record)
+
+    def _active_core_of(self, session_id: str) -> EngineCore | None:
+        model = self._session_model.get(session_id)
+        if model is None or model != self._active:
+            return None
+        return self.cores[model]
+
+    def _remember_sessions(self, model: str) -> None:
+        """Keep the outgoing model's session hash chains (its KV manager forgets them on
+        reset) so host-store lookups can still answer ``session_kv_tokens``; sessions with
+        nothing in the host store are forgotten (their device KV is about to go)."""
+        core = self.cores[model]
+        sessions = self._sessions[model]
+        for sid in list(sessions):
+            chain = core.kv.session_block_hashes(sid) or sessions[sid]
+            if chain and self.rank.host_kv_lookup(model, chain) > 0:
+                sessions[sid] = chain
+            else:
+                del sessions[sid]
+                if self._session_model.get(sid) == model:
+                    del self._session_model[sid]
+
+    @property
+    def weight_region(self) -> torch.Tensor:
+        return self.rank.weight_region
+
+    @property
+    def kv_region(self) -> torch.Tensor:
+        return self.rank.kv_region
+
+
+class RankSecondary:
+    """The host KV store as one model's secondary cache (``SecondaryKVCache``), through the
+    rank ops, so that at TP=N a restore is one more op every rank executes. Records of the
+    restores it made accumulate until ``drain_records``."""
+
+    def __init__(self, rank: RankModels, model: str) -> None:
+        self.rank = rank
+        self.model = model
+        self._records: list[MoveRecord] = []
+
+    def lookup(self, block_hashes: list[int]) -> int:
+        return self.rank.host_kv_lookup(self.model, block_hashes, touch=True)
+
+    def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
+        self._records.append(self.rank.restore_kv(self.model, block_hashes, block_ids))
+
+    def drain_records(self) -> list[MoveRecord]:
+        records, self._records = self._records, []
+        return records
+
+
+def _report(record: MoveRecord) -> MoveReport:
+    return MoveReport(record.kind, record.bytes, record.seconds)

@@ -1,0 +1,149 @@
+"""One rank's share of a multi-model engine: the substrate and one runner per model.
+
+Everything that touches device memory lives here, behind methods that take plain data
+(model names, block hashes, block ids), so that at TP=N the same call can be executed on
+every rank, each on its own arena and shard, in the same order. Scheduling state (requests,
+block tables, prefix maps) stays with the controller and is identical for all ranks.
+
+Address invariant (from the substrate): each model's parameters and buffers are views of
+the one weight region, bound once at start-up; each model's KV caches are views of the one
+KV region, created once. ``activate`` only copies bytes into those addresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from engine.attention.selector import get_attention_backend
+from engine.model_catalog import CatalogEntry, build_meta_model, checkpoint_fill
+from engine.model_runner import ModelRunner
+from engine.parallel.state import SINGLE, ParallelContext
+from substrate.instance_memory import InstanceMemory, KVSpec
+from substrate.layout import align_up, dtype_size
+from substrate.ledger import Placement
+from substrate.moves import MoveRecord, PlannedMove
+
+
+def kv_region_bytes(spec: KVSpec, num_blocks: int) -> int:
+    """Bytes of the KV region that ``num_blocks`` blocks of ``spec`` take (per-cache alignment
+    included, as ``DeviceArena.kv_views`` lays them out)."""
+    per_cache = num_blocks * spec.block_size * spec.kv_heads * spec.head_dim
+    return 2 * spec.num_layers * align_up(per_cache * dtype_size(spec.dtype))
+
+
+class RankModels:
+    def __init__(
+        self,
+        catalog: Mapping[str, CatalogEntry],
+        device: torch.device,
+        *,
+        block_size: int,
+        kv_bytes: int | None,
+        num_kv_blocks: int | None,
+        host_kv_bytes: int,
+        staging: bool,
+        weight_bytes: int | None = None,
+        attention_backend: str = "auto",
+        parallel: ParallelContext = SINGLE,
+        seed: int = 0,
+        pin: bool | None = None,
+    ) -> None:
+        """Size the arena for the catalog (a shard that does not fit ``weight_bytes`` fails
+        here with the sizes), load every shard into the host weight store once, bind each
+        model to the weight region and view its KV caches over the KV region."""
+        if kv_bytes is None:
+            if num_kv_blocks is None:
+                raise ValueError("give kv_bytes or num_kv_blocks to size the KV region")
+            kv_bytes = max(kv_region_bytes(e.kv_spec, num_kv_blocks) for e in catalog.values())
+        self.catalog = dict(catalog)
+        self.device = device
+        self.memory = InstanceMemory(
+            device,
+            {name: entry.layout for name, entry in catalog.items()},
+            kv_bytes,
+            host_kv_bytes,
+            staging=staging,
+            weight_bytes=weight_bytes,
+            pin=pin,
+        )
+        backend = get_attention_backend(attention_backend, device=device, block_size=block_size)
+        self.runners: dict[str, ModelRunner] = {}
+        for name, entry in catalog.items():
+            self.memory.load_model(name, checkpoint_fill(entry, parallel), entry.kv_spec)
+            model = build_meta_model(entry, backend, parallel)
+            self.memory.bind_module(name, model)
+            kv_caches = self.memory.kv_caches(name, num_kv_blocks)
+            self.runners[name] = ModelRunner(
+                model,
+                num_blocks=kv_caches[0][0].shape[0],
+                block_size=block_size,
+                vocab_size=entry.vocab_size,
+                device=device,
+                dtype=entry.dtype,
+                kv_caches=kv_caches,
+                hf_config=entry.hf_config,
+                seed=seed,
+            )
+
+    # ---------------------------------------------------- ops every rank executes
+    def activate(self, name: str) -> MoveRecord:
+        return self.memory.activate(name)
+
+    def stage(self, name: str, wait: bool) -> tuple[PlannedMove, MoveRecord | None]:
+        """Start staging ``name``; with ``wait``, block until the copy is done and return
+        its record too."""
+        plan = self.memory.stage(name)
+        record = self.memory.poll_staging(block=True) if wait else None
+        return plan, record
+
+    def offload_kv(
+        self, name: str, block_hashes: list[int], block_ids: list[int], session_id: str | None
+    ) -> MoveRecord:
+        return self.memory.offload_kv(name, block_hashes, block_ids, session_id)
+
+    def poll_staging(self, block: bool = False) -> MoveRecord | None:
+        """The staging record, once, when the copy in flight is seen complete."""
+        return self.memory.poll_staging(block=block)
+
+    @property
+    def staged_model(self) -> str | None:
+        return self.memory.ledger.staged_model
+
+    def restore_kv(self, name: str, block_hashes: list[int], block_ids: list[int]) -> MoveRecord:
+        """Copy host-stored blocks of ``name`` into device blocks ``block_ids``."""
+        record = self.memory.host_kv.load(
+            name, block_hashes, block_ids, self.memory.kv_caches(name)
+        )
+        self.memory.ledger.record(record)
+        return record
+
+    def host_kv_lookup(self, name: str, block_hashes: list[int], touch: bool = False) -> int:
+        """Leading hashes of the chain held by the host KV store (``touch``: mark them
+        recently used, which changes eviction order: every rank must do the same)."""
+        return self.memory.host_kv.lookup(name, block_hashes, touch=touch)
+
+    # ------------------------------------------------------------------ queries
+    def host_kv_usage(self) -> tuple[int, int]:
+        """(bytes used, capacity) of the host KV store."""
+        return self.memory.host_kv.used_bytes, self.memory.host_kv.capacity_bytes
+
+    def move_totals(self, kind: str) -> tuple[int, float]:
+        """(bytes, seconds) of every move of ``kind`` so far."""
+        totals = self.memory.ledger.totals(kind)
+        return totals.bytes, totals.seconds
+
+    def placements(self) -> dict[str, Placement]:
+        return self.memory.placements()
+
+    def estimate(self, plan: PlannedMove) -> float | None:
+        return self.memory.estimate(plan)
+
+    @property
+    def weight_region(self) -> torch.Tensor:
+        return self.memory.arena.weight_region
+
+    @property
+    def kv_region(self) -> torch.Tensor:
+        return self.memory.arena.kv_region

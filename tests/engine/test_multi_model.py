@@ -1,0 +1,260 @@
+"""The live multi-model engine on the substrate: switches keep outputs and addresses, staged
+activation equals host activation, session KV survives a switch through the host store, host
+KV exhaustion degrades to partial restores, and bad requests / catalogs fail clearly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, EngineCore
+from engine.interface import EngineRequest, MoveReport, MultiModelEngineProtocol, Residency
+from engine.multi_model import ModelNotActiveError, MultiModelConfig, MultiModelEngine
+from engine.sampling_params import SamplingParams
+from engine.tiny_models import build_tokenizer, make_tiny_models, write_random_checkpoint
+
+BLOCK = 4
+NUM_BLOCKS = 64
+LLAMA, QWEN, MOE = "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_tiny_models(tmp_path_factory.mktemp("mm"))
+
+
+def make_engine(models: dict[str, Path], **kw: object) -> MultiModelEngine:
+    cfg = dict(device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, host_kv_bytes=1 << 20)
+    cfg.update(kw)
+    return MultiModelEngine(models, MultiModelConfig(**cfg))  # type: ignore[arg-type]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+Outputs = dict[str, tuple[list[int], list[float]]]
+
+
+def run(engine: MultiModelEngine | EngineCore, reqs: list[EngineRequest]) -> tuple[Outputs, int]:
+    """Run requests to completion: rid -> (tokens, logprobs), and prefill tokens counted."""
+    for r in reqs:
+        engine.add_request(r)
+    out: Outputs = {r.request_id: ([], []) for r in reqs}
+    prefilled = 0
+    while engine.has_unfinished():
+        step = engine.step()
+        prefilled += step.num_prefill_tokens
+        for ev in step.events:
+            out[ev.request_id][0].extend(ev.new_token_ids)
+            out[ev.request_id][1].extend(ev.logprobs or [])
+    return out, prefilled
+
+
+def requests(model: str, tag: str, prompts: list[list[int]]) -> list[EngineRequest]:
+    return [
+        EngineRequest(f"{tag}-{i}", p, GREEDY, model=model, session_id=f"{tag}-s{i}")
+        for i, p in enumerate(prompts)
+    ]
+
+
+def fresh(path: Path, reqs: list[EngineRequest]) -> Outputs:
+    core = EngineCore(
+        EngineConfig(model=path, device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS)
+    )
+    return run(core, reqs)[0]
+
+
+def assert_same(got: Outputs, want: Outputs) -> None:
+    assert [v[0] for v in got.values()] == [v[0] for v in want.values()]
+    for (_, lp_got), (_, lp_want) in zip(got.values(), want.values(), strict=True):
+        torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_want), atol=1e-5, rtol=0)
+
+
+PROMPTS = [prompt(1, 13), prompt(2, 22), prompt(3, 5)]
+
+
+def test_a_b_a_matches_fresh_engines_at_fixed_addresses(models: dict[str, Path]) -> None:
+    engine = make_engine(models, staging=False)
+    assert isinstance(engine, MultiModelEngineProtocol)
+    weight_ptr, kv_ptr = engine.weight_region.data_ptr(), engine.kv_region.data_ptr()
+    kv_ptrs = {n: engine.rank.runners[n].kv_caches[0][0].data_ptr() for n in engine.model_names}
+    want = {n: fresh(models[n], requests(n, n, PROMPTS)) for n in (LLAMA, QWEN)}
+    seen: list[tuple[str, Outputs]] = []
+    for i, name in enumerate([LLAMA, QWEN, LLAMA, QWEN]):
+        report = engine.activate(name)
+        assert report.kind == "activate_h2d"
+        assert report.bytes == engine.catalog[name].layout.total_bytes and report.seconds > 0
+        seen.append(
+            (name, run(engine, requests(name, name if i < 2 else f"{name}-again", PROMPTS))[0])
+        )
+        assert engine.weight_region.data_ptr() == weight_ptr
+        assert engine.kv_region.data_ptr() == kv_ptr
+        assert all(engine.rank.runners[n].kv_caches[0][0].data_ptr() == kv_ptrs[n] for n in kv_ptrs)
+        for param in engine.rank.runners[name].model.parameters():
+            offset = param.data_ptr() - weight_ptr
+            assert 0 <= offset < engine.weight_region.numel()
+    for name, got in seen:
+        assert_same(got, want[name])
+    assert engine.activate(QWEN).kind == "none"  # already active: nothing moves
+    assert engine.residency()[QWEN] is Residency.ACTIVE
+    assert engine.residency()[LLAMA] is Residency.HOST
+
+
+def test_staged_activation_equals_host_activation(models: dict[str, Path]) -> None:
+    engine = make_engine(models, wait_for_staging=True)
+    engine.activate(LLAMA)
+    stage = engine.stage(MOE)
+    assert stage.kind == "stage" and stage.bytes == engine.catalog[MOE].layout.total_bytes
+    assert engine.residency()[MOE] is Residency.STAGED
+    staged_report = engine.activate(MOE)
+    assert staged_report.kind == "activate_d2d"
+    staged = run(engine, requests(MOE, "staged", PROMPTS))[0]
+    engine.activate(LLAMA)
+    host_report = engine.activate(MOE)  # staging still holds MOE: D2D again
+    assert host_report.kind == "activate_d2d"
+    engine.stage(QWEN)  # staging now holds another model
+    engine.activate(LLAMA)
+    assert engine.activate(MOE).kind == "activate_h2d"
+    host = run(engine, requests(MOE, "host", PROMPTS))[0]
+    assert_same(staged, host)
+    assert_same(host, fresh(models[MOE], requests(MOE, "fresh", PROMPTS)))
+    rates = engine.model_rates(MOE)
+    assert rates["switch_staged_s"] > 0 and rates["switch_host_s"] > 0 and rates["stage_s"] > 0
+
+
+def _session_round(
+    engine: MultiModelEngine, first_prompt: list[int], sid: str
+) -> tuple[list[int], list[int]]:
+    """First call of a session on LLAMA; returns (its output, the continuation prompt)."""
+    engine.activate(LLAMA)
+    first = EngineRequest("c1", first_prompt, GREEDY, model=LLAMA, session_id=sid)
+    out = run(engine, [first])[0]["c1"][0]
+    return out, first_prompt + out + prompt(99, 7)
+
+
+def _switch_away_and_back(engine: MultiModelEngine, sid: str) -> MoveReport:
+    offload = engine.offload_kv([sid])
+    engine.activate(QWEN)
+    run(engine, requests(QWEN, "other", [prompt(7, 30), prompt(8, 30)]))
+    engine.kv_region.fill_(255)  # every KV byte now reads as NaN: only a restore brings it back
+    engine.activate(LLAMA)
+    return offload
+
+
+def test_kv_restore_after_switch_equals_recompute(models: dict[str, Path]) -> None:
+    engine = make_engine(models)
+    _, cont_prompt = _session_round(engine, prompt(11, 29), "s")
+    device_tokens, _ = engine.session_kv_tokens("s")
+    assert device_tokens == 32  # 29 prompt + 6 output - 1 not yet computed, in full blocks
+    offload = _switch_away_and_back(engine, "s")
+    assert (
+        offload.kind == "kv_offload"
+        and offload.bytes == 8 * engine.catalog[LLAMA].kv_spec.block_bytes
+    )
+    assert engine.session_kv_tokens("s") == (0, 32)
+    cont = EngineRequest("c2", cont_prompt, GREEDY, model=LLAMA, session_id="s")
+    got, prefilled = run(engine, [cont])
+    assert prefilled == len(cont_prompt) - 32
+    restores = engine.take_restore_reports()
+    assert [r.kind for r in restores] == ["kv_restore"]
+    assert restores[0].bytes == offload.bytes
+    assert engine.stats().restored_tokens_total == 32
+    want = fresh(models[LLAMA], [EngineRequest("c2", cont_prompt, GREEDY, model=LLAMA)])
+    assert_same(got, want)
+    assert engine.model_rates(LLAMA)["kv_restore_bytes_per_s"] > 0
+
+
+def test_host_kv_exhaustion_evicts_and_restores_partially(models: dict[str, Path]) -> None:
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head dim * fp32
+    engine = make_engine(models, host_kv_bytes=5 * block_bytes)
+    assert engine.catalog[LLAMA].kv_spec.block_bytes == block_bytes
+    _, cont_prompt = _session_round(engine, prompt(21, 29), "s")
+    _switch_away_and_back(engine, "s")
+    assert engine.session_kv_tokens("s") == (0, 5 * BLOCK)  # the chain's head fitted
+    cont = EngineRequest("c2", cont_prompt, GREEDY, model=LLAMA, session_id="s")
+    got, prefilled = run(engine, [cont])
+    assert prefilled == len(cont_prompt) - 5 * BLOCK
+    want = fresh(models[LLAMA], [EngineRequest("c2", cont_prompt, GREEDY, model=LLAMA)])
+    assert_same(got, want)
+    # Another session's offload evicts the first one's blocks; the first still runs.
+    other = EngineRequest("o1", prompt(31, 25), GREEDY, model=LLAMA, session_id="t")
+    run(engine, [other])
+    engine.offload_kv(["t"])
+    assert engine.stats().extra["host_kv_used_bytes"] <= 5 * block_bytes
+    engine.activate(QWEN)
+    engine.activate(LLAMA)
+    again = EngineRequest("c3", cont_prompt, GREEDY, model=LLAMA, session_id="s")
+    assert run(engine, [again])[0]["c3"][0] == want["c2"][0]
+
+
+def test_request_for_non_active_model_raises(models: dict[str, Path]) -> None:
+    engine = make_engine(models)
+    req = EngineRequest("r", prompt(1, 5), GREEDY, model=LLAMA)
+    with pytest.raises(ModelNotActiveError, match="active model is None"):
+        engine.add_request(req)
+    engine.activate(QWEN)
+    with pytest.raises(ModelNotActiveError, match="'tiny-llama'.*active model is 'tiny-qwen3'"):
+        engine.add_request(req)
+    with pytest.raises(ModelNotActiveError, match="names no model"):
+        engine.add_request(EngineRequest("r", prompt(1, 5), GREEDY))
+    with pytest.raises(KeyError, match="not in this engine's catalog"):
+        engine.add_request(EngineRequest("r", prompt(1, 5), GREEDY, model="nope"))
+    assert not engine.has_unfinished()
+    engine.add_request(EngineRequest("q", prompt(1, 5), GREEDY, model=QWEN))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        engine.activate(LLAMA)
+    engine.abort("q")
+    engine.step()
+    engine.activate(LLAMA)
+
+
+def test_shard_too_large_for_weight_region_fails_with_sizes(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=r"weight shard of \d+ bytes .* weight region of 4096"):
+        make_engine(models, weight_bytes=4096)
+
+
+def test_tokenizer_larger_than_vocab_fails_with_sizes(tmp_path: Path) -> None:
+    path = write_random_checkpoint(
+        tmp_path / "m", "llama", tokenizer=build_tokenizer(512), vocab_size=256
+    )
+    with pytest.raises(
+        ValueError, match="tokenizer has 512 tokens but the model's vocab_size is 256"
+    ):
+        make_engine({"m": path})
+
+
+def test_config_vocab_not_matching_weights_fails_with_shapes(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path / "m", "llama", tokenizer=build_tokenizer(512))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["vocab_size"] = 640
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model 'm'.*shape \(512, 64\).*\(640, 64\)"):
+        make_engine({"m": path})
+
+
+def test_offload_all_sessions_pins_and_rates(models: dict[str, Path]) -> None:
+    engine = make_engine(models)
+    engine.activate(LLAMA)
+    run(engine, requests(LLAMA, "p", [prompt(41, 17), prompt(42, 9)]))
+    assert engine.pin_session_kv("p-s0") == 5  # 17 + 6 - 1 computed tokens: 5 full blocks
+    assert engine.stats().extra["num_pinned_blocks"] == 5
+    engine.unpin_session_kv("p-s0")
+    report = engine.offload_kv(None)
+    assert report.bytes == (5 + 3) * engine.catalog[LLAMA].kv_spec.block_bytes
+    assert engine.offload_kv(None).bytes == 0  # already stored: only touched
+    engine.activate(QWEN)
+    assert engine.session_kv_tokens("p-s0") == (0, 20)
+    assert engine.session_kv_tokens("p-s1") == (0, 12)
+    assert engine.pin_session_kv("p-s0") == 0  # its model is not active
+    rates = engine.model_rates(LLAMA)
+    assert rates["prefill_tokens_per_s"] > 0 and rates["decode_step_s"] > 0
+    assert rates["kv_offload_bytes_per_s"] > 0
+    assert rates["kv_bytes_per_token"] == engine.catalog[LLAMA].kv_spec.block_bytes / BLOCK
+    assert rates["kv_capacity_tokens"] == NUM_BLOCKS * BLOCK
+    assert engine.stats().extra["kv_offload_bytes_total"] == report.bytes
