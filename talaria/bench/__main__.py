@@ -1,0 +1,123 @@
+"""`make bench`: every benchmark of the project, as ratios measured in one run.
+
+Sections (each can be chosen with ``--only``):
+- engine:     engine throughput vs transformers generate (one at a time / padded batch)
+- tp:         TP=2 step time vs TP=1 with the time spent in collectives
+- switch:     substrate copy rates (H2D, staging, D2D) vs a plain torch copy
+- multimodel: live model switch from host / staging, KV restore vs recompute
+Models are the "small" tiny checkpoints (tens of millions of parameters), written on
+first use into the cache directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from talaria.paths import ensure_tiny_models
+
+
+def _section(title: str) -> None:
+    print(f"\n== {title}", flush=True)
+
+
+def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
+    from talaria.bench.engine_throughput import bench_engine_throughput
+
+    _section(
+        f"engine throughput: {args.requests} requests x ~{args.prompt_len} prompt tokens, "
+        f"{args.output_len} output tokens, small tiny-llama, fp32, greedy"
+    )
+    results = bench_engine_throughput(
+        models["tiny-llama"], args.requests, args.prompt_len, args.output_len
+    )
+    engine = results[-1]
+    for r in results:
+        print(
+            f"  {r.name:30s} {r.seconds:7.2f} s  {r.tokens_per_s:8.1f} tok/s  "
+            f"engine speedup x{engine.tokens_per_s / r.tokens_per_s:5.2f}"
+        )
+
+
+def bench_tp(models: dict[str, Path], args: argparse.Namespace) -> None:
+    from engine.parallel.bench import bench_tp as run
+
+    _section("tensor parallelism: TP=2 vs TP=1 (gloo, one thread per rank), small tiny-llama")
+    r = run(models["tiny-llama"], steps=16, world_size=2, num_threads=2)
+    print(
+        f"  prefill: TP=1 {r['tp1_prefill_ms']:.1f} ms, TP=2 {r['tp2_prefill_ms']:.1f} ms; "
+        f"decode step: TP=1 {r['tp1_decode_step_ms']:.1f} ms, TP=2 {r['tp2_decode_step_ms']:.1f} ms "
+        f"(speedup x{r['decode_speedup']:.2f})"
+    )
+    for c in r["collectives"]:
+        print(
+            f"  rank {c['rank']}: {c['collectives_per_step']} collectives/step, "
+            f"{c['collective_ms_per_step']:.1f} ms/step = {c['collective_ms_per_layer']:.2f} ms/layer "
+            f"({c['collective_us_per_call']:.0f} us/call)"
+        )
+
+
+def bench_switch(models: dict[str, Path], args: argparse.Namespace) -> None:
+    from substrate.bench import bench_switch as run
+
+    nbytes = 128 * 2**20
+    _section(f"substrate copies: {nbytes >> 20} MiB shard, best of 3")
+    r = run(nbytes, repeats=3)
+    for kind in ("activate_h2d", "stage", "activate_d2d", "plain_copy", "alloc_copy"):
+        row = r[kind]
+        ratio = f"  vs plain copy x{row['vs_plain_copy']:.2f}" if "vs_plain_copy" in row else ""
+        print(f"  {kind:14s} {row['seconds'] * 1e3:8.1f} ms  {row['gb_per_s']:6.2f} GB/s{ratio}")
+
+
+def bench_multimodel(models: dict[str, Path], args: argparse.Namespace) -> None:
+    from engine.multi_model_bench import bench_multi_model
+
+    _section(
+        "multi-model engine: switch small llama <-> small qwen3; KV restore vs recompute "
+        "(4k and 16k prefixes, one thread)"
+    )
+    r = bench_multi_model(prefix_lens=(4096, 16384), repeats=3, threads=1)
+    sw = r["switch"]
+    print(
+        f"  switch from host:    {sw['host_s'] * 1e3:7.1f} ms {sw['host_gb_per_s']:6.2f} GB/s "
+        f"(vs plain copy x{sw['host_vs_plain']:.2f})"
+    )
+    print(
+        f"  switch from staging: {sw['staged_s'] * 1e3:7.1f} ms {sw['staged_gb_per_s']:6.2f} GB/s "
+        f"(vs plain copy x{sw['staged_vs_plain']:.2f})"
+    )
+    for row in r["restore"]:
+        print(
+            f"  {row['prefix_tokens']:6d}-token prefix: recompute {row['recompute_s']:7.2f} s, "
+            f"restore {row['restore_s']:6.3f} s ({row['restore_gb_per_s']:.2f} GB/s): "
+            f"restore/recompute = {row['restore_vs_recompute']:.4f}"
+        )
+
+
+SECTIONS: dict[str, Callable[[dict[str, Path], argparse.Namespace], None]] = {
+    "engine": bench_engine,
+    "tp": bench_tp,
+    "switch": bench_switch,
+    "multimodel": bench_multimodel,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m talaria.bench", description=__doc__)
+    parser.add_argument("--only", choices=sorted(SECTIONS), action="append")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    print("preparing the small tiny models (written once into the cache)...", flush=True)
+    models = ensure_tiny_models("small")
+    start = time.perf_counter()
+    for name in args.only or list(SECTIONS):
+        SECTIONS[name](models, args)
+    print(f"\nbench done in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
