@@ -12,6 +12,7 @@ and softmax are in float32; grouped-query attention shares each KV head among
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 
@@ -41,17 +42,17 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """``q`` ``[m, h, d]`` are the last ``m`` positions of ``k``/``v`` ``[s, kv_h, d]``."""
-    m, heads, d = q.shape
-    s, kv_heads = k.shape[0], k.shape[1]
-    group = heads // kv_heads
-    qg = q.float().reshape(m, kv_heads, group, d)
-    scores = torch.einsum("mhgd,shd->hgms", qg, k.float()) * scale
-    q_pos = torch.arange(s - m, s, device=q.device)[:, None]
-    k_pos = torch.arange(s, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hgms,shd->mhgd", probs, v.float())
-    return out.reshape(m, heads, d).to(q.dtype)
+    m, s = q.shape[0], k.shape[0]
+    visible = torch.ones(m, s, dtype=torch.bool, device=q.device).tril(diagonal=s - m)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.float().transpose(0, 1),
+        v.float().transpose(0, 1),
+        attn_mask=visible,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1).to(q.dtype)
 
 
 def batched_decode_attention(
@@ -69,21 +70,25 @@ def batched_decode_attention(
     """
     b, heads, d = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
     max_blocks = -(-max(seq_lens) // block_size)
     table = block_tables[:, :max_blocks].long()
-    k = k_cache[table].reshape(b, max_blocks * block_size, kv_heads, d).float()
-    v = v_cache[table].reshape(b, max_blocks * block_size, kv_heads, d).float()
-    padding = torch.arange(max_blocks * block_size, device=q.device)[None, :] >= torch.tensor(
+    width = max_blocks * block_size
+    visible = torch.arange(width, device=q.device)[None, :] < torch.tensor(
         seq_lens, device=q.device
     )[:, None]
-    v = v.masked_fill(padding[:, :, None, None], 0.0)
-    qg = q.float().reshape(b, kv_heads, group, d)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, v)
-    return out.reshape(b, heads, d).to(q.dtype)
+    hidden = ~visible[:, :, None, None]
+    # Advanced indexing copies, so the padding can be cleared in place.
+    k = k_cache[table].reshape(b, width, kv_heads, d).float().masked_fill_(hidden, 0.0)
+    v = v_cache[table].reshape(b, width, kv_heads, d).float().masked_fill_(hidden, 0.0)
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :].to(q.dtype)
 
 
 class TorchPagedAttention:
