@@ -38,6 +38,13 @@ class DeviceArena:
         self.weight_region = self.buffer[:w]
         self.staging_region = self.buffer[w:s]
         self.kv_region = self.buffer[s:]
+        self.kv_region.zero_()  # KV slots always hold finite values (see clear_kv)
+
+    def clear_kv(self) -> None:
+        """Zero the KV region. Attention backends may read (and mask out) slots no token
+        wrote; zeros are finite in every dtype, whereas bytes left by another model's shapes
+        may read as NaN, which a mask cannot cancel."""
+        self.kv_region.zero_()
 
     @classmethod
     def for_layouts(

@@ -138,9 +138,12 @@ class InstanceMemory:
     def activate(self, name: str) -> MoveRecord:
         """Copy ``name``'s weights into the weight region: D2D when staged (waiting for a
         staging of this very model still in flight), else H2D. The caller must have no
-        running requests of the outgoing model and must treat its device KV as gone."""
+        running requests of the outgoing model and must treat its device KV as gone (the KV
+        region is zeroed)."""
         self.poll_staging(block=self.ledger.staged_model == name)
         plan = self.ledger.plan_activation(name)
+        if plan.kind != MoveKind.NONE:
+            self.arena.clear_kv()  # the outgoing model's KV is gone; keep every slot finite
         if plan.kind == MoveKind.ACTIVATE_D2D:
             record = self.mover.activate_from_staging(
                 self.arena.weight_region, self.arena.staging_region, plan.bytes

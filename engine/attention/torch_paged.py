@@ -65,8 +65,9 @@ def batched_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence: ``q`` ``[b, h, d]`` -> ``[b, h, d]``.
 
-    Contexts are gathered padded to the longest; padded keys are masked out and padded
-    values zeroed (a never-written slot may hold anything, NaN included).
+    Contexts are gathered padded to the longest and padded keys are masked out. Padding
+    reads slots no token of this sequence wrote: the caches' owners keep every slot finite
+    (zeroed at allocation and at each model switch), so a mask cancels them.
     """
     b, heads, d = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -76,10 +77,8 @@ def batched_decode_attention(
     visible = torch.arange(width, device=q.device)[None, :] < torch.tensor(
         seq_lens, device=q.device
     )[:, None]
-    hidden = ~visible[:, :, None, None]
-    # Advanced indexing copies, so the padding can be cleared in place.
-    k = k_cache[table].reshape(b, width, kv_heads, d).float().masked_fill_(hidden, 0.0)
-    v = v_cache[table].reshape(b, width, kv_heads, d).float().masked_fill_(hidden, 0.0)
+    k = k_cache[table].reshape(b, width, kv_heads, d).float()
+    v = v_cache[table].reshape(b, width, kv_heads, d).float()
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :],
         k.transpose(1, 2),

@@ -48,6 +48,9 @@ def build_metadata(
     )
 
 
+UNWRITTEN = 1e3
+
+
 def allocate_kv_caches(
     num_layers: int,
     num_blocks: int,
@@ -56,10 +59,12 @@ def allocate_kv_caches(
     head_dim: int,
     dtype: torch.dtype = torch.float32,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (k, v) caches filled with NaN, so reading an unwritten slot shows up."""
+    """Per-layer (k, v) caches filled with a large finite value, so attending to an
+    unwritten slot without masking it shows up as a large error (the backends may read
+    such slots under a mask; the engine keeps every slot finite, as this fill does)."""
     shape = (num_blocks, block_size, kv_heads, head_dim)
     return [
-        (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+        (torch.full(shape, UNWRITTEN, dtype=dtype), torch.full(shape, UNWRITTEN, dtype=dtype))
         for _ in range(num_layers)
     ]
 
