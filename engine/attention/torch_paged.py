@@ -77,8 +77,9 @@ def batched_decode_attention(
     visible = torch.arange(width, device=q.device)[None, :] < torch.tensor(
         seq_lens, device=q.device
     )[:, None]
-    k = k_cache[table].reshape(b, width, kv_heads, d).float()
-    v = v_cache[table].reshape(b, width, kv_heads, d).float()
+    flat = table.reshape(-1)  # index_select is several times faster than k_cache[table]
+    k = k_cache.index_select(0, flat).view(b, width, kv_heads, d).float()
+    v = v_cache.index_select(0, flat).view(b, width, kv_heads, d).float()
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :],
         k.transpose(1, 2),
