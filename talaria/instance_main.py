@@ -1,0 +1,139 @@
+"""One instance process: build its multi-model engine, serve the instance app on its port.
+
+``talaria instance`` runs this; ``talaria serve`` starts one such process per instance. The
+engine starts its own tensor-parallel workers (if any) and stops them when it is shut down.
+When the process is ready it writes ``ready_file`` (JSON: id, pid, url) atomically, so the
+parent learns the port it got (port 0 picks a free one). SIGINT / SIGTERM drain and stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from talaria.clock import new_live_loop
+from talaria.serve_config import ConfigError, InstanceEntry, ServeConfig
+
+log = structlog.get_logger("talaria.instance_main")
+
+__all__ = ["build_engine", "run_instance", "die_with_parent"]
+
+
+def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
+    """The instance's live MultiModelEngine over the whole catalog."""
+    from engine.multi_model import MultiModelConfig, MultiModelEngine
+
+    lens = {m.max_model_len for m in config.models.values()}
+    kwargs: dict[str, Any] = dict(
+        device=entry.device,
+        dtype=config.engine.dtype,
+        block_size=config.engine.block_size,
+        kv_bytes=entry.kv_bytes,
+        num_kv_blocks=entry.kv_blocks,
+        host_kv_bytes=entry.host_kv_bytes,
+        staging=entry.staging,
+        max_num_batched_tokens=config.engine.max_num_batched_tokens,
+        max_num_seqs=config.engine.max_num_seqs,
+        # One cap for the engine only when every model names the same; the server
+        # enforces each model's own cap on every prompt.
+        max_model_len=lens.pop() if len(lens) == 1 else None,
+        attention_backend=config.engine.attention_backend,
+        seed=config.engine.seed,
+    )
+    accepted = {f.name for f in dataclasses.fields(MultiModelConfig)}
+    if "tensor_parallel_size" in accepted:
+        kwargs["tensor_parallel_size"] = entry.tensor_parallel_size
+    elif entry.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"instance {entry.id!r}: tensor_parallel_size={entry.tensor_parallel_size}, but this "
+            "build's multi-model engine runs on one device only"
+        )
+    return MultiModelEngine(config.model_paths(), MultiModelConfig(**kwargs))
+
+
+def run_instance(
+    config: ServeConfig, instance_id: str, ready_file: Path | None = None
+) -> int:
+    """Serve one instance until SIGINT/SIGTERM; returns the exit status."""
+    from talaria.admission import Instance
+    from talaria.instance_server import (
+        InstanceServerSettings,
+        create_instance_app,
+        engine_limits,
+    )
+
+    entry = config.instance(instance_id)
+    log.info("instance.building", instance=instance_id, device=entry.device,
+             models=list(config.models), tp=entry.tensor_parallel_size)
+    engine = build_engine(config, entry)
+    try:
+        instance = Instance(instance_id, engine, config.policy_config())
+        settings = InstanceServerSettings(
+            limits=engine_limits(engine, config.max_model_lens()),
+            drain_timeout_s=entry.drain_timeout_s,
+        )
+        app = create_instance_app(instance, settings)
+        with asyncio.Runner(loop_factory=new_live_loop) as runner:
+            runner.run(_serve(app, entry, ready_file))
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+    log.info("instance.exit", instance=instance_id)
+    return 0
+
+
+async def _serve(app: web.Application, entry: InstanceEntry, ready_file: Path | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # Draining is ours (on_shutdown, bounded by drain_timeout_s); aiohttp only waits a little
+    # for handlers that are still writing their last event.
+    runner = web.AppRunner(app, shutdown_timeout=5.0, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, entry.host, entry.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ValueError(
+                f"instance {entry.id!r} cannot listen on {entry.host}:{entry.port}: {exc}"
+            ) from exc
+        port = int(runner.addresses[-1][1])  # the real port when 0 asked for a free one
+        url = f"http://{entry.host}:{port}"
+        log.info("instance.ready", instance=entry.id, url=url)
+        if ready_file is not None:
+            _write_atomic(ready_file, {"id": entry.id, "pid": os.getpid(), "url": url})
+        await stop.wait()
+        log.info("instance.stopping", instance=entry.id)
+    finally:
+        await runner.cleanup()
+
+
+def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(orjson.dumps(data))
+    os.replace(tmp, path)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGTERM when the parent exits (even if it is killed), so a crashed
+    ``talaria serve`` never leaves instances behind; exit now if it is already gone."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"the parent process {parent_pid} is gone")

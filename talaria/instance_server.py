@@ -1,0 +1,373 @@
+"""The instance's internal HTTP API (aiohttp), spoken by ``router.instance_http``.
+
+Routes:
+- ``POST /internal/v1/calls`` (body: ``CallRequest.to_dict()`` JSON): 200 streams NDJSON, one
+  ``CallEvent`` per line, the last with ``finished`` set; 400 malformed body / bad params /
+  prompt too long / token id outside the vocabulary; 404 unknown model; 429 queue full
+  (``{"error": {...}, "retry_after_s": x}`` and a ``Retry-After`` header); 503 not accepting.
+- ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}``.
+- ``GET /internal/v1/state`` -> ``InstanceState`` JSON; ``GET /health`` -> ``{"status": "ok"}``.
+
+Who frees what: a call's blocks belong to the engine while it runs; the handler that
+submitted it owns its ``CallHandle`` and aborts it in ``finally`` unless it finished, so a
+client that disconnects (noticed on a failed write, or by polling the transport while no
+event arrives) or a handler cancelled at shutdown never leaves a call running.
+
+Life cycle: the admission loop starts in ``cleanup_ctx``. At shutdown new calls get 503,
+in-flight calls are given ``drain_timeout_s`` to finish, the rest are aborted, then the loop
+stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from talaria.admission import Instance
+from talaria.call_handle import CallHandle
+from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
+
+log = structlog.get_logger("talaria.instance_server")
+
+__all__ = [
+    "ModelLimits",
+    "InstanceServerSettings",
+    "create_instance_app",
+    "engine_limits",
+    "INSTANCE_KEY",
+    "SETTINGS_KEY",
+    "INFLIGHT_KEY",
+]
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a prompt must satisfy for one model: fewer than ``max_model_len`` tokens (one
+    must be left to generate), every id in ``[0, vocab_size)``."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class InstanceServerSettings:
+    limits: dict[str, ModelLimits] = field(default_factory=dict)  # empty: the engine checks
+    drain_timeout_s: float = 30.0
+    disconnect_poll_s: float = 0.5  # how often a waiting stream checks its client is there
+    max_body_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.disconnect_poll_s <= 0:
+            raise ValueError(f"disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+class _Calls:
+    """The calls this server has in flight (handle by call id) and whether it still takes
+    new ones."""
+
+    def __init__(self) -> None:
+        self.handles: dict[str, CallHandle] = {}
+        self.accepting = True
+        self.empty = asyncio.Event()
+        self.empty.set()
+
+    def add(self, handle: CallHandle) -> None:
+        self.handles[handle.call_id] = handle
+        self.empty.clear()
+
+    def remove(self, handle: CallHandle) -> None:
+        if self.handles.get(handle.call_id) is handle:
+            del self.handles[handle.call_id]
+        if not self.handles:
+            self.empty.set()
+
+
+INSTANCE_KEY = web.AppKey("talaria_instance", Instance)
+SETTINGS_KEY = web.AppKey("talaria_instance_settings", InstanceServerSettings)
+INFLIGHT_KEY = web.AppKey("talaria_instance_calls", _Calls)
+
+
+def engine_limits(engine: Any, max_model_lens: Mapping[str, int] | None = None) -> dict[str, ModelLimits]:
+    """Per-model prompt limits read from a live multi-model engine's cores (``cores[name]``
+    with ``max_model_len`` and ``vocab_size``), capped by ``max_model_lens``. An engine
+    without cores (simulated) yields no limits: it reports bad prompts itself."""
+    cores = getattr(engine, "cores", None)
+    if not isinstance(cores, Mapping):
+        return {}
+    caps = dict(max_model_lens or {})
+    out: dict[str, ModelLimits] = {}
+    for name, core in cores.items():
+        length = int(core.max_model_len)
+        if name in caps:
+            length = min(length, int(caps[name]))
+        out[name] = ModelLimits(max_model_len=length, vocab_size=int(core.vocab_size))
+    return out
+
+
+def create_instance_app(
+    instance: Instance, settings: InstanceServerSettings | None = None
+) -> web.Application:
+    """The instance's aiohttp app. Its admission loop starts and stops with the app."""
+    if settings is None:
+        settings = InstanceServerSettings(limits=engine_limits(instance.engine))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware])
+    app[INSTANCE_KEY] = instance
+    app[SETTINGS_KEY] = settings
+    app[INFLIGHT_KEY] = _Calls()
+    app.cleanup_ctx.append(_admission_loop)
+    app.on_shutdown.append(_drain)
+    app.router.add_post("/internal/v1/calls", _submit)
+    app.router.add_post("/internal/v1/calls/{call_id}/abort", _abort)
+    app.router.add_get("/internal/v1/state", _state)
+    app.router.add_get("/health", _health)
+    return app
+
+
+# life cycle -------------------------------------------------------------------------------
+
+
+async def _admission_loop(app: web.Application) -> AsyncIterator[None]:
+    instance = app[INSTANCE_KEY]
+    await instance.start()
+    log.info("instance.started", instance=instance.instance_id, models=instance.models)
+    try:
+        yield
+    finally:
+        app[INFLIGHT_KEY].accepting = False
+        await _abort_all(app)
+        await instance.stop(drain=False)
+        log.info("instance.stopped", instance=instance.instance_id)
+
+
+async def _drain(app: web.Application) -> None:
+    """Stop taking calls; let in-flight ones finish for ``drain_timeout_s``, abort the rest."""
+    calls = app[INFLIGHT_KEY]
+    calls.accepting = False
+    timeout = app[SETTINGS_KEY].drain_timeout_s
+    if calls.handles:
+        log.info("instance.draining", calls=len(calls.handles), timeout_s=timeout)
+        try:
+            await asyncio.wait_for(calls.empty.wait(), timeout)
+        except TimeoutError:
+            log.warning("instance.drain_timeout", aborting=len(calls.handles))
+    await _abort_all(app)
+
+
+async def _abort_all(app: web.Application) -> None:
+    calls = app[INFLIGHT_KEY]
+    for handle in list(calls.handles.values()):
+        handle.abort()
+    if calls.handles:
+        # The handlers deliver the abort events and return; do not wait for a dead client.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(calls.empty.wait(), 5.0)
+
+
+# handlers ---------------------------------------------------------------------------------
+
+
+async def _submit(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    instance = app[INSTANCE_KEY]
+    calls = app[INFLIGHT_KEY]
+    call = _parse_call(await request.read())
+    _check_call(call, instance, app[SETTINGS_KEY].limits)
+    if not calls.accepting:
+        raise _ApiError(503, f"instance {instance.instance_id!r} is shutting down", "unavailable")
+    try:
+        handle = instance.submit(call)
+    except Overloaded as exc:
+        retry = max(1.0, float(exc.retry_after_s))
+        raise _ApiError(
+            429, str(exc), "overloaded", headers={"Retry-After": str(math.ceil(retry))},
+            extra={"retry_after_s": retry},
+        ) from exc
+    except InstanceUnavailable as exc:
+        raise _ApiError(503, str(exc), "unavailable") from exc
+    except ValueError as exc:
+        raise _ApiError(400, str(exc), "invalid_request_error") from exc
+    calls.add(handle)
+    settings = app[SETTINGS_KEY]
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    finished = False
+    try:
+        await response.prepare(request)
+        while True:
+            event = await _next_event(handle, request, settings.disconnect_poll_s)
+            if event is None:
+                log.info("instance.client_gone", call_id=call.call_id)
+                break
+            await response.write(to_json(event) + b"\n")
+            if event.finished:
+                finished = True
+                break
+        if finished:
+            await response.write_eof()
+    except ConnectionError:
+        log.info("instance.client_disconnected", call_id=call.call_id)
+    finally:
+        handle.abort()  # no-op once finished; otherwise frees its queue entry or blocks
+        calls.remove(handle)
+    return response
+
+
+async def _next_event(
+    handle: CallHandle, request: web.Request, poll_s: float
+) -> CallEvent | None:
+    """The call's next event, or None once the client has gone away."""
+    if not handle.queue.empty():
+        return await anext(handle)
+    while True:
+        try:
+            return await asyncio.wait_for(anext(handle), poll_s)
+        except TimeoutError:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return None
+
+
+async def _abort(request: web.Request) -> web.Response:
+    call_id = request.match_info["call_id"]
+    aborted = request.app[INSTANCE_KEY].abort(call_id)
+    return _json({"aborted": aborted, "call_id": call_id})
+
+
+async def _state(request: web.Request) -> web.Response:
+    state = request.app[INSTANCE_KEY].state()
+    return web.Response(body=to_json(state), content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    instance = request.app[INSTANCE_KEY]
+    if not instance.healthy:
+        raise _ApiError(503, f"instance {instance.instance_id!r} failed", "unavailable")
+    if not request.app[INFLIGHT_KEY].accepting:
+        raise _ApiError(503, f"instance {instance.instance_id!r} is shutting down", "unavailable")
+    return _json({"status": "ok", "instance_id": instance.instance_id})
+
+
+# validation -------------------------------------------------------------------------------
+
+
+def _parse_call(raw: bytes) -> CallRequest:
+    if not raw:
+        raise _ApiError(400, "the request body is empty; send a CallRequest JSON object")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise _ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    missing = [k for k in ("call_id", "session_id", "model", "prompt_token_ids") if k not in data]
+    if missing:
+        raise _ApiError(400, f"the call is missing field(s): {', '.join(missing)}")
+    ids = data["prompt_token_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise _ApiError(400, "prompt_token_ids must be a list of integers", param="prompt_token_ids")
+    params = data.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise _ApiError(400, "params must be a JSON object", param="params")
+    try:
+        return CallRequest.from_dict(data)
+    except TypeError as exc:  # an unknown sampling parameter
+        raise _ApiError(400, f"bad params: {exc}", param="params") from exc
+    except ValueError as exc:  # a sampling parameter out of range
+        raise _ApiError(400, f"bad params: {exc}", param="params") from exc
+
+
+def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, ModelLimits]) -> None:
+    if call.model not in instance.models:
+        raise _ApiError(
+            404,
+            f"model {call.model!r} is not served by instance {instance.instance_id!r} "
+            f"(models: {', '.join(instance.models)})",
+            "not_found_error",
+            param="model",
+        )
+    if not call.prompt_token_ids:
+        raise _ApiError(400, "prompt_token_ids is empty", param="prompt_token_ids")
+    if not call.call_id or not call.session_id:
+        raise _ApiError(400, "call_id and session_id must be non-empty")
+    limit = limits.get(call.model)
+    if limit is None:
+        return
+    n = len(call.prompt_token_ids)
+    if n >= limit.max_model_len:
+        raise _ApiError(
+            400,
+            f"the prompt has {n} tokens; model {call.model!r} allows at most "
+            f"{limit.max_model_len - 1} (max_model_len {limit.max_model_len})",
+            param="prompt_token_ids",
+        )
+    bad = next((t for t in call.prompt_token_ids if not 0 <= t < limit.vocab_size), None)
+    if bad is not None:
+        raise _ApiError(
+            400,
+            f"token id {bad} is outside the vocabulary of {call.model!r} "
+            f"(ids in [0, {limit.vocab_size}))",
+            param="prompt_token_ids",
+        )
+
+
+# errors -----------------------------------------------------------------------------------
+
+
+class _ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.error_type, "param": self.param}}
+        body.update(self.extra)
+        return _json(body, self.status, self.headers)
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except _ApiError as exc:
+        if exc.status >= 500 or exc.status == 429:
+            log.info("instance.refused", status=exc.status, message=exc.message)
+        return exc.response()
+    except web.HTTPException as exc:  # aiohttp's own: 404 route, 405, 413 body too large
+        if exc.status < 400:
+            raise
+        return _ApiError(exc.status, exc.reason or str(exc), _http_type(exc.status)).response()
+
+
+def _http_type(status: int) -> str:
+    return {404: "not_found_error", 413: "request_too_large"}.get(status, "invalid_request_error")
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(data), content_type="application/json", headers=headers
+    )

@@ -1,0 +1,127 @@
+"""`talaria serve` configuration: TOML in, validated dataclasses out, every error naming its
+key; the JSON round trip that instance processes receive; defaults without a file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from talaria.serve import instance_urls
+from talaria.serve_config import ServeConfig, load_serve_config, parse_bytes
+
+TOML = """
+[router]
+port = 9100
+policy = "cache_aware"
+api_key = "k"
+
+[engine]
+block_size = 8
+
+[models.small]
+path = "models/small"
+max_model_len = 256
+
+[models.big]
+path = "/abs/big"
+
+[[instances]]
+id = "g0"
+port = 9101
+device = "cuda:0"
+tensor_parallel_size = 2
+kv_bytes = "2GiB"
+host_kv_bytes = "512MiB"
+staging = false
+
+[[instances]]
+id = "g1"
+port = 9102
+kv_blocks = 64
+
+[policy]
+preset = "+sp"
+slot_quantum_s = 5
+"""
+
+
+def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
+    file = tmp_path / "serve.toml"
+    file.write_text(TOML)
+    config = load_serve_config(file)
+    assert config.router.port == 9100 and config.router.policy == "cache_aware"
+    assert config.engine.block_size == 8
+    assert config.models["small"].path == str(tmp_path / "models/small")  # relative to the file
+    assert config.models["big"].path == "/abs/big"
+    assert config.max_model_lens() == {"small": 256}
+    g0, g1 = config.instances
+    assert (g0.device, g0.tensor_parallel_size, g0.kv_bytes, g0.kv_blocks) == ("cuda:0", 2, 2 << 30, None)
+    assert g0.host_kv_bytes == 512 << 20 and g0.staging is False
+    assert g1.kv_blocks == 64 and g1.device == "cpu"
+    policy = config.policy_config()
+    assert policy.name == "+sp" and policy.slot_quantum_s == 5 and not policy.soft_reservations
+    assert instance_urls(config) == {"g0": "http://127.0.0.1:9101", "g1": "http://127.0.0.1:9102"}
+    again = tmp_path / "serve.json"
+    again.write_bytes(config.to_json())
+    assert load_serve_config(again) == config
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"routr": {}}, "unknown key routr"),
+        ({"router": {"prot": 1}}, "unknown key [router].prot"),
+        ({"router": {"policy": "random"}}, "[router].policy"),
+        ({"router": {"port": 70000}}, "[router].port"),
+        ({"router": {"port": "80"}}, "[router].port must be an int"),
+        ({"models": {"m": {}}}, "[models.m].path is required"),
+        ({"models": {"m": {"path": "x", "max_model_len": 1}}}, "[models.m].max_model_len"),
+        ({"instances": [{"port": 1}]}, "[instances][0].id is required"),
+        ({"instances": [{"id": "a"}, {"id": "a"}]}, "[instances][1].id 'a' is used by two"),
+        ({"instances": [{"id": "a", "port": 5}, {"id": "b", "port": 5}]}, "[instances][1].port 5"),
+        ({"instances": [{"id": "a", "device": "tpu"}]}, "[instances][0].device"),
+        ({"instances": [{"id": "a", "tensor_parallel_size": 0}]}, "tensor_parallel_size"),
+        ({"instances": [{"id": "a", "kv_bytes": "lots"}]}, "[instances][0].kv_bytes"),
+        ({"instances": [{"id": "a", "staging": "yes"}]}, "[instances][0].staging must be a bool"),
+        ({"instances": {"id": "a"}}, "array of tables"),
+        ({"policy": {"preset": "fastest"}}, "unknown policy preset"),
+        ({"policy": {"slot_quantum": 3}}, "slot_quantum"),
+    ],
+)
+def test_errors_name_the_key(data: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as info:
+        ServeConfig.from_dict(data)
+    assert needle in str(info.value)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_serve_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[router\nport = 1")
+    with pytest.raises(ValueError, match="cannot be parsed"):
+        load_serve_config(bad)
+
+
+def test_defaults_are_the_tiny_catalog_on_one_cpu_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TALARIA_CACHE", str(tmp_path))
+    config = load_serve_config(None)
+    assert set(config.models) == {"tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"}
+    assert all(Path(m.path, "config.json").is_file() for m in config.models.values())
+    (inst,) = config.instances
+    assert inst.device == "cpu" and inst.port == 0 and inst.kv_blocks
+    assert config.router.policy == "talaria" and config.policy_config().name == "talaria"
+    with pytest.raises(ValueError, match="port is 0"):
+        instance_urls(config)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("1.5GiB", "k") == 3 << 29
+    assert parse_bytes("10 MB", "k") == 10_000_000
+    assert parse_bytes(4096, "k") == 4096
+    for bad in ("10 parsecs", True, 1.5, "-3MiB"):
+        with pytest.raises(ValueError, match="k must be a byte count"):
+            parse_bytes(bad, "k")
