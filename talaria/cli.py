@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _cmd_make_models(args: argparse.Namespace) -> int:
@@ -27,6 +28,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(size=args.size, max_tokens=args.max_tokens)
     return 0
+
+
+def _router_app(config: Any, urls: dict[str, str]) -> Any:
+    """The router app for a ServeConfig and the instances' URLs (wired here: the
+    composition root is the one place in ``talaria`` that imports ``router``)."""
+    from router.app import RouterConfig, create_app
+
+    r = config.router
+    return create_app(
+        RouterConfig(
+            models=config.model_paths(), instances=urls, policy=r.policy, api_key=r.api_key,
+            max_body_bytes=r.max_body_bytes, poll_interval_s=r.poll_interval_s, host=r.host,
+            port=r.port, block_size=config.engine.block_size,
+            max_model_lens=config.max_model_lens(),
+        )
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=24)
     p.set_defaults(func=_cmd_demo)
 
+    from talaria.serve_cli import add_serve_commands
+
+    add_serve_commands(sub, _router_app)
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser
 
 
 _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def _register_replay(sub: argparse._SubParsersAction) -> None:
+    from workloads.replay_cli import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_replay)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,71 @@
+"""`talaria replay` end to end on a few sessions: the table, the JSON file, the plots, the
+sweeps with the best-quantum baseline, and clear errors for bad arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from talaria.cli import main
+from workloads.replay_cli import load_any_trace
+from workloads.trace import REAL_TRACE_PATH
+
+
+def test_replay_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main([
+        "replay", "--policies", "baseline,talaria", "--max-sessions", "3", "--workers", "1",
+        "--no-progress", "--json", str(out_json), "--plot", str(out_png), "--sweep",
+        "--quanta", "10,30", "--load-fractions", "1",
+    ])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "baseline" in text and "talaria" in text and "isolated" in text
+    assert "Slot-quantum sweep" in text and "Load sweep" in text
+    assert "closest to the reference" in text
+    data = orjson.loads(out_json.read_bytes())
+    assert set(data["policies"]) == {"baseline", "talaria"}
+    for st in data["policies"].values():
+        assert st["sessions"] == 3 and st["failed_calls"] == 0
+        assert st["sct_p50_s"] <= st["sct_p95_s"]
+        assert st["p50_over_lower_bound"] >= 1.0
+    assert data["policies"]["baseline"]["speedup_p50"] == 1.0
+    assert data["lower_bound"]["sessions"] == 3
+    best = data["baseline_best_quantum"]["p50"]
+    assert best["slot_quantum_s"] in (10.0, 30.0)
+    q_points = data["sweeps"]["quantum"]["points"]
+    assert [p["slot_quantum_s"] for p in q_points] == [10.0, 30.0]
+    assert best["sct_s"] == min(p["policies"]["baseline"]["sct_p50_s"] for p in q_points)
+    assert len(data["sweeps"]["load"]["points"]) == 2
+    assert out_png.stat().st_size > 0
+    assert (tmp_path / "r_sweep.png").stat().st_size > 0
+
+
+def test_replay_scale_out_replicates_sessions(tmp_path: Path) -> None:
+    out_json = tmp_path / "r.json"
+    rc = main(["replay", "--policies", "cache_aware", "--max-sessions", "2", "--servers", "2",
+               "--workers", "1", "--no-progress", "--json", str(out_json)])
+    assert rc == 0
+    data = orjson.loads(out_json.read_bytes())
+    assert data["setup"]["servers"] == 2
+    assert data["policies"]["cache_aware"]["sessions"] == 4
+
+
+def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--policies", "nope"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+    assert main(["replay", "--servers", "0"]) == 2
+    assert "--servers" in capsys.readouterr().err
+    assert main(["replay", "--trace", "/no/such/trace.jsonl"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # Two copies of Qwen3-235B's shard do not fit an H100: staging policies fail up front.
+    assert main(["replay", "--server", "h100x8", "--policies", "talaria"]) == 2
+    assert "--no-staging" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not REAL_TRACE_PATH.exists(), reason="the shared real trace is absent")
+def test_the_real_trace_format_is_recognised() -> None:
+    sessions = load_any_trace(REAL_TRACE_PATH)
+    assert len(sessions) == 179

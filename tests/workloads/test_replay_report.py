@@ -1,0 +1,120 @@
+"""Report statistics, the table and JSON, the policy catalogue, and sweep helpers."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from talaria.config import PolicyConfig
+from workloads.policies import ABLATIONS, DEFAULT_POLICIES, PEERS, SystemConfig, parse_policies
+from workloads.replay import CallRecord, ReplayResult, SessionResult
+from workloads.report import benchmark, format_table, percentile, summarize, to_json
+from workloads.sweep import LoadPoint, SweepResult, best_quantum, poisson_arrivals
+from workloads.sweep_report import format_sweep, regime_summary, sweep_json
+from workloads.trace import Call, Session
+
+
+def _result(name: str, scts: list[float], ttft: float = 1.0) -> ReplayResult:
+    sessions = []
+    for i, sct in enumerate(scts):
+        calls = [
+            CallRecord(0, 0.0, ttft, sct / 2, prompt_tokens=1000, output_tokens=10,
+                       reusable_tokens=0),
+            CallRecord(1, sct / 2, sct / 2 + ttft, sct, prompt_tokens=1200, output_tokens=10,
+                       reusable_tokens=1000, cached_tokens=600, restored_tokens=200),
+        ]
+        sessions.append(SessionResult(f"s{i}", "m", 0.0, calls))
+    return ReplayResult(name, sessions)
+
+
+def test_percentile_interpolates_between_order_statistics() -> None:
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4, 5], 95) == pytest.approx(4.8)
+    assert percentile([7], 95) == 7
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match="percentile"):
+        percentile([1], 101)
+
+
+def test_summary_counts_recomputed_restored_and_device_hits() -> None:
+    st = summarize(_result("x", [10.0, 20.0, 30.0], ttft=0.5))
+    assert (st.sct_p50_s, st.sct_mean_s) == (20.0, 20.0)
+    assert st.ttft_p50_s == 0.5 and st.calls == 6
+    assert st.tokens_recomputed == 3 * 400  # 1000 reusable, 600 served from cache
+    assert st.tokens_restored == 3 * 200
+    assert st.tokens_device_cached == 3 * 400
+    assert st.tokens_prefilled == 3 * (1000 + 1200 - 600)
+
+
+def test_speedups_lower_bound_and_best_quantum() -> None:
+    base = _result("baseline", [100.0, 200.0, 400.0])
+    fast = _result("talaria", [25.0, 50.0, 100.0])
+    lower = _result("isolated", [10.0, 20.0, 30.0])
+    bench = benchmark([base, fast], lower, {"p50": (10.0, 150.0), "p95": (20.0, 300.0)})
+    t = bench.policies["talaria"]
+    assert t.speedup_p50 == pytest.approx(4.0)
+    assert t.speedup_p95 == pytest.approx(
+        percentile([100, 200, 400], 95) / percentile([25, 50, 100], 95))
+    assert t.speedup_p50_best_q == pytest.approx(3.0)
+    assert t.p50_over_lower_bound == pytest.approx(2.5)
+    table = format_table(bench)
+    assert "talaria" in table and "isolated" in table and "x p50 bq" in table
+    data = orjson.loads(orjson.dumps(to_json(bench)))
+    assert data["policies"]["talaria"]["sct_p50_s"] == 50.0
+    assert data["policies"]["baseline"]["speedup_p50"] == 1.0
+    assert data["lower_bound"]["sct_p50_s"] == 20.0
+    assert data["baseline_best_quantum"]["p50"] == {"slot_quantum_s": 10.0, "sct_s": 150.0}
+
+
+def test_policy_catalogue_is_consistent() -> None:
+    assert list(DEFAULT_POLICIES[:5]) == ["baseline", "+staging", "+host_kv", "+sp", "talaria"]
+    assert set(PEERS) == {"load_lru", "cache_aware", "ttl_pin"}
+    base = ABLATIONS["baseline"]
+    assert not base.stable_substrate and base.placement == "load"
+    assert base.engine_config().host_kv_bytes == 0
+    assert ABLATIONS["talaria"].placement == "talaria"
+    assert ABLATIONS["+host_kv"].engine_config().host_kv_bytes is None
+    assert PEERS["ttl_pin"].policy.soft_reservations and not PEERS["ttl_pin"].policy.host_kv
+    assert ABLATIONS["baseline"].with_quantum(7.0).policy.slot_quantum_s == 7.0
+    assert [s.name for s in parse_policies("talaria, baseline")] == ["talaria", "baseline"]
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        parse_policies("baseline,nope")
+    with pytest.raises(ValueError, match="twice"):
+        parse_policies("baseline,baseline")
+    with pytest.raises(ValueError, match="staging"):
+        SystemConfig("bad", "", PolicyConfig(), "talaria", stable_substrate=False,
+                     staging=True, host_kv=True)
+    with pytest.raises(ValueError, match="host KV"):
+        SystemConfig("bad", "", PolicyConfig(), "talaria", True, True, host_kv=False)
+
+
+def test_poisson_arrivals_are_seeded_and_increasing() -> None:
+    sessions = [Session(f"s{i}", "m", (Call(10, 1, None),)) for i in range(50)]
+    a = poisson_arrivals(sessions, rate=0.5, seed=1)
+    assert a[0].arrival_s == 0.0
+    times = [s.arrival_s for s in a]
+    assert times == sorted(times) and times == [s.arrival_s for s in poisson_arrivals(sessions, 0.5, 1)]
+    mean_gap = times[-1] / 49
+    assert 1.0 < mean_gap < 4.0  # about 1 / rate
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(sessions, 0.0)
+
+
+def test_sweep_tables_best_quantum_and_regime() -> None:
+    sweep = SweepResult("quantum", [10.0, 30.0])
+    sweep.results[(0, "baseline")] = _result("baseline", [100.0, 200.0, 300.0])
+    sweep.results[(1, "baseline")] = _result("baseline", [80.0, 260.0, 900.0])
+    sweep.results[(0, "talaria")] = _result("talaria", [50.0, 60.0, 70.0])
+    sweep.results[(1, "talaria")] = _result("talaria", [40.0, 60.0, 80.0])
+    best = best_quantum(sweep)
+    assert best["p50"] == (10.0, 200.0)
+    assert best["p95"][0] == 10.0
+    text = format_sweep(sweep)
+    assert "q=10s" in text and "200/290" in text
+    assert sweep_json(sweep)["points"][1]["policies"]["talaria"]["sct_p50_s"] == 60.0
+    load = SweepResult("load", [LoadPoint("all at once", None, None)])
+    load.results[(0, "baseline")] = sweep.results[(0, "baseline")]
+    load.results[(0, "talaria")] = sweep.results[(0, "talaria")]
+    summary = regime_summary(load)
+    assert "all at once: p50 3.33x" in summary and "closest to the reference" in summary

@@ -1,0 +1,360 @@
+"""The closed-loop replay driver: sessions of a trace against a target, one call at a time.
+
+Each session starts at its ``arrival_s``, sends call 0, waits for its last token, waits the
+call's tool gap, sends call 1, and so on; each call's output length is forced to the trace's
+(``max_tokens`` = the trace's output tokens, ``ignore_eos``). Call k+1's prompt is built from
+call k's: the first ``input_tokens[k+1]`` tokens of (call k's prompt + call k's output tokens +
+fresh "tool result" tokens), the fresh ones drawn from the session's own seeded generator, so
+prompt prefixes repeat exactly where the trace says and prefix caching, KV restore and
+cache-aware routing see what they would see live. (When the trace's next prompt is shorter than
+prompt + output, as where an agent's thinking tokens are dropped, it is cut there.)
+
+Targets (:class:`Target`): the in-process simulated cluster under the virtual clock
+(:func:`run_sim`, via the router core, no HTTP), or a live router over HTTP
+(``workloads.live``). Both report, per call, when it was sent, when its first token and its
+last token came (loop time: virtual in simulation, monotonic wall time live), and the engine's
+usage (prompt tokens served from cache, of which restored from host).
+
+A call that fails is recorded with its error and the session goes on with its next call (its
+prompt still grows as the trace says); results count failed calls so none go unnoticed.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import random
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from engine.model_spec import ModelSpec
+from engine.sampling_params import SamplingParams
+from router.core import CallRejected, NoHealthyInstance
+from talaria.clock import run_virtual
+from talaria.protocol import CallRequest, InstanceUnavailable, Overloaded
+from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
+from workloads.policies import SystemConfig
+from workloads.trace import Session
+
+__all__ = [
+    "CallRecord",
+    "SessionResult",
+    "ReplayResult",
+    "CallOutcome",
+    "Target",
+    "SessionTokens",
+    "next_prompt",
+    "drive",
+    "run_sim",
+    "replicate",
+]
+
+MAX_OVERLOAD_RETRIES = 100
+
+
+@dataclass
+class CallRecord:
+    index: int
+    sent_s: float
+    first_token_s: float | None
+    done_s: float
+    prompt_tokens: int
+    output_tokens: int
+    reusable_tokens: int  # prompt tokens whose KV an earlier call of the session computed
+    cached_tokens: int = 0  # prompt tokens not prefilled (device cache + host restore)
+    restored_tokens: int = 0  # of those, restored from host memory
+    instance_id: str | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Prompt tokens prefilled again although an earlier call had computed their KV."""
+        return max(0, self.reusable_tokens - self.cached_tokens)
+
+
+@dataclass
+class SessionResult:
+    session_id: str
+    model: str
+    arrival_s: float
+    calls: list[CallRecord] = field(default_factory=list)
+
+    @property
+    def start_s(self) -> float:
+        return self.calls[0].sent_s
+
+    @property
+    def end_s(self) -> float:
+        return self.calls[-1].done_s
+
+    @property
+    def sct_s(self) -> float:
+        """Session completion time: first call sent -> last call done, tool gaps included."""
+        return self.end_s - self.start_s
+
+    @property
+    def failed_calls(self) -> int:
+        return sum(1 for c in self.calls if c.error is not None)
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    sessions: list[SessionResult]
+    totals: ClusterTotals | None = None  # engine-side totals (simulation only)
+    wall_s: float = 0.0  # wall-clock time the replay took
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        return [c for s in self.sessions for c in s.calls]
+
+    @property
+    def failed_calls(self) -> int:
+        return sum(s.failed_calls for s in self.sessions)
+
+    @property
+    def makespan_s(self) -> float:
+        return max(s.end_s for s in self.sessions) - min(s.start_s for s in self.sessions)
+
+
+@dataclass
+class CallOutcome:
+    first_token_s: float | None
+    done_s: float
+    output_token_ids: list[int]
+    cached_tokens: int = 0
+    restored_tokens: int = 0
+    instance_id: str | None = None
+    error: str | None = None
+
+
+class Target(Protocol):
+    """Where calls go. ``output_tokens`` is what the caller expects (the trace's count);
+    ``tokens`` gives stand-in output ids when the target cannot return real ones."""
+
+    async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome: ...
+
+
+class SessionTokens:
+    """A session's synthetic token ids: seeded by (seed, session id), ids in [1, vocab)."""
+
+    def __init__(self, session_id: str, seed: int, vocab_size: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self._rng = random.Random(zlib.crc32(f"{seed}/{session_id}".encode()))
+        self._mod = vocab_size - 1
+
+    def take(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        raw = array.array("I", self._rng.randbytes(4 * n))
+        mod = self._mod
+        return [x % mod + 1 for x in raw]
+
+
+def next_prompt(
+    prev_prompt: list[int], prev_output: list[int], input_tokens: int, tokens: SessionTokens
+) -> list[int]:
+    """Call k+1's prompt: the first ``input_tokens`` of prompt + output + fresh tool tokens."""
+    base = prev_prompt + prev_output
+    if input_tokens <= len(base):
+        return base[:input_tokens]
+    return base + tokens.take(input_tokens - len(base))
+
+
+async def drive(
+    sessions: Sequence[Session],
+    target: Target,
+    *,
+    seed: int = 0,
+    vocab_of: Callable[[str], int],
+    context_of: Callable[[str], int] | None = None,
+    block_size: int = 16,
+    progress: bool = False,
+    desc: str = "replay",
+    time_scale: float = 1.0,
+    output_kv_reusable: bool = True,
+) -> list[SessionResult]:
+    """Replay ``sessions`` closed-loop against ``target`` on the running loop. Arrivals and
+    tool gaps are multiplied by ``time_scale``. ``block_size``: KV reuse is counted in whole
+    blocks (what a prefix cache can hold). ``output_kv_reusable``: whether the previous
+    call's output tokens, as they reappear in the next prompt, could hit its KV (False when
+    the target returns no token ids and stand-ins replace them)."""
+    if time_scale < 0:
+        raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    bar = _progress_bar(sum(s.num_calls for s in sessions), desc, progress)
+
+    async def one(session: Session) -> SessionResult:
+        await asyncio.sleep(session.arrival_s * time_scale)
+        result = SessionResult(session.session_id, session.model, t0 + session.arrival_s * time_scale)
+        tokens = SessionTokens(session.session_id, seed, vocab_of(session.model))
+        context = context_of(session.model) if context_of is not None else None
+        prompt: list[int] = []
+        output: list[int] = []
+        for k, call in enumerate(session.calls):
+            if k == 0:
+                prompt = tokens.take(call.input_tokens)
+                reusable = 0
+            else:
+                computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
+                reusable = min(computed, call.input_tokens - 1)
+                reusable = reusable // block_size * block_size
+                prompt = next_prompt(prompt, output, call.input_tokens, tokens)
+            max_tokens = call.output_tokens
+            if context is not None:
+                if len(prompt) >= context:
+                    raise ValueError(
+                        f"session {session.session_id!r} call {k}: prompt of {len(prompt)} "
+                        f"tokens does not fit model {session.model!r} (context {context})"
+                    )
+                max_tokens = min(max_tokens, context - len(prompt))
+            request = CallRequest(
+                call_id=f"{session.session_id}#{k}",
+                session_id=session.session_id,
+                model=session.model,
+                prompt_token_ids=prompt,
+                params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+            )
+            sent = loop.time()
+            outcome = await target.call(request, tokens)
+            output = outcome.output_token_ids
+            result.calls.append(
+                CallRecord(
+                    index=k,
+                    sent_s=sent,
+                    first_token_s=outcome.first_token_s,
+                    done_s=outcome.done_s,
+                    prompt_tokens=len(prompt),
+                    output_tokens=len(output),
+                    reusable_tokens=reusable,
+                    cached_tokens=outcome.cached_tokens,
+                    restored_tokens=outcome.restored_tokens,
+                    instance_id=outcome.instance_id,
+                    error=outcome.error,
+                )
+            )
+            bar.update(1)
+            if call.tool_gap_s is not None and k + 1 < session.num_calls:
+                await asyncio.sleep(call.tool_gap_s * time_scale)
+        return result
+
+    try:
+        return list(await asyncio.gather(*(one(s) for s in sessions)))
+    finally:
+        bar.close()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> _NoBar:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="call", file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+# --- the simulated cluster ------------------------------------------------------------------
+class SimTarget:
+    """Calls through the in-process router core (virtual clock, no HTTP)."""
+
+    def __init__(self, router: object) -> None:
+        self.router = router
+
+    async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
+        loop = asyncio.get_running_loop()
+        for _ in range(MAX_OVERLOAD_RETRIES):
+            first: float | None = None
+            out: list[int] = []
+            try:
+                async with contextlib.aclosing(self.router.submit(request)) as events:
+                    async for ev in events:
+                        if first is None and (ev.token_ids or ev.finished):
+                            first = loop.time()
+                        out.extend(ev.token_ids)
+                        if ev.finished:
+                            usage = ev.usage
+                            failed = ev.error is not None or ev.finish_reason == "error"
+                            return CallOutcome(
+                                first, loop.time(), out,
+                                cached_tokens=usage.cached_tokens if usage else 0,
+                                restored_tokens=usage.restored_tokens if usage else 0,
+                                instance_id=ev.instance_id,
+                                error=(ev.error or "call failed") if failed else None,
+                            )
+            except Overloaded as exc:
+                await asyncio.sleep(max(0.1, exc.retry_after_s))
+                continue
+            except (NoHealthyInstance, CallRejected, InstanceUnavailable) as exc:
+                return CallOutcome(first, loop.time(), out, error=f"{type(exc).__name__}: {exc}")
+            return CallOutcome(first, loop.time(), out, error="stream ended without a finish")
+        return CallOutcome(None, loop.time(), [], error="overloaded on every retry")
+
+
+def model_limits(models: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """(vocab size, context length) of each catalog model."""
+    specs = {m: ModelSpec.load(m) for m in models}
+    return ({m: s.vocab_size for m, s in specs.items()},
+            {m: s.max_position_embeddings for m, s in specs.items()})
+
+
+def run_sim(
+    sessions: Sequence[Session],
+    system: SystemConfig,
+    spec: ClusterSpec | None = None,
+    *,
+    seed: int = 0,
+    progress: bool = False,
+) -> ReplayResult:
+    """Replay ``sessions`` on a simulated cluster of ``system`` under a fresh virtual loop."""
+    spec = spec or ClusterSpec()
+    unknown = sorted({s.model for s in sessions} - set(spec.models))
+    if unknown:
+        raise ValueError(f"trace sessions use model(s) {unknown} that the cluster does not "
+                         f"serve ({list(spec.models)}); assign catalog models first")
+    vocab, context = model_limits(spec.models)
+    wall = time.perf_counter()
+
+    async def main() -> ReplayResult:
+        cluster = await start_cluster(system, spec)
+        try:
+            results = await drive(
+                sessions, SimTarget(cluster.router), seed=seed, vocab_of=vocab.__getitem__,
+                context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
+                desc=system.name,
+            )
+            totals = cluster.totals()
+        finally:
+            await cluster.stop()
+        return ReplayResult(system.name, results, totals)
+
+    result = run_virtual(main())
+    result.wall_s = time.perf_counter() - wall
+    return result
+
+
+def replicate(sessions: Sequence[Session], copies: int) -> list[Session]:
+    """``copies`` x the sessions (for a scale-out cluster), copy r's ids suffixed ``@r``."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    if copies == 1:
+        return list(sessions)
+    return [replace(s, session_id=f"{s.session_id}@{r}") for r in range(copies) for s in sessions]

@@ -1,0 +1,240 @@
+"""``talaria replay``: the benchmark (simulated cluster) or a replay against a live router.
+
+Simulated (default): every policy of ``--policies`` replays the trace on its own simulated
+cluster under the virtual clock, plus the isolated lower bound; prints the table, writes JSON
+(``--json``) and the SCT plot (``--plot``). ``--sweep`` adds the load and slot-quantum sweeps;
+``--tune-baseline`` only the baseline's quantum grid (for the best-quantum speedups).
+Live (``--live URL``): replays the trace against a running router over HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "load_any_trace", "run_replay_command"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay a session trace: the SCT benchmark",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", help="trace file: our JSONL, the shared real-trace JSONL, or "
+                   "CSV (default: the shipped 30-session trace)")
+    p.add_argument("--servers", type=int, default=1,
+                   help="instances; the trace is replicated this many times (default 1)")
+    p.add_argument("--server", default="h200x8", help="server preset: h200x8 | h100x8")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel size of an instance")
+    p.add_argument("--policies", help="comma-separated policies (default: all)")
+    p.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    p.add_argument("--plot", help="write the SCT distributions as a PNG here (and the "
+                   "sweeps next to it as *_sweep.png)")
+    p.add_argument("--sweep", action="store_true", help="also run the load and quantum sweeps")
+    p.add_argument("--tune-baseline", action="store_true",
+                   help="run the baseline at every sweep quantum (best-quantum speedups)")
+    p.add_argument("--quanta", default=None, help="slot quanta for the sweeps, e.g. 5,10,30")
+    p.add_argument("--load-fractions", default=None,
+                   help="Poisson rates as fractions of saturation, e.g. 0.25,0.5,1")
+    p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=1.0,
+                   help="Zipf skew when a trace's models must be assigned catalog models")
+    p.add_argument("--block-size", type=int, default=128,
+                   help="simulated KV block size (default 128: half the engine default's "
+                   "bookkeeping; prefix reuse granular to 128 tokens)")
+    p.add_argument("--fused-steps", type=int, default=8,
+                   help="simulated decode steps fused into one engine step")
+    p.add_argument("--no-staging", action="store_true",
+                   help="drop the staging region from every policy (servers too small to "
+                   "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--live", metavar="URL", help="replay against the router at URL instead")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="live: multiply arrivals and tool gaps by this")
+    p.add_argument("--token-scale", type=float, default=1.0,
+                   help="live: multiply token counts by this (calls beyond the context drop)")
+    p.add_argument("--live-vocab", type=int, default=256,
+                   help="live: prompt token ids are drawn from [1, this)")
+    p.add_argument("--max-sessions", type=int, default=None, help="use the first N sessions")
+    p.add_argument("--api-key", default=None, help="live: bearer key of the router")
+    p.set_defaults(func=run_replay_command)
+
+
+def load_any_trace(path: str | Path) -> list[Any]:
+    """Our JSONL, the shared real-trace JSONL (calls with ``gap_s``) or a CSV trace."""
+    from workloads.trace import load_trace, read_csv_trace, read_real_trace
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"trace file {path} does not exist")
+    if path.suffix.lower() == ".csv":
+        return read_csv_trace(path)
+    with path.open("rb") as f:
+        first = f.readline()
+    if b'"gap_s"' in first and b'"tool_gap_s"' not in first:
+        return read_real_trace(path)
+    return load_trace(path)
+
+
+def _floats(text: str | None, default: tuple[float, ...], what: str) -> tuple[float, ...]:
+    if text is None:
+        return default
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise ValueError(f"{what} must be numbers > 0, got {text!r}")
+    return values
+
+
+def run_replay_command(args: argparse.Namespace) -> int:
+    import structlog
+
+    from workloads.sweep import quiet_logs
+
+    saved = structlog.get_config()
+    quiet_logs()
+    try:
+        return _run(args)
+    finally:
+        structlog.configure(**saved)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.servers < 1:
+        raise ValueError(f"--servers must be >= 1, got {args.servers}")
+    if args.max_sessions is not None and args.max_sessions < 1:
+        raise ValueError(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    if args.trace:
+        sessions = load_any_trace(args.trace)
+    else:
+        from workloads.generator import default_trace
+
+        sessions = default_trace()
+    if args.max_sessions is not None:
+        sessions = sessions[: args.max_sessions]
+    if args.live:
+        return _live(args, sessions)
+    return _simulate(args, sessions)
+
+
+def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
+    from workloads.live import run_live_replay
+    from workloads.replay import replicate
+    from workloads.report import benchmark, format_table, plot_sct, to_json, write_json
+
+    sessions = replicate(sessions, args.servers)
+    result, info = run_live_replay(
+        sessions, args.live, time_scale=args.time_scale, token_scale=args.token_scale,
+        vocab_size=args.live_vocab, seed=args.seed, progress=not args.no_progress,
+        api_key=args.api_key, skew=args.skew,
+    )
+    setup = {"target": args.live, "sessions": len(sessions), "time_scale": args.time_scale,
+             "token_scale": args.token_scale, **info}
+    bench = benchmark([result], setup=setup)
+    print(f"live replay of {len(sessions)} sessions against {args.live} "
+          f"({info['dropped_calls']} calls dropped to fit the context)")
+    print(format_table(bench))
+    if args.json_path:
+        write_json(to_json(bench), args.json_path)
+    if args.plot and not plot_sct([result], args.plot):
+        print("(plot skipped: matplotlib is not installed)", file=sys.stderr)
+    return 1 if result.failed_calls else 0
+
+
+def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
+    from workloads.cluster import ClusterSpec
+    from workloads.policies import ABLATIONS, check_fits, parse_policies
+    from workloads.replay import replicate
+    from workloads.report import BASELINE, benchmark, format_table, plot_sct, to_json, write_json
+    from workloads.sweep import (
+        DEFAULT_LOAD_FRACTIONS,
+        DEFAULT_QUANTA,
+        Job,
+        best_quantum,
+        run_load_sweep,
+        run_many,
+        run_quantum_sweep,
+    )
+    from workloads.sweep_report import format_sweep, plot_sweeps, regime_summary, sweep_json
+    from workloads.trace import assign_models
+
+    wall = time.perf_counter()
+    systems = parse_policies(args.policies)
+    if args.no_staging:
+        systems = [s.without_staging() for s in systems]
+    spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
+                       block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
+    for s in systems:
+        check_fits(s, s.engine_config(spec.server, spec.tp, block_size=spec.block_size),
+                   spec.models)
+    quanta = _floats(args.quanta, DEFAULT_QUANTA, "--quanta")
+    fractions = _floats(args.load_fractions, DEFAULT_LOAD_FRACTIONS, "--load-fractions")
+    catalog = list(spec.models)
+    if any(s.model not in catalog for s in sessions):
+        sessions = assign_models(sessions, catalog, skew=args.skew, seed=args.seed)
+        print(f"note: trace models are not in the catalog; assigned {catalog} with Zipf "
+              f"skew {args.skew}", file=sys.stderr)
+    sessions = replicate(sessions, args.servers)
+    progress = not args.no_progress
+    calls = sum(s.num_calls for s in sessions)
+    print(f"replay: {len(sessions)} sessions, {calls} calls on {args.servers} x {args.server} "
+          f"(TP={args.tp}), models {catalog}", flush=True)
+    jobs = [Job(s.name, tuple(sessions), s, spec, args.seed) for s in systems]
+    jobs.append(Job("__lower_bound__", tuple(sessions), None, spec, args.seed))
+    done = run_many(jobs, args.workers, progress)
+    lower = done.pop("__lower_bound__")
+    results = [done[s.name] for s in systems]
+    extra: dict[str, Any] = {}
+    best: dict[str, Any] = {}
+    sweeps = []
+    if args.sweep:
+        qsweep = run_quantum_sweep(sessions, spec, quanta, [s for s in systems if s.name in ABLATIONS],
+                                   seed=args.seed, workers=args.workers, progress=progress)
+        lsweep = run_load_sweep(sessions, systems, spec, fractions, seed=args.seed,
+                                workers=args.workers, progress=progress,
+                                all_at_once={r.policy: r for r in results}
+                                if all(s.arrival_s == 0 for s in sessions) else None)
+        sweeps = [lsweep, qsweep]
+        if any(s.name == BASELINE for s in systems):
+            best = best_quantum(qsweep)
+        extra["sweeps"] = {"load": sweep_json(lsweep), "quantum": sweep_json(qsweep)}
+    elif args.tune_baseline and any(s.name == BASELINE for s in systems):
+        qsweep = run_quantum_sweep(sessions, spec, quanta, [ABLATIONS[BASELINE]],
+                                   seed=args.seed, workers=args.workers, progress=progress)
+        best = best_quantum(qsweep)
+        extra["sweeps"] = {"quantum": sweep_json(qsweep)}
+    setup = {"trace": args.trace or "default", "sessions": len(sessions), "calls": calls,
+             "servers": args.servers, "server": args.server, "tp": args.tp,
+             "models": catalog, "block_size": args.block_size,
+             "fused_decode_steps": args.fused_steps, "seed": args.seed,
+             "no_staging": args.no_staging}
+    bench = benchmark(results, lower, best, setup)
+    print(format_table(bench))
+    for sweep in sweeps:
+        print()
+        print(format_sweep(sweep))
+    if sweeps:
+        print()
+        print(regime_summary(sweeps[0]))
+    if best and not sweeps:
+        print(f"baseline best quantum: p50 {best['p50'][0]:g} s, p95 {best['p95'][0]:g} s")
+    if args.json_path:
+        write_json(to_json(bench, extra), args.json_path)
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        if plot_sct(results, args.plot, lower):
+            print(f"wrote {args.plot}")
+            if sweeps:
+                path = Path(args.plot)
+                sweep_path = path.with_name(path.stem + "_sweep" + path.suffix)
+                plot_sweeps(sweeps, sweep_path)
+                print(f"wrote {sweep_path}")
+        else:
+            print("(plot skipped: matplotlib is not installed)", file=sys.stderr)
+    print(f"wall {time.perf_counter() - wall:.1f} s", file=sys.stderr)
+    failed = sum(r.failed_calls for r in results) + lower.failed_calls
+    return 1 if failed else 0
