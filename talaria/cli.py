@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     from talaria.serve_cli import add_serve_commands
+    from workloads.replay_cli import register as add_replay_command
 
     add_serve_commands(sub, _router_app)
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    add_replay_command(sub)
     return parser
-
-
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
-
-
-def _register_replay(sub: argparse._SubParsersAction) -> None:
-    from workloads.replay_cli import register
-
-    register(sub)
-
-
-_EXTRA_COMMANDS.append(_register_replay)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
