@@ -9,6 +9,7 @@ and are loaded once per ``shard_id``. At world_size 1 every shard is the whole t
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import torch
@@ -52,7 +53,7 @@ def _new_param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class LinearBase(nn.Module):
+class LinearBase(nn.Module, abc.ABC):
     """``y = x W^T (+ b)`` with a weight of shape ``[out_local, in_local]``."""
 
     def __init__(
@@ -75,10 +76,12 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @abc.abstractmethod
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        raise NotImplementedError
+        """Copy this rank's slice of ``loaded_weight`` (the full checkpoint tensor) into
+        ``param``; ``shard_id`` names the part of a merged parameter (q/k/v, gate/up)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
