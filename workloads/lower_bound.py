@@ -20,7 +20,14 @@ from talaria.clock import run_virtual
 from talaria.config import preset
 from talaria.protocol import CallRequest
 from workloads.cluster import ClusterSpec
-from workloads.replay import CallOutcome, ReplayResult, SessionTokens, drive, model_limits
+from workloads.replay import (
+    CallOutcome,
+    ReplayResult,
+    SessionTokens,
+    collect_outcome,
+    drive,
+    model_limits,
+)
 from workloads.trace import Session
 
 __all__ = ["run_lower_bound", "LOWER_BOUND_NAME"]
@@ -36,25 +43,8 @@ class _InstanceTarget:
         self.instances = instances
 
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
-        loop = asyncio.get_running_loop()
         inst = self.instances[request.session_id]
-        first: float | None = None
-        out: list[int] = []
-        async for ev in inst.stream(request):
-            if first is None and (ev.token_ids or ev.finished):
-                first = loop.time()
-            out.extend(ev.token_ids)
-            if ev.finished:
-                usage = ev.usage
-                failed = ev.error is not None or ev.finish_reason == "error"
-                return CallOutcome(
-                    first, loop.time(), out,
-                    cached_tokens=usage.cached_tokens if usage else 0,
-                    restored_tokens=usage.restored_tokens if usage else 0,
-                    instance_id=inst.instance_id,
-                    error=(ev.error or "call failed") if failed else None,
-                )
-        return CallOutcome(first, loop.time(), out, error="stream ended without a finish")
+        return await collect_outcome(inst.stream(request), inst.instance_id)
 
 
 def run_lower_bound(

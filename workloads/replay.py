@@ -28,7 +28,7 @@ import random
 import sys
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -36,7 +36,7 @@ from engine.model_spec import ModelSpec
 from engine.sampling_params import SamplingParams
 from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
-from talaria.protocol import CallRequest, InstanceUnavailable, Overloaded
+from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
 from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
 from workloads.policies import SystemConfig
 from workloads.trace import Session
@@ -282,31 +282,39 @@ class SimTarget:
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
         loop = asyncio.get_running_loop()
         for _ in range(MAX_OVERLOAD_RETRIES):
-            first: float | None = None
-            out: list[int] = []
             try:
                 async with contextlib.aclosing(self.router.submit(request)) as events:
-                    async for ev in events:
-                        if first is None and (ev.token_ids or ev.finished):
-                            first = loop.time()
-                        out.extend(ev.token_ids)
-                        if ev.finished:
-                            usage = ev.usage
-                            failed = ev.error is not None or ev.finish_reason == "error"
-                            return CallOutcome(
-                                first, loop.time(), out,
-                                cached_tokens=usage.cached_tokens if usage else 0,
-                                restored_tokens=usage.restored_tokens if usage else 0,
-                                instance_id=ev.instance_id,
-                                error=(ev.error or "call failed") if failed else None,
-                            )
+                    return await collect_outcome(events)
             except Overloaded as exc:
                 await asyncio.sleep(max(0.1, exc.retry_after_s))
-                continue
             except (NoHealthyInstance, CallRejected, InstanceUnavailable) as exc:
-                return CallOutcome(first, loop.time(), out, error=f"{type(exc).__name__}: {exc}")
-            return CallOutcome(first, loop.time(), out, error="stream ended without a finish")
+                return CallOutcome(None, loop.time(), [], error=f"{type(exc).__name__}: {exc}")
         return CallOutcome(None, loop.time(), [], error="overloaded on every retry")
+
+
+async def collect_outcome(
+    events: AsyncIterator[CallEvent], instance_id: str | None = None
+) -> CallOutcome:
+    """Read one call's event stream to its finish: first-token and done times from the
+    loop's clock, the output ids, and the final usage."""
+    loop = asyncio.get_running_loop()
+    first: float | None = None
+    out: list[int] = []
+    async for ev in events:
+        if first is None and (ev.token_ids or ev.finished):
+            first = loop.time()
+        out.extend(ev.token_ids)
+        if ev.finished:
+            usage = ev.usage
+            failed = ev.error is not None or ev.finish_reason == "error"
+            return CallOutcome(
+                first, loop.time(), out,
+                cached_tokens=usage.cached_tokens if usage else 0,
+                restored_tokens=usage.restored_tokens if usage else 0,
+                instance_id=ev.instance_id or instance_id,
+                error=(ev.error or "call failed") if failed else None,
+            )
+    return CallOutcome(first, loop.time(), out, error="stream ended without a finish")
 
 
 def model_limits(models: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
