@@ -108,6 +108,9 @@ class SimEngine:
         self.scheduler: Scheduler | None = None
         self._secondary: HostKVSecondary | None = None
         self._sessions: dict[str, SessionRecord] = {}
+        # session -> (host index version, its record, host tokens): lookups walk a whole
+        # chain, and the admission loop asks for every session every refresh
+        self._host_tokens: dict[str, tuple[int, SessionRecord, int]] = {}
         self._seeds: dict[str, int] = {}
         self._pending: list[TokenEvent] = []
         self._decode_lines: dict[tuple[str, int], DecodeLine] = {}
@@ -468,6 +471,7 @@ class SimEngine:
         """Drop what the engine remembers of a finished session (its pin, its prefix chain
         and tokens); its blocks stay cached until evicted, unreachable by the session."""
         self._sessions.pop(session_id, None)
+        self._host_tokens.pop(session_id, None)
         if self.kv is not None:
             self.kv.forget_session(session_id)
 
@@ -479,7 +483,11 @@ class SimEngine:
         device = 0
         if sess.model == self._active and self.kv is not None:
             device = len(self.kv.session_block_ids(session_id)) * bs
+        cached = self._host_tokens.get(session_id)
+        if cached is not None and cached[0] == self.host_kv.version and cached[1] is sess:
+            return (device, cached[2])
         host = self.host_kv.lookup(sess.model, sess.block_hashes, touch=False) * bs
+        self._host_tokens[session_id] = (self.host_kv.version, sess, host)
         return (device, host)
 
     # -------------------------------------------------------------------- stats

@@ -58,6 +58,8 @@ class HostKVIndex:
         self._entries: OrderedDict[HostKVKey, HostKVEntry] = OrderedDict()  # oldest first
         self._clock = 0
         self._model_bytes: dict[str, int] = {}
+        self.version = 0  # bumped whenever the set of stored blocks changes
+
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,6 +131,7 @@ class HostKVIndex:
         for h in inserted:
             entry = HostKVEntry(model, h, block_nbytes)
             self._entries[entry.key] = entry
+            self.version += 1
             self._add_bytes(model, block_nbytes)
         if session_id is not None:
             for h in block_hashes:
@@ -140,6 +143,7 @@ class HostKVIndex:
 
     def remove(self, model: str, block_hash: int) -> HostKVEntry | None:
         entry = self._entries.pop((model, block_hash), None)
+        self.version += 1
         if entry is not None:
             self._add_bytes(model, -entry.nbytes)
         return entry
