@@ -9,7 +9,9 @@ region (D2D from staging when staged, else H2D from the host weight store). Ever
 timed (``MoveReport`` with measured seconds).
 
 Device work goes through ``RankModels`` (engine.multi_model_rank), whose methods take plain
-data so that, at TP=N, every rank can execute the same activate / stage / offload in order.
+data; at TP=N ``TensorParallelRankModels`` (engine.multi_model_tp) runs the same activate /
+stage / offload / restore on every rank in order, and each model's core drives a
+``TensorParallelRunner`` that runs its forward on every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from engine.model_catalog import read_catalog
 from engine.model_runner import resolve_device
 from engine.multi_model_rank import RankModels
 from engine.multi_model_rates import ModelRateMeter
+from engine.multi_model_tp import RankBuild, TensorParallelRankModels
 from substrate.moves import MoveKind, MoveRecord
 
 log = structlog.get_logger(__name__)
@@ -45,9 +48,12 @@ class ModelNotActiveError(ValueError):
 
 @dataclass
 class MultiModelConfig:
-    """How to build a multi-model engine on one device (TP=1).
+    """How to build a multi-model engine on one device (TP=1) or a tensor-parallel group.
 
-    KV region: ``kv_bytes`` if given (each model gets as many blocks as fit, or exactly
+    At ``tensor_parallel_size`` N > 1 every model is split over ranks on ``device`` and the
+    next N-1 devices (CPU: N processes), meeting at ``distributed_address``:
+    ``distributed_port`` (0: a free port); byte sizes (``kv_bytes``, ``weight_bytes``,
+    ``host_kv_bytes``) are per rank. KV region: ``kv_bytes`` if given (each model gets as many blocks as fit, or exactly
     ``num_kv_blocks`` if that is given too), else sized so that every model gets
     ``num_kv_blocks`` blocks. ``weight_bytes`` None sizes the weight region for the largest
     shard. ``wait_for_staging``: ``stage`` blocks until the copy is done and reports its
@@ -73,8 +79,22 @@ class MultiModelConfig:
     wait_for_staging: bool = False
     load_tokenizers: bool = True
     pin_host_memory: bool | None = None
+    tensor_parallel_size: int = 1
+    distributed_address: str = "127.0.0.1"
+    distributed_port: int = 0
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if not 0 <= self.distributed_port <= 65535:
+            raise ValueError(f"distributed_port must be in [0, 65535], got {self.distributed_port}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(
+                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}"
+            )
         if self.kv_bytes is None and self.num_kv_blocks is None:
             raise ValueError("MultiModelConfig needs kv_bytes or num_kv_blocks")
         if self.kv_bytes is not None and self.kv_bytes <= 0:
@@ -92,23 +112,18 @@ class MultiModelEngine:
         if config is None:
             raise ValueError("MultiModelEngine needs a MultiModelConfig (KV sizing)")
         self.config = config
-        self.catalog = read_catalog(
-            models, config.dtype, config.block_size, load_tokenizers=config.load_tokenizers
-        )
         self.device = resolve_device(config.device)
-        self.rank = RankModels(
-            self.catalog,
-            self.device,
-            block_size=config.block_size,
-            kv_bytes=config.kv_bytes,
-            num_kv_blocks=config.num_kv_blocks,
-            host_kv_bytes=config.host_kv_bytes,
-            staging=config.staging,
-            weight_bytes=config.weight_bytes,
-            attention_backend=config.attention_backend,
-            seed=config.seed,
-            pin=config.pin_host_memory,
-        )
+        self.rank = _build_rank(models, config, self.device)
+        self.catalog = self.rank.catalog
+        try:
+            self._build_cores(config)
+            if config.initial_model is not None:
+                self.activate(config.initial_model)
+        except BaseException:
+            self.rank.shutdown()
+            raise
+
+    def _build_cores(self, config: MultiModelConfig) -> None:
         self._secondaries: dict[str, RankSecondary] = {}
         self.cores: dict[str, EngineCore] = {}
         for name, entry in self.catalog.items():
@@ -136,8 +151,6 @@ class MultiModelEngine:
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
         }
         self._restores: list[MoveReport] = []
-        if config.initial_model is not None:
-            self.activate(config.initial_model)
 
     # ------------------------------------------------------------------ catalog
     @property
@@ -325,7 +338,8 @@ class MultiModelEngine:
         return rates
 
     def shutdown(self) -> None:
-        """Stop what the cores' runners started (nothing at TP=1)."""
+        """Stop the tensor-parallel workers (nothing to stop at TP=1); idempotent."""
+        self.rank.shutdown()
         for core in self.cores.values():
             core.shutdown()
 
@@ -378,7 +392,7 @@ class RankSecondary:
     rank ops, so that at TP=N a restore is one more op every rank executes. Records of the
     restores it made accumulate until ``drain_records``."""
 
-    def __init__(self, rank: RankModels, model: str) -> None:
+    def __init__(self, rank: RankModels | TensorParallelRankModels, model: str) -> None:
         self.rank = rank
         self.model = model
         self._records: list[MoveRecord] = []
@@ -392,6 +406,50 @@ class RankSecondary:
     def drain_records(self) -> list[MoveRecord]:
         records, self._records = self._records, []
         return records
+
+
+def _build_rank(
+    models: Mapping[str, str | Path], config: MultiModelConfig, device: torch.device
+) -> RankModels | TensorParallelRankModels:
+    """This process's rank at TP=1, or rank 0's proxy over a started group at TP=N."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelRankModels.start(
+            RankBuild(
+                {name: str(path) for name, path in models.items()},
+                config.dtype,
+                config.block_size,
+                config.kv_bytes,
+                config.num_kv_blocks,
+                config.host_kv_bytes,
+                config.staging,
+                config.weight_bytes,
+                config.attention_backend,
+                config.seed,
+                config.pin_host_memory,
+            ),
+            config.tensor_parallel_size,
+            device,
+            address=config.distributed_address,
+            port=config.distributed_port,
+            timeout_s=config.distributed_timeout_s,
+            load_tokenizers=config.load_tokenizers,
+        )
+    catalog = read_catalog(
+        models, config.dtype, config.block_size, load_tokenizers=config.load_tokenizers
+    )
+    return RankModels(
+        catalog,
+        device,
+        block_size=config.block_size,
+        kv_bytes=config.kv_bytes,
+        num_kv_blocks=config.num_kv_blocks,
+        host_kv_bytes=config.host_kv_bytes,
+        staging=config.staging,
+        weight_bytes=config.weight_bytes,
+        attention_backend=config.attention_backend,
+        seed=config.seed,
+        pin=config.pin_host_memory,
+    )
 
 
 def _report(record: MoveRecord) -> MoveReport:

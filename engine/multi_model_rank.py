@@ -22,7 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel.state import SINGLE, ParallelContext
 from substrate.instance_memory import InstanceMemory, KVSpec
 from substrate.layout import align_up, dtype_size
-from substrate.ledger import Placement
+from substrate.ledger import Placement, StagingState
 from substrate.moves import MoveRecord, PlannedMove
 
 
@@ -134,8 +134,22 @@ class RankModels:
         totals = self.memory.ledger.totals(kind)
         return totals.bytes, totals.seconds
 
-    def placements(self) -> dict[str, Placement]:
-        return self.memory.placements()
+    def placements(self, poll: bool = True) -> dict[str, Placement]:
+        """Where each model is; ``poll`` first books a finished staging copy (at TP=N the
+        controller polls all ranks together instead, so that no rank reports STAGED alone)."""
+        return self.memory.placements() if poll else self.memory.ledger.placements()
+
+    def staging_copy_running(self) -> bool:
+        """Whether a staging copy is still in flight (the ledger waits for it, the stager
+        has not finished it)."""
+        memory = self.memory
+        return (
+            memory.ledger.staging_state is StagingState.IN_PROGRESS
+            and memory.stager.state is StagingState.IN_PROGRESS
+        )
+
+    def shutdown(self) -> None:
+        """Nothing to stop: this rank lives in the caller's process (see the TP proxy)."""
 
     def estimate(self, plan: PlannedMove) -> float | None:
         return self.memory.estimate(plan)

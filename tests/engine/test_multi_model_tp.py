@@ -1,0 +1,241 @@
+"""The live multi-model engine at TP=2 on CPU (gloo): every rank switches together.
+
+A -> B -> A outputs equal the TP=1 multi-model engine's and a fresh single-model engine's;
+session KV offloaded before a switch is restored on every rank after switching back (and
+equals recompute); staged activation equals host activation and a model is STAGED only
+once every rank's copy is done; shutdown leaves no worker process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, EngineCore
+from engine.interface import EngineRequest, MultiModelEngineProtocol, Residency
+from engine.multi_model import MultiModelConfig, MultiModelEngine
+from engine.multi_model_tp import (
+    STATE_KEY,
+    TensorParallelRankModels,
+    combine_placements,
+    combine_records,
+)
+from engine.parallel.worker import call_state_method
+from engine.sampling_params import SamplingParams
+from engine.tiny_models import make_tiny_models
+from substrate.ledger import Placement
+from substrate.moves import MoveKind, MoveRecord
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 4
+NUM_BLOCKS = 64
+LLAMA, QWEN = "tiny-llama", "tiny-qwen3"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=True)
+Outputs = dict[str, tuple[list[int], list[float]]]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+PROMPTS = [prompt(1, 13), prompt(2, 22), prompt(3, 5)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    paths = make_tiny_models(tmp_path_factory.mktemp("mmtp"))
+    return {LLAMA: paths[LLAMA], QWEN: paths[QWEN]}
+
+
+def make_engine(models: dict[str, Path], tp: int, **kw: object) -> MultiModelEngine:
+    cfg: dict[str, object] = dict(
+        device="cpu",
+        block_size=BLOCK,
+        num_kv_blocks=NUM_BLOCKS,
+        host_kv_bytes=1 << 20,
+        tensor_parallel_size=tp,
+        wait_for_staging=True,
+    )
+    cfg.update(kw)
+    return MultiModelEngine(models, MultiModelConfig(**cfg))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tp2(models: dict[str, Path]) -> Iterator[MultiModelEngine]:
+    engine = make_engine(models, 2, wait_for_staging=False)
+    yield engine
+    engine.shutdown()
+
+
+def run(engine: MultiModelEngine | EngineCore, reqs: list[EngineRequest]) -> tuple[Outputs, int]:
+    for r in reqs:
+        engine.add_request(r)
+    out: Outputs = {r.request_id: ([], []) for r in reqs}
+    prefilled = 0
+    while engine.has_unfinished():
+        step = engine.step()
+        prefilled += step.num_prefill_tokens
+        for ev in step.events:
+            out[ev.request_id][0].extend(ev.new_token_ids)
+            out[ev.request_id][1].extend(ev.logprobs or [])
+    return out, prefilled
+
+
+def requests(model: str, tag: str, prompts: list[list[int]]) -> list[EngineRequest]:
+    return [
+        EngineRequest(f"{tag}-{i}", p, GREEDY, model=model, session_id=f"{tag}-s{i}")
+        for i, p in enumerate(prompts)
+    ]
+
+
+def fresh(path: Path, reqs: list[EngineRequest]) -> Outputs:
+    core = EngineCore(
+        EngineConfig(model=path, device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS)
+    )
+    return run(core, reqs)[0]
+
+
+def assert_same(got: Outputs, want: Outputs) -> None:
+    """Same tokens; logprobs equal up to the all-reduce's different summation order."""
+    assert [v[0] for v in got.values()] == [v[0] for v in want.values()]
+    for (_, lp_got), (_, lp_want) in zip(got.values(), want.values(), strict=True):
+        torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_want), atol=1e-4, rtol=0)
+
+
+def per_rank(engine: MultiModelEngine, method: str, *args: object) -> list[object]:
+    assert isinstance(engine.rank, TensorParallelRankModels)
+    return engine.rank.group.run_on_all_ranks(call_state_method, STATE_KEY, method, *args)
+
+
+def test_a_b_a_matches_tp1_and_fresh_engines(
+    models: dict[str, Path], tp2: MultiModelEngine
+) -> None:
+    assert isinstance(tp2, MultiModelEngineProtocol)
+    assert isinstance(tp2.rank, TensorParallelRankModels) and tp2.rank.world_size == 2
+    tp1 = make_engine(models, 1)
+    want = {n: fresh(models[n], requests(n, n, PROMPTS)) for n in (LLAMA, QWEN)}
+    for i, name in enumerate([LLAMA, QWEN, LLAMA]):
+        tag = f"{name}-{i}"
+        report = tp2.activate(name)
+        assert report.kind == "activate_h2d" and report.seconds > 0
+        # Each rank holds (and moves) only its shard: about half the full model.
+        assert report.bytes == tp2.catalog[name].layout.total_bytes
+        assert report.bytes < tp1.catalog[name].layout.total_bytes
+        tp1.activate(name)
+        got = run(tp2, requests(name, tag, PROMPTS))[0]
+        assert_same(got, run(tp1, requests(name, tag, PROMPTS))[0])
+        assert_same(got, {k.replace(tag, name): v for k, v in want[name].items()})
+    active = per_rank(tp2, "placements", False)
+    assert [p[LLAMA] for p in active] == ["active", "active"]  # type: ignore[index]
+    assert tp2.residency() == {LLAMA: Residency.ACTIVE, QWEN: Residency.HOST}
+
+
+def test_kv_restore_after_switch_runs_on_every_rank(
+    models: dict[str, Path], tp2: MultiModelEngine
+) -> None:
+    sid = "restore-s"
+    tp2.activate(LLAMA)
+    first_prompt = prompt(11, 29)
+    first = run(tp2, [EngineRequest("k1", first_prompt, GREEDY, model=LLAMA, session_id=sid)])
+    cont_prompt = first_prompt + first[0]["k1"][0] + prompt(99, 7)
+    assert tp2.session_kv_tokens(sid)[0] == 32  # 29 + 5 - 1 computed tokens: 8 full blocks
+    restored_before = per_rank(tp2, "move_totals", "kv_restore")
+    offload = tp2.offload_kv([sid])
+    assert offload.bytes == 8 * tp2.catalog[LLAMA].kv_spec.block_bytes
+    assert per_rank(tp2, "host_kv_usage") == [tp2.rank.host_kv_usage()] * 2
+    tp2.activate(QWEN)  # clears every rank's KV region
+    run(tp2, requests(QWEN, "other", [prompt(7, 30)]))
+    tp2.activate(LLAMA)
+    assert tp2.session_kv_tokens(sid) == (0, 32)
+    cont = EngineRequest("k2", cont_prompt, GREEDY, model=LLAMA, session_id=sid)
+    got, prefilled = run(tp2, [cont])
+    assert prefilled == len(cont_prompt) - 32
+    restores = tp2.take_restore_reports()
+    assert [(r.kind, r.bytes) for r in restores] == [("kv_restore", offload.bytes)]
+    assert tp2.stats().restored_tokens_total == 32
+    for (before, _), (after, _) in zip(
+        restored_before,  # type: ignore[misc]
+        per_rank(tp2, "move_totals", "kv_restore"),  # type: ignore[misc]
+        strict=True,
+    ):
+        assert after - before == offload.bytes  # every rank copied its heads back
+    want = fresh(models[LLAMA], [EngineRequest("k2", cont_prompt, GREEDY, model=LLAMA)])
+    assert_same(got, want)
+
+
+def test_staged_activation_equals_host_activation(tp2: MultiModelEngine) -> None:
+    """Staging runs in the background on every rank (the engine does not wait for it);
+    activating the staged model waits for every rank's copy, then copies D2D."""
+    tp2.activate(LLAMA)
+    stage = tp2.stage(QWEN)
+    assert stage.kind == "stage" and stage.bytes == tp2.catalog[QWEN].layout.total_bytes
+    assert stage.seconds > 0  # predicted from the measured host-link rate
+    assert tp2.residency()[QWEN] in (Residency.STAGING, Residency.STAGED)
+    assert tp2.activate(QWEN).kind == "activate_d2d"
+    assert [p[QWEN] for p in per_rank(tp2, "placements", False)] == ["active"] * 2  # type: ignore[index]
+    staged = run(tp2, requests(QWEN, "staged", PROMPTS))[0]
+    tp2.activate(LLAMA)
+    tp2.stage(LLAMA)  # the staging region now holds another model
+    assert tp2.rank.poll_staging(block=True) is not None  # every rank finished its copy
+    assert tp2.residency()[LLAMA] is Residency.ACTIVE
+    assert [p[LLAMA] for p in per_rank(tp2, "placements", False)] == ["active"] * 2  # type: ignore[index]
+    assert tp2.stage(QWEN).kind == "stage"
+    tp2.rank.poll_staging(block=True)
+    assert [p[QWEN] for p in per_rank(tp2, "placements", False)] == ["staged"] * 2  # type: ignore[index]
+    assert tp2.residency()[QWEN] is Residency.STAGED
+    tp2.stage(LLAMA)
+    tp2.rank.poll_staging(block=True)
+    assert tp2.activate(QWEN).kind == "activate_h2d"
+    host = run(tp2, requests(QWEN, "host", PROMPTS))[0]
+    assert_same(staged, {k.replace("host", "staged"): v for k, v in host.items()})
+    rates = tp2.model_rates(QWEN)
+    assert rates["switch_staged_s"] > 0 and rates["switch_host_s"] > 0 and rates["stage_s"] > 0
+
+
+def test_shutdown_leaves_no_process(models: dict[str, Path]) -> None:
+    engine = make_engine({LLAMA: models[LLAMA]}, 2, initial_model=LLAMA, staging=False)
+    assert isinstance(engine.rank, TensorParallelRankModels)
+    with pytest.raises(ValueError, match="staging is disabled"):
+        engine.stage(LLAMA)  # fails on rank 0 before any rank moves: the group stays usable
+    assert engine.rank.group.is_alive
+    assert engine.residency() == {LLAMA: Residency.ACTIVE}
+    pids = engine.rank.group.pids
+    assert all(_alive(pid) for pid in pids)
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert not any(_alive(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.rank.group.check()
+
+
+def test_unshardable_catalog_fails_before_workers_start(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="tiny-llama"):
+        make_engine({LLAMA: models[LLAMA]}, 3)
+
+
+def test_staged_only_when_every_rank_is_done_and_slowest_rank_times_a_move() -> None:
+    rank0 = {LLAMA: Placement.ACTIVE, QWEN: Placement.STAGED}
+    rank1 = {LLAMA: Placement.ACTIVE, QWEN: Placement.STAGING}
+    assert combine_placements([rank0, rank1])[QWEN] is Placement.STAGING
+    assert combine_placements([rank1, rank0])[QWEN] is Placement.STAGING
+    assert combine_placements([rank0, dict(rank0)]) == rank0
+    fast = MoveRecord(MoveKind.STAGE, 100, 0.5)
+    slow = MoveRecord(MoveKind.STAGE, 100, 2.0)
+    assert combine_records([fast, slow]) == MoveRecord(MoveKind.STAGE, 100, 2.0)
+    assert combine_records([None, slow]) == slow
+    assert combine_records([None, None]) is None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
