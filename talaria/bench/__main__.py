@@ -44,7 +44,7 @@ def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
 def bench_tp(models: dict[str, Path], args: argparse.Namespace) -> None:
     from engine.parallel.bench import bench_tp as run
 
-    _section("tensor parallelism: TP=2 vs TP=1 (gloo, one thread per rank), small tiny-llama")
+    _section("tensor parallelism: TP=2 (gloo, one thread per rank) vs TP=1 (two threads), small tiny-llama")
     r = run(models["tiny-llama"], steps=16, world_size=2, num_threads=2)
     print(
         f"  prefill: TP=1 {r['tp1_prefill_ms']:.1f} ms, TP=2 {r['tp2_prefill_ms']:.1f} ms; "
