@@ -5,12 +5,13 @@ KV exhaustion degrades to partial restores, and bad requests / catalogs fail cle
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
+import engine_runs
 import pytest
-import torch
+from engine_runs import Outputs, prompt, run
 
-from engine import EngineConfig, EngineCore
 from engine.interface import EngineRequest, MoveReport, MultiModelEngineProtocol, Residency
 from engine.multi_model import ModelNotActiveError, MultiModelConfig, MultiModelEngine
 from engine.sampling_params import SamplingParams
@@ -20,6 +21,11 @@ BLOCK = 4
 NUM_BLOCKS = 64
 LLAMA, QWEN, MOE = "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+
+# the shared drivers with this module's settings
+requests = partial(engine_runs.requests, params=GREEDY)
+fresh = partial(engine_runs.fresh, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+assert_same = partial(engine_runs.assert_same, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -31,49 +37,6 @@ def make_engine(models: dict[str, Path], **kw: object) -> MultiModelEngine:
     cfg = dict(device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, host_kv_bytes=1 << 20)
     cfg.update(kw)
     return MultiModelEngine(models, MultiModelConfig(**cfg))  # type: ignore[arg-type]
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
-
-
-Outputs = dict[str, tuple[list[int], list[float]]]
-
-
-def run(engine: MultiModelEngine | EngineCore, reqs: list[EngineRequest]) -> tuple[Outputs, int]:
-    """Run requests to completion: rid -> (tokens, logprobs), and prefill tokens counted."""
-    for r in reqs:
-        engine.add_request(r)
-    out: Outputs = {r.request_id: ([], []) for r in reqs}
-    prefilled = 0
-    while engine.has_unfinished():
-        step = engine.step()
-        prefilled += step.num_prefill_tokens
-        for ev in step.events:
-            out[ev.request_id][0].extend(ev.new_token_ids)
-            out[ev.request_id][1].extend(ev.logprobs or [])
-    return out, prefilled
-
-
-def requests(model: str, tag: str, prompts: list[list[int]]) -> list[EngineRequest]:
-    return [
-        EngineRequest(f"{tag}-{i}", p, GREEDY, model=model, session_id=f"{tag}-s{i}")
-        for i, p in enumerate(prompts)
-    ]
-
-
-def fresh(path: Path, reqs: list[EngineRequest]) -> Outputs:
-    core = EngineCore(
-        EngineConfig(model=path, device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS)
-    )
-    return run(core, reqs)[0]
-
-
-def assert_same(got: Outputs, want: Outputs) -> None:
-    assert [v[0] for v in got.values()] == [v[0] for v in want.values()]
-    for (_, lp_got), (_, lp_want) in zip(got.values(), want.values(), strict=True):
-        torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_want), atol=1e-5, rtol=0)
 
 
 PROMPTS = [prompt(1, 13), prompt(2, 22), prompt(3, 5)]

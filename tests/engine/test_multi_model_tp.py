@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
+import engine_runs
 import pytest
-import torch
+from engine_runs import prompt, run
 
-from engine import EngineConfig, EngineCore
 from engine.interface import EngineRequest, MultiModelEngineProtocol, Residency
 from engine.multi_model import MultiModelConfig, MultiModelEngine
 from engine.multi_model_tp import (
@@ -36,13 +37,12 @@ BLOCK = 4
 NUM_BLOCKS = 64
 LLAMA, QWEN = "tiny-llama", "tiny-qwen3"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=True)
-Outputs = dict[str, tuple[list[int], list[float]]]
 
-
-def prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
-
+# the shared drivers with this module's settings
+requests = partial(engine_runs.requests, params=GREEDY)
+fresh = partial(engine_runs.fresh, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+# logprobs differ by the all-reduce's summation order
+assert_same = partial(engine_runs.assert_same, atol=1e-4)
 
 PROMPTS = [prompt(1, 13), prompt(2, 22), prompt(3, 5)]
 
@@ -71,41 +71,6 @@ def tp2(models: dict[str, Path]) -> Iterator[MultiModelEngine]:
     engine = make_engine(models, 2, wait_for_staging=False)
     yield engine
     engine.shutdown()
-
-
-def run(engine: MultiModelEngine | EngineCore, reqs: list[EngineRequest]) -> tuple[Outputs, int]:
-    for r in reqs:
-        engine.add_request(r)
-    out: Outputs = {r.request_id: ([], []) for r in reqs}
-    prefilled = 0
-    while engine.has_unfinished():
-        step = engine.step()
-        prefilled += step.num_prefill_tokens
-        for ev in step.events:
-            out[ev.request_id][0].extend(ev.new_token_ids)
-            out[ev.request_id][1].extend(ev.logprobs or [])
-    return out, prefilled
-
-
-def requests(model: str, tag: str, prompts: list[list[int]]) -> list[EngineRequest]:
-    return [
-        EngineRequest(f"{tag}-{i}", p, GREEDY, model=model, session_id=f"{tag}-s{i}")
-        for i, p in enumerate(prompts)
-    ]
-
-
-def fresh(path: Path, reqs: list[EngineRequest]) -> Outputs:
-    core = EngineCore(
-        EngineConfig(model=path, device="cpu", block_size=BLOCK, num_kv_blocks=NUM_BLOCKS)
-    )
-    return run(core, reqs)[0]
-
-
-def assert_same(got: Outputs, want: Outputs) -> None:
-    """Same tokens; logprobs equal up to the all-reduce's different summation order."""
-    assert [v[0] for v in got.values()] == [v[0] for v in want.values()]
-    for (_, lp_got), (_, lp_want) in zip(got.values(), want.values(), strict=True):
-        torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_want), atol=1e-4, rtol=0)
 
 
 def per_rank(engine: MultiModelEngine, method: str, *args: object) -> list[object]:
