@@ -29,6 +29,9 @@ class PolicyConfig:
     sp_idle_margin_s: float = 1.0  # idle wait past a continuation's predicted arrival
     # soft reservations / gap prediction
     reservation_ttl_s: float = 60.0  # a reservation expires this long after its call ended
+    # a yield copies the KV to host even when that evicts other sessions' host KV (True was
+    # the original behaviour; it thrashes the host store under overload)
+    yield_offload_may_evict: bool = False
     default_gap_s: float = 2.0  # prior for a session's tool gap before anything is learned
     gap_ewma_alpha: float = 0.5
     # admission budget

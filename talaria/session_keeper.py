@@ -13,7 +13,7 @@ import structlog
 from talaria.config import PolicyConfig
 from talaria.executor import EngineExecutor
 from talaria.policies.gap_predictor import GapPredictor
-from talaria.policies.reservations import Reservation, ReservationBook
+from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.protocol import CallRequest
 from talaria.rates import RateBook
 
@@ -40,6 +40,7 @@ class SessionKeeper:
         for key in ("reservations", "reservations_consumed", "reservations_expired"):
             counters.setdefault(key, 0)
         counters.setdefault("reservations_yielded", 0)
+        counters.setdefault("reservations_yielded_dropped", 0)
 
     def model_of(self, session_id: str) -> str | None:
         hist = self.gaps.get(session_id)
@@ -100,16 +101,30 @@ class SessionKeeper:
 
     async def yield_reservation(self, res: Reservation) -> None:
         """Memory pressure: give up a reservation's blocks, offloading them first when host
-        KV is on (so the session restores instead of recomputing)."""
-        if self.policy.host_kv:
+        KV is on and the host store has free room for them (``yield_offload_pays``: a copy
+        into a full store would evict KV needed sooner), so the session restores instead of
+        recomputing; otherwise the blocks are only unpinned."""
+        if self.policy.host_kv and self._offload_pays(res.session_id):
             report = await self.executor.offload_kv([res.session_id])
             self.rates.observe_kv_size(report.bytes, self.kv_tokens.get(res.session_id, (0, 0))[0])
+        elif self.policy.host_kv:
+            self.counters["reservations_yielded_dropped"] += 1
         self.reservations.pop(res.session_id)
         if res.pinned:
             self.executor.unpin_session_kv(res.session_id)
         self.counters["reservations_yielded"] += 1
         self.kv_tokens[res.session_id] = self.executor.session_kv_tokens(res.session_id)
         log.debug("reservation_yielded", session=res.session_id, blocks=res.blocks)
+
+    def _offload_pays(self, session_id: str) -> bool:
+        extra = self.executor.stats().extra
+        device, host = self.executor.session_kv_tokens(session_id)
+        return yield_offload_pays(
+            max(0, device - host) * self.rates.kv_bytes_per_token.value,
+            extra.get("host_kv_used_bytes"),
+            extra.get("host_kv_capacity_bytes"),
+            may_evict=self.policy.yield_offload_may_evict,
+        )
 
     def device_tokens_of(self, model: str) -> int:
         return sum(dev for s, (dev, _host) in self.kv_tokens.items() if self.model_of(s) == model)

@@ -7,7 +7,8 @@ Lifetime (the admission loop drives it; this module is bookkeeping only):
 - while alive and pinned, its blocks cannot be evicted and count in the admission budget;
   it also tells session-prefill that a continuation is coming;
 - it ends when the session's next call is admitted (consumed), when it expires, or when it
-  yields under memory pressure; the loop unpins (offloading first when host KV is on);
+  yields under memory pressure; the loop unpins, offloading first when host KV is on and
+  ``yield_offload_pays`` says the host store has free room for the copy;
 - a switch away from its model unpins it (after the offload, when host KV is on), but the
   reservation stays alive with zero device blocks: it still predicts the return.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Reservation", "ReservationBook"]
+__all__ = ["Reservation", "ReservationBook", "yield_offload_pays"]
 
 
 @dataclass
@@ -74,3 +75,32 @@ class ReservationBook:
             if r.model == model and r.pinned and r.session_id != exclude
         ]
         return sorted(pinned, key=lambda r: r.expected_return, reverse=True)
+
+
+def yield_offload_pays(
+    need_bytes: float,
+    host_used_bytes: float | None,
+    host_capacity_bytes: float | None,
+    *,
+    may_evict: bool = False,
+) -> bool:
+    """Whether a yielding reservation's KV is worth copying to the bounded host KV store.
+
+    A yield happens because calls admitted now need the blocks, so the yielding session is
+    needed after every call already waiting here: its next call still has to arrive and
+    queue. A full host store makes room by evicting its least recently used KV, and once
+    the store is saturated every copy displaces, sooner or later, the oldest KV there: under
+    a backlog, that of the sessions waiting longest, i.e. served next. The copy then trades
+    KV needed soon for KV needed last. Measured on the full real trace (179 sessions, one
+    server): copying regardless evicted another session's block for 97% of the blocks
+    yields copied and recomputation rose from 76M to 130M tokens; a variant that let the
+    copy evict KV of sessions neither queued nor due back still lost to copying only into
+    free room (p50 SCT 4122 vs 3912 s). So the copy is made only when ``need_bytes`` (the
+    session's device KV not yet on host) fits the free room, or always when ``may_evict``
+    or when the engine does not report its host store (None).
+    """
+    if need_bytes < 0:
+        raise ValueError(f"need_bytes must be >= 0, got {need_bytes!r}")
+    if may_evict or host_used_bytes is None or host_capacity_bytes is None:
+        return True
+    return host_used_bytes + need_bytes <= host_capacity_bytes

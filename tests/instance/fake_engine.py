@@ -11,7 +11,8 @@ Rules, all deterministic:
   ceil(tokens / block_size) and is evicted LRU when room is needed, unless pinned;
 - ``activate`` needs no running request and drops the outgoing model's device KV (pins
   included); D2D if the model was staged, else H2D;
-- ``offload_kv`` copies device KV of the active model's sessions to the host store.
+- ``offload_kv`` copies device KV of the active model's sessions to the host store (never
+  bounded; with ``host_kv_capacity_bytes`` set, ``stats().extra`` reports its fill).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class FakeEngine:
     stage_s: float = 1.0
     offload_s_per_token: float = 0.0
     kv_bytes_per_token: int = 100
+    host_kv_capacity_bytes: int | None = None  # reported in stats().extra when set
     active: str | None = None
     simulated: bool = True
     # observable counters
@@ -148,6 +150,13 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         pinned = sum(self._blocks(s.device) for s in self._active_kv() if s.pinned)
         cached = sum(self._blocks(s.device) for s in self._active_kv() if not s.pinned)
+        extra: dict[str, float] = {}
+        if self.host_kv_capacity_bytes is not None:
+            used = sum(kv.host for kv in self._kv.values()) * self.kv_bytes_per_token
+            extra = {
+                "host_kv_used_bytes": float(used),
+                "host_kv_capacity_bytes": float(self.host_kv_capacity_bytes),
+            }
         return EngineStats(
             num_running=len(self._reqs),
             num_free_blocks=self.num_blocks - self._running_blocks() - pinned,
@@ -157,6 +166,7 @@ class FakeEngine:
             prefill_tokens_total=self.prefilled_tokens,
             cached_tokens_total=self.cached_tokens,
             restored_tokens_total=self.restored_tokens,
+            extra=extra,
         )
 
     def activate(self, model: str) -> MoveReport:

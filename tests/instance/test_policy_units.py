@@ -7,7 +7,7 @@ from fake_engine import FakeEngine
 
 from engine.interface import MoveReport, MultiModelEngineProtocol, StepResult
 from talaria.policies.gap_predictor import GapPredictor
-from talaria.policies.reservations import Reservation, ReservationBook
+from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.policies.round_scheduler import RoundScheduler
 from talaria.rates import RateBook
 
@@ -102,3 +102,13 @@ def test_rates_learn_from_reported_seconds() -> None:
     rates.observe_kv_size(2000, 20)
     assert rates.restore_s(1000) == pytest.approx(1000 * 100 / 2e6)
     assert RateBook(["a"], 0.5).restore_s(1000) == 0.0  # unknown: free
+
+
+def test_yield_offload_needs_free_host_room_unless_eviction_is_allowed() -> None:
+    assert yield_offload_pays(100.0, 800.0, 1000.0)
+    assert yield_offload_pays(200.0, 800.0, 1000.0)  # exactly fills the store
+    assert not yield_offload_pays(201.0, 800.0, 1000.0)  # would evict other sessions' KV
+    assert yield_offload_pays(201.0, 800.0, 1000.0, may_evict=True)
+    assert yield_offload_pays(201.0, None, None)  # the engine does not report its host store
+    with pytest.raises(ValueError, match="need_bytes"):
+        yield_offload_pays(-1.0, 0.0, 10.0)

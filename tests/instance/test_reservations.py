@@ -109,3 +109,41 @@ def test_gap_is_learned_per_session() -> None:
     first, second = run_virtual(main())
     assert first == pytest.approx(7.0)  # the prior
     assert second == pytest.approx(3.0)  # the session's own measured gap
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
+    """A yielding session is needed after every call waiting here; copying it into a full
+    host store would evict KV needed sooner, so without free room the yield only unpins."""
+    # h (55 tokens) and x (25) reach host on the switches: 8,000 bytes used; s needs 10,500
+    capacity = 100_000 if room else 15_000
+    engine = FakeEngine(
+        ["a", "b"], num_blocks=20, block_size=16, step_s=0.1, host_kv_capacity_bytes=capacity
+    )
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("talaria"))
+        await inst.start()
+        await run_call(inst, call("h-0", "h", "a", 50, 5, last=True))
+        await run_call(inst, call("x-0", "x", "b", 20, 5, last=True))  # switch: h offloaded
+        await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))  # switch back, reserved
+        assert engine.pinned("s")
+        await run_call(inst, call("w-0", "w", "a", 230, 10, last=True))  # s must yield
+        back = await run_call(inst, call("s-1", "s", "a", 125, 5))
+        await inst.stop()
+        return back, inst
+
+    back, inst = run_virtual(main())
+    assert inst.counters["reservations_yielded"] == 1
+    assert "s" in engine.evicted
+    assert not engine.pinned("s")
+    usage = back.last.usage
+    assert usage is not None
+    if room:
+        assert ("offload", "s") in engine.log
+        assert inst.counters["reservations_yielded_dropped"] == 0
+        assert usage.restored_tokens == 105
+    else:
+        assert ("offload", "s") not in engine.log
+        assert inst.counters["reservations_yielded_dropped"] == 1
+        assert usage.restored_tokens == 0
