@@ -52,13 +52,16 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
-            )
-        if not 0 <= self.distributed_port <= 65535:
-            raise ValueError(f"distributed_port must be in [0, 65535], got {self.distributed_port}")
-        if self.distributed_timeout_s <= 0:
-            raise ValueError(
-                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}"
-            )
+        check_distributed_settings(
+            self.tensor_parallel_size, self.distributed_port, self.distributed_timeout_s
+        )
+
+
+def check_distributed_settings(tensor_parallel_size: int, port: int, timeout_s: float) -> None:
+    """Validate the tensor-parallel settings shared by every engine config."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"distributed_port must be in [0, 65535], got {port}")
+    if timeout_s <= 0:
+        raise ValueError(f"distributed_timeout_s must be positive, got {timeout_s}")

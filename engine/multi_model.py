@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_distributed_settings
 from engine.engine_core import EngineCore
 from engine.interface import (
     EngineRequest,
@@ -85,16 +85,9 @@ class MultiModelConfig:
     distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
-            )
-        if not 0 <= self.distributed_port <= 65535:
-            raise ValueError(f"distributed_port must be in [0, 65535], got {self.distributed_port}")
-        if self.distributed_timeout_s <= 0:
-            raise ValueError(
-                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}"
-            )
+        check_distributed_settings(
+            self.tensor_parallel_size, self.distributed_port, self.distributed_timeout_s
+        )
         if self.kv_bytes is None and self.num_kv_blocks is None:
             raise ValueError("MultiModelConfig needs kv_bytes or num_kv_blocks")
         if self.kv_bytes is not None and self.kv_bytes <= 0:

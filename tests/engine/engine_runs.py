@@ -53,6 +53,26 @@ def fresh(path: Path, reqs: list[EngineRequest], block_size: int, num_blocks: in
     return run(core, reqs)[0]
 
 
+def hf_greedy(path: Path, prompt_list: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (stops at EOS like the engine)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompt_list:
+            ids = torch.tensor([p])
+            g = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(g[0, ids.shape[1] :].tolist())
+    return out
+
+
 def assert_same(got: Outputs, want: Outputs, atol: float) -> None:
     """Same tokens; logprobs within ``atol``."""
     assert [v[0] for v in got.values()] == [v[0] for v in want.values()]

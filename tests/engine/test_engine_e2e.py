@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
+import engine_runs
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from engine.tiny_models import ARCHS, build_tokenizer, write_random_checkpoint
 VOCAB = 512
 BLOCK = 4
 MAX_NEW = 8
+hf_greedy = partial(engine_runs.hf_greedy, max_new=MAX_NEW)
 PROMPT_LENS = [1, 3, 5, 8, 13, 17, 24, 33]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
@@ -36,25 +39,6 @@ def prompts(seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
-
-def hf_greedy(path: Path, prompt_list: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    """transformers' greedy generate, one prompt at a time (stops at EOS like the engine)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompt_list:
-            ids = torch.tensor([p])
-            g = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(g[0, ids.shape[1] :].tolist())
-    return out
 
 
 def make_llm(path: Path, **kw) -> LLM:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from engine_runs import hf_greedy
 
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
 from engine.interface import EngineRequest
@@ -54,22 +55,6 @@ def _config(path: Path, **kw: object) -> EngineConfig:
     args.update(kw)
     return EngineConfig(**args)  # type: ignore[arg-type]
 
-
-def hf_greedy(path: Path, prompt_list: list[list[int]], max_new: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompt_list:
-            ids = torch.tensor([p])
-            g = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(g[0, ids.shape[1] :].tolist())
-    return out
 
 
 def run_staggered(
