@@ -1,44 +1,96 @@
-"""Incremental detokenisation of a request's output, for stop strings.
+"""Incremental detokenisation and stop-string matching, shared by the engine and the router.
 
-Decodes a short window of recent tokens instead of the whole output each step; text is
-emitted only once it no longer ends in an incomplete UTF-8 sequence.
+The engine uses them to finish a request whose output text contains a stop string; the router
+uses them to stream text deltas and cut the answer at a stop string. Both decode the same way
+(the same window, seeded with the end of the prompt), so they agree on what the text is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "StopStringWatcher"]
+
+PROMPT_TAIL = 6  # prompt tokens that seed the window (so a space at the join decodes right)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.max_stop_len = max((len(s) for s in stop), default=0)
-        self.token_ids: list[int] = []
-        self.text = ""
+    """Turns streamed token ids into text deltas.
+
+    Decodes a small window (prefix_offset..end) and emits what extends past the text of
+    (prefix_offset..read_offset), so the cost per token stays constant whatever the output's
+    length. A window that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until
+    the next tokens complete it.
+    """
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-PROMPT_TAIL:])
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._ids)
 
-    def add(self, token_id: int) -> str:
-        """Append a token; return the text it completes (possibly empty)."""
-        self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full = decode(self.token_ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.token_ids)
-            self.text += delta
-            return delta
-        return ""
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
-    def find_stop(self, delta: str) -> str | None:
-        """The stop string that the text newly contains after ``delta``, if any."""
-        if not delta or not self.stop:
-            return None
-        window = self.text[-(len(delta) + self.max_stop_len - 1) :]
-        for s in self.stop:
-            if s in window:
-                return s
-        return None
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the text they complete (possibly empty)."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return delta
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text; holds back a tail that could begin one.
+
+    ``feed`` returns (text safe to emit, stopped). Once stopped, the emitted text ends just
+    before the stop string and later input is ignored. ``flush`` releases the held tail
+    when the call ends without a stop.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._buf = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self._stops:
+            return text, False
+        self._buf += text
+        hit = min((i for i in (self._buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        if hit >= 0:
+            out, self._buf, self.stopped = self._buf[:hit], "", True
+            return out, True
+        cut = max(0, len(self._buf) - self._hold)
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self._buf = ("" if self.stopped else self._buf), ""
+        return out
+
+
+class StopStringWatcher:
+    """One request's output, detokenised as it grows, watched for its stop strings."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stops: Sequence[str]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._matcher = StopMatcher(stops)
+
+    def add(self, token_id: int) -> bool:
+        """Append one output token; True once the output text contains a stop string."""
+        return self._matcher.feed(self._detok.push([token_id]))[1]

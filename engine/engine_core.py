@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import StopStringWatcher
 from engine.interface import EngineRequest, EngineStats, StepResult, TokenEvent
 from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
 from engine.model_runner import KVCaches, ModelRunner
@@ -79,7 +79,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         self._generators: dict[str, torch.Generator] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._stop_watchers: dict[str, StopStringWatcher] = {}
         self._pending: list[TokenEvent] = []
         self.prefill_tokens_total = 0
         self.decode_tokens_total = 0
@@ -114,7 +114,7 @@ class EngineCore:
             gen.manual_seed(request.params.seed)
             self._generators[rid] = gen
         if self.tokenizer is not None and request.params.stop:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+            self._stop_watchers[rid] = StopStringWatcher(self.tokenizer, prompt, request.params.stop)
 
     def abort(self, request_id: str) -> None:
         """Abort a waiting or running request, freeing its blocks; unknown ids are ignored
@@ -164,8 +164,8 @@ class EngineCore:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        detok = self._detok.get(req.request_id)
-        if detok is not None and detok.find_stop(detok.add(token_id)) is not None:
+        watcher = self._stop_watchers.get(req.request_id)
+        if watcher is not None and watcher.add(token_id):
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -188,7 +188,7 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
-        self._detok.pop(request_id, None)
+        self._stop_watchers.pop(request_id, None)
 
     # ------------------------------------------------------------ session KV
     def pin_session_kv(self, session_id: str) -> int:

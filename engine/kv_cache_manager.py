@@ -17,40 +17,13 @@ one token is always prefilled.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool
 from engine.request import Request
-
-_ROOT = b"talaria-kv-root"
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Stable 64-bit hash of one block's tokens chained to its parent block's hash.
-
-    Stable across processes and machines (no Python ``hash``), so host-side stores and
-    other processes can key KV by it.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    h.update(_ROOT if parent_hash is None else parent_hash.to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(h.digest(), "little")
-
-
-def hash_token_blocks(
-    token_ids: Sequence[int], block_size: int, parent_hash: int | None = None
-) -> list[int]:
-    """Chained hashes of every *full* block of ``token_ids``."""
-    out: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size])
-        out.append(parent_hash)
-    return out
-
 
 @runtime_checkable
 class SecondaryKVCache(Protocol):

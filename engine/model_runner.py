@@ -17,7 +17,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
-from engine.parallel.state import SINGLE, ParallelContext
+from engine.parallel_context import SINGLE, ParallelContext
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 

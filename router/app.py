@@ -24,7 +24,7 @@ from aiohttp import web
 
 from router import openai_schema as schema
 from router.core import CallRejected, NoHealthyInstance, RouterCore
-from router.errors import (
+from talaria.protocol.errors import (
     ApiError,
     bad_request,
     error_body,

@@ -23,7 +23,7 @@ import structlog
 from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.sessions import SessionRecord, SessionTable
-from router.tokenization import block_hashes
+from talaria.protocol.text import block_hashes
 from talaria.protocol import (
     CallEvent,
     CallRequest,

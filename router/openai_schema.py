@@ -1,7 +1,7 @@
 """Parse and validate OpenAI request bodies; build OpenAI response objects.
 
 Parsing never trusts the body: every wrong type, missing field or out-of-range value raises
-an :class:`~router.errors.ApiError` (400) whose message names the field. Unknown fields are
+an :class:`~talaria.protocol.errors.ApiError` (400) whose message names the field. Unknown fields are
 ignored, as OpenAI-compatible servers do, so clients that send extra options keep working.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router.errors import bad_request
+from talaria.protocol.errors import bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_TOKENS_LIMIT = 1 << 24  # above any context length; the tokenizer's limit is checked later

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router import openai_schema as schema
-from router.tokenization import ModelTokenizer, StopMatcher
+from router.tokenization import ModelTokenizer
+from talaria.protocol.text import StopMatcher
 from talaria.protocol import CallEvent, CallUsage
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 
 def _cmd_make_models(args: argparse.Namespace) -> int:
-    from engine.tiny_models import make_tiny_models
+    from engine.models.tiny import make_tiny_models
 
     paths = make_tiny_models(Path(args.dir), size=args.size, seed=args.seed)
     for name, path in paths.items():

@@ -32,7 +32,7 @@ __all__ = ["build_engine", "run_instance", "die_with_parent"]
 
 def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
     """The instance's live MultiModelEngine over the whole catalog."""
-    from engine.multi_model import MultiModelConfig, MultiModelEngine
+    from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
 
     lens = {m.max_model_len for m in config.models.values()}
     kwargs: dict[str, Any] = dict(
@@ -66,7 +66,7 @@ def run_instance(
     config: ServeConfig, instance_id: str, ready_file: Path | None = None
 ) -> int:
     """Serve one instance until SIGINT/SIGTERM; returns the exit status."""
-    from talaria.admission import Instance
+    from talaria.instance.admission import Instance
     from talaria.instance_server import (
         InstanceServerSettings,
         create_instance_app,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +30,9 @@ import orjson
 import structlog
 from aiohttp import web
 
-from talaria.admission import Instance
-from talaria.call_handle import CallHandle
+from talaria.instance.admission import Instance
+from talaria.instance.calls import CallHandle
+from talaria.protocol.errors import ApiError, error_middleware, overloaded
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
 
 log = structlog.get_logger("talaria.instance_server")
@@ -122,7 +122,7 @@ def create_instance_app(
     """The instance's aiohttp app. Its admission loop starts and stops with the app."""
     if settings is None:
         settings = InstanceServerSettings(limits=engine_limits(instance.engine))
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware])
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     app[INSTANCE_KEY] = instance
     app[SETTINGS_KEY] = settings
     app[INFLIGHT_KEY] = _Calls()
@@ -185,19 +185,15 @@ async def _submit(request: web.Request) -> web.StreamResponse:
     call = _parse_call(await request.read())
     _check_call(call, instance, app[SETTINGS_KEY].limits)
     if not calls.accepting:
-        raise _ApiError(503, f"instance {instance.instance_id!r} is shutting down", "unavailable")
+        raise ApiError(503, f"instance {instance.instance_id!r} is shutting down")
     try:
         handle = instance.submit(call)
     except Overloaded as exc:
-        retry = max(1.0, float(exc.retry_after_s))
-        raise _ApiError(
-            429, str(exc), "overloaded", headers={"Retry-After": str(math.ceil(retry))},
-            extra={"retry_after_s": retry},
-        ) from exc
+        raise overloaded(str(exc), exc.retry_after_s) from exc
     except InstanceUnavailable as exc:
-        raise _ApiError(503, str(exc), "unavailable") from exc
+        raise ApiError(503, str(exc)) from exc
     except ValueError as exc:
-        raise _ApiError(400, str(exc), "invalid_request_error") from exc
+        raise ApiError(400, str(exc)) from exc
     calls.add(handle)
     settings = app[SETTINGS_KEY]
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -252,9 +248,9 @@ async def _state(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     instance = request.app[INSTANCE_KEY]
     if not instance.healthy:
-        raise _ApiError(503, f"instance {instance.instance_id!r} failed", "unavailable")
+        raise ApiError(503, f"instance {instance.instance_id!r} failed")
     if not request.app[INFLIGHT_KEY].accepting:
-        raise _ApiError(503, f"instance {instance.instance_id!r} is shutting down", "unavailable")
+        raise ApiError(503, f"instance {instance.instance_id!r} is shutting down")
     return _json({"status": "ok", "instance_id": instance.instance_id})
 
 
@@ -263,49 +259,48 @@ async def _health(request: web.Request) -> web.Response:
 
 def _parse_call(raw: bytes) -> CallRequest:
     if not raw:
-        raise _ApiError(400, "the request body is empty; send a CallRequest JSON object")
+        raise ApiError(400, "the request body is empty; send a CallRequest JSON object")
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise _ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise _ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     missing = [k for k in ("call_id", "session_id", "model", "prompt_token_ids") if k not in data]
     if missing:
-        raise _ApiError(400, f"the call is missing field(s): {', '.join(missing)}")
+        raise ApiError(400, f"the call is missing field(s): {', '.join(missing)}")
     ids = data["prompt_token_ids"]
     if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-        raise _ApiError(400, "prompt_token_ids must be a list of integers", param="prompt_token_ids")
+        raise ApiError(400, "prompt_token_ids must be a list of integers", param="prompt_token_ids")
     params = data.get("params")
     if params is not None and not isinstance(params, dict):
-        raise _ApiError(400, "params must be a JSON object", param="params")
+        raise ApiError(400, "params must be a JSON object", param="params")
     try:
         return CallRequest.from_dict(data)
     except TypeError as exc:  # an unknown sampling parameter
-        raise _ApiError(400, f"bad params: {exc}", param="params") from exc
+        raise ApiError(400, f"bad params: {exc}", param="params") from exc
     except ValueError as exc:  # a sampling parameter out of range
-        raise _ApiError(400, f"bad params: {exc}", param="params") from exc
+        raise ApiError(400, f"bad params: {exc}", param="params") from exc
 
 
 def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, ModelLimits]) -> None:
     if call.model not in instance.models:
-        raise _ApiError(
+        raise ApiError(
             404,
             f"model {call.model!r} is not served by instance {instance.instance_id!r} "
             f"(models: {', '.join(instance.models)})",
-            "not_found_error",
             param="model",
         )
     if not call.prompt_token_ids:
-        raise _ApiError(400, "prompt_token_ids is empty", param="prompt_token_ids")
+        raise ApiError(400, "prompt_token_ids is empty", param="prompt_token_ids")
     if not call.call_id or not call.session_id:
-        raise _ApiError(400, "call_id and session_id must be non-empty")
+        raise ApiError(400, "call_id and session_id must be non-empty")
     limit = limits.get(call.model)
     if limit is None:
         return
     n = len(call.prompt_token_ids)
     if n >= limit.max_model_len:
-        raise _ApiError(
+        raise ApiError(
             400,
             f"the prompt has {n} tokens; model {call.model!r} allows at most "
             f"{limit.max_model_len - 1} (max_model_len {limit.max_model_len})",
@@ -313,7 +308,7 @@ def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, Mode
         )
     bad = next((t for t in call.prompt_token_ids if not 0 <= t < limit.vocab_size), None)
     if bad is not None:
-        raise _ApiError(
+        raise ApiError(
             400,
             f"token id {bad} is outside the vocabulary of {call.model!r} "
             f"(ids in [0, {limit.vocab_size}))",
@@ -321,50 +316,7 @@ def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, Mode
         )
 
 
-# errors -----------------------------------------------------------------------------------
-
-
-class _ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        error_type: str = "invalid_request_error",
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-        self.headers = headers or {}
-        self.extra = extra or {}
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.error_type, "param": self.param}}
-        body.update(self.extra)
-        return _json(body, self.status, self.headers)
-
-
-@web.middleware
-async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except _ApiError as exc:
-        if exc.status >= 500 or exc.status == 429:
-            log.info("instance.refused", status=exc.status, message=exc.message)
-        return exc.response()
-    except web.HTTPException as exc:  # aiohttp's own: 404 route, 405, 413 body too large
-        if exc.status < 400:
-            raise
-        return _ApiError(exc.status, exc.reason or str(exc), _http_type(exc.status)).response()
-
-
-def _http_type(status: int) -> str:
-    return {404: "not_found_error", 413: "request_too_large"}.get(status, "invalid_request_error")
+# helpers ----------------------------------------------------------------------------------
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -27,6 +27,6 @@ def ensure_tiny_models(size: str = "tiny", seed: int = 0) -> dict[str, Path]:
     paths = {name: root / name for name in TINY_MODEL_NAMES}
     if all((p / "config.json").is_file() and any(p.glob("*.safetensors")) for p in paths.values()):
         return paths
-    from engine.tiny_models import make_tiny_models
+    from engine.models.tiny import make_tiny_models
 
     return make_tiny_models(root, size=size, seed=seed)

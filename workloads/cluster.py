@@ -1,7 +1,7 @@
 """The in-process cluster of the simulation: simulated engines, instances, one router.
 
 Everything lives on the running event loop (the virtual-time loop in a replay): each instance
-is a :class:`~talaria.admission.Instance` over a :class:`~engine.sim_engine.SimEngine` whose
+is a :class:`~talaria.instance.admission.Instance` over a :class:`~engine.sim.engine.SimEngine` whose
 staging clock is the loop's; the router is a :class:`~router.core.RouterCore` over
 :class:`~router.inprocess.InProcessClient` adapters (no HTTP), polled for state like the live
 router is. Build it inside the loop (:func:`start_cluster`) and stop it when done.
@@ -14,13 +14,13 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.model_spec import DEFAULT_CATALOG
-from engine.sim_engine import SimEngine
+from engine.sim.model_spec import DEFAULT_CATALOG
+from engine.sim.engine import SimEngine
 from router.core import RouterCore
 from router.health import HealthPoller
 from router.inprocess import InProcessClient
-from talaria.admission import Instance
-from workloads.policies import SystemConfig
+from talaria.instance.admission import Instance
+from workloads.systems import SystemConfig
 
 __all__ = ["ClusterSpec", "Cluster", "ClusterTotals", "start_cluster"]
 

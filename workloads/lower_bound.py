@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from engine.sim_engine import SimEngine, SimEngineConfig
-from talaria.admission import Instance
+from engine.sim.engine import SimEngine, SimEngineConfig
+from talaria.instance.admission import Instance
 from talaria.clock import run_virtual
 from talaria.config import preset
 from talaria.protocol import CallRequest

@@ -32,13 +32,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine.model_spec import ModelSpec
+from engine.sim.model_spec import ModelSpec
 from engine.sampling_params import SamplingParams
 from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
 from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
-from workloads.policies import SystemConfig
+from workloads.systems import SystemConfig
 from workloads.trace import Session
 
 __all__ = [

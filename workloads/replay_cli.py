@@ -147,7 +147,7 @@ def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
 
 def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     from workloads.cluster import ClusterSpec
-    from workloads.policies import ABLATIONS, check_fits, parse_policies
+    from workloads.systems import ABLATIONS, check_fits, parse_policies
     from workloads.replay import replicate
     from workloads.report import BASELINE, benchmark, format_table, plot_sct, to_json, write_json
     from workloads.sweep import (

@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 
 from workloads.cluster import ClusterSpec
-from workloads.policies import ABLATIONS, SystemConfig
+from workloads.systems import ABLATIONS, SystemConfig
 from workloads.replay import ReplayResult, run_sim
 from workloads.report import BASELINE, percentile
 from workloads.trace import Session

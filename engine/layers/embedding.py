@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import copy_checked
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 
 
 class VocabParallelEmbedding(nn.Module):

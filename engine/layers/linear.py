@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

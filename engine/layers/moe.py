@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import ReplicatedLinear, copy_checked, divide
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 
 
 class SparseMoE(nn.Module):

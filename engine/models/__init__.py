@@ -1,1 +1,6 @@
-"""Model definitions and the architecture registry."""
+"""Model definitions: the shared decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral), what it
+reads from a Hugging Face config (``decoder_spec.py``), the architecture registry, and tiny
+random-weight checkpoints in Hugging Face format for tests and demos (``tiny.py``).
+
+May import: ``engine.layers``, ``engine.attention``, ``engine.parallel_context``.
+"""

@@ -18,8 +18,8 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.spec import DecoderSpec
-from engine.parallel.state import ParallelContext
+from engine.models.decoder_spec import DecoderSpec
+from engine.parallel_context import ParallelContext
 
 
 class Attention(nn.Module):

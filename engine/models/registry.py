@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from engine.models.decoder import CausalLM
-from engine.models.spec import (
+from engine.models.decoder_spec import (
     DecoderSpec,
     llama_spec,
     mixtral_spec,
@@ -16,7 +16,7 @@ from engine.models.spec import (
     qwen3_moe_spec,
     qwen3_spec,
 )
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 
 ARCHITECTURES: dict[str, Callable[[Any], DecoderSpec]] = {
     "LlamaForCausalLM": llama_spec,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.parallel.channel import StepMessage
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 from engine.parallel.worker import (
     RankContext,
     WorkerArgs,

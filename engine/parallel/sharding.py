@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.models.registry import architecture_of, build_model
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 
 
 def check_shardable(hf_config: Any, world_size: int) -> None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.parallel.channel import StepDecoder, StepMessage
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 
 
 @dataclass

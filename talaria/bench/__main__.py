@@ -42,7 +42,7 @@ def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
 
 
 def bench_tp(models: dict[str, Path], args: argparse.Namespace) -> None:
-    from engine.parallel.bench import bench_tp as run
+    from talaria.bench.tensor_parallel import bench_tp as run
 
     _section("tensor parallelism: TP=2 (gloo, one thread per rank) vs TP=1 (two threads), small tiny-llama")
     r = run(models["tiny-llama"], steps=16, world_size=2, num_threads=2)
@@ -60,7 +60,7 @@ def bench_tp(models: dict[str, Path], args: argparse.Namespace) -> None:
 
 
 def bench_switch(models: dict[str, Path], args: argparse.Namespace) -> None:
-    from substrate.bench import bench_switch as run
+    from talaria.bench.substrate import bench_switch as run
 
     nbytes = 128 * 2**20
     _section(f"substrate copies: {nbytes >> 20} MiB shard, best of 3")
@@ -72,7 +72,7 @@ def bench_switch(models: dict[str, Path], args: argparse.Namespace) -> None:
 
 
 def bench_multimodel(models: dict[str, Path], args: argparse.Namespace) -> None:
-    from engine.multi_model_bench import bench_multi_model
+    from talaria.bench.multi_model import bench_multi_model
 
     _section(
         "multi-model engine: switch small llama <-> small qwen3; KV restore vs recompute "

@@ -20,19 +20,17 @@ wait for a reserved continuation) never lasts beyond its predicted arrival plus 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import structlog
 
-if TYPE_CHECKING:
-    from talaria.admission import Instance
-    from talaria.estimates import PendingCall
-    from talaria.policies.round_scheduler import Slot
+from talaria.policies.reservations import Reservation
+from talaria.policies.round_scheduler import Slot
+from talaria.policies.view import Estimates, InstanceView, QueuedCall
 
 log = structlog.get_logger("talaria.session_prefill")
 
-__all__ = ["SPCandidate", "SPDecision", "decide", "decide_queued", "hold_until"]
+__all__ = ["Hold", "SPCandidate", "SPDecision", "decide", "decide_queued", "hold_until"]
 
 
 @dataclass
@@ -81,49 +79,81 @@ def decide(
     return SPDecision(True, benefit, cost, extra, "saves more than it costs")
 
 
-def decide_queued(inst: Instance, slot: Slot, pending: PendingCall) -> SPDecision:
-    """Whether to admit a queued continuation into ``slot`` (closed) now."""
-    now = inst.now()
-    model = slot.model
-    return decide(
-        inst.est.sp_candidate_queued(pending),
-        now=now,
-        drain_end=now + inst.est.drain_left_s(),
-        waiting_other_calls=inst.others_waiting(model),
-        round_wait_s=inst.est.round_wait_s(model),
-        switch_back_s=inst.est.switch_back_s(model),
-        horizon_s=inst.policy.sp_horizon_s,
-        budget_left_s=inst.policy.sp_budget_s - slot.sp_used_s,
+def queued_candidate(view: InstanceView, est: Estimates, pending: QueuedCall) -> SPCandidate:
+    call = pending.call
+    return SPCandidate(
+        session_id=call.session_id,
+        arrival=view.now(),
+        service_s=est.service_s(call),
+        rebuild_s=est.rebuild_s(call.session_id, call.model),
+        queued=True,
     )
 
 
-def hold_until(inst: Instance, slot: Slot) -> float | None:
+def reserved_candidate(view: InstanceView, est: Estimates, res: Reservation) -> SPCandidate:
+    return SPCandidate(
+        session_id=res.session_id,
+        arrival=max(view.now(), res.expected_return),
+        service_s=est.reserved_service_s(res),
+        rebuild_s=est.rebuild_s(res.session_id, res.model),
+        queued=False,
+    )
+
+
+def decide_queued(
+    view: InstanceView, est: Estimates, slot: Slot, pending: QueuedCall
+) -> SPDecision:
+    """Whether to admit a queued continuation of the closed ``slot``'s model now."""
+    model = slot.model
+    now = view.now()
+    return decide(
+        queued_candidate(view, est, pending),
+        now=now,
+        drain_end=now + est.drain_left_s(),
+        waiting_other_calls=view.others_waiting(model),
+        round_wait_s=est.round_wait_s(model),
+        switch_back_s=est.switch_back_s(model),
+        horizon_s=view.policy.sp_horizon_s,
+        budget_left_s=view.policy.sp_budget_s - slot.sp_used_s,
+    )
+
+
+@dataclass
+class Hold:
+    """Keep the idle slot until ``until`` (None: switch now); stop waiting for ``give_up``."""
+
+    until: float | None
+    give_up: list[str] = field(default_factory=list)
+
+
+def hold_until(view: InstanceView, est: Estimates, slot: Slot) -> Hold:
     """Loop time until which the idle engine keeps ``slot`` for a reserved continuation, or
     None to switch now. Never past the continuation's predicted arrival plus the idle margin,
-    nor past the slot's SP budget. Sessions not worth waiting for are marked given up."""
+    nor past the slot's SP budget. Sessions not worth waiting for are given up."""
     model = slot.model
-    now = inst.now()
-    margin = inst.policy.sp_idle_margin_s
-    queued = {p.call.session_id for p in inst.queues[model]}
+    now = view.now()
+    margin = view.policy.sp_idle_margin_s
+    queued = {p.call.session_id for p in view.queued(model)}
+    give_up: list[str] = []
     candidates: list[tuple[float, SPCandidate]] = []
-    for res in inst.reservations.for_model(model):
+    for res in view.reservations.for_model(model):
         if res.session_id in slot.sp_given_up or res.session_id in queued:
             continue
         until = res.expected_return + margin
         if until <= now:
-            slot.sp_given_up.add(res.session_id)
+            give_up.append(res.session_id)
             continue
-        candidates.append((until, inst.est.sp_candidate_reserved(res)))
-    budget_left = inst.policy.sp_budget_s - slot.sp_used_s
+        candidates.append((until, reserved_candidate(view, est, res)))
+    budget_left = view.policy.sp_budget_s - slot.sp_used_s
     for until, cand in sorted(candidates, key=lambda item: item[1].arrival):
         decision = decide(
             cand,
             now=now,
             drain_end=now,
-            waiting_other_calls=inst.others_waiting(model),
-            round_wait_s=inst.est.round_wait_s(model),
-            switch_back_s=inst.est.switch_back_s(model),
-            horizon_s=inst.policy.sp_horizon_s,
+            waiting_other_calls=view.others_waiting(model),
+            round_wait_s=est.round_wait_s(model),
+            switch_back_s=est.switch_back_s(model),
+            horizon_s=view.policy.sp_horizon_s,
             budget_left_s=budget_left,
         )
         if decision.take:
@@ -134,6 +164,6 @@ def hold_until(inst: Instance, slot: Slot) -> float | None:
                 benefit=decision.benefit_s,
                 cost=decision.cost_s,
             )
-            return min(until, now + budget_left)
-        slot.sp_given_up.add(cand.session_id)
-    return None
+            return Hold(min(until, now + budget_left), give_up)
+        give_up.append(cand.session_id)
+    return Hold(None, give_up)

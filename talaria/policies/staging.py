@@ -8,32 +8,28 @@ while it is still the best guess.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engine.interface import Residency
-
-if TYPE_CHECKING:
-    from talaria.admission import Instance
+from talaria.policies.view import InstanceView
 
 __all__ = ["predicted_next", "staging_target"]
 
 
-def predicted_next(inst: Instance) -> str | None:
-    active = inst.active_model
-    reserved = {r.model for r in inst.reservations.all()}
-    nxt = inst.rounds.next_model(active, lambda m: m != active and bool(inst.queues[m]))
+def predicted_next(view: InstanceView) -> str | None:
+    active = view.active_model
+    reserved = {r.model for r in view.reservations.all()}
+    nxt = view.rounds.next_model(active, lambda m: m != active and bool(view.queued(m)))
     if nxt is None:
-        nxt = inst.rounds.next_model(active, lambda m: m != active and m in reserved)
+        nxt = view.rounds.next_model(active, lambda m: m != active and m in reserved)
     return nxt
 
 
-def staging_target(inst: Instance) -> str | None:
+def staging_target(view: InstanceView) -> str | None:
     """The model to start staging now, or None."""
-    nxt = predicted_next(inst)
+    nxt = predicted_next(view)
     if nxt is None:
         return None
-    if any(r == Residency.STAGING for r in inst.residency.values()):
+    if any(r == Residency.STAGING for r in view.residency.values()):
         return None
-    if inst.residency.get(nxt) != Residency.HOST:
+    if view.residency.get(nxt) != Residency.HOST:
         return None
     return nxt

@@ -16,11 +16,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from engine.multi_model import MultiModelConfig, MultiModelEngine
-from engine.tiny_models import make_tiny_models
+from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
+from engine.models.tiny import make_tiny_models
 from router.core import CallRejected
 from router.instance_http import HttpInstanceClient
-from talaria.admission import Instance
+from talaria.instance.admission import Instance
 from talaria.config import PolicyConfig
 from talaria.instance_server import (
     INFLIGHT_KEY,

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
 from engine.interface import EngineCoreProtocol, EngineRequest, FinishReason
-from engine.tiny_models import ARCHS, build_tokenizer, write_random_checkpoint
+from engine.models.tiny import ARCHS, build_tokenizer, write_random_checkpoint
 
 VOCAB = 512
 BLOCK = 4

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache_manager import (
-    KVCacheManager,
-    SecondaryKVCache,
-    hash_block_tokens,
-    hash_token_blocks,
-)
+from engine.block_hash import block_hashes, hash_block_tokens
+from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -49,12 +45,12 @@ class DictSecondary:
 
 
 def test_hashes_are_chained_and_stable() -> None:
-    a = hash_token_blocks(list(range(8)), BS)
+    a = block_hashes(list(range(8)), BS)
     assert a == [hash_block_tokens(None, [0, 1, 2, 3]), hash_block_tokens(a[0], [4, 5, 6, 7])]
     # Same second block after a different first block hashes differently.
-    b = hash_token_blocks([9, 9, 9, 9, 4, 5, 6, 7], BS)
+    b = block_hashes([9, 9, 9, 9, 4, 5, 6, 7], BS)
     assert a[1] != b[1]
-    assert hash_token_blocks([1, 2, 3], BS) == []
+    assert block_hashes([1, 2, 3], BS) == []
     assert hash_block_tokens(None, [1, 2, 3, 4]) == hash_block_tokens(None, [1, 2, 3, 4])
 
 
@@ -104,7 +100,7 @@ def test_free_releases_tail_first() -> None:
 def test_secondary_cache_restores_following_blocks() -> None:
     kv = KVCacheManager(16, BS)
     tokens = list(range(17))
-    hashes = hash_token_blocks(tokens, BS)
+    hashes = block_hashes(tokens, BS)
     a = req("a", tokens[:8])
     run_prefill(kv, a)  # device holds blocks 0..1 (hash 0, 1)
     kv.free(a)

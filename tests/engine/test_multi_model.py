@@ -13,9 +13,9 @@ import pytest
 from engine_runs import Outputs, prompt, run
 
 from engine.interface import EngineRequest, MoveReport, MultiModelEngineProtocol, Residency
-from engine.multi_model import ModelNotActiveError, MultiModelConfig, MultiModelEngine
+from engine.multi_model.engine import ModelNotActiveError, MultiModelConfig, MultiModelEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny_models import build_tokenizer, make_tiny_models, write_random_checkpoint
+from engine.models.tiny import build_tokenizer, make_tiny_models, write_random_checkpoint
 
 BLOCK = 4
 NUM_BLOCKS = 64

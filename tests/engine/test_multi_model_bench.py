@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.multi_model_bench import bench_multi_model
+from talaria.bench.multi_model import bench_multi_model
 
 
 def test_bench_multi_model_reports_switches_and_restores() -> None:

@@ -18,8 +18,8 @@ import pytest
 from engine_runs import prompt, run
 
 from engine.interface import EngineRequest, MultiModelEngineProtocol, Residency
-from engine.multi_model import MultiModelConfig, MultiModelEngine
-from engine.multi_model_tp import (
+from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
+from engine.multi_model.tp import (
     STATE_KEY,
     TensorParallelRankModels,
     combine_placements,
@@ -27,7 +27,7 @@ from engine.multi_model_tp import (
 )
 from engine.parallel.worker import call_state_method
 from engine.sampling_params import SamplingParams
-from engine.tiny_models import make_tiny_models
+from engine.models.tiny import make_tiny_models
 from substrate.ledger import Placement
 from substrate.moves import MoveKind, MoveRecord
 

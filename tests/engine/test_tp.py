@@ -31,7 +31,7 @@ from engine.parallel.tp_runner import TensorParallelRunner
 from engine.parallel.worker import describe, zero_kv
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
-from engine.tiny_models import ARCHS, build_tokenizer, write_random_checkpoint
+from engine.models.tiny import ARCHS, build_tokenizer, write_random_checkpoint
 
 VOCAB = 512
 BLOCK = 4

@@ -32,7 +32,7 @@ LLAMA_1B_SHAPE = dict(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_models import write_random_checkpoint
+    from engine.models.tiny import write_random_checkpoint
 
     return write_random_checkpoint(
         tmp_path_factory.mktemp("gpu") / "llama-1b-shape", "llama", seed=0, **LLAMA_1B_SHAPE

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from substrate.arena import DeviceArena
-from substrate.bench import bench_switch
+from talaria.bench.substrate import bench_switch
 from substrate.host_kv import HostKVStore
 from substrate.host_weights import HostWeightStore
 from substrate.layout import TensorSpec, WeightLayout

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from talaria.admission import Instance
+from talaria.instance.admission import Instance
 from talaria.protocol import CallEvent, CallRequest
 
 

@@ -11,7 +11,7 @@ from fake_engine import FakeEngine
 from engine.interface import EngineRequest
 from engine.sampling_params import SamplingParams
 from talaria.clock import run_live, run_virtual
-from talaria.executor import EngineBusy, EngineExecutor
+from talaria.instance.executor import EngineBusy, EngineExecutor
 
 
 class ThreadRecordingEngine(FakeEngine):

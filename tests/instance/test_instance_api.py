@@ -11,7 +11,7 @@ from fake_engine import FakeEngine
 from instance_helpers import call, run_call
 
 from engine.interface import Residency
-from talaria.admission import Instance
+from talaria.instance.admission import Instance
 from talaria.clock import run_live, run_virtual
 from talaria.config import preset
 from talaria.protocol import InstanceState, InstanceUnavailable, Overloaded, to_json

@@ -9,7 +9,7 @@ from engine.interface import MoveReport, MultiModelEngineProtocol, StepResult
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.policies.round_scheduler import RoundScheduler
-from talaria.rates import RateBook
+from talaria.instance.rates import RateBook
 
 
 def test_fake_engine_implements_the_protocol() -> None:

@@ -9,7 +9,7 @@ import pytest
 from fake_engine import FakeEngine
 from instance_helpers import call, run_call
 
-from talaria.admission import Instance
+from talaria.instance.admission import Instance
 from talaria.clock import run_virtual
 from talaria.config import preset
 

@@ -14,7 +14,7 @@ from router.placement import (
     make_policy,
 )
 from router.sessions import SessionTable
-from router.tokenization import block_hashes
+from talaria.protocol.text import block_hashes
 from talaria.protocol import InstanceState, Residency, SessionKV
 
 BS = 16

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.sessions import SessionTable
-from router.tokenization import ModelTokenizer, StopMatcher, block_hashes
+from router.tokenization import ModelTokenizer
+from talaria.protocol.text import StopMatcher, block_hashes
 
 
 def test_block_hashes_chain_prefixes() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cost_model import BaselineSwitch, CostModel, Efficiency
-from engine.model_spec import DEFAULT_CATALOG, ModelSpec, catalog
+from engine.sim.cost_model import BaselineSwitch, CostModel, Efficiency
+from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec, catalog
 from substrate.devices import GB, H100, H200, SERVERS, server_preset
 from workloads.generator import default_trace
 

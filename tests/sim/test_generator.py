@@ -10,7 +10,7 @@ from collections import Counter
 import orjson
 import pytest
 
-from engine.model_spec import DEFAULT_CATALOG
+from engine.sim.model_spec import DEFAULT_CATALOG
 from workloads.generator import (
     CALIBRATION_PATH,
     DEFAULT_MODELS,
@@ -180,7 +180,7 @@ def test_a_custom_calibration_drives_the_generator() -> None:
 
 
 def test_default_sessions_fit_their_models_context_windows() -> None:
-    from engine.model_spec import ModelSpec
+    from engine.sim.model_spec import ModelSpec
 
     for s in default_trace():
         longest = s.calls[-1].input_tokens + s.calls[-1].output_tokens

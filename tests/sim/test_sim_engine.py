@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cost_model import CostModel
+from engine.sim.cost_model import CostModel
 from engine.interface import (
     EngineRequest,
     FinishReason,
@@ -13,9 +13,9 @@ from engine.interface import (
     StepResult,
     TokenEvent,
 )
-from engine.model_spec import ModelSpec
+from engine.sim.model_spec import ModelSpec
 from engine.sampling_params import SamplingParams
-from engine.sim_engine import DecodeLine, SimEngine, SimEngineConfig
+from engine.sim.engine import DecodeLine, SimEngine, SimEngineConfig
 from substrate.devices import server_preset
 
 QWEN = "qwen3-235b-a22b"

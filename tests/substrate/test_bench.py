@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from substrate.bench import bench_switch
+from talaria.bench.substrate import bench_switch
 
 
 def test_bench_switch_reports_each_copy() -> None:

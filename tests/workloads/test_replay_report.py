@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from talaria.config import PolicyConfig
-from workloads.policies import ABLATIONS, DEFAULT_POLICIES, PEERS, SystemConfig, parse_policies
+from workloads.systems import ABLATIONS, DEFAULT_POLICIES, PEERS, SystemConfig, parse_policies
 from workloads.replay import CallRecord, ReplayResult, SessionResult
 from workloads.report import benchmark, format_table, percentile, summarize, to_json
 from workloads.sweep import LoadPoint, SweepResult, best_quantum, poisson_arrivals

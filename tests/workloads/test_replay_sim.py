@@ -8,13 +8,13 @@ import math
 
 import pytest
 
-from engine.cost_model import CostModel
-from engine.model_spec import ModelSpec
+from engine.sim.cost_model import CostModel
+from engine.sim.model_spec import ModelSpec
 from substrate.devices import server_preset
 from workloads.cluster import ClusterSpec
 from workloads.generator import generate_trace
 from workloads.lower_bound import run_lower_bound
-from workloads.policies import SYSTEMS
+from workloads.systems import SYSTEMS
 from workloads.replay import SessionTokens, next_prompt, replicate, run_sim
 from workloads.report import summarize
 from workloads.trace import Call, Session

@@ -2,18 +2,48 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from engine.interface import Residency
+from engine.interface import EngineStats, Residency
+from talaria.instance.calls import CallBook
+from talaria.instance.estimates import Estimator
+from talaria.instance.rates import RateBook
+from talaria.instance.sessions import SessionKeeper
+from talaria.policies.view import InstanceView
 from talaria.protocol import InstanceState, ModelState, SessionKV
 
-if TYPE_CHECKING:
-    from talaria.admission import Instance
-
-__all__ = ["build_state"]
+__all__ = ["ReportSource", "build_state"]
 
 
-def build_state(inst: Instance) -> InstanceState:
+class ReportSource(InstanceView, Protocol):
+    """What the report reads: the policies' view plus the instance's own books."""
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def counters(self) -> dict[str, int]: ...
+
+    @property
+    def calls(self) -> CallBook: ...
+
+    @property
+    def sessions(self) -> SessionKeeper: ...
+
+    @property
+    def rates(self) -> RateBook: ...
+
+    @property
+    def est(self) -> Estimator: ...
+
+
+def build_state(inst: ReportSource) -> InstanceState:
     """Assemble an InstanceState from the loop's bookkeeping (no engine call: safe while
     an engine operation is in flight)."""
     now = inst.now()
@@ -21,8 +51,8 @@ def build_state(inst: Instance) -> InstanceState:
     models: dict[str, ModelState] = {}
     for name in inst.models:
         rates = inst.rates.models[name]
-        queue = inst.queues[name]
-        running = [p for p in inst.running.values() if p.call.model == name]
+        queue = inst.calls.queues[name]
+        running = [p for p in inst.calls.running.values() if p.call.model == name]
         running_tokens = 0
         for p in running:
             prompt_left = est.new_tokens(p.call) if p.usage is None else 0
@@ -43,9 +73,10 @@ def build_state(inst: Instance) -> InstanceState:
             kv_bytes_per_token=int(round(inst.rates.kv_bytes_per_token.value)),
         )
     sessions: dict[str, SessionKV] = {}
-    for session_id, hist in inst.gaps.sessions.items():
-        device, host = inst.kv_tokens.get(session_id, (0, 0))
-        res = inst.reservations.get(session_id)
+    book = inst.sessions.reservations
+    for session_id, hist in inst.sessions.gaps.sessions.items():
+        device, host = inst.sessions.kv_tokens.get(session_id, (0, 0))
+        res = book.get(session_id)
         if device == 0 and host == 0 and res is None:
             continue
         sessions[session_id] = SessionKV(
@@ -66,7 +97,7 @@ def build_state(inst: Instance) -> InstanceState:
         sessions=sessions,
         total_kv_blocks=inst.stats.num_total_blocks,
         free_kv_blocks=inst.stats.num_free_blocks,
-        reserved_kv_blocks=inst.reservations.pinned_blocks(model) if model is not None else 0,
+        reserved_kv_blocks=book.pinned_blocks(model) if model is not None else 0,
         block_size=inst.stats.block_size,
         switches=inst.counters["switches"],
         kv_restored_bytes=int(

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from engine.model_catalog import CatalogEntry, read_catalog
-from engine.multi_model_rank import RankModels
+from engine.multi_model.catalog import CatalogEntry, read_catalog
+from engine.multi_model.rank import RankModels
 from engine.parallel.channel import StepDecoder
 from engine.parallel.launcher import WorkerGroup
 from engine.parallel.sharding import check_shardable
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 from engine.parallel.tp_runner import TensorParallelRunner
 from engine.parallel.worker import RankContext, call_state_method
 from substrate.ledger import Placement

@@ -11,11 +11,11 @@ from __future__ import annotations
 import structlog
 
 from talaria.config import PolicyConfig
-from talaria.executor import EngineExecutor
+from talaria.instance.executor import EngineExecutor
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.protocol import CallRequest
-from talaria.rates import RateBook
+from talaria.instance.rates import RateBook
 
 log = structlog.get_logger("talaria.sessions")
 

@@ -1,8 +1,9 @@
-"""OpenAI-style API errors: ``{"error": {"message", "type", "param", "code"}}`` with a status.
+"""HTTP errors as both servers answer them: ``{"error": {"message", "type", "param", "code"}}``.
 
+The shape is OpenAI's; the router's public API and the instance's internal API both use it.
 Handlers raise :class:`ApiError`; :func:`error_middleware` turns it (and aiohttp's own HTTP
-errors, e.g. the 413 that ``client_max_size`` raises) into a JSON response, so the server
-never answers an error with HTML and keeps serving afterwards.
+errors, e.g. the 413 that ``client_max_size`` raises) into a JSON response, so a server never
+answers an error with HTML and keeps serving afterwards.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ApiError(Exception):
         code: str | None = None,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -49,9 +51,10 @@ class ApiError(Exception):
         self.code = code
         self.error_type = error_type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
+        self.extra = extra or {}  # top-level fields beside "error" (e.g. retry_after_s)
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.error_type, self.param, self.code)
+        return {**error_body(self.message, self.error_type, self.param, self.code), **self.extra}
 
     def response(self) -> web.Response:
         return web.Response(
@@ -86,9 +89,14 @@ def unknown_model(model: str, known: list[str]) -> ApiError:
 
 
 def overloaded(message: str, retry_after_s: float) -> ApiError:
-    seconds = max(1, math.ceil(retry_after_s))
+    """429 with ``Retry-After`` (whole seconds) and ``retry_after_s`` in the body."""
+    seconds = max(1.0, float(retry_after_s))
     return ApiError(
-        429, message, code="rate_limit_exceeded", headers={"Retry-After": str(seconds)}
+        429,
+        message,
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(math.ceil(seconds))},
+        extra={"retry_after_s": seconds},
     )
 
 
@@ -109,8 +117,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
             raise
         return ApiError(exc.status, exc.reason or "error", headers=_allow(exc)).response()
     except Exception:
-        log.exception("router.unhandled_error", path=request.path)
-        return ApiError(500, "internal error in the router").response()
+        log.exception("unhandled_error", path=request.path)
+        return ApiError(500, "internal error").response()
 
 
 def _allow(exc: web.HTTPException) -> dict[str, str]:

@@ -8,8 +8,8 @@ be overwritten by the incoming model's) and copies the incoming weights into the
 region (D2D from staging when staged, else H2D from the host weight store). Every move is
 timed (``MoveReport`` with measured seconds).
 
-Device work goes through ``RankModels`` (engine.multi_model_rank), whose methods take plain
-data; at TP=N ``TensorParallelRankModels`` (engine.multi_model_tp) runs the same activate /
+Device work goes through ``RankModels`` (engine.multi_model.rank), whose methods take plain
+data; at TP=N ``TensorParallelRankModels`` (engine.multi_model.tp) runs the same activate /
 stage / offload / restore on every rank in order, and each model's core drives a
 ``TensorParallelRunner`` that runs its forward on every rank.
 """
@@ -17,13 +17,12 @@ stage / offload / restore on every rank in order, and each model's core drives a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-from engine.config import EngineConfig, check_distributed_settings
+from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.interface import (
     EngineRequest,
@@ -32,11 +31,12 @@ from engine.interface import (
     Residency,
     StepResult,
 )
-from engine.model_catalog import read_catalog
+from engine.multi_model.catalog import read_catalog
+from engine.multi_model.config import MultiModelConfig
 from engine.model_runner import resolve_device
-from engine.multi_model_rank import RankModels
-from engine.multi_model_rates import ModelRateMeter
-from engine.multi_model_tp import RankBuild, TensorParallelRankModels
+from engine.multi_model.rank import RankModels
+from engine.multi_model.rates import ModelRateMeter
+from engine.multi_model.tp import RankBuild, TensorParallelRankModels
 from substrate.moves import MoveKind, MoveRecord
 
 log = structlog.get_logger(__name__)
@@ -44,56 +44,6 @@ log = structlog.get_logger(__name__)
 
 class ModelNotActiveError(ValueError):
     """A request named a model that is not the active one (or none is active)."""
-
-
-@dataclass
-class MultiModelConfig:
-    """How to build a multi-model engine on one device (TP=1) or a tensor-parallel group.
-
-    At ``tensor_parallel_size`` N > 1 every model is split over ranks on ``device`` and the
-    next N-1 devices (CPU: N processes), meeting at ``distributed_address``:
-    ``distributed_port`` (0: a free port); byte sizes (``kv_bytes``, ``weight_bytes``,
-    ``host_kv_bytes``) are per rank. KV region: ``kv_bytes`` if given (each model gets as many blocks as fit, or exactly
-    ``num_kv_blocks`` if that is given too), else sized so that every model gets
-    ``num_kv_blocks`` blocks. ``weight_bytes`` None sizes the weight region for the largest
-    shard. ``wait_for_staging``: ``stage`` blocks until the copy is done and reports its
-    measured seconds (otherwise it returns at once with a predicted duration).
-    ``initial_model`` is activated at start-up when given.
-    """
-
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_bytes: int | None = None
-    num_kv_blocks: int | None = None
-    host_kv_bytes: int = 1 << 30
-    staging: bool = True
-    weight_bytes: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    seed: int = 0
-    initial_model: str | None = None
-    wait_for_staging: bool = False
-    load_tokenizers: bool = True
-    pin_host_memory: bool | None = None
-    tensor_parallel_size: int = 1
-    distributed_address: str = "127.0.0.1"
-    distributed_port: int = 0
-    distributed_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        check_distributed_settings(
-            self.tensor_parallel_size, self.distributed_port, self.distributed_timeout_s
-        )
-        if self.kv_bytes is None and self.num_kv_blocks is None:
-            raise ValueError("MultiModelConfig needs kv_bytes or num_kv_blocks")
-        if self.kv_bytes is not None and self.kv_bytes <= 0:
-            raise ValueError(f"kv_bytes must be > 0, got {self.kv_bytes}")
-        if self.host_kv_bytes < 0:
-            raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
 
 
 class MultiModelEngine:

@@ -22,7 +22,7 @@ from engine.loader import load_checkpoint
 from engine.model_runner import resolve_dtype
 from engine.models.decoder import CausalLM
 from engine.models.registry import build_model
-from engine.parallel.state import SINGLE, ParallelContext
+from engine.parallel_context import SINGLE, ParallelContext
 from substrate.host_weights import FillFn
 from substrate.instance_memory import KVSpec
 from substrate.layout import WeightLayout

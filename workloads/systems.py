@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.sim_engine import SimEngineConfig
+from engine.sim.engine import SimEngineConfig
 from talaria.config import PolicyConfig, preset
 
 __all__ = [
@@ -114,7 +114,7 @@ class SystemConfig:
 
 def check_fits(system: SystemConfig, config: SimEngineConfig, models: Sequence[str]) -> None:
     """Raise ValueError (naming the system) if its engine cannot be built on the server."""
-    from engine.sim_engine import SimEngine
+    from engine.sim.engine import SimEngine
 
     try:
         SimEngine(list(models), config)

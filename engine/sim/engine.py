@@ -31,7 +31,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 
-from engine.cost_model import CostModel
+from engine.sim.cost_model import CostModel
 from engine.interface import (
     EngineRequest,
     EngineStats,
@@ -41,12 +41,12 @@ from engine.interface import (
     TokenEvent,
 )
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_spec import ModelSpec
+from engine.sim.model_spec import ModelSpec
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.sim_config import HOST_MEMORY_USABLE_FRACTION, SimEngineConfig
-from engine.sim_kv import HostKVSecondary, SessionRecord
-from engine.sim_step_time import DecodeLine
+from engine.sim.config import HOST_MEMORY_USABLE_FRACTION, SimEngineConfig
+from engine.sim.kv import HostKVSecondary, SessionRecord
+from engine.sim.step_time import DecodeLine
 from substrate.devices import server_preset
 from substrate.host_kv_index import HostKVIndex
 from substrate.ledger import Ledger, StagingState

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.model_spec import ModelSpec
+from engine.sim.model_spec import ModelSpec
 from substrate.devices import ServerSpec, server_preset
 
 ACTIVATION_DTYPE_BYTES = 2  # bf16 activations travel in the TP all-reduces

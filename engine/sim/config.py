@@ -1,4 +1,4 @@
-"""Configuration of the simulated engine (``engine.sim_engine.SimEngine``)."""
+"""Configuration of the simulated engine (``engine.sim.engine.SimEngine``)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.interface import EngineRequest
-from engine.parallel.state import ParallelContext
+from engine.parallel_context import ParallelContext
 from engine.parallel.worker import RankContext
 from engine.sampling_params import SamplingParams
 

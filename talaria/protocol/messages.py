@@ -27,6 +27,7 @@ __all__ = [
     "InstanceClient",
     "InstanceUnavailable",
     "Residency",
+    "SamplingParams",
     "to_json",
 ]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.cost_model import CostModel
+from engine.sim.cost_model import CostModel
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,178 @@
+"""Calls inside an instance: the submitter's handle, the loop's record, and the book of both.
+
+Life of a call: ``submit`` creates its ``PendingCall`` and queues it (``CallBook.add``); the
+loop admits it into the engine (``CallBook.start``: off its queue, into ``running``); it leaves
+the book exactly once (``CallBook.remove``), when its terminal event is put on its handle:
+finished, aborted, failed or refused. The handle's consumer sees events in order, the last one
+with ``finished`` set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from engine.interface import TokenEvent
+from talaria.protocol import CallEvent, CallRequest, CallUsage
+
+__all__ = ["CallBook", "CallHandle", "PendingCall", "terminal_event", "token_event"]
+
+
+class CallHandle:
+    """Events of one call, in order; the last one has ``finished`` set and carries usage.
+
+    Iterating ends after the finishing event. ``abort()`` (or leaving an ``async with``
+    block early) aborts the call if it has not finished: its queue entry or engine request
+    is dropped and its KV blocks are freed.
+    """
+
+    def __init__(self, call: CallRequest, abort: Callable[[str], None]) -> None:
+        self.call = call
+        self.queue: asyncio.Queue[CallEvent] = asyncio.Queue()
+        self.done = False  # the finishing event has been put
+        self._consumed = False
+        self._abort = abort
+
+    @property
+    def call_id(self) -> str:
+        return self.call.call_id
+
+    def put(self, event: CallEvent) -> None:
+        if self.done:
+            return
+        self.done = event.finished
+        self.queue.put_nowait(event)
+
+    def abort(self) -> None:
+        if not self.done:
+            self._abort(self.call.call_id)
+
+    def __aiter__(self) -> CallHandle:
+        return self
+
+    async def __anext__(self) -> CallEvent:
+        if self._consumed:
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        if event.finished:
+            self._consumed = True
+        return event
+
+    async def collect(self) -> list[CallEvent]:
+        """All events until the finish."""
+        return [event async for event in self]
+
+    async def __aenter__(self) -> CallHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+@dataclass(eq=False)
+class PendingCall:
+    """A call inside the instance, queued (``admitted`` None) or running. Compared by
+    identity: two calls with equal fields are still two calls."""
+
+    call: CallRequest
+    handle: CallHandle
+    arrived: float
+    continuation: bool  # its session has finished a call of this model here before
+    need_blocks: int = 0  # KV blocks it may hold at most (prompt + max_tokens)
+    admitted: float | None = None
+    sp: bool = False  # admitted by session-prefill after its slot closed
+    out_tokens: int = 0
+    expected_out: float = 0.0
+    usage: CallUsage | None = None
+
+
+class CallBook:
+    """Every call in the instance: FIFO queues per model, and the calls running in the engine.
+
+    A call is in ``by_id`` from ``add`` to ``remove``; in between it is either in its model's
+    queue (not yet admitted) or in ``running``, never both.
+    """
+
+    def __init__(self, models: list[str]) -> None:
+        self.queues: dict[str, deque[PendingCall]] = {m: deque() for m in models}
+        self.running: dict[str, PendingCall] = {}
+        self.by_id: dict[str, PendingCall] = {}
+
+    def __contains__(self, call_id: object) -> bool:
+        return call_id in self.by_id
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __iter__(self) -> Iterator[PendingCall]:
+        return iter(list(self.by_id.values()))
+
+    def add(self, pending: PendingCall) -> None:
+        self.by_id[pending.call.call_id] = pending
+        self.queues[pending.call.model].append(pending)
+
+    def start(self, pending: PendingCall) -> None:
+        """``pending`` (already off its queue) is in the engine now."""
+        self.running[pending.call.call_id] = pending
+
+    def unqueue(self, pending: PendingCall) -> bool:
+        """Take a queued call off its queue; False if it is not queued."""
+        queue = self.queues[pending.call.model]
+        if pending in queue:
+            queue.remove(pending)
+            return True
+        return False
+
+    def remove(self, call_id: str) -> PendingCall | None:
+        """The call leaves the instance (its terminal event is being put)."""
+        pending = self.by_id.pop(call_id, None)
+        if pending is not None and self.running.pop(call_id, None) is None:
+            self.unqueue(pending)
+        return pending
+
+    def num_queued(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def has_queued(self, model: str) -> bool:
+        return bool(self.queues[model])
+
+    def others_waiting(self, model: str) -> int:
+        """Calls queued for models other than ``model``."""
+        return sum(len(q) for m, q in self.queues.items() if m != model)
+
+    def sessions(self) -> set[str]:
+        """Sessions with a call queued or running."""
+        return {p.call.session_id for p in self.by_id.values()}
+
+
+def token_event(pending: PendingCall, event: TokenEvent, instance_id: str) -> CallEvent:
+    """A call's non-final event: the tokens one engine step produced for it."""
+    return CallEvent(
+        call_id=pending.call.call_id,
+        token_ids=list(event.new_token_ids),
+        logprobs=event.logprobs,
+        instance_id=instance_id,
+    )
+
+
+def terminal_event(
+    pending: PendingCall,
+    reason: str,
+    event: TokenEvent | None,
+    error: str | None,
+    instance_id: str,
+) -> CallEvent:
+    """A call's last event: its last tokens (if any), why it ended, and its usage."""
+    call = pending.call
+    return CallEvent(
+        call_id=call.call_id,
+        token_ids=list(event.new_token_ids) if event is not None else [],
+        logprobs=event.logprobs if event is not None else None,
+        finished=True,
+        finish_reason=reason,
+        error=error,
+        usage=pending.usage or CallUsage(prompt_tokens=len(call.prompt_token_ids)),
+        instance_id=instance_id,
+    )

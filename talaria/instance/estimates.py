@@ -1,0 +1,145 @@
+"""Time and size estimates the admission loop and its policies decide with.
+
+All seconds come from the instance's RateBook (learned from what engine ops reported), so the
+same code is right live and in simulation; unknown rates make the work they price free.
+``Estimator`` satisfies ``talaria.policies.view.Estimates``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.interface import Residency
+from talaria.instance.calls import CallBook
+from talaria.instance.rates import Ewma, RateBook
+from talaria.instance.sessions import SessionKeeper
+from talaria.policies.reservations import Reservation
+from talaria.policies.view import InstanceView
+from talaria.protocol import CallRequest
+
+__all__ = ["Estimator", "blocks_for"]
+
+
+def blocks_for(call: CallRequest, block_size: int) -> int:
+    """KV blocks a call may hold at most: its prompt and all of ``max_tokens``."""
+    return math.ceil((len(call.prompt_token_ids) + call.params.max_tokens) / max(1, block_size))
+
+
+class Estimator:
+    def __init__(
+        self, view: InstanceView, calls: CallBook, sessions: SessionKeeper, rates: RateBook
+    ) -> None:
+        self.view = view
+        self.calls = calls
+        self.sessions = sessions
+        self.rates = rates
+        self.output_tokens = Ewma(view.policy.gap_ewma_alpha)
+
+    # sizes ------------------------------------------------------------------------------
+
+    def observe_output(self, tokens: int) -> None:
+        self.output_tokens.update(float(tokens))
+
+    def expected_output(self, call: CallRequest) -> float:
+        hist = self.sessions.gaps.get(call.session_id)
+        if hist is not None and hist.output_tokens is not None:
+            guess = hist.output_tokens
+        elif self.output_tokens.known:
+            guess = self.output_tokens.value
+        else:
+            guess = float(call.params.max_tokens)
+        return max(1.0, min(float(call.params.max_tokens), guess))
+
+    def new_tokens(self, call: CallRequest) -> int:
+        """Prompt tokens the engine will have to prefill (beyond the session's device KV)."""
+        hist = self.sessions.gaps.get(call.session_id)
+        cached = 0
+        if hist is not None and hist.model == self.view.active_model:
+            device = self.sessions.kv_tokens.get(call.session_id, (0, 0))[0]
+            cached = min(device, hist.last_tokens)
+        return max(0, len(call.prompt_token_ids) - cached)
+
+    # times ------------------------------------------------------------------------------
+
+    def service_s(self, call: CallRequest) -> float:
+        rates = self.rates.models[call.model]
+        decode = self.expected_output(call) * rates.decode_step_s.value
+        return rates.prefill_s(self.new_tokens(call)) + decode
+
+    def reserved_service_s(self, reservation: Reservation) -> float:
+        rates = self.rates.models[reservation.model]
+        hist = self.sessions.gaps.get(reservation.session_id)
+        new = hist.new_tokens if hist is not None and hist.new_tokens is not None else 0.0
+        if hist is not None and hist.output_tokens is not None:
+            out = hist.output_tokens
+        else:
+            out = self.output_tokens.value
+        return rates.prefill_s(int(new)) + out * rates.decode_step_s.value
+
+    def queue_service_s(self, model: str) -> float:
+        """A batch of the model's queued calls: their prefills, then the longest decode."""
+        rates = self.rates.models[model]
+        queue = self.calls.queues[model]
+        if not queue:
+            return 0.0
+        prefill = sum(rates.prefill_s(self.new_tokens(p.call)) for p in queue)
+        decode = max(self.expected_output(p.call) for p in queue) * rates.decode_step_s.value
+        return prefill + decode
+
+    def slot_s(self, model: str) -> float:
+        return min(self.view.policy.slot_quantum_s, self.queue_service_s(model))
+
+    def drain_left_s(self) -> float:
+        model = self.view.active_model
+        if model is None or not self.calls.running:
+            return 0.0
+        rates = self.rates.models[model]
+        left = 0.0
+        for p in self.calls.running.values():
+            prefill = rates.prefill_s(self.new_tokens(p.call)) if p.usage is None else 0.0
+            steps = max(1.0, p.expected_out - p.out_tokens)
+            left = max(left, prefill + steps * rates.decode_step_s.value)
+        return left
+
+    def switch_s(self, model: str) -> float:
+        staged = self.view.residency.get(model) in (Residency.STAGED, Residency.STAGING)
+        return self.rates.models[model].switch_s(staged)
+
+    def switch_back_s(self, model: str) -> float:
+        """The switch back to ``model`` after a round: D2D when staging is on."""
+        return self.rates.models[model].switch_s(self.view.policy.d2d_staging)
+
+    def round_wait_s(self, model: str) -> float:
+        return sum(
+            self.switch_s(m) + self.slot_s(m)
+            for m in self.view.models
+            if m != model and self.calls.queues[m]
+        )
+
+    def current_left_s(self) -> float:
+        slot = self.view.slot
+        left = self.drain_left_s()
+        if slot is not None and slot.open:
+            quantum_left = max(0.0, slot.opened + slot.quantum_s - self.view.now())
+            left += min(quantum_left, self.queue_service_s(slot.model))
+        return left
+
+    def wait_s(self, model: str) -> float:
+        """Until ``model``'s slot opens (the round scheduler's estimate)."""
+        slot = self.view.slot
+        return self.view.rounds.wait_s(
+            self.view.active_model,
+            model,
+            current_open=slot is not None and slot.open and slot.model == model,
+            current_left_s=self.current_left_s(),
+            has_work=self.calls.has_queued,
+            slot_s=self.slot_s,
+            switch_s=self.switch_s,
+        )
+
+    def rebuild_s(self, session_id: str, model: str) -> float:
+        hist = self.sessions.gaps.get(session_id)
+        tokens = hist.last_tokens if hist is not None else 0
+        if self.view.policy.host_kv:
+            return self.rates.restore_s(tokens)
+        return self.rates.models[model].prefill_s(tokens)
