@@ -24,7 +24,7 @@ from engine.detokenizer import StopStringWatcher
 from engine.interface import EngineRequest, EngineStats, StepResult, TokenEvent
 from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
 from engine.model_runner import KVCaches, ModelRunner
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, validate_prompt
 from engine.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
@@ -94,19 +94,7 @@ class EngineCore:
         prompt = list(request.prompt_token_ids)
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if not prompt:
-            raise ValueError(f"request {rid!r} has an empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt has {len(prompt)} tokens; max_model_len is "
-                f"{self.max_model_len} and must leave room for at least one generated token"
-            )
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"request {rid!r}: token id {bad[0]!r} is outside the vocabulary "
-                f"(integers in [0, {self.vocab_size}))"
-            )
+        validate_prompt(rid, prompt, self.max_model_len, self.vocab_size)
         req = Request(rid, prompt, request.params, session_id=request.session_id)
         self.scheduler.add_request(req)
         if request.params.seed is not None:

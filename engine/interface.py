@@ -80,6 +80,19 @@ class MoveReport:
         return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a prompt must satisfy for one model: fewer than ``max_model_len`` tokens (one
+    must be left to generate), every id in ``[0, vocab_size)``."""
+
+    max_model_len: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2 or self.vocab_size < 1:
+            raise ValueError(f"bad model limits {self}")
+
+
 @dataclass
 class EngineStats:
     num_running: int = 0
@@ -143,6 +156,10 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
 
     @property
     def active_model(self) -> str | None: ...
+
+    def model_limits(self) -> dict[str, ModelLimits]:
+        """Each model's prompt limits (the checks ``add_request`` applies)."""
+        ...
 
     def activate(self, model: str) -> MoveReport: ...
 

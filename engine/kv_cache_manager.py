@@ -17,13 +17,13 @@ one token is always prefilled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool
 from engine.request import Request
+
 
 @runtime_checkable
 class SecondaryKVCache(Protocol):

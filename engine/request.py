@@ -13,10 +13,42 @@ it drops the blocks and sets ``num_computed_tokens`` back to 0 but keeps the out
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.interface import FinishReason
 from engine.sampling_params import SamplingParams
+
+
+def validate_prompt(
+    request_id: str,
+    prompt: Sequence[int],
+    max_model_len: int,
+    vocab_size: int,
+    checked_prefix: int = 0,
+) -> None:
+    """The one prompt check of every engine: not empty, shorter than ``max_model_len`` (one
+    token must be left to generate), token ids integers in ``[0, vocab_size)``. The first
+    ``checked_prefix`` tokens are known valid (e.g. a session's previous prompt)."""
+    if not prompt:
+        raise ValueError(f"request {request_id!r} has an empty prompt")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"request {request_id!r}: prompt has {len(prompt)} tokens; max_model_len is "
+            f"{max_model_len} and must leave room for at least one generated token"
+        )
+    rest = prompt[checked_prefix:]
+    if not rest:
+        return
+    if all(type(t) is int for t in rest):
+        low, high = min(rest), max(rest)
+        if low >= 0 and high < vocab_size:
+            return
+    bad = next(t for t in rest if type(t) is not int or not 0 <= t < vocab_size)
+    raise ValueError(
+        f"request {request_id!r}: token id {bad!r} is outside the vocabulary "
+        f"(integers in [0, {vocab_size}))"
+    )
 
 
 class RequestStatus(enum.Enum):

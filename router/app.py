@@ -24,6 +24,14 @@ from aiohttp import web
 
 from router import openai_schema as schema
 from router.core import CallRejected, NoHealthyInstance, RouterCore
+from router.health import HealthPoller
+from router.instance_http import HttpInstanceClient
+from router.metrics import RouterMetrics
+from router.placement import POLICIES, PlacementContext
+from router.sessions import SessionTable
+from router.stream_output import OutputAssembler
+from router.tokenization import ModelTokenizer
+from talaria.protocol import CallEvent, CallRequest, InstanceClient, Overloaded, SamplingParams
 from talaria.protocol.errors import (
     ApiError,
     bad_request,
@@ -34,14 +42,6 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
-from router.health import HealthPoller
-from router.instance_http import HttpInstanceClient
-from router.metrics import RouterMetrics
-from router.placement import POLICIES, PlacementContext
-from router.sessions import SessionTable
-from router.stream_output import OutputAssembler
-from router.tokenization import ModelTokenizer
-from talaria.protocol import CallEvent, CallRequest, InstanceClient, Overloaded, SamplingParams
 
 log = structlog.get_logger(__name__)
 

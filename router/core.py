@@ -23,7 +23,6 @@ import structlog
 from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.sessions import SessionRecord, SessionTable
-from talaria.protocol.text import block_hashes
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -32,6 +31,7 @@ from talaria.protocol import (
     InstanceUnavailable,
     Overloaded,
 )
+from talaria.protocol.text import block_hashes
 
 log = structlog.get_logger(__name__)
 

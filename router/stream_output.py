@@ -10,8 +10,8 @@ from typing import Any
 
 from router import openai_schema as schema
 from router.tokenization import ModelTokenizer
-from talaria.protocol.text import StopMatcher
 from talaria.protocol import CallEvent, CallUsage
+from talaria.protocol.text import StopMatcher
 
 
 @dataclass

@@ -23,22 +23,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 import structlog
 from aiohttp import web
 
+from engine.interface import ModelLimits, MultiModelEngineProtocol
 from talaria.instance.admission import Instance
 from talaria.instance.calls import CallHandle
-from talaria.protocol.errors import ApiError, error_middleware, overloaded
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
+from talaria.protocol.errors import ApiError, error_middleware, overloaded
 
 log = structlog.get_logger("talaria.instance_server")
 
 __all__ = [
-    "ModelLimits",
     "InstanceServerSettings",
     "create_instance_app",
     "engine_limits",
@@ -46,15 +46,6 @@ __all__ = [
     "SETTINGS_KEY",
     "INFLIGHT_KEY",
 ]
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a prompt must satisfy for one model: fewer than ``max_model_len`` tokens (one
-    must be left to generate), every id in ``[0, vocab_size)``."""
-
-    max_model_len: int
-    vocab_size: int
 
 
 @dataclass
@@ -99,21 +90,16 @@ SETTINGS_KEY = web.AppKey("talaria_instance_settings", InstanceServerSettings)
 INFLIGHT_KEY = web.AppKey("talaria_instance_calls", _Calls)
 
 
-def engine_limits(engine: Any, max_model_lens: Mapping[str, int] | None = None) -> dict[str, ModelLimits]:
-    """Per-model prompt limits read from a live multi-model engine's cores (``cores[name]``
-    with ``max_model_len`` and ``vocab_size``), capped by ``max_model_lens``. An engine
-    without cores (simulated) yields no limits: it reports bad prompts itself."""
-    cores = getattr(engine, "cores", None)
-    if not isinstance(cores, Mapping):
-        return {}
+def engine_limits(
+    engine: MultiModelEngineProtocol, max_model_lens: Mapping[str, int] | None = None
+) -> dict[str, ModelLimits]:
+    """The engine's per-model prompt limits, each ``max_model_len`` capped by
+    ``max_model_lens``: a call that breaks them is refused with 400 before it queues."""
     caps = dict(max_model_lens or {})
-    out: dict[str, ModelLimits] = {}
-    for name, core in cores.items():
-        length = int(core.max_model_len)
-        if name in caps:
-            length = min(length, int(caps[name]))
-        out[name] = ModelLimits(max_model_len=length, vocab_size=int(core.vocab_size))
-    return out
+    return {
+        name: replace(lim, max_model_len=min(lim.max_model_len, int(caps.get(name, lim.max_model_len))))
+        for name, lim in engine.model_limits().items()
+    }
 
 
 def create_instance_app(

@@ -14,8 +14,8 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.sim.model_spec import DEFAULT_CATALOG
 from engine.sim.engine import SimEngine
+from engine.sim.model_spec import DEFAULT_CATALOG
 from router.core import RouterCore
 from router.health import HealthPoller
 from router.inprocess import InProcessClient

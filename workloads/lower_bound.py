@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from engine.sim.engine import SimEngine, SimEngineConfig
-from talaria.instance.admission import Instance
 from talaria.clock import run_virtual
 from talaria.config import preset
+from talaria.instance.admission import Instance
 from talaria.protocol import CallRequest
 from workloads.cluster import ClusterSpec
 from workloads.replay import (

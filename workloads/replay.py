@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine.sim.model_spec import ModelSpec
 from engine.sampling_params import SamplingParams
+from engine.sim.model_spec import ModelSpec
 from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded

@@ -147,7 +147,6 @@ def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
 
 def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     from workloads.cluster import ClusterSpec
-    from workloads.systems import ABLATIONS, check_fits, parse_policies
     from workloads.replay import replicate
     from workloads.report import BASELINE, benchmark, format_table, plot_sct, to_json, write_json
     from workloads.sweep import (
@@ -160,6 +159,7 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         run_quantum_sweep,
     )
     from workloads.sweep_report import format_sweep, plot_sweeps, regime_summary, sweep_json
+    from workloads.systems import ABLATIONS, check_fits, parse_policies
     from workloads.trace import assign_models
 
     wall = time.perf_counter()

@@ -26,9 +26,9 @@ from typing import Any
 import structlog
 
 from workloads.cluster import ClusterSpec
-from workloads.systems import ABLATIONS, SystemConfig
 from workloads.replay import ReplayResult, run_sim
 from workloads.report import BASELINE, percentile
+from workloads.systems import ABLATIONS, SystemConfig
 from workloads.trace import Session
 
 __all__ = [

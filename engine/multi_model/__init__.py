@@ -9,6 +9,7 @@ May import: the engine core (``engine.*``) and ``substrate``; nothing above ``en
 """
 
 from engine.multi_model.config import MultiModelConfig
-from engine.multi_model.engine import ModelNotActiveError, MultiModelEngine
+from engine.multi_model.engine import MultiModelEngine
+from engine.served_models import ModelNotActiveError
 
 __all__ = ["ModelNotActiveError", "MultiModelConfig", "MultiModelEngine"]

@@ -27,23 +27,21 @@ from engine.engine_core import EngineCore
 from engine.interface import (
     EngineRequest,
     EngineStats,
+    ModelLimits,
     MoveReport,
     Residency,
     StepResult,
 )
+from engine.model_runner import resolve_device
 from engine.multi_model.catalog import read_catalog
 from engine.multi_model.config import MultiModelConfig
-from engine.model_runner import resolve_device
 from engine.multi_model.rank import RankModels
 from engine.multi_model.rates import ModelRateMeter
 from engine.multi_model.tp import RankBuild, TensorParallelRankModels
+from engine.served_models import ServedModels
 from substrate.moves import MoveKind, MoveRecord
 
 log = structlog.get_logger(__name__)
-
-
-class ModelNotActiveError(ValueError):
-    """A request named a model that is not the active one (or none is active)."""
 
 
 class MultiModelEngine:
@@ -87,7 +85,9 @@ class MultiModelEngine:
                 tokenizer=entry.tokenizer,
                 secondary=secondary,
             )
-        self._active: str | None = None
+        self.served = ServedModels(
+            {n: ModelLimits(c.max_model_len, c.vocab_size) for n, c in self.cores.items()}
+        )
         self._sessions: dict[str, dict[str, list[int]]] = {name: {} for name in self.catalog}
         self._session_model: dict[str, str] = {}
         self._meters = {
@@ -98,11 +98,14 @@ class MultiModelEngine:
     # ------------------------------------------------------------------ catalog
     @property
     def model_names(self) -> list[str]:
-        return list(self.catalog)
+        return self.served.names
 
     @property
     def active_model(self) -> str | None:
-        return self._active
+        return self.served.active
+
+    def model_limits(self) -> dict[str, ModelLimits]:
+        return dict(self.served.limits)
 
     def residency(self) -> dict[str, Residency]:
         self._poll_staging()
@@ -112,21 +115,17 @@ class MultiModelEngine:
     def activate(self, model: str) -> MoveReport:
         """Make ``model`` the active one. Requires no unfinished request; drops every device
         KV block of the outgoing model (offload first to keep them)."""
-        self._check_model(model)
-        if model == self._active:
+        self.served.check_activation(model, int(self.has_unfinished()))
+        if model == self.served.active:
             return MoveReport(MoveKind.NONE, 0, 0.0)
-        if self.has_unfinished():
-            raise RuntimeError(
-                f"cannot activate {model!r}: {self._active!r} still has unfinished requests"
-            )
         self._poll_staging(block=self.rank.staged_model == model)
-        if self._active is not None:
-            outgoing = self.cores[self._active]
-            self._remember_sessions(self._active)
+        if self.served.active is not None:
+            outgoing = self.cores[self.served.active]
+            self._remember_sessions(self.served.active)
             outgoing.reset_kv()
-        self._active = None  # if the copy fails, no model is runnable (weights are torn)
+        self.served.active = None  # if the copy fails, no model is runnable (torn weights)
         record = self.rank.activate(model)
-        self._active = model
+        self.served.active = model
         self._meters[model].observe_move(record)
         log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds)
         return _report(record)
@@ -153,9 +152,9 @@ class MultiModelEngine:
         """Copy the active model's cached device KV of these sessions (None: every session
         it has served) to the host KV store; blocks already there are only touched, and the
         store evicts least recently used blocks to make room."""
-        if self._active is None:
+        if self.served.active is None:
             return MoveReport(MoveKind.KV_OFFLOAD, 0, 0.0)
-        model = self._active
+        model = self.served.active
         core = self.cores[model]
         sessions = list(self._sessions[model]) if session_ids is None else session_ids
         nbytes, seconds = 0, 0.0
@@ -175,29 +174,16 @@ class MultiModelEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: EngineRequest) -> None:
-        model = request.model
-        if model is None and len(self.catalog) == 1:
-            model = next(iter(self.catalog))
-        if model is None:
-            raise ModelNotActiveError(
-                f"request {request.request_id!r} names no model; this engine serves "
-                f"{', '.join(self.catalog)}"
-            )
-        self._check_model(model)
-        if model != self._active:
-            raise ModelNotActiveError(
-                f"request {request.request_id!r} is for model {model!r}, but the active model "
-                f"is {self._active!r}; activate {model!r} first"
-            )
+        model = self.served.resolve_model(request)
         self.cores[model].add_request(request)
         if request.session_id is not None:
             self._session_model[request.session_id] = model
             self._sessions[model].setdefault(request.session_id, [])
 
     def step(self) -> StepResult:
-        if self._active is None:
+        if self.served.active is None:
             return StepResult(events=[], seconds=0.0)
-        model = self._active
+        model = self.served.active
         result = self.cores[model].step()
         meter = self._meters[model]
         meter.observe_step(result)
@@ -235,7 +221,7 @@ class MultiModelEngine:
             return 0, 0
         bs = self.config.block_size
         core = self.cores[model]
-        if model == self._active:
+        if model == self.served.active:
             device = core.session_device_tokens(session_id)
             chain = core.kv.session_block_hashes(session_id) or self._sessions[model][session_id]
         else:
@@ -248,7 +234,7 @@ class MultiModelEngine:
     def stats(self) -> EngineStats:
         """The active model's scheduler and block counts; token totals over all models."""
         cores = list(self.cores.values())
-        active = self.cores[self._active] if self._active is not None else None
+        active = self.cores[self.served.active] if self.served.active is not None else None
         base = (
             active.stats() if active is not None else EngineStats(block_size=self.config.block_size)
         )
@@ -288,10 +274,7 @@ class MultiModelEngine:
 
     # ------------------------------------------------------------------ helpers
     def _check_model(self, model: str) -> None:
-        if model not in self.catalog:
-            raise KeyError(
-                f"model {model!r} is not in this engine's catalog ({', '.join(self.catalog)})"
-            )
+        self.served.check_model(model)
 
     def _poll_staging(self, block: bool = False) -> None:
         """Book a completed staging copy against the staged model's rates."""
@@ -302,7 +285,7 @@ class MultiModelEngine:
 
     def _active_core_of(self, session_id: str) -> EngineCore | None:
         model = self._session_model.get(session_id)
-        if model is None or model != self._active:
+        if model is None or model != self.served.active:
             return None
         return self.cores[model]
 

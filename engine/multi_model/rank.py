@@ -17,8 +17,8 @@ from collections.abc import Mapping
 import torch
 
 from engine.attention.selector import get_attention_backend
-from engine.multi_model.catalog import CatalogEntry, build_meta_model, checkpoint_fill
 from engine.model_runner import ModelRunner
+from engine.multi_model.catalog import CatalogEntry, build_meta_model, checkpoint_fill
 from engine.parallel_context import SINGLE, ParallelContext
 from substrate.instance_memory import InstanceMemory, KVSpec
 from substrate.layout import align_up, dtype_size

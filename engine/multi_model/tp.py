@@ -29,9 +29,9 @@ from engine.multi_model.rank import RankModels
 from engine.parallel.channel import StepDecoder
 from engine.parallel.launcher import WorkerGroup
 from engine.parallel.sharding import check_shardable
-from engine.parallel_context import ParallelContext
 from engine.parallel.tp_runner import TensorParallelRunner
 from engine.parallel.worker import RankContext, call_state_method
+from engine.parallel_context import ParallelContext
 from substrate.ledger import Placement
 from substrate.moves import MoveRecord, PlannedMove
 

@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.parallel.channel import StepMessage
-from engine.parallel_context import ParallelContext
 from engine.parallel.worker import (
     RankContext,
     WorkerArgs,
@@ -42,6 +41,7 @@ from engine.parallel.worker import (
     resolve_op,
     worker_main,
 )
+from engine.parallel_context import ParallelContext
 
 log = structlog.get_logger(__name__)
 

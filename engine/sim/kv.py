@@ -1,11 +1,16 @@
 """Session KV bookkeeping of the simulated engine: what it remembers of a session's last
-call, and the host KV index seen as the KV manager's secondary cache."""
+call, where that session's KV is, and the host KV index seen as the KV manager's secondary
+cache."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
 from substrate.host_kv_index import HostKVIndex
+
+__all__ = ["HostKVSecondary", "SessionRecord", "SimSessions"]
 
 
 @dataclass
@@ -42,3 +47,86 @@ class HostKVSecondary:
     def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
         self.index.touch(self.model, block_hashes)
         self.loaded_blocks += len(block_hashes)
+
+
+class SimSessions:
+    """Each session's last finished call (model, block-hash chain, tokens) and where its KV
+    is: device blocks of the active model's KV manager, blocks in the host KV index."""
+
+    def __init__(self, host_kv: HostKVIndex, block_size: int) -> None:
+        self.host_kv = host_kv
+        self.block_size = block_size
+        self.records: dict[str, SessionRecord] = {}
+        # session -> (host index version, its record, host tokens): lookups walk a whole
+        # chain, and the admission loop asks for every session every refresh
+        self._host_tokens: dict[str, tuple[int, SessionRecord, int]] = {}
+
+    def remember(self, model: str, req: Request, kv: KVCacheManager) -> None:
+        """``req`` (of ``model``) finished: its chain is the session's prefix now."""
+        sid = req.session_id
+        if sid is None:
+            return
+        self.records[sid] = SessionRecord(
+            model, kv.session_block_hashes(sid), req.prompt_token_ids, list(req.output_token_ids)
+        )
+
+    def reusable_hashes(self, req: Request) -> list[int]:
+        """The leading block hashes of ``req`` already known from its session's last call
+        (the longest block prefix whose tokens match), so a 100k-token continuation hashes
+        only its new blocks. Hashes depend on tokens only, never on where the KV lives."""
+        prev = self.records.get(req.session_id) if req.session_id is not None else None
+        if prev is None or not prev.block_hashes:
+            return []
+        bs = self.block_size
+        prompt = req.prompt_token_ids
+        hi = min(len(prev.block_hashes), len(prompt) // bs)
+        if prev.starts(prompt, hi * bs):
+            return prev.block_hashes[:hi]
+        lo = 0  # invariant: the first lo blocks match, block hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if prev.starts(prompt, mid * bs):
+                lo = mid
+            else:
+                hi = mid
+        return prev.block_hashes[:lo]
+
+    def offload(
+        self, model: str, kv: KVCacheManager, session_ids: list[str] | None, block_bytes: int
+    ) -> int:
+        """Copy the device KV of ``model``'s sessions (None: all) into the host index; blocks
+        already there are only touched. Returns the number of blocks copied."""
+        wanted = None if session_ids is None else set(session_ids)
+        copied = 0
+        for sid, sess in self.records.items():
+            if sess.model != model or (wanted is not None and sid not in wanted):
+                continue
+            on_device = len(kv.session_block_ids(sid))
+            if on_device:
+                result = self.host_kv.insert_chain(
+                    model, sess.block_hashes[:on_device], block_bytes, session_id=sid
+                )
+                copied += len(result.inserted)
+        return copied
+
+    def kv_tokens(
+        self, session_id: str, active: str | None, kv: KVCacheManager | None
+    ) -> tuple[int, int]:
+        """(tokens of the session's last prefix cached on device, tokens in the host index)."""
+        sess = self.records.get(session_id)
+        if sess is None:
+            return (0, 0)
+        bs = self.block_size
+        device = 0
+        if sess.model == active and kv is not None:
+            device = len(kv.session_block_ids(session_id)) * bs
+        cached = self._host_tokens.get(session_id)
+        if cached is not None and cached[0] == self.host_kv.version and cached[1] is sess:
+            return (device, cached[2])
+        host = self.host_kv.lookup(sess.model, sess.block_hashes, touch=False) * bs
+        self._host_tokens[session_id] = (self.host_kv.version, sess, host)
+        return (device, host)
+
+    def forget(self, session_id: str) -> None:
+        self.records.pop(session_id, None)
+        self._host_tokens.pop(session_id, None)

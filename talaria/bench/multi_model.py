@@ -22,11 +22,11 @@ import orjson
 import torch
 
 from engine.interface import EngineRequest, MoveReport
-from engine.multi_model.catalog import read_catalog
 from engine.model_runner import resolve_device
+from engine.models.tiny import write_random_checkpoint
+from engine.multi_model.catalog import read_catalog
 from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
 from engine.sampling_params import SamplingParams
-from engine.models.tiny import write_random_checkpoint
 from substrate.mover import TorchMover
 
 MODEL, OTHER = "bench-llama", "bench-qwen3"

@@ -18,8 +18,8 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.interface import EngineRequest
-from engine.parallel_context import ParallelContext
 from engine.parallel.worker import RankContext
+from engine.parallel_context import ParallelContext
 from engine.sampling_params import SamplingParams
 
 _TIMES: dict[str, list[float]] = {}

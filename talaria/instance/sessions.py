@@ -12,10 +12,10 @@ import structlog
 
 from talaria.config import PolicyConfig
 from talaria.instance.executor import EngineExecutor
+from talaria.instance.rates import RateBook
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.protocol import CallRequest
-from talaria.instance.rates import RateBook
 
 log = structlog.get_logger("talaria.sessions")
 

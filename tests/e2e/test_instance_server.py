@@ -16,12 +16,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
 from engine.models.tiny import make_tiny_models
+from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
 from router.core import CallRejected
 from router.instance_http import HttpInstanceClient
-from talaria.instance.admission import Instance
 from talaria.config import PolicyConfig
+from talaria.instance.admission import Instance
 from talaria.instance_server import (
     INFLIGHT_KEY,
     InstanceServerSettings,

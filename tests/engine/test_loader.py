@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.loader import load_checkpoint
 from engine.models.registry import build_model
-from engine.parallel_context import SINGLE, ParallelContext
 from engine.models.tiny import write_random_checkpoint
+from engine.parallel_context import SINGLE, ParallelContext
 
 
 def _build(path: Path, parallel: ParallelContext = SINGLE) -> torch.nn.Module:

@@ -14,8 +14,8 @@ from helpers import Step, ToyBlocks, allocate_kv_caches, batch_inputs
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.loader import load_checkpoint
 from engine.models.registry import build_model
-from engine.parallel_context import SINGLE
 from engine.models.tiny import write_random_checkpoint
+from engine.parallel_context import SINGLE
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

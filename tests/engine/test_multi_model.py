@@ -13,9 +13,9 @@ import pytest
 from engine_runs import Outputs, prompt, run
 
 from engine.interface import EngineRequest, MoveReport, MultiModelEngineProtocol, Residency
-from engine.multi_model.engine import ModelNotActiveError, MultiModelConfig, MultiModelEngine
-from engine.sampling_params import SamplingParams
 from engine.models.tiny import build_tokenizer, make_tiny_models, write_random_checkpoint
+from engine.multi_model import ModelNotActiveError, MultiModelConfig, MultiModelEngine
+from engine.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -166,7 +166,7 @@ def test_request_for_non_active_model_raises(models: dict[str, Path]) -> None:
         engine.add_request(req)
     with pytest.raises(ModelNotActiveError, match="names no model"):
         engine.add_request(EngineRequest("r", prompt(1, 5), GREEDY))
-    with pytest.raises(KeyError, match="not in this engine's catalog"):
+    with pytest.raises(ValueError, match="unknown model"):
         engine.add_request(EngineRequest("r", prompt(1, 5), GREEDY, model="nope"))
     assert not engine.has_unfinished()
     engine.add_request(EngineRequest("q", prompt(1, 5), GREEDY, model=QWEN))

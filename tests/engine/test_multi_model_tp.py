@@ -18,6 +18,7 @@ import pytest
 from engine_runs import prompt, run
 
 from engine.interface import EngineRequest, MultiModelEngineProtocol, Residency
+from engine.models.tiny import make_tiny_models
 from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
 from engine.multi_model.tp import (
     STATE_KEY,
@@ -27,7 +28,6 @@ from engine.multi_model.tp import (
 )
 from engine.parallel.worker import call_state_method
 from engine.sampling_params import SamplingParams
-from engine.models.tiny import make_tiny_models
 from substrate.ledger import Placement
 from substrate.moves import MoveKind, MoveRecord
 

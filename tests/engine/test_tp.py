@@ -24,6 +24,7 @@ from engine_runs import hf_greedy
 from engine import LLM, EngineConfig, EngineCore, SamplingParams
 from engine.interface import EngineRequest
 from engine.kv_cache_manager import KVCacheManager
+from engine.models.tiny import ARCHS, build_tokenizer, write_random_checkpoint
 from engine.parallel.channel import StepDecoder, StepEncoder
 from engine.parallel.launcher import WorkerGroup
 from engine.parallel.sharding import check_shardable
@@ -31,7 +32,6 @@ from engine.parallel.tp_runner import TensorParallelRunner
 from engine.parallel.worker import describe, zero_kv
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
-from engine.models.tiny import ARCHS, build_tokenizer, write_random_checkpoint
 
 VOCAB = 512
 BLOCK = 4

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from substrate.arena import DeviceArena
-from talaria.bench.substrate import bench_switch
 from substrate.host_kv import HostKVStore
 from substrate.host_weights import HostWeightStore
 from substrate.layout import TensorSpec, WeightLayout
 from substrate.mover import TorchMover
 from substrate.staging import Stager, StagingState
+from talaria.bench.substrate import bench_switch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

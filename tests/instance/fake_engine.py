@@ -9,7 +9,8 @@ Rules, all deterministic:
   restores from the host copy if one is there (restored), else prefills everything;
 - blocks: running requests hold ceil((prompt + output) / block_size); cached session KV holds
   ceil(tokens / block_size) and is evicted LRU when room is needed, unless pinned;
-- ``activate`` needs no running request and drops the outgoing model's device KV (pins
+- requests and switches pass the same checks as every real engine (``ServedModels``):
+  ``activate`` needs no running request and drops the outgoing model's device KV (pins
   included); D2D if the model was staged, else H2D;
 - ``offload_kv`` copies device KV of the active model's sessions to the host store (never
   bounded; with ``host_kv_capacity_bytes`` set, ``stats().extra`` reports its fill).
@@ -24,11 +25,13 @@ from engine.interface import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    ModelLimits,
     MoveReport,
     Residency,
     StepResult,
     TokenEvent,
 )
+from engine.served_models import ServedModels
 
 
 @dataclass
@@ -62,7 +65,9 @@ class FakeEngine:
     offload_s_per_token: float = 0.0
     kv_bytes_per_token: int = 100
     host_kv_capacity_bytes: int | None = None  # reported in stats().extra when set
-    active: str | None = None
+    initial_model: str | None = None
+    max_model_len: int = 1 << 20
+    vocab_size: int = 1 << 20
     simulated: bool = True
     # observable counters
     log: list[tuple[str, str]] = field(default_factory=list)
@@ -76,6 +81,9 @@ class FakeEngine:
     unpins: int = 0
 
     def __post_init__(self) -> None:
+        limits = ModelLimits(self.max_model_len, self.vocab_size)
+        self.served = ServedModels({m: limits for m in self.models})
+        self.served.active = self.initial_model
         self._reqs: dict[str, _Req] = {}
         self._kv: dict[str, _SessionKV] = {}
         self._staged: str | None = None
@@ -86,17 +94,21 @@ class FakeEngine:
 
     @property
     def model_names(self) -> list[str]:
-        return list(self.models)
+        return self.served.names
 
     @property
     def active_model(self) -> str | None:
-        return self.active
+        return self.served.active
+
+    @property
+    def active(self) -> str | None:
+        return self.served.active
+
+    def model_limits(self) -> dict[str, ModelLimits]:
+        return dict(self.served.limits)
 
     def add_request(self, request: EngineRequest) -> None:
-        if request.model != self.active:
-            raise RuntimeError(f"request for {request.model!r} while {self.active!r} is active")
-        if request.request_id in self._reqs:
-            raise RuntimeError(f"duplicate request {request.request_id!r}")
+        self.served.check_request(request, self._reqs)
         self._reqs[request.request_id] = _Req(request)
         self.log.append(("add", request.request_id))
 
@@ -170,10 +182,7 @@ class FakeEngine:
         )
 
     def activate(self, model: str) -> MoveReport:
-        if model not in self.models:
-            raise ValueError(f"unknown model {model!r}")
-        if self._reqs:
-            raise RuntimeError("activate with running requests")
+        self.served.check_activation(model, len(self._reqs))
         for kv in self._kv.values():
             if kv.model == self.active:
                 kv.device = 0
@@ -181,7 +190,7 @@ class FakeEngine:
         staged = self._staged == model
         if staged:
             self._staged = None
-        self.active = model
+        self.served.active = model
         self.log.append(("activate", model))
         kind = "activate_d2d" if staged else "activate_h2d"
         return MoveReport(kind, 1000, self.switch_staged_s if staged else self.switch_host_s)

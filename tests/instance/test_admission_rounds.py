@@ -9,9 +9,9 @@ import pytest
 from fake_engine import FakeEngine
 from instance_helpers import call, run_call, run_session
 
-from talaria.instance.admission import Instance
 from talaria.clock import run_virtual
 from talaria.config import PolicyConfig, preset
+from talaria.instance.admission import Instance
 
 
 def _late_continuation(policy: PolicyConfig):  # type: ignore[no-untyped-def]

@@ -76,7 +76,7 @@ def test_live_ops_run_on_one_worker_thread() -> None:
 
 
 def test_engine_calls_are_refused_while_an_op_is_in_flight() -> None:
-    engine = FakeEngine(["a"], step_s=1.0, active="a")
+    engine = FakeEngine(["a"], step_s=1.0, initial_model="a")
 
     async def main() -> None:
         ex = EngineExecutor(engine)

@@ -11,9 +11,9 @@ from fake_engine import FakeEngine
 from instance_helpers import call, run_call
 
 from engine.interface import Residency
-from talaria.instance.admission import Instance
 from talaria.clock import run_live, run_virtual
 from talaria.config import preset
+from talaria.instance.admission import Instance
 from talaria.protocol import InstanceState, InstanceUnavailable, Overloaded, to_json
 
 

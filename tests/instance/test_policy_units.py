@@ -6,10 +6,10 @@ import pytest
 from fake_engine import FakeEngine
 
 from engine.interface import MoveReport, MultiModelEngineProtocol, StepResult
+from talaria.instance.rates import RateBook
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.policies.round_scheduler import RoundScheduler
-from talaria.instance.rates import RateBook
 
 
 def test_fake_engine_implements_the_protocol() -> None:

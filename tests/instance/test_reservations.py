@@ -9,9 +9,9 @@ import pytest
 from fake_engine import FakeEngine
 from instance_helpers import call, run_call
 
-from talaria.instance.admission import Instance
 from talaria.clock import run_virtual
 from talaria.config import preset
+from talaria.instance.admission import Instance
 
 
 def test_reservation_protects_kv_until_expiry_then_releases_it() -> None:

@@ -14,8 +14,8 @@ from router.placement import (
     make_policy,
 )
 from router.sessions import SessionTable
-from talaria.protocol.text import block_hashes
 from talaria.protocol import InstanceState, Residency, SessionKV
+from talaria.protocol.text import block_hashes
 
 BS = 16
 

@@ -15,9 +15,9 @@ import argparse
 import time
 
 from engine.interface import EngineRequest
-from engine.sim.model_spec import DEFAULT_CATALOG
 from engine.sampling_params import SamplingParams
 from engine.sim.engine import SimEngine, SimEngineConfig
+from engine.sim.model_spec import DEFAULT_CATALOG
 
 
 class _FreshTokens:

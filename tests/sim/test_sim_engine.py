@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sim.cost_model import CostModel
 from engine.interface import (
     EngineRequest,
     FinishReason,
@@ -13,9 +12,11 @@ from engine.interface import (
     StepResult,
     TokenEvent,
 )
-from engine.sim.model_spec import ModelSpec
 from engine.sampling_params import SamplingParams
+from engine.served_models import ModelNotActiveError
+from engine.sim.cost_model import CostModel
 from engine.sim.engine import DecodeLine, SimEngine, SimEngineConfig
+from engine.sim.model_spec import ModelSpec
 from substrate.devices import server_preset
 
 QWEN = "qwen3-235b-a22b"
@@ -314,14 +315,16 @@ def test_abort_frees_blocks_and_reports_an_empty_finished_event() -> None:
 
 
 def test_bad_requests_and_switches_raise_clear_errors() -> None:
+    """The same checks, and the same errors, as the live multi-model engine (ServedModels)."""
     engine = make()
-    with pytest.raises(RuntimeError, match="no model is active"):
+    with pytest.raises(ModelNotActiveError, match="the active model is None"):
         engine.add_request(req("x", tokens(10)))
     engine.activate(QWEN)
     with pytest.raises(ValueError, match="is for model 'glm-4.5-air'"):
         engine.add_request(req("x", tokens(10), model=GLM))
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        engine.add_request(req("x", tokens(ModelSpec.load(QWEN).max_position_embeddings)))
+    max_len = ModelSpec.load(QWEN).max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len is {max_len}"):
+        engine.add_request(req("x", tokens(max_len)))
     with pytest.raises(ValueError, match="outside"):
         engine.add_request(req("x", [1, 2, 10**9]))
     with pytest.raises(ValueError, match="unknown model"):

@@ -6,11 +6,11 @@ import orjson
 import pytest
 
 from talaria.config import PolicyConfig
-from workloads.systems import ABLATIONS, DEFAULT_POLICIES, PEERS, SystemConfig, parse_policies
 from workloads.replay import CallRecord, ReplayResult, SessionResult
 from workloads.report import benchmark, format_table, percentile, summarize, to_json
 from workloads.sweep import LoadPoint, SweepResult, best_quantum, poisson_arrivals
 from workloads.sweep_report import format_sweep, regime_summary, sweep_json
+from workloads.systems import ABLATIONS, DEFAULT_POLICIES, PEERS, SystemConfig, parse_policies
 from workloads.trace import Call, Session
 
 

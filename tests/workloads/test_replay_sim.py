@@ -14,9 +14,9 @@ from substrate.devices import server_preset
 from workloads.cluster import ClusterSpec
 from workloads.generator import generate_trace
 from workloads.lower_bound import run_lower_bound
-from workloads.systems import SYSTEMS
 from workloads.replay import SessionTokens, next_prompt, replicate, run_sim
 from workloads.report import summarize
+from workloads.systems import SYSTEMS
 from workloads.trace import Call, Session
 
 MODEL = "glm-4.5-air"

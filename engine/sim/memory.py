@@ -1,0 +1,125 @@
+"""What lives where on one simulated TP group, and what moving it costs (per GPU).
+
+- stable substrate: one arena carved once: a weight region sized for the catalog's largest
+  shard, a staging region of the same size when staging is on, and a fixed KV region (the
+  rest of the usable HBM). A model's KV capacity is that region over its bytes per token.
+- without it (the baseline of the old table, and engines that re-allocate on a switch): the
+  KV region is whatever the model's own weights leave, and there is no staging region; a
+  switch is priced by ``CostModel.switch_seconds_baseline``.
+The host KV index holds what the host memory leaves after every model's weight shards (or
+``host_kv_bytes``). A background staging copy completes when the injected clock says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from engine.interface import MoveReport, Residency
+from engine.sim.config import HOST_MEMORY_USABLE_FRACTION, SimEngineConfig
+from engine.sim.cost_model import CostModel
+from substrate.devices import ServerSpec
+from substrate.host_kv_index import HostKVIndex
+from substrate.ledger import Ledger, StagingState
+from substrate.moves import MoveKind, MoveRecord
+
+# Kind of an activation in an engine without the stable substrate (free, re-allocate, reload,
+# re-capture); the admission loop's rate book counts every non-D2D activation as a host one.
+ACTIVATE_RELOAD = "activate_reload"
+
+__all__ = ["ACTIVATE_RELOAD", "SimMemory"]
+
+
+class SimMemory:
+    def __init__(
+        self,
+        costs: Mapping[str, CostModel],
+        config: SimEngineConfig,
+        server: ServerSpec,
+        clock: Callable[[], float] | None,
+    ) -> None:
+        self.costs = costs
+        self.config = config
+        self.clock = clock
+        bs = config.block_size
+        self.weight_region_bytes = max(c.weight_bytes_per_gpu() for c in costs.values())
+        self.staging_bytes = self.weight_region_bytes if config.staging else 0
+        self.num_blocks: dict[str, int] = {}
+        for name, cost in costs.items():
+            if config.stable_substrate:
+                tokens = cost.kv_capacity_tokens(self.weight_region_bytes, self.staging_bytes)
+            else:
+                tokens = cost.kv_capacity_tokens()
+            if tokens < bs:
+                raise ValueError(
+                    f"model {name!r} leaves no room for KV on a {server.name} GPU at tp="
+                    f"{config.tp} (weight region {self.weight_region_bytes} B, staging "
+                    f"{self.staging_bytes} B)"
+                )
+            self.num_blocks[name] = tokens // bs
+        host_kv = config.host_kv_bytes
+        if host_kv is None:
+            per_rank = int(server.host_memory_bytes * HOST_MEMORY_USABLE_FRACTION) // config.tp
+            host_kv = max(0, per_rank - sum(c.weight_bytes_per_gpu() for c in costs.values()))
+        self.host_kv = HostKVIndex(host_kv)
+        self.ledger = Ledger(self.weight_region_bytes, self.staging_bytes, self.host_kv)
+        for name, cost in costs.items():
+            self.ledger.add_host_model(name, cost.weight_bytes_per_gpu())
+            self.ledger.set_kv_block_bytes(name, bs * cost.kv_bytes_per_token_per_gpu())
+        self._staging_ready_at = 0.0
+
+    def switch_seconds(self, model: str, staged: bool) -> float:
+        cost = self.costs[model]
+        if not self.config.stable_substrate:
+            return cost.switch_seconds_baseline()
+        return cost.switch_seconds_staged() if staged else cost.switch_seconds_host()
+
+    def activate(self, model: str) -> MoveRecord:
+        """Book ``model``'s weights into the weight region: D2D when it is STAGED, H2D
+        otherwise (a staging copy still in progress does not count); without the stable
+        substrate, the reload."""
+        nbytes = self.costs[model].weight_bytes_per_gpu()
+        if self.config.stable_substrate:
+            kind = self.ledger.plan_activation(model).kind
+            seconds = self.switch_seconds(model, staged=kind == MoveKind.ACTIVATE_D2D)
+        else:
+            kind = ACTIVATE_RELOAD
+            seconds = self.switch_seconds(model, staged=False)
+        self.ledger.commit_activation(model)
+        record = MoveRecord(kind, nbytes, seconds)
+        self.ledger.record(record)
+        return record
+
+    def stage(self, model: str) -> MoveReport:
+        """Start the background copy of ``model`` into the staging region; it is STAGING
+        until ``clock()`` reaches the returned seconds from now, then STAGED. Staging the
+        model already staged (or being staged) moves nothing and returns the time left."""
+        if not self.config.staging:
+            raise ValueError(f"cannot stage {model!r}: this engine has no staging region")
+        if self.clock is None:
+            raise RuntimeError(f"cannot stage {model!r}: the engine was built without a clock")
+        now = self.clock()
+        self.poll_staging()
+        plan = self.ledger.plan_staging(model)
+        if plan.kind == MoveKind.NONE:
+            return MoveReport(MoveKind.NONE, 0, max(0.0, self._staging_ready_at - now))
+        seconds = self.costs[model].switch_seconds_host()
+        self.ledger.begin_staging(model)
+        self.ledger.record(MoveRecord(MoveKind.STAGE, plan.bytes, seconds))
+        self._staging_ready_at = now + seconds
+        return MoveReport(MoveKind.STAGE, plan.bytes, seconds)
+
+    def poll_staging(self) -> None:
+        ledger = self.ledger
+        if (
+            ledger.staged_model is not None
+            and ledger.staging_state is StagingState.IN_PROGRESS
+            and self.clock is not None
+            and self.clock() >= self._staging_ready_at
+        ):
+            ledger.finish_staging(ledger.staged_model)
+
+    def residency(self, active: str | None) -> dict[str, Residency]:
+        if not self.config.stable_substrate:
+            return {m: Residency.ACTIVE if m == active else Residency.HOST for m in self.costs}
+        self.poll_staging()
+        return {m: Residency(self.ledger.placement(m).value) for m in self.costs}
