@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-__all__ = ["PolicyConfig", "PRESETS", "preset"]
+__all__ = ["LADDER", "MECHANISMS", "PolicyConfig", "PRESETS", "Rung", "preset"]
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,38 @@ class PolicyConfig:
         return base.with_(**data)
 
 
-_OFF = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False)
+@dataclass(frozen=True)
+class Rung:
+    """One step of the ablation ladder: the mechanisms it turns on (beyond the previous
+    step's) and what that means, in words."""
 
-# The ablation ladder: each step adds one mechanism to the previous one.
-PRESETS: dict[str, PolicyConfig] = {
-    "baseline": PolicyConfig(name="baseline", **_OFF),
-    "+staging": PolicyConfig(name="+staging", **{**_OFF, "d2d_staging": True}),
-    "+host_kv": PolicyConfig(name="+host_kv", **{**_OFF, "d2d_staging": True, "host_kv": True}),
-    "+sp": PolicyConfig(
-        name="+sp", **{**_OFF, "d2d_staging": True, "host_kv": True, "session_prefill": True}
-    ),
-    "talaria": PolicyConfig(name="talaria"),
-}
+    name: str
+    adds: tuple[str, ...]
+    description: str
+
+
+# The ablation ladder, the one definition of it: each step adds mechanisms to the previous
+# one, from the round scheduler alone to Talaria. The benchmark's systems are built from it.
+LADDER: tuple[Rung, ...] = (
+    Rung("baseline", (), "round scheduler; a switch drops the outgoing model's KV"),
+    Rung("+staging", ("d2d_staging",), "the next model staged on the device: D2D switches"),
+    Rung("+host_kv", ("host_kv",), "outgoing KV offloaded to host, restored on return"),
+    Rung("+sp", ("session_prefill",), "session-prefill"),
+    Rung("talaria", ("soft_reservations",), "soft reservations and session-aware placement"),
+)
+MECHANISMS = ("session_prefill", "soft_reservations", "host_kv", "d2d_staging")
+
+
+def _ladder_presets() -> dict[str, PolicyConfig]:
+    on: set[str] = set()
+    out: dict[str, PolicyConfig] = {}
+    for rung in LADDER:
+        on.update(rung.adds)
+        out[rung.name] = PolicyConfig(name=rung.name, **{m: m in on for m in MECHANISMS})
+    return out
+
+
+PRESETS: dict[str, PolicyConfig] = _ladder_presets()
 
 
 def preset(name: str, **overrides: Any) -> PolicyConfig:

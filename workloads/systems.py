@@ -5,17 +5,11 @@ Each is a configuration of the same system: the instance's admission policy
 substrate, staging region, host KV store) and the router's placement policy. Nothing else
 differs between two rows of the benchmark table.
 
-The ablation ladder (``baseline`` -> ``talaria``) adds one mechanism per step:
-
-- ``baseline``: the round scheduler on an engine *without* the stable substrate: every switch
-  frees, re-allocates, reloads and re-captures (``switch_seconds_baseline``), the outgoing
-  model's KV is dropped; load-only routing.
-- ``+staging``: the stable substrate with a staging region: the next model is staged on the
-  device, so a switch is a D2D copy (H2D when staging did not finish).
-- ``+host_kv``: the outgoing model's session KV is offloaded to host memory and restored on
-  return instead of being recomputed.
-- ``+sp``: session-prefill.
-- ``talaria``: everything, plus soft reservations and session-aware placement.
+The ablation ladder (``baseline`` -> ``talaria``) is ``talaria.config.LADDER``; each rung
+becomes a row whose engine has what its policy uses (a staging region for D2D staging, a host
+KV store for host KV) and whose router places by session when reservations are on. The
+``baseline`` alone runs on an engine *without* the stable substrate: every switch frees,
+re-allocates, reloads and re-captures (``switch_seconds_baseline``).
 
 Peers, as configurations of the same system (each on the plain engine: no stable substrate,
 no staging, no host KV; KV lives only in the engine's LRU prefix cache and is dropped by a
@@ -42,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.sim.engine import SimEngineConfig
-from talaria.config import PolicyConfig, preset
+from talaria.config import LADDER, PolicyConfig, Rung, preset
 
 __all__ = [
     "SystemConfig",
@@ -123,24 +117,29 @@ def check_fits(system: SystemConfig, config: SimEngineConfig, models: Sequence[s
         raise ValueError(f"policy {system.name!r} does not fit: {exc}{hint}") from None
 
 
-def _ablation(name: str, description: str, placement: str, stable: bool, staging: bool,
-              host_kv: bool) -> SystemConfig:
-    return SystemConfig(name, description, preset(name), placement, stable, staging, host_kv)
+def _ladder_system(rung: Rung, description: str) -> SystemConfig:
+    """A rung of talaria.config.LADDER as a benchmark row: its policy, and an engine that
+    has what the policy uses (no stable substrate for the baseline alone)."""
+    policy = preset(rung.name)
+    placement = "talaria" if policy.soft_reservations else "load"
+    stable = rung.name != "baseline"
+    return SystemConfig(rung.name, description, policy, placement, stable,
+                        policy.d2d_staging, policy.host_kv)
 
 
-ABLATIONS: dict[str, SystemConfig] = {
-    s.name: s
-    for s in (
-        _ablation("baseline", "round scheduler, no-substrate switches, KV dropped on switch, "
-                  "load-only routing", "load", False, False, False),
-        _ablation("+staging", "baseline + stable substrate with D2D staging", "load",
-                  True, True, False),
-        _ablation("+host_kv", "+staging + host KV offload/restore", "load", True, True, True),
-        _ablation("+sp", "+host_kv + session-prefill", "load", True, True, True),
-        _ablation("talaria", "+sp + soft reservations + session-aware placement", "talaria",
-                  True, True, True),
-    )
-}
+def _ladder() -> dict[str, SystemConfig]:
+    out: dict[str, SystemConfig] = {}
+    for rung in LADDER:
+        below = list(out)[-1] if out else None
+        description = f"{below} + {rung.description}" if below else (
+            f"{rung.description}; no stable substrate (each switch reloads and re-captures), "
+            "load-only routing"
+        )
+        out[rung.name] = _ladder_system(rung, description)
+    return out
+
+
+ABLATIONS: dict[str, SystemConfig] = _ladder()
 
 _PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False,
               slot_quantum_s=ON_DEMAND_QUANTUM_S)
