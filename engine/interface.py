@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from engine.sampling_params import SamplingParams
+from substrate.moves import MoveRecord
 
 
 class FinishReason(str, enum.Enum):
@@ -67,17 +68,10 @@ class StepResult:
     num_steps: int = 1
 
 
-@dataclass
-class MoveReport:
-    """A byte movement (weights or KV) and how long it took (measured or modelled)."""
-
-    kind: str  # "activate_h2d" | "activate_d2d" | "stage" | "kv_offload" | "kv_restore" | ...
-    bytes: int
-    seconds: float
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+# A byte movement (weights or KV) and how long it took (measured live, modelled in sim):
+# ``kind`` is one of ``substrate.moves.MoveKind`` (or the sim's reload), ``bytes``, ``seconds``.
+# The substrate's own record, so what it reports crosses the seam unconverted.
+MoveReport = MoveRecord
 
 
 @dataclass(frozen=True)

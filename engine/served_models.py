@@ -13,7 +13,7 @@ from collections.abc import Container, Mapping
 from engine.interface import EngineRequest, ModelLimits
 from engine.request import validate_prompt
 
-__all__ = ["ModelLimits", "ModelNotActiveError", "ServedModels"]
+__all__ = ["ModelNotActiveError", "ServedModels", "ServesModels"]
 
 
 class ModelNotActiveError(ValueError):
@@ -81,3 +81,21 @@ class ServedModels:
                 f"cannot activate {model!r}: {unfinished} requests of {self.active!r} are "
                 "unfinished"
             )
+
+
+class ServesModels:
+    """The catalog face of a multi-model engine (``MultiModelEngineProtocol``'s
+    ``model_names``, ``active_model``, ``model_limits``), read from its ``served``."""
+
+    served: ServedModels
+
+    @property
+    def model_names(self) -> list[str]:
+        return self.served.names
+
+    @property
+    def active_model(self) -> str | None:
+        return self.served.active
+
+    def model_limits(self) -> dict[str, ModelLimits]:
+        return dict(self.served.limits)

@@ -38,13 +38,13 @@ from engine.multi_model.config import MultiModelConfig
 from engine.multi_model.rank import RankModels
 from engine.multi_model.rates import ModelRateMeter
 from engine.multi_model.tp import RankBuild, TensorParallelRankModels
-from engine.served_models import ServedModels
+from engine.served_models import ServedModels, ServesModels
 from substrate.moves import MoveKind, MoveRecord
 
 log = structlog.get_logger(__name__)
 
 
-class MultiModelEngine:
+class MultiModelEngine(ServesModels):
     simulated = False
 
     def __init__(
@@ -96,16 +96,6 @@ class MultiModelEngine:
         self._restores: list[MoveReport] = []
 
     # ------------------------------------------------------------------ catalog
-    @property
-    def model_names(self) -> list[str]:
-        return self.served.names
-
-    @property
-    def active_model(self) -> str | None:
-        return self.served.active
-
-    def model_limits(self) -> dict[str, ModelLimits]:
-        return dict(self.served.limits)
 
     def residency(self) -> dict[str, Residency]:
         self._poll_staging()
@@ -128,7 +118,7 @@ class MultiModelEngine:
         self.served.active = model
         self._meters[model].observe_move(record)
         log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds)
-        return _report(record)
+        return record
 
     def stage(self, model: str) -> MoveReport:
         """Start copying ``model`` into the staging region. ``seconds``: measured when the
@@ -146,7 +136,7 @@ class MultiModelEngine:
         if record is None:
             return MoveReport(plan.kind, plan.bytes, 0.0)
         self._meters[model].observe_move(record)
-        return _report(record)
+        return record
 
     def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
         """Copy the active model's cached device KV of these sessions (None: every session
@@ -169,7 +159,7 @@ class MultiModelEngine:
             nbytes += record.bytes
             seconds += record.seconds
         report = MoveReport(MoveKind.KV_OFFLOAD, nbytes, seconds)
-        self._meters[model].observe_move(MoveRecord(report.kind, report.bytes, report.seconds))
+        self._meters[model].observe_move(report)
         return report
 
     # ----------------------------------------------------------------- requests
@@ -189,7 +179,7 @@ class MultiModelEngine:
         meter.observe_step(result)
         for record in self._secondaries[model].drain_records():
             meter.observe_move(record)
-            self._restores.append(_report(record))
+            self._restores.append(record)
         return result
 
     def abort(self, request_id: str) -> None:
@@ -377,6 +367,3 @@ def _build_rank(
         pin=config.pin_host_memory,
     )
 
-
-def _report(record: MoveRecord) -> MoveReport:
-    return MoveReport(record.kind, record.bytes, record.seconds)

@@ -40,7 +40,7 @@ from engine.interface import (
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.served_models import ServedModels
+from engine.served_models import ServedModels, ServesModels
 from engine.sim.config import SimEngineConfig
 from engine.sim.cost_model import CostModel
 from engine.sim.kv import HostKVSecondary, SimSessions
@@ -53,7 +53,7 @@ from substrate.moves import MoveKind, MoveRecord
 __all__ = ["ACTIVATE_RELOAD", "DecodeLine", "SimEngine", "SimEngineConfig"]
 
 
-class SimEngine:
+class SimEngine(ServesModels):
     """A catalog of models on one simulated TP group, one active at a time."""
 
     simulated: bool = True
@@ -92,16 +92,6 @@ class SimEngine:
         self.busy_seconds = 0.0
 
     # ------------------------------------------------------------------ catalog
-    @property
-    def model_names(self) -> list[str]:
-        return self.served.names
-
-    @property
-    def active_model(self) -> str | None:
-        return self.served.active
-
-    def model_limits(self) -> dict[str, ModelLimits]:
-        return dict(self.served.limits)
 
     def cost_model(self, model: str) -> CostModel:
         return self.costs[self._check_model(model)]
@@ -296,7 +286,7 @@ class SimEngine:
         self.served.active = model
         self._totals["switches"] += 1
         self.busy_seconds += record.seconds
-        return MoveReport(record.kind, record.bytes, record.seconds)
+        return record
 
     def stage(self, model: str) -> MoveReport:
         """Start the background copy of ``model`` into the staging region (SimMemory.stage)."""
@@ -321,7 +311,7 @@ class SimEngine:
         record = MoveRecord(MoveKind.KV_OFFLOAD, copied * block_bytes, seconds)
         self.memory.ledger.record(record)
         self.busy_seconds += seconds
-        return MoveReport(record.kind, record.bytes, record.seconds)
+        return record
 
     def pin_session_kv(self, session_id: str) -> int:
         if self.kv is None:

@@ -31,7 +31,7 @@ from engine.interface import (
     StepResult,
     TokenEvent,
 )
-from engine.served_models import ServedModels
+from engine.served_models import ServedModels, ServesModels
 
 
 @dataclass
@@ -53,7 +53,7 @@ class _SessionKV:
 
 
 @dataclass
-class FakeEngine:
+class FakeEngine(ServesModels):
     models: list[str]
     num_blocks: int = 1000
     block_size: int = 16
@@ -93,19 +93,8 @@ class FakeEngine:
     # protocol ---------------------------------------------------------------------------
 
     @property
-    def model_names(self) -> list[str]:
-        return self.served.names
-
-    @property
-    def active_model(self) -> str | None:
-        return self.served.active
-
-    @property
     def active(self) -> str | None:
         return self.served.active
-
-    def model_limits(self) -> dict[str, ModelLimits]:
-        return dict(self.served.limits)
 
     def add_request(self, request: EngineRequest) -> None:
         self.served.check_request(request, self._reqs)
