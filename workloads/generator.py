@@ -33,17 +33,9 @@ from pathlib import Path
 
 import orjson
 
-from workloads.trace import (
-    REAL_TRACE_PATH,
-    Call,
-    Session,
-    TraceError,
-    apportion,
-    assign_models,
-    load_trace,
-    read_real_trace,
-    save_trace,
-)
+from workloads.assignment import apportion, assign_models
+from workloads.readers import read_real_trace, real_trace_path
+from workloads.trace import Call, Session, TraceError, load_trace, save_trace
 
 DATA_DIR = Path(__file__).parent / "data"
 CALIBRATION_PATH = DATA_DIR / "swe_calibration.json"
@@ -338,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--refit", action="store_true",
                         help="refit the calibration from the real trace first")
-    parser.add_argument("--real-trace", default=str(REAL_TRACE_PATH))
+    parser.add_argument("--real-trace", default=str(real_trace_path()))
     args = parser.parse_args(argv)
     if args.refit:
         fit_calibration(read_real_trace(args.real_trace)).save()

@@ -25,8 +25,9 @@ import aiohttp
 import orjson
 
 from talaria.protocol import CallRequest
+from workloads.assignment import assign_models
 from workloads.replay import CallOutcome, ReplayResult, SessionTokens, drive
-from workloads.trace import Call, Session, assign_models
+from workloads.trace import Call, Session
 
 __all__ = [
     "LiveTarget", "ServedModel", "fetch_models", "scale_sessions", "live_replay", "run_live_replay",

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "load_any_trace", "run_replay_command"]
+__all__ = ["register", "run_replay_command"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,22 +62,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_replay_command)
 
 
-def load_any_trace(path: str | Path) -> list[Any]:
-    """Our JSONL, the shared real-trace JSONL (calls with ``gap_s``) or a CSV trace."""
-    from workloads.trace import load_trace, read_csv_trace, read_real_trace
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"trace file {path} does not exist")
-    if path.suffix.lower() == ".csv":
-        return read_csv_trace(path)
-    with path.open("rb") as f:
-        first = f.readline()
-    if b'"gap_s"' in first and b'"tool_gap_s"' not in first:
-        return read_real_trace(path)
-    return load_trace(path)
-
-
 def _floats(text: str | None, default: tuple[float, ...], what: str) -> tuple[float, ...]:
     if text is None:
         return default
@@ -109,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_sessions is not None and args.max_sessions < 1:
         raise ValueError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if args.trace:
+        from workloads.readers import load_any_trace
+
         sessions = load_any_trace(args.trace)
     else:
         from workloads.generator import default_trace
@@ -146,6 +132,7 @@ def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
 
 
 def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
+    from workloads.assignment import assign_models
     from workloads.cluster import ClusterSpec
     from workloads.replay import replicate
     from workloads.report import BASELINE, benchmark, format_table, plot_sct, to_json, write_json
@@ -160,7 +147,6 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     )
     from workloads.sweep_report import format_sweep, plot_sweeps, regime_summary, sweep_json
     from workloads.systems import ABLATIONS, check_fits, parse_policies
-    from workloads.trace import assign_models
 
     wall = time.perf_counter()
     systems = parse_policies(args.policies)

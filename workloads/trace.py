@@ -1,4 +1,7 @@
-"""Agent session traces: the format, a validating loader, readers for other formats.
+"""Agent session traces: the format and its validating loader (our JSONL).
+
+Readers of other formats are ``workloads.readers``; which of our models each session uses is
+``workloads.assignment``.
 
 Our format is JSONL, one session per line::
 
@@ -18,16 +21,12 @@ call and field):
 
 from __future__ import annotations
 
-import csv
 import math
-import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-
-REAL_TRACE_PATH = Path("/work/shared/traces/swe-claude-code.jsonl")
 
 
 class TraceError(ValueError):
@@ -216,158 +215,3 @@ def load_trace(path: str | Path) -> list[Session]:
     """Load and validate a trace in our JSONL format."""
     path = Path(path)
     return loads_trace(path.read_bytes(), source=str(path))
-
-
-# --- other formats --------------------------------------------------------------------------
-def read_real_trace(path: str | Path = REAL_TRACE_PATH) -> list[Session]:
-    """Read the shared real trace (``swe-claude-code.jsonl``: per-session ``calls`` with
-    ``input_tokens``, ``output_tokens``, ``gap_s``, ``tools``). Sessions keep the model the agent
-    used (not one of ours; see :func:`assign_models`) and all start at 0. A session id that
-    repeats (several attempts of one task) gets a ``#2``, ``#3``, ... suffix."""
-    path = Path(path)
-    sessions = []
-    seen: dict[str, int] = {}
-    for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}: "
-        raw = orjson.loads(line)
-        try:
-            calls = tuple(
-                Call(
-                    input_tokens=c["input_tokens"],
-                    output_tokens=c["output_tokens"],
-                    tool_gap_s=c["gap_s"],
-                    tools=tuple(c.get("tools") or ()),
-                )
-                for c in raw["calls"]
-            )
-            sid = raw["session_id"]
-            seen[sid] = seen.get(sid, 0) + 1
-            session = Session(
-                session_id=sid if seen[sid] == 1 else f"{sid}#{seen[sid]}",
-                model=raw["model"],
-                calls=calls,
-                tags={"source": str(raw.get("source", "")), "instance": str(raw.get("instance", ""))},
-            )
-        except KeyError as exc:
-            raise TraceError(f"{where}missing field {exc.args[0]!r}") from None
-        validate_session(session, where)
-        sessions.append(session)
-    validate_sessions(sessions)
-    return sessions
-
-
-CSV_COLUMNS = ("session_id", "round_idx", "prefix_len", "input_len", "output_len",
-               "tool_wait_after_ms")
-
-
-def read_csv_trace(path: str | Path, model: str = "unknown") -> list[Session]:
-    """Read a CSV trace with columns ``session_id,round_idx,prefix_len,input_len,output_len,
-    tool_wait_after_ms`` (an optional ``model`` column overrides ``model``).
-
-    A round's prompt is ``prefix_len`` tokens reused from the session's earlier rounds plus
-    ``input_len`` new tokens, so ``input_tokens = prefix_len + input_len``. Rounds are ordered by
-    ``round_idx``, which must run 0, 1, 2, ... per session; an empty ``tool_wait_after_ms`` is
-    allowed on the last round only. Sessions keep the order of their first row.
-    """
-    path = Path(path)
-    rows: dict[str, list[tuple[int, int, Call, str]]] = {}
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
-        for lineno, row in enumerate(reader, start=2):
-            where = f"{path}:{lineno}"
-            prefix = _csv_int(row, "prefix_len", where)
-            if prefix < 0:
-                raise TraceError(f"{where}: prefix_len must be >= 0, got {prefix}")
-            wait = row["tool_wait_after_ms"].strip()
-            gap = None if wait == "" else _csv_float(row, "tool_wait_after_ms", where) / 1000.0
-            call = Call(
-                input_tokens=prefix + _csv_int(row, "input_len", where),
-                output_tokens=_csv_int(row, "output_len", where),
-                tool_gap_s=gap,
-            )
-            sid = row["session_id"].strip()
-            if not sid:
-                raise TraceError(f"{where}: empty session_id")
-            row_model = (row.get("model") or "").strip() or model
-            rows.setdefault(sid, []).append((_csv_int(row, "round_idx", where), lineno, call, row_model))
-    sessions = []
-    for sid, entries in rows.items():
-        entries.sort(key=lambda e: e[0])
-        for expected, (idx, lineno, _, _) in enumerate(entries):
-            if idx != expected:
-                raise TraceError(
-                    f"{path}:{lineno}: session {sid!r} round_idx {idx} where {expected} was expected"
-                    " (rounds must run 0, 1, 2, ... without gaps or repeats)"
-                )
-        models = {e[3] for e in entries}
-        if len(models) > 1:
-            raise TraceError(f"{path}: session {sid!r} names several models {sorted(models)}")
-        session = Session(session_id=sid, model=models.pop(), calls=tuple(e[2] for e in entries))
-        validate_session(session, f"{path}: ")
-        sessions.append(session)
-    if not sessions:
-        raise TraceError(f"{path}: trace holds no sessions")
-    return sessions
-
-
-def _csv_int(row: dict[str, str], name: str, where: str) -> int:
-    try:
-        return int(row[name])
-    except (TypeError, ValueError):
-        raise TraceError(f"{where}: {name} must be an integer, got {row[name]!r}") from None
-
-
-def _csv_float(row: dict[str, str], name: str, where: str) -> float:
-    try:
-        return float(row[name])
-    except (TypeError, ValueError):
-        raise TraceError(f"{where}: {name} must be a number, got {row[name]!r}") from None
-
-
-# --- models ---------------------------------------------------------------------------------
-def popularity_weights(num_models: int, skew: float) -> list[float]:
-    """Zipf-like popularity: model i (0-based) gets weight 1 / (i + 1) ** skew, normalised.
-    ``skew = 0`` is uniform."""
-    if num_models < 1:
-        raise ValueError("need at least one model")
-    if skew < 0 or not math.isfinite(skew):
-        raise ValueError(f"skew must be a finite number >= 0, got {skew}")
-    raw = [1.0 / (i + 1) ** skew for i in range(num_models)]
-    total = sum(raw)
-    return [w / total for w in raw]
-
-
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """Split ``total`` into integer counts proportional to ``weights`` (largest remainder)."""
-    if total < 0:
-        raise ValueError("total must be >= 0")
-    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError("weights must be non-negative and not all zero")
-    norm = sum(weights)
-    exact = [total * w / norm for w in weights]
-    counts = [math.floor(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
-
-
-def assign_models(
-    sessions: Sequence[Session], models: Sequence[str], skew: float = 1.0, seed: int = 0
-) -> list[Session]:
-    """Give each session one of ``models`` (first = most popular). Session counts per model are
-    the Zipf-like shares of :func:`popularity_weights` rounded by largest remainder, so the skew
-    is exact; which session gets which model is a seeded shuffle. Order is kept."""
-    if not models:
-        raise ValueError("assign_models needs at least one model")
-    if len(set(models)) != len(models):
-        raise ValueError(f"models must be distinct, got {list(models)}")
-    counts = apportion(len(sessions), popularity_weights(len(models), skew))
-    labels = [m for m, n in zip(models, counts, strict=True) for _ in range(n)]
-    random.Random(seed).shuffle(labels)
-    return [replace(s, model=m) for s, m in zip(sessions, labels, strict=True)]

@@ -23,7 +23,8 @@ from workloads.generator import (
     generate_trace,
     tool_class,
 )
-from workloads.trace import REAL_TRACE_PATH, Session, dumps_trace, read_real_trace
+from workloads.readers import read_real_trace, real_trace_path
+from workloads.trace import Session, dumps_trace
 
 
 def share(values: list[float], below: float) -> float:
@@ -55,7 +56,7 @@ def test_shipped_default_trace_is_what_the_generator_produces() -> None:
     assert DEFAULT_TRACE_PATH.read_bytes() == dumps_trace(generate_trace())
 
 
-@pytest.mark.skipif(not REAL_TRACE_PATH.exists(), reason="shared real trace not present")
+@pytest.mark.skipif(not real_trace_path().exists(), reason="shared real trace not present")
 def test_shipped_calibration_is_fitted_from_the_real_trace() -> None:
     fitted = fit_calibration(read_real_trace()).to_dict()
     assert orjson.loads(CALIBRATION_PATH.read_bytes()) == orjson.loads(orjson.dumps(fitted))

@@ -8,19 +8,15 @@ from pathlib import Path
 import orjson
 import pytest
 
+from workloads.assignment import apportion, assign_models, popularity_weights
+from workloads.readers import read_csv_trace, read_real_trace, real_trace_path
 from workloads.trace import (
-    REAL_TRACE_PATH,
     Call,
     Session,
     TraceError,
-    apportion,
-    assign_models,
     dumps_trace,
     load_trace,
     loads_trace,
-    popularity_weights,
-    read_csv_trace,
-    read_real_trace,
     save_trace,
 )
 
@@ -123,7 +119,7 @@ def test_bad_sessions_get_clear_messages() -> None:
         loads_trace(line(model=""))
 
 
-@pytest.mark.skipif(not REAL_TRACE_PATH.exists(), reason="shared real trace not present")
+@pytest.mark.skipif(not real_trace_path().exists(), reason="shared real trace not present")
 def test_real_trace_reader() -> None:
     sessions = read_real_trace()
     assert len(sessions) == 179

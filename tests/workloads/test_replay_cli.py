@@ -9,8 +9,7 @@ import orjson
 import pytest
 
 from talaria.cli import main
-from workloads.replay_cli import load_any_trace
-from workloads.trace import REAL_TRACE_PATH
+from workloads.readers import load_any_trace, real_trace_path
 
 
 def test_replay_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,7 +64,7 @@ def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--no-staging" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not REAL_TRACE_PATH.exists(), reason="the shared real trace is absent")
+@pytest.mark.skipif(not real_trace_path().exists(), reason="the shared real trace is absent")
 def test_the_real_trace_format_is_recognised() -> None:
-    sessions = load_any_trace(REAL_TRACE_PATH)
+    sessions = load_any_trace(real_trace_path())
     assert len(sessions) == 179
