@@ -1,7 +1,16 @@
 """The Talaria inference engine: ``from engine import LLM, SamplingParams``.
 
-Exports resolve lazily, so torch-free parts (``engine.interface``, ``engine.block_pool``,
-``engine.scheduler``, ...) import without pulling in torch.
+The core is flat and small: requests (``request``), the block pool and KV manager with prefix
+caching by the chained block hash (``block_pool``, ``kv_cache_manager``, ``block_hash``), the
+chunked-prefill scheduler, the sampler and detokenizer, the single-model ``EngineCore`` and
+``LLM``, the model runner, and the seam every engine implements (``interface``,
+``served_models``). Packages: ``models/``, ``layers/``, ``attention/``, ``parallel/`` (tensor-
+parallel processes), ``multi_model/`` (a catalog on the substrate), ``sim/`` (the simulated
+engine and its cost model).
+
+May import ``substrate`` only; never ``talaria``, ``router`` or ``workloads``. Exports resolve
+lazily, so torch-free parts (``engine.interface``, ``engine.block_pool``, ``engine.scheduler``,
+``engine.sim``, ...) import without pulling in torch.
 """
 
 from __future__ import annotations

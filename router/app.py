@@ -57,8 +57,6 @@ class RouterConfig:
     max_model_len: int | None = None  # caps every model's context length when set
     block_size: int = 16
     session_ttl_s: float = 1800.0
-    host: str = "127.0.0.1"
-    port: int = 8000
     max_model_lens: dict[str, int] = field(default_factory=dict)  # per-model override
 
     def __post_init__(self) -> None:

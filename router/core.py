@@ -94,9 +94,12 @@ class RouterCore:
             self.healthy.add(instance_id)
 
     def mark_down(self, instance_id: str, reason: str) -> None:
+        """The instance is down: it takes no calls, and the prefixes it held no longer count
+        (an instance that comes back has lost its KV)."""
         if instance_id in self.healthy:
             log.warning("router.instance_down", instance=instance_id, reason=reason)
             self.healthy.discard(instance_id)
+            self.context.prefix_index.drop_instance(instance_id)
 
     async def refresh(self, instance_id: str) -> bool:
         """Fetch one instance's state; marks it up or down. Returns whether it is healthy."""

@@ -109,6 +109,3 @@ class SessionTable:
         for record in stale:
             del self._sessions[record.session_id]
         return stale
-
-    def on_instance(self, instance_id: str) -> int:
-        return sum(1 for r in self._sessions.values() if r.instance_id == instance_id)

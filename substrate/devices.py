@@ -1,4 +1,7 @@
-"""Device and server specifications: the physical numbers the arena sizing and the simulator use.
+"""Device and server specifications: the physical numbers the simulator prices work with.
+
+Users: ``engine.sim`` (the cost model sizes KV and prices steps and copies from them). The
+live arena is sized from the real device, not from here.
 
 Every constant names its source. Capacities are the datasheet figures in decimal units (the
 driver exposes slightly more on both parts; taking the datasheet figure is the conservative

@@ -6,8 +6,10 @@ in sim: predicted), then commits the plan's outcome and records the move. The re
 give the instance its measured bandwidths per kind.
 
 Tracked: the active model; the model in the staging region and the staging state; models in
-the host weight store (bytes each); device KV blocks per (model, session); host KV bytes (from
-the shared ``HostKVIndex``, the single source of truth for what the host store holds).
+the host weight store (bytes each); each model's KV block size; host KV bytes (from the shared
+``HostKVIndex``, the single source of truth for what the host store holds); totals of every
+kind of move. Device KV is not here: the engine's KV manager is its one source of truth.
+Users: ``substrate.instance_memory`` (live) and ``engine.sim.memory`` (simulated).
 """
 
 from __future__ import annotations
@@ -60,7 +62,6 @@ class Ledger:
         self.staged_model: str | None = None
         self.staging_state = StagingState.NONE
         self._host_models: dict[str, int] = {}
-        self._device_kv: dict[str, dict[str | None, int]] = {}  # model -> session -> blocks
         self._kv_block_bytes: dict[str, int] = {}
         self._moves: dict[str, MoveTotals] = {}
 
@@ -120,11 +121,9 @@ class Ledger:
         return PlannedMove(MoveKind.ACTIVATE_H2D, nbytes)
 
     def commit_activation(self, model: str) -> None:
-        """``model`` now occupies the weight region; the outgoing model's device KV is gone
-        (the KV region is re-viewed). The staging region keeps its content."""
+        """``model`` now occupies the weight region (the KV region is re-viewed for it). The
+        staging region keeps its content."""
         self.model_bytes(model)
-        if self.active_model is not None and self.active_model != model:
-            self._device_kv.pop(self.active_model, None)
         self.active_model = model
 
     def plan_staging(self, model: str) -> PlannedMove:
@@ -168,26 +167,6 @@ class Ledger:
         except KeyError:
             raise KeyError(f"no KV block size recorded for model {model!r}") from None
 
-    def set_device_kv(self, model: str, session_id: str | None, num_blocks: int) -> None:
-        """Blocks the session holds on device for ``model`` (0 forgets the session)."""
-        if num_blocks < 0:
-            raise ValueError(f"block count must be >= 0, got {num_blocks}")
-        sessions = self._device_kv.setdefault(model, {})
-        if num_blocks:
-            sessions[session_id] = num_blocks
-        else:
-            sessions.pop(session_id, None)
-
-    def device_kv_blocks(self, model: str, session_id: str | None = None) -> int:
-        sessions = self._device_kv.get(model, {})
-        if session_id is not None:
-            return sessions.get(session_id, 0)
-        return sum(sessions.values())
-
-    def device_kv_bytes(self, model: str) -> int:
-        blocks = self.device_kv_blocks(model)
-        return blocks * self.kv_block_bytes(model) if blocks else 0
-
     def host_kv_bytes(self, model: str | None = None) -> int:
         return self.host_kv.used_bytes if model is None else self.host_kv.bytes_of(model)
 
@@ -207,20 +186,3 @@ class Ledger:
     def bandwidth(self, kind: str) -> float | None:
         """Measured (or modelled) bytes per second of ``kind`` so far; None if none."""
         return self.totals(kind).bytes_per_s
-
-    def snapshot(self) -> dict[str, object]:
-        """A JSON-able summary for state reports and logs."""
-        return {
-            "active_model": self.active_model,
-            "staged_model": self.staged_model,
-            "staging_state": self.staging_state.value,
-            "placements": {m: p.value for m, p in self.placements().items()},
-            "host_model_bytes": dict(self._host_models),
-            "device_kv_blocks": {m: self.device_kv_blocks(m) for m in self._device_kv},
-            "host_kv_bytes": self.host_kv.used_bytes,
-            "host_kv_capacity_bytes": self.host_kv.capacity_bytes,
-            "moves": {
-                k: {"count": t.count, "bytes": t.bytes, "seconds": t.seconds}
-                for k, t in self._moves.items()
-            },
-        }

@@ -39,8 +39,8 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
     return create_app(
         RouterConfig(
             models=config.model_paths(), instances=urls, policy=r.policy, api_key=r.api_key,
-            max_body_bytes=r.max_body_bytes, poll_interval_s=r.poll_interval_s, host=r.host,
-            port=r.port, block_size=config.engine.block_size,
+            max_body_bytes=r.max_body_bytes, poll_interval_s=r.poll_interval_s,
+            block_size=config.engine.block_size,
             max_model_lens=config.max_model_lens(),
         )
     )

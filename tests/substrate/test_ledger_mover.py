@@ -65,14 +65,11 @@ def test_ledger_and_mover_agree_on_bytes_through_a_switch_cycle() -> None:
     kv = arena.kv_views(2, None, 4, 1, 8, torch.float32)
     block_bytes = 2 * 2 * 4 * 8 * 4
     ledger.set_kv_block_bytes("a", block_bytes)
-    ledger.set_device_kv("a", "s1", 3)
-    assert ledger.device_kv_bytes("a") == 3 * block_bytes
     offload = kv_store.save("a", [1, 2, 3], [0, 1, 2], kv, session_id="s1")
     ledger.record(offload)
-    assert offload.bytes == ledger.device_kv_bytes("a") == ledger.host_kv_bytes("a")
+    assert offload.bytes == 3 * ledger.kv_block_bytes("a") == ledger.host_kv_bytes("a")
 
     assert activate("b").kind == MoveKind.ACTIVATE_D2D
-    assert ledger.device_kv_blocks("a") == 0  # the outgoing model's device KV is gone
     assert ledger.placements() == {"a": Placement.HOST, "b": Placement.ACTIVE}
     assert activate("a").kind == MoveKind.ACTIVATE_H2D
     assert ledger.placement("b") is Placement.STAGED  # staging still holds b
@@ -82,8 +79,7 @@ def test_ledger_and_mover_agree_on_bytes_through_a_switch_cycle() -> None:
     assert ledger.totals(MoveKind.ACTIVATE_D2D).bytes == layouts["b"].total_bytes
     assert ledger.totals(MoveKind.STAGE).count == 1
     assert ledger.totals(MoveKind.KV_OFFLOAD).bytes == 3 * block_bytes
-    snap = ledger.snapshot()
-    assert snap["active_model"] == "a" and snap["host_kv_bytes"] == 3 * block_bytes
+    assert ledger.active_model == "a" and ledger.host_kv_bytes() == 3 * block_bytes
 
 
 def test_ledger_rejects_bad_input() -> None:
