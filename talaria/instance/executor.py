@@ -119,6 +119,11 @@ class EngineExecutor:
         return self.engine.session_kv_tokens(session_id)
 
     @property
+    def active_model(self) -> str | None:
+        """The engine's active model (a plain read, safe while an operation is in flight)."""
+        return self.engine.active_model
+
+    @property
     def busy(self) -> str | None:
         """Name of the operation in flight, or None."""
         return self._busy

@@ -9,7 +9,9 @@ them out. Time comes only from the event loop.
 
 Who touches the engine: only this task, between awaited operations (see EngineExecutor).
 Who ends a call: ``finish`` (its terminal event; it leaves the call book) exactly once, from
-delivery, abort, a refused admission, or a loop failure.
+delivery, abort, a refused admission, or an engine fault. A fault fails only the calls in the
+engine and the loop goes on (``talaria.instance.faults``); a call the engine cannot take
+fails alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineExecutor
+from talaria.instance.faults import FaultBudget
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.policies.round_scheduler import RoundScheduler, Slot
@@ -71,6 +74,7 @@ class AdmissionLoop:
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
+        self.faults = FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s)
 
     def now(self) -> float:
         return self.view.now()
@@ -81,26 +85,69 @@ class AdmissionLoop:
         try:
             while True:
                 self.wake.clear()
-                await self._housekeeping()
-                if self.stopping and not self.calls:
-                    break
-                if self.slot is not None:
-                    await self._serve_slot()
-                if self.calls.running:
-                    await self._maybe_stage()
-                    await self._step()
-                    continue
-                await self._between_slots()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the engine failed: fail every call, stop taking new ones
-            log.exception("admission_loop_failed", instance=self.instance_id)
-            self.healthy = False
-            for pending in self.calls:
-                self.finish(pending, "error", None, error=f"{type(exc).__name__}: {exc}")
+                try:
+                    if not await self._turn():
+                        break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if not await self._recover(exc):
+                        break
         finally:
             if self.executor.busy is None:
                 self.sessions.release_all()
+
+    async def _turn(self) -> bool:
+        """One decision; False once stopping with nothing left to serve."""
+        await self._housekeeping()
+        if self.stopping and not self.calls:
+            return False
+        if self.slot is not None:
+            await self._serve_slot()
+        if self.calls.running:
+            await self._maybe_stage()
+            await self._step()
+            return True
+        await self._between_slots()
+        return True
+
+    async def _recover(self, exc: Exception) -> bool:
+        """An engine fault (see ``talaria.instance.faults``): fail the calls in the engine,
+        take them out of it, and go on after a backoff; False when the loop gives up."""
+        log.exception("engine_fault", instance=self.instance_id, running=len(self.calls.running))
+        self.counters["engine_faults"] += 1
+        error = f"engine fault: {type(exc).__name__}: {exc}"
+        for pending in list(self.calls.running.values()):
+            self._drop_from_engine(pending.call.call_id)
+            self.finish(pending, "error", None, error=error)
+        backoff = self.faults.fault()
+        if backoff is None:
+            log.error("admission_loop_gave_up", instance=self.instance_id,
+                      faults=self.faults.consecutive)
+            self.healthy = False
+            for pending in self.calls:
+                self.finish(pending, "error", None, error=f"the instance failed: {error}")
+            return False
+        self._resync()
+        await asyncio.sleep(backoff)
+        return True
+
+    def _drop_from_engine(self, call_id: str) -> None:
+        try:
+            self.executor.abort(call_id)
+        except Exception:
+            log.exception("abort_after_fault_failed", instance=self.instance_id, call=call_id)
+
+    def _resync(self) -> None:
+        """After a fault: believe the engine about which model is active (a switch may have
+        failed half-way) and re-read its counts."""
+        self.active_model = self.executor.active_model
+        if self.slot is not None and self.slot.model != self.active_model:
+            self.slot = None
+        try:
+            self.refresh_engine_view()
+        except Exception:
+            log.exception("refresh_after_fault_failed", instance=self.instance_id)
 
     async def _serve_slot(self) -> None:
         """Admit into the active slot; close it, or keep it when nothing else waits."""
@@ -162,9 +209,13 @@ class AdmissionLoop:
             self._admit(pending)
 
     def _admit(self, pending: PendingCall, sp: bool = False) -> None:
-        """Hand a call (already off its queue) to the engine. An engine that refuses the
-        call as malformed (ValueError) fails that call only."""
+        """Hand a call (already off its queue) to the engine, unless its client has gone. An
+        engine that refuses the call fails that call only."""
         call = pending.call
+        if pending.handle.departed():
+            self.counters["departed"] += 1
+            self.finish(pending, "abort", None)
+            return
         try:
             self.executor.add_request(
                 EngineRequest(
@@ -177,6 +228,12 @@ class AdmissionLoop:
             )
         except ValueError as exc:
             self.finish(pending, "error", None, error=f"rejected by the engine: {exc}")
+            return
+        except Exception as exc:  # the call's own failure: it alone fails
+            log.exception("admit_failed", instance=self.instance_id, call=call.call_id)
+            self._drop_from_engine(call.call_id)
+            self.finish(pending, "error", None,
+                        error=f"the engine could not take the call: {type(exc).__name__}: {exc}")
             return
         pending.admitted = self.now()
         pending.sp = sp
@@ -275,6 +332,7 @@ class AdmissionLoop:
             self.sessions.switch_out(outgoing)
         report = await self.executor.activate(model)
         self.active_model = model
+        self.faults.progress()
         self.counters["switches"] += 1
         log.info(
             "switch",
@@ -303,6 +361,8 @@ class AdmissionLoop:
 
     async def _step(self) -> None:
         result: StepResult = await self.executor.step()
+        if result.events:
+            self.faults.progress()
         for event in result.events:
             pending = self.calls.running.get(event.request_id)
             if pending is None:

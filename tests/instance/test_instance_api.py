@@ -133,7 +133,7 @@ def test_stop_without_drain_aborts_everything() -> None:
     assert not any(engine.pinned(s) for s in ("s0", "s1"))
 
 
-def test_engine_failure_fails_calls_and_marks_unhealthy() -> None:
+def test_an_engine_that_fails_every_step_makes_the_instance_unhealthy() -> None:
     class Broken(FakeEngine):
         def step(self):  # type: ignore[no-untyped-def]
             raise RuntimeError("device lost")
@@ -141,13 +141,17 @@ def test_engine_failure_fails_calls_and_marks_unhealthy() -> None:
     engine = Broken(["a"], step_s=0.1)
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("baseline"))
+        inst = Instance("i", engine, preset("baseline", max_engine_faults=3))
         await inst.start()
-        events = await inst.submit(call("c0", "s0", "a", 10)).collect()
-        return events, inst
+        seen = []
+        for i in range(3):  # each call fails alone; the third fault in a row ends the loop
+            seen.append((inst.state().healthy, await inst.submit(call(f"c{i}", "s0", "a", 10)).collect()))
+        return seen, inst
 
-    events, inst = run_virtual(main())
-    assert events[-1].finish_reason == "error" and "device lost" in (events[-1].error or "")
+    seen, inst = run_virtual(main())
+    assert [healthy for healthy, _ in seen] == [True, True, True]
+    for _, events in seen:
+        assert events[-1].finish_reason == "error" and "device lost" in (events[-1].error or "")
     assert not inst.state().healthy
 
 
