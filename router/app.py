@@ -1,17 +1,19 @@
 """The router's aiohttp application: the OpenAI-compatible front door.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. The handlers validate, tokenize and
+``GET /v1/models``, ``GET /health`` (503 while no instance is healthy), ``GET /live``
+(200 while the process serves), ``GET /metrics``. The handlers validate, tokenize and
 build a :class:`~talaria.protocol.CallRequest`; :class:`~router.core.RouterCore` places and
 forwards it. Errors before the first token get their HTTP status; after it, a streamed
-error event (or a 502 for a non-streamed call), never a silent truncation. A client that
-goes away, or a stop string reached, aborts the call on its instance.
+error event then ``[DONE]`` (or a 502 for a non-streamed call), never a silent truncation.
+An instance's failure reaches the client as a generic message naming the request id; the
+detail goes to the log. A client that goes away (noticed while its call waits too), or a
+stop string reached, aborts the call on its instance. Bounds: ``router.limits``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,8 +26,16 @@ from aiohttp import web
 
 from router import openai_schema as schema
 from router.core import CallRejected, NoHealthyInstance, RouterCore
+from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
+from router.limits import (
+    InflightGate,
+    RouterLimits,
+    check_prompt_bytes,
+    check_session_id,
+    prompt_bytes,
+)
 from router.metrics import RouterMetrics
 from router.placement import POLICIES, PlacementContext
 from router.sessions import SessionTable
@@ -39,9 +49,9 @@ from talaria.protocol.errors import (
     error_middleware,
     no_healthy_instance,
     overloaded,
-    unauthorized,
     unknown_model,
 )
+from talaria.protocol.http import key_middleware, next_or_gone, read_body
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +68,9 @@ class RouterConfig:
     block_size: int = 16
     session_ttl_s: float = 1800.0
     max_model_lens: dict[str, int] = field(default_factory=dict)  # per-model override
+    instance_key: str | None = None  # sent to every instance (`talaria serve` generates it)
+    limits: RouterLimits = field(default_factory=RouterLimits)
+    deadlines: Deadlines = field(default_factory=Deadlines)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -77,6 +90,7 @@ CONFIG_KEY = web.AppKey("router_config", RouterConfig)
 CORE_KEY = web.AppKey("router_core", RouterCore)
 TOKENIZERS_KEY = web.AppKey("router_tokenizers", dict[str, ModelTokenizer])
 POLLER_KEY = web.AppKey("router_poller", HealthPoller)
+GATE_KEY = web.AppKey("router_inflight", InflightGate)
 
 
 def create_app(
@@ -87,7 +101,10 @@ def create_app(
     """Build the router app. ``clients`` defaults to one HttpInstanceClient per configured
     instance (closed at cleanup); ``tokenizers`` defaults to loading each model's."""
     if clients is None:
-        clients = {i: HttpInstanceClient(i, url) for i, url in config.instances.items()}
+        clients = {
+            i: HttpInstanceClient(i, url, key=config.instance_key)
+            for i, url in config.instances.items()
+        }
         owned = list(clients.values())
     else:
         owned = []
@@ -99,17 +116,22 @@ def create_app(
     core = RouterCore(
         clients,
         config.policy,
-        sessions=SessionTable(config.session_ttl_s),
+        sessions=SessionTable(config.session_ttl_s, config.limits.max_sessions),
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
+        deadlines=config.deadlines,
     )
-    app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[error_middleware, _auth_middleware]
-    )
+    middlewares = [error_middleware]
+    if config.api_key:
+        middlewares.append(key_middleware(config.api_key, lambda path: path.startswith("/v1/")))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG_KEY] = config
     app[CORE_KEY] = core
     app[TOKENIZERS_KEY] = tokenizers
+    app[GATE_KEY] = InflightGate(
+        config.limits.max_inflight_calls, config.limits.busy_retry_after_s
+    )
     if config.poll_interval_s is not None:
         poller = HealthPoller(core, config.poll_interval_s)
         app[POLLER_KEY] = poller
@@ -125,19 +147,9 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)
     return app
-
-
-@web.middleware
-async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    key = request.app[CONFIG_KEY].api_key
-    if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise unauthorized()
-    return await handler(request)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -159,9 +171,17 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 503 while no instance is healthy, so a load balancer notices."""
     core = request.app[CORE_KEY]
-    return _json({"status": "ok", "healthy_instances": sorted(core.healthy),
-                  "instances": sorted(core.clients)})
+    status = 200 if core.healthy else 503
+    return _json({"status": "ok" if core.healthy else "no_healthy_instance",
+                  "healthy_instances": sorted(core.healthy), "instances": sorted(core.clients)},
+                 status)
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while the router process serves, whatever its instances do."""
+    return _json({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -171,7 +191,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
+    raw = await read_body(request, request.app[CONFIG_KEY].limits.body_timeout_s)
     if not raw:
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -189,31 +209,54 @@ async def _complete(request: web.Request, body: schema.CompletionBody) -> web.St
     tok = tokenizers.get(body.model)
     if tok is None:
         raise unknown_model(body.model, list(tokenizers))
-    prompt_ids = await _tokenize(tok, body)
-    call = _call_request(request, body, tok, prompt_ids)
-    events = request.app[CORE_KEY].submit(call)
-    try:
-        first = await anext(events)
-    except NoHealthyInstance as exc:
-        raise no_healthy_instance(str(exc)) from exc
-    except Overloaded as exc:
-        raise overloaded(str(exc), exc.retry_after_s) from exc
-    except CallRejected as exc:
-        raise ApiError(exc.status, exc.message) from exc
-    out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs)
-    async with contextlib.aclosing(events):
-        if body.stream:
-            return await _stream(request, body, call, out, first, events)
-        return await _collect(request, body, call, out, first, events)
+    limits = request.app[CONFIG_KEY].limits
+    with request.app[GATE_KEY].admit():
+        session_id = _session_id(request, body, limits)
+        prompt_ids = await _tokenize(tok, body, limits)
+        call = _call_request(body, tok, prompt_ids, session_id)
+        events = request.app[CORE_KEY].submit(call)
+        async with contextlib.aclosing(events):
+            try:
+                first = await next_or_gone(events, request, limits.disconnect_poll_s)
+            except NoHealthyInstance as exc:
+                raise no_healthy_instance(f"{exc} (request id {call.call_id})") from exc
+            except Overloaded as exc:
+                raise overloaded(str(exc), exc.retry_after_s) from exc
+            except CallRejected as exc:
+                raise ApiError(exc.status, exc.message) from exc
+            if first is None:
+                return web.Response(status=499)  # the client left before the first token
+            out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs)
+            if body.stream:
+                return await _stream(request, body, call, out, first, events)
+            return await _collect(request, body, call, out, first, events)
 
 
-async def _tokenize(tok: ModelTokenizer, body: schema.CompletionBody) -> list[int]:
+def _session_id(
+    request: web.Request, body: schema.CompletionBody, limits: RouterLimits
+) -> str | None:
+    """The client's session id (header or body), checked; None: a session of one call."""
+    header = request.headers.get("X-Session-ID")
+    if header is not None:
+        header = check_session_id(header, limits.max_session_id_chars, "X-Session-ID")
+    if body.session_id is not None:
+        check_session_id(body.session_id, limits.max_session_id_chars)
+    if header and body.session_id and header != body.session_id:
+        raise bad_request("the X-Session-ID header and the session_id field disagree", "session_id")
+    return header or body.session_id
+
+
+async def _tokenize(
+    tok: ModelTokenizer, body: schema.CompletionBody, limits: RouterLimits
+) -> list[int]:
     param = "messages" if body.kind == "chat" else "prompt"
+    size = prompt_bytes(body.messages, body.prompt)
+    check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
-            ids = await tok.run(tok.encode_chat, body.messages)
+            ids = await tok.tokenize_chat(body.messages, size)
         elif isinstance(body.prompt, str):
-            ids = await tok.run(tok.encode_text, body.prompt)
+            ids = await tok.tokenize_text(body.prompt, size)
         elif body.prompt is not None:
             tok.check_token_ids(body.prompt)
             ids = list(body.prompt)
@@ -237,7 +280,7 @@ async def _tokenize(tok: ModelTokenizer, body: schema.CompletionBody) -> list[in
 
 
 def _call_request(
-    request: web.Request, body: schema.CompletionBody, tok: ModelTokenizer, prompt_ids: list[int]
+    body: schema.CompletionBody, tok: ModelTokenizer, prompt_ids: list[int], session_id: str | None
 ) -> CallRequest:
     room = tok.context_len - len(prompt_ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else room
@@ -247,13 +290,7 @@ def _call_request(
             f"context length of {tok.name!r} is {tok.context_len}: at most {room} tokens fit",
             "max_tokens",
         )
-    header = request.headers.get("X-Session-ID")
-    if header is not None and not header.strip():
-        raise bad_request("the X-Session-ID header is empty", "X-Session-ID")
-    if header and body.session_id and header != body.session_id:
-        raise bad_request("the X-Session-ID header and the session_id field disagree", "session_id")
     call_id = uuid.uuid4().hex
-    session_id = header or body.session_id
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
@@ -276,15 +313,18 @@ async def _collect(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
     event: CallEvent, events: AsyncIterator[CallEvent],
 ) -> web.Response:
+    poll_s = request.app[CONFIG_KEY].limits.disconnect_poll_s
     while True:
         out.add(event)
         if out.done:
             break
-        if request.transport is None or request.transport.is_closing():
+        following = await next_or_gone(events, request, poll_s)
+        if following is None:
             return web.Response(status=499)  # the client left; aclosing aborts the call
-        event = await anext(events)
+        event = following
     if out.error is not None:
-        raise ApiError(502, out.error, code="instance_failed")
+        log.warning("router.call_failed", call_id=call.call_id, error=out.error)
+        raise ApiError(502, _failed(call), code="instance_failed")
     created = int(time.time())
     usage = out.usage()
     if body.kind == "chat":
@@ -302,12 +342,15 @@ async def _stream(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
     event: CallEvent, events: AsyncIterator[CallEvent],
 ) -> web.StreamResponse:
+    """SSE. Ends with ``[DONE]`` after the finish, or after an error event: an instance's
+    failure, or anything unexpected here."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                  "X-Session-ID": call.session_id}
     )
     created = int(time.time())
     chat = body.kind == "chat"
+    poll_s = request.app[CONFIG_KEY].limits.disconnect_poll_s
 
     def chunk(text: str | None, finish: str | None = None, usage: dict[str, Any] | None = None,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -321,25 +364,41 @@ async def _stream(
         if chat:
             await _send(response, schema.chat_chunk(
                 call.call_id, body.model, created, {"role": "assistant", "content": ""}))
-        while True:
-            piece = out.add(event)
-            if piece.text or piece.logprobs:
-                lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
-                await _send(response, chunk(piece.text, logprobs=lp))
-            if out.done:
-                break
-            event = await anext(events)
+        try:
+            while True:
+                piece = out.add(event)
+                if piece.text or piece.logprobs:
+                    lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
+                    await _send(response, chunk(piece.text, logprobs=lp))
+                if out.done:
+                    break
+                following = await next_or_gone(events, request, poll_s)
+                if following is None:
+                    log.info("router.client_disconnected", call_id=call.call_id)
+                    return response
+                event = following
+        except ConnectionError:
+            raise
+        except Exception as exc:  # never end a 200 stream without saying why
+            log.exception("router.stream_failed", call_id=call.call_id)
+            out.error = out.error or f"{type(exc).__name__}: {exc}"
         if out.error is not None:
-            await _send(response, error_body(out.error, "upstream_error", None, "instance_failed"))
+            log.warning("router.call_failed", call_id=call.call_id, error=out.error)
+            await _send(response, error_body(_failed(call), "upstream_error", None, "instance_failed"))
         else:
             await _send(response, chunk(out.flush(), out.finish_reason))
             if body.include_usage:
                 await _send(response, chunk(None, usage=out.usage()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:
         log.info("router.client_disconnected", call_id=call.call_id)
     return response
+
+
+def _failed(call: CallRequest) -> str:
+    """What a client is told when its call fails on an instance (the detail is logged)."""
+    return f"the call failed on its instance; request id {call.call_id}"
 
 
 async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
