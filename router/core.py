@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
 import structlog
@@ -239,8 +239,9 @@ class RouterCore:
                     await self._abort_quietly(instance_id, call.call_id)
             except Overloaded as exc:
                 errors.append(exc)
-            except BaseException:
+            except BaseException:  # cancelled (its client left): the call goes everywhere
                 self._release(instance_id, pcall)
+                self._background(self._abort_quietly(instance_id, call.call_id))
                 await _close(stream)
                 raise
             else:
@@ -318,9 +319,13 @@ class RouterCore:
         if record is not None and before is not None and call.session_id not in self.sessions:
             self._observe_sct(record)
         if instance_id is not None and self.refresh_after_call:
-            task = asyncio.ensure_future(self.refresh(instance_id))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self.refresh(instance_id))
+
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` beside the call (kept until done; cancelled by ``close``)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _observe_sct(self, record: SessionRecord) -> None:
         if record.last_finish is not None:

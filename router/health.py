@@ -49,16 +49,23 @@ class HealthPoller:
             self.polls += 1
             await asyncio.sleep(self.interval_s)
 
-    async def context(self) -> AsyncIterator[None]:
-        """For ``app.cleanup_ctx``: one polling task per instance and one session cleaner,
-        started at startup, stopped at cleanup."""
+    async def run(self) -> None:
+        """Poll until cancelled: one task per instance and one session cleaner."""
         tasks = [asyncio.ensure_future(self._poll_forever(i)) for i in sorted(self.core.clients)]
         tasks.append(asyncio.ensure_future(self._clean_forever()))
         try:
-            yield
+            await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def context(self) -> AsyncIterator[None]:
+        """For ``app.cleanup_ctx``: poll from startup to cleanup."""
+        task = asyncio.ensure_future(self.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

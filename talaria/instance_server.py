@@ -287,6 +287,13 @@ def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, Mode
             f"{limit.max_model_len - 1} (max_model_len {limit.max_model_len})",
             param="prompt_token_ids",
         )
+    if n + call.params.max_tokens > limit.max_model_len:
+        raise ApiError(
+            400,
+            f"the prompt has {n} tokens and max_tokens is {call.params.max_tokens}: model "
+            f"{call.model!r} holds {limit.max_model_len} (at most {limit.max_model_len - n} fit)",
+            param="max_tokens",
+        )
     bad = next((t for t in call.prompt_token_ids if not 0 <= t < limit.vocab_size), None)
     if bad is not None:
         raise ApiError(

@@ -211,6 +211,12 @@ class MultiModelEngine(ServesModels):
         if core is not None:
             core.unpin_session_kv(session_id)
 
+    def forget_session(self, session_id: str) -> None:
+        model = self._session_model.pop(session_id, None)
+        if model is not None:
+            self._sessions[model].pop(session_id, None)
+            self.cores[model].kv.forget_session(session_id)
+
     def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
         """(tokens of the session's last prefix cached on device, tokens in the host store)."""
         model = self._session_model.get(session_id)

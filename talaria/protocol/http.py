@@ -68,4 +68,5 @@ async def next_or_gone(events: AsyncIterator[T], request: web.Request, poll_s: f
                 return None
     except asyncio.CancelledError:
         task.cancel()
+        await asyncio.wait({task})  # let the generator finish before anyone closes it
         raise

@@ -89,3 +89,15 @@ def test_a_live_request_blocks_a_switch_with_the_same_error(
     engine.abort("r1")
     engine.activate(b)
     assert engine.active_model == b
+
+
+def test_a_forgotten_session_is_no_longer_reported(
+    engine_ab: tuple[MultiModelEngineProtocol, str, str],
+) -> None:
+    engine, a, _ = engine_ab
+    engine.add_request(req("r1", a, n=24))
+    drain(engine)
+    assert engine.session_kv_tokens("s-r1")[0] > 0
+    engine.forget_session("s-r1")
+    assert engine.session_kv_tokens("s-r1") == (0, 0)
+    assert engine.pin_session_kv("s-r1") == 0

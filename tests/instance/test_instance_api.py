@@ -239,3 +239,43 @@ def test_a_call_the_engine_rejects_fails_alone() -> None:
     (bad, good), healthy = run_virtual(main())
     assert bad.last.finish_reason == "error" and "max_model_len" in (bad.last.error or "")
     assert good.last.finish_reason == "length" and healthy
+
+
+def test_a_queued_call_whose_client_left_is_dropped_at_admission() -> None:
+    engine = _engine()
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("baseline", max_running_calls=1))
+        await inst.start()
+        first = inst.submit(call("c0", "s0", "a", 50, max_tokens=5))
+        queued = inst.submit(call("c1", "s1", "a", 50))
+        queued.client_gone = lambda: True  # its server noticed the client is gone
+        await first.collect()
+        events = await queued.collect()
+        await inst.stop()
+        return events, inst
+
+    events, inst = run_virtual(main())
+    assert [e.finish_reason for e in events] == ["abort"]
+    assert ("add", "c1") not in engine.log  # never prefilled
+    assert inst.counters["departed"] == 1
+
+
+def test_the_session_table_is_bounded_here_and_in_the_engine() -> None:
+    engine = _engine()
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("baseline", max_sessions=3, state_refresh_s=0.05))
+        await inst.start()
+        for i in range(8):
+            await inst.submit(call(f"c{i}", f"s{i}", "a", 20, max_tokens=3)).collect()
+        await inst.submit(call("last", "s-last", "a", 20, max_tokens=3)).collect()
+        await inst.stop()
+        return inst
+
+    inst = run_virtual(main())
+    kept = set(inst.sessions.gaps.sessions)
+    assert len(kept) <= 3 and "s-last" in kept
+    forgotten = {sid for kind, sid in engine.log if kind == "forget"}
+    assert {f"s{i}" for i in range(5)} <= forgotten  # the least recently seen went first
+    assert not forgotten & {"s-last"}
