@@ -126,16 +126,15 @@ class RouterCore:
         return state.healthy
 
     def call_failed(self, instance_id: str, exc: Exception) -> None:
-        """A call failed on the instance: unreachable is down at once; other failures count
-        towards a cooldown."""
+        """A call failed on the instance: unreachable is down at once (until a poll finds it
+        back); other failures count towards a cooldown (``router.call_health``)."""
         kind = (
             "unreachable" if isinstance(exc, InstanceUnreachable)
             else "deadline" if isinstance(exc, DeadlineMissed) else "unavailable"
         )
         self.metrics.call_failures.inc(instance=instance_id, kind=kind)
         log.warning("router.call_failed", instance=instance_id, kind=kind, error=str(exc))
-        down_for_cooldown = self.call_health.failure(instance_id, self.now())
-        if kind == "unreachable" or down_for_cooldown:
+        if kind == "unreachable" or self.call_health.failure(instance_id, self.now()):
             self.mark_down(instance_id, f"call failed ({kind}): {exc}")
 
     def cleanup_sessions(self) -> int:

@@ -2,8 +2,9 @@
 
 ``POST /internal/v1/calls`` (body: CallRequest JSON) streams NDJSON CallEvent lines;
 429 means overloaded (``retry_after_s`` in the body, ``Retry-After`` header); other 4xx
-mean the call is invalid; a refused connection means the instance is unreachable; 5xx,
-timeouts, broken streams and lines that are not a well-formed event mean it is unavailable.
+mean the call is invalid; a refused connection or a stream whose connection breaks means
+the instance is unreachable; 5xx, timeouts and lines that are not a well-formed event mean
+it is unavailable.
 ``POST /internal/v1/calls/{id}/abort``, ``GET /internal/v1/state``, ``GET /health``. Every
 request carries ``Authorization: Bearer <key>`` when the client has the instances' key.
 """
@@ -85,6 +86,9 @@ class HttpInstanceClient:
                             yield self._event(line)
                 if bytes(buffer).strip():
                     yield self._event(bytes(buffer))
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                    ConnectionError) as exc:  # the process went away mid-call
+                raise InstanceUnreachable(f"{self.instance_id}: stream broke: {exc!r}") from exc
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 raise InstanceUnavailable(f"{self.instance_id}: stream broke: {exc!r}") from exc
 

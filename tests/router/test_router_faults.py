@@ -248,3 +248,16 @@ async def test_a_client_that_leaves_before_the_first_token_aborts_its_call(
     finally:
         await runner.cleanup()
     assert hung.aborted == [hung.calls[0].call_id]
+
+
+def test_one_burst_of_failures_costs_one_cooldown_and_probation_doubles_it() -> None:
+    from router.call_health import CallHealth
+
+    health = CallHealth(HealthRules(failures_to_down=3, cooldown_s=5.0))
+    assert [health.failure("a", 0.0) for _ in range(3)] == [False, False, True]
+    assert all(health.failure("a", 1.0) for _ in range(20))  # the same episode
+    assert not health.may_come_back("a", 4.9) and health.may_come_back("a", 5.0)
+    assert health.failure("a", 6.0)  # on probation: one failure starts the next cooldown
+    assert not health.may_come_back("a", 15.9) and health.may_come_back("a", 16.0)
+    health.success("a")
+    assert not health.failure("a", 20.0)  # a good call clears everything
