@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -18,17 +19,26 @@ from router_fakes import FakeInstance
 from test_api import chat_body, reply, serve, sse
 
 from router.app import RouterConfig, create_app
-from router.call_health import HealthRules
 from router.core import RouterCore
-from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
-from router.limits import RouterLimits
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallRequest, InstanceState, SamplingParams, to_json
 
 REPLY = [10, 11, 12, 13, 14]
-FAST = Deadlines(first_token_s=0.2, stall_s=0.2, state_s=0.2)
+
+
+def fast() -> Any:
+    """Short deadlines (imported here: the tests below that need none run on any router)."""
+    from router.deadlines import Deadlines
+
+    return Deadlines(first_token_s=0.2, stall_s=0.2, state_s=0.2)
+
+
+def rules(**kw: Any) -> Any:
+    from router.call_health import HealthRules
+
+    return HealthRules(**kw)
 
 
 class Hung(FakeInstance):
@@ -60,8 +70,8 @@ def request(i: int) -> CallRequest:
 async def test_a_hung_instance_misses_the_first_token_deadline_and_the_call_moves() -> None:
     now = [0.0]
     hung, good = Hung("a"), FakeInstance("b", REPLY)
-    core = RouterCore({"a": hung, "b": good}, "load", deadlines=FAST, refresh_after_call=False,
-                      health_rules=HealthRules(failures_to_down=2, cooldown_s=30.0),
+    core = RouterCore({"a": hung, "b": good}, "load", deadlines=fast(), refresh_after_call=False,
+                      health_rules=rules(failures_to_down=2, cooldown_s=30.0),
                       clock=lambda: now[0])
     done = []
     for i in range(2):
@@ -81,7 +91,7 @@ async def test_a_hung_instance_misses_the_first_token_deadline_and_the_call_move
 
 async def test_a_stall_after_the_first_token_ends_in_an_error_event_and_an_abort() -> None:
     stalls = Hung("a", after=2)
-    core = RouterCore({"a": stalls}, "load", deadlines=FAST, refresh_after_call=False)
+    core = RouterCore({"a": stalls}, "load", deadlines=fast(), refresh_after_call=False)
     events = [e async for e in core.submit(request(0))]
     assert [e.token_ids for e in events[:2]] == [[10], [11]]
     assert events[-1].finished and events[-1].finish_reason == "error"
@@ -93,7 +103,7 @@ async def test_a_stall_after_the_first_token_ends_in_an_error_event_and_an_abort
 async def test_a_call_that_finishes_clears_the_failure_count() -> None:
     a = FakeInstance("a", REPLY)
     core = RouterCore({"a": a}, "load", refresh_after_call=False,
-                      health_rules=HealthRules(failures_to_down=2))
+                      health_rules=rules(failures_to_down=2))
     core.call_failed("a", TimeoutError("one"))
     [e async for e in core.submit(request(0))]
     core.call_failed("a", TimeoutError("two"))
@@ -102,7 +112,7 @@ async def test_a_call_that_finishes_clears_the_failure_count() -> None:
 
 async def test_polls_do_not_wait_on_each_other() -> None:
     stuck, fine = HungState("a", REPLY), FakeInstance("b", REPLY)
-    core = RouterCore({"a": stuck, "b": fine}, "load", deadlines=FAST)
+    core = RouterCore({"a": stuck, "b": fine}, "load", deadlines=fast())
     poller = HealthPoller(core, interval_s=0.05)
     ctx = poller.context()
     await anext(ctx)
@@ -225,8 +235,7 @@ async def test_a_client_that_leaves_before_the_first_token_aborts_its_call(
     """As ``talaria serve`` runs it (handlers are not cancelled: the router notices the client
     left while it waits) and with handler cancellation (aiohttp's test server)."""
     hung = Hung("a")
-    config = RouterConfig(models={"tiny": "/unused"}, instances={"a": ""}, poll_interval_s=None,
-                          limits=RouterLimits(disconnect_poll_s=0.05))
+    config = RouterConfig(models={"tiny": "/unused"}, instances={"a": ""}, poll_interval_s=None)
     runner = web.AppRunner(create_app(config, {"a": hung}, tokenizers={"tiny": tokenizer}),
                            handler_cancellation=cancel_handlers)
     await runner.setup()
@@ -253,7 +262,7 @@ async def test_a_client_that_leaves_before_the_first_token_aborts_its_call(
 def test_one_burst_of_failures_costs_one_cooldown_and_probation_doubles_it() -> None:
     from router.call_health import CallHealth
 
-    health = CallHealth(HealthRules(failures_to_down=3, cooldown_s=5.0))
+    health = CallHealth(rules(failures_to_down=3, cooldown_s=5.0))
     assert [health.failure("a", 0.0) for _ in range(3)] == [False, False, True]
     assert all(health.failure("a", 1.0) for _ in range(20))  # the same episode
     assert not health.may_come_back("a", 4.9) and health.may_come_back("a", 5.0)

@@ -16,7 +16,6 @@ from router_fakes import FakeInstance
 from test_api import chat_body, reply, serve
 
 from router.app import CORE_KEY
-from router.limits import RouterLimits
 from router.sessions import SessionTable
 from router.tokenization import ModelTokenizer
 
@@ -122,6 +121,8 @@ async def test_a_large_prompt_does_not_hold_up_a_small_one(model_dir: Path) -> N
 
 
 async def test_calls_beyond_the_cap_get_429_with_retry_after(tokenizer: ModelTokenizer) -> None:
+    from router.limits import RouterLimits
+
     hold = asyncio.Event()
     a = FakeInstance("a", reply(tokenizer), hold=hold)
     limits = RouterLimits(max_inflight_calls=2, busy_retry_after_s=3.0)
@@ -168,6 +169,8 @@ async def test_health_is_503_without_a_healthy_instance_and_live_stays_200(
 
 
 async def test_a_slow_body_gets_408(tokenizer: ModelTokenizer) -> None:
+    from router.limits import RouterLimits
+
     a = FakeInstance("a", reply(tokenizer))
 
     async def trickle() -> Any:
@@ -223,6 +226,8 @@ async def test_no_op_values_and_tiny_temperatures_are_accepted(tokenizer: ModelT
 
 
 def test_router_limits_are_checked() -> None:
+    from router.limits import RouterLimits
+
     with pytest.raises(ValueError, match="max_inflight_calls"):
         RouterLimits(max_inflight_calls=0)
     with pytest.raises(ValueError, match="max_session_id_chars"):
