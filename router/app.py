@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from router import openai_schema as schema
+from router import openai_tools
 from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
@@ -31,6 +32,7 @@ from router.placement import POLICIES, PlacementContext
 from router.sessions import SessionTable
 from router.stream_output import OutputAssembler
 from router.tokenization import ModelTokenizer
+from router.tool_calls import TOOL_FORMATS, AnswerParser, ToolCall, detect_tool_format
 from talaria.protocol import CallEvent, CallRequest, InstanceClient, Overloaded, SamplingParams
 from talaria.protocol.errors import (
     ApiError,
@@ -58,6 +60,7 @@ class RouterConfig:
     block_size: int = 16
     session_ttl_s: float = 1800.0
     max_model_lens: dict[str, int] = field(default_factory=dict)  # per-model override
+    tool_formats: dict[str, str] = field(default_factory=dict)  # model -> tool-call format
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -71,6 +74,12 @@ class RouterConfig:
         unknown = set(self.max_model_lens) - set(self.models)
         if unknown:
             raise ValueError(f"max_model_lens names models not in the catalog: {sorted(unknown)}")
+        unknown = set(self.tool_formats) - set(self.models)
+        if unknown:
+            raise ValueError(f"tool_formats names models not in the catalog: {sorted(unknown)}")
+        bad = {m: f for m, f in self.tool_formats.items() if f not in TOOL_FORMATS}
+        if bad:
+            raise ValueError(f"unknown tool-call formats {bad}; choose from {sorted(TOOL_FORMATS)}")
 
 
 CONFIG_KEY = web.AppKey("router_config", RouterConfig)
@@ -189,7 +198,8 @@ async def _complete(request: web.Request, body: schema.CompletionBody) -> web.St
     tok = tokenizers.get(body.model)
     if tok is None:
         raise unknown_model(body.model, list(tokenizers))
-    prompt_ids = await _tokenize(tok, body)
+    answer = _answer_parser(request.app[CONFIG_KEY], body, tok)
+    prompt_ids = await _tokenize(tok, body, answer.prefill if answer else "")
     call = _call_request(request, body, tok, prompt_ids)
     events = request.app[CORE_KEY].submit(call)
     try:
@@ -203,15 +213,30 @@ async def _complete(request: web.Request, body: schema.CompletionBody) -> web.St
     out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs)
     async with contextlib.aclosing(events):
         if body.stream:
-            return await _stream(request, body, call, out, first, events)
-        return await _collect(request, body, call, out, first, events)
+            return await _stream(request, body, call, out, first, events, answer)
+        return await _collect(request, body, call, out, first, events, answer)
 
 
-async def _tokenize(tok: ModelTokenizer, body: schema.CompletionBody) -> list[int]:
+def _answer_parser(
+    config: RouterConfig, body: schema.CompletionBody, tok: ModelTokenizer, id_prefix: str = "call_"
+) -> AnswerParser | None:
+    """The parser of tool calls in this call's answer (None: no tools to look for)."""
+    tools = body.tools
+    if not tools.parse_calls:
+        return None
+    name = config.tool_formats.get(tok.name) or detect_tool_format(tok.chat_template)
+    if name is None:
+        raise bad_request(f"model {tok.name!r} has no tool-call format in its chat template (set "
+                          "tool_formats in the router config); it cannot take tools", "tools")
+    return AnswerParser(TOOL_FORMATS[name], any_call=tools.choice == "required",
+                        function=tools.function, parallel=tools.parallel, id_prefix=id_prefix)
+
+
+async def _tokenize(tok: ModelTokenizer, body: schema.CompletionBody, prefill: str = "") -> list[int]:
     param = "messages" if body.kind == "chat" else "prompt"
     try:
         if body.messages is not None:
-            ids = await tok.run(tok.encode_chat, body.messages)
+            ids = await tok.run(tok.encode_chat, body.messages, body.tools.tools, prefill)
         elif isinstance(body.prompt, str):
             ids = await tok.run(tok.encode_text, body.prompt)
         elif body.prompt is not None:
@@ -274,7 +299,7 @@ def _call_request(
 
 async def _collect(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent],
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
 ) -> web.Response:
     while True:
         out.add(event)
@@ -288,8 +313,14 @@ async def _collect(
     created = int(time.time())
     usage = out.usage()
     if body.kind == "chat":
-        data = schema.chat_completion(call.call_id, body.model, created, out.text, out.finish_reason,
-                                      usage, out.chat_logprobs())
+        text, finish, calls = out.text, out.finish_reason, None
+        if answer is not None:
+            items = answer.feed(text) + answer.finish()
+            text = "".join(i for i in items if isinstance(i, str))
+            calls = [openai_tools.tool_call_dict(c.id, c.name, c.arguments) for c in answer.calls]
+            finish = answer.finish_reason(finish)
+        data = schema.chat_completion(call.call_id, body.model, created, text, finish,
+                                      usage, out.chat_logprobs(), calls)
     else:
         data = schema.text_completion(call.call_id, body.model, created, out.text, out.finish_reason,
                                       usage, out.completion_logprobs())
@@ -300,7 +331,7 @@ async def _collect(
 
 async def _stream(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent],
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -323,7 +354,10 @@ async def _stream(
                 call.call_id, body.model, created, {"role": "assistant", "content": ""}))
         while True:
             piece = out.add(event)
-            if piece.text or piece.logprobs:
+            if answer is not None:
+                lp = out.chat_logprobs(piece) if piece.logprobs else None
+                await _send_answer(response, answer.feed(piece.text), call, body, created, lp)
+            elif piece.text or piece.logprobs:
                 lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
                 await _send(response, chunk(piece.text, logprobs=lp))
             if out.done:
@@ -331,6 +365,10 @@ async def _stream(
             event = await anext(events)
         if out.error is not None:
             await _send(response, error_body(out.error, "upstream_error", None, "instance_failed"))
+        elif answer is not None:
+            rest = answer.feed(out.flush()) + answer.finish()
+            await _send_answer(response, rest, call, body, created, None)
+            await _send(response, chunk("", answer.finish_reason(out.finish_reason)))
         else:
             await _send(response, chunk(out.flush(), out.finish_reason))
             if body.include_usage:
@@ -340,6 +378,24 @@ async def _stream(
     except ConnectionResetError:
         log.info("router.client_disconnected", call_id=call.call_id)
     return response
+
+
+async def _send_answer(
+    response: web.StreamResponse, items: list[str | ToolCall], call: CallRequest,
+    body: schema.CompletionBody, created: int, logprobs: dict[str, Any] | None,
+) -> None:
+    """Stream an answer's content and tool calls as chat chunks (logprobs on the first)."""
+    deltas: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, str):
+            deltas.append({"content": item})
+        else:
+            deltas += openai_tools.tool_call_deltas(item.index, item.id, item.name, item.arguments)
+    if logprobs is not None and not deltas:
+        deltas.append({"content": ""})
+    for delta in deltas:
+        await _send(response, schema.chat_chunk(call.call_id, body.model, created, delta, logprobs=logprobs))
+        logprobs = None
 
 
 async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
