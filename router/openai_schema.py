@@ -40,6 +40,7 @@ class CompletionBody:
     last_call: bool = False
     ignore_eos: bool = False
     tools: ToolRequest = field(default_factory=ToolRequest)
+    metadata_session_id: str | None = None  # the session Anthropic metadata.user_id names
 
 
 def parse_chat(body: Any) -> CompletionBody:

@@ -106,6 +106,21 @@ def tool_call_deltas(index: int, call_id: str, name: str, arguments: str) -> lis
     ]
 
 
+def answer_deltas(items: list[Any], with_logprobs: bool = False) -> list[dict[str, Any]]:
+    """Chat-chunk deltas for an answer's content pieces and tool calls (``router.tool_calls``
+    items, in order); one empty content delta to carry logprobs when nothing else does."""
+    deltas: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, str):
+            if item:
+                deltas.append({"content": item})
+        else:
+            deltas += tool_call_deltas(item.index, item.id, item.name, item.arguments)
+    if with_logprobs and not deltas:
+        deltas.append({"content": ""})
+    return deltas
+
+
 def _flag(data: dict[str, Any], key: str) -> bool:
     value = data[key]
     if not isinstance(value, bool):

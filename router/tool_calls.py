@@ -30,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from router.openai_tools import ToolRequest
+from talaria.protocol.errors import bad_request
+
 __all__ = [
     "TOOL_FORMATS",
     "AnswerParser",
@@ -38,6 +41,7 @@ __all__ = [
     "ToolCallParser",
     "ToolFormat",
     "ToolOutput",
+    "answer_parser",
     "detect_tool_format",
     "new_tool_call_id",
     "parse_all",
@@ -281,6 +285,19 @@ def detect_tool_format(chat_template: str | None) -> str | None:
         if fmt.template_marker in chat_template:
             return fmt.name
     return None
+
+
+def answer_parser(
+    tools: ToolRequest, model: str, format_name: str | None, id_prefix: str = "call_"
+) -> AnswerParser | None:
+    """The parser of tool calls in one answer (None when the call offers no tools to use)."""
+    if not tools.parse_calls:
+        return None
+    if format_name is None:
+        raise bad_request(f"model {model!r} has no tool-call format in its chat template (set "
+                          "tool_formats in the router config); it cannot take tools", "tools")
+    return AnswerParser(TOOL_FORMATS[format_name], any_call=tools.choice == "required",
+                        function=tools.function, parallel=tools.parallel, id_prefix=id_prefix)
 
 
 def parse_all(parser: ToolCallParser, text: str) -> ToolOutput:
