@@ -28,6 +28,8 @@ from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
 from router.metrics import RouterMetrics
 from router.placement import POLICIES, PlacementContext
+from router.session_identity import SessionHeaders, resolve_session
+from router.session_inference import SessionInference
 from router.sessions import SessionTable
 from router.stream_output import OutputAssembler, Responder
 from router.tokenization import ModelTokenizer
@@ -64,6 +66,8 @@ class RouterConfig:
     session_ttl_s: float = 1800.0
     max_model_lens: dict[str, int] = field(default_factory=dict)  # per-model override
     tool_formats: dict[str, str] = field(default_factory=dict)  # model -> tool-call format
+    session_headers: SessionHeaders = field(default_factory=SessionHeaders)
+    infer_sessions: bool = True  # calls naming no session join the session their prompt extends
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -115,6 +119,7 @@ def create_app(
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
+        inference=SessionInference(config.block_size) if config.infer_sessions else None,
     )
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -302,13 +307,8 @@ def _call_request(
             f"context length of {tok.name!r} is {tok.context_len}: at most {room} tokens fit",
             "max_tokens",
         )
-    header = request.headers.get("X-Session-ID")
-    if header is not None and not header.strip():
-        raise bad_request("the X-Session-ID header is empty", "X-Session-ID")
-    if header and body.session_id and header != body.session_id:
-        raise bad_request("the X-Session-ID header and the session_id field disagree", "session_id")
-    call_id = uuid.uuid4().hex
-    session_id = header or body.session_id
+    identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,
+                               body.last_call, request.app[CONFIG_KEY].session_headers)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
@@ -317,11 +317,12 @@ def _call_request(
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     return CallRequest(
-        call_id=call_id,
-        session_id=session_id or f"anon-{call_id}",
+        call_id=uuid.uuid4().hex,
+        session_id=identity.session_id or "",  # "": the core infers it (or makes a session of one)
         model=body.model,
         prompt_token_ids=prompt_ids,
         params=params,
         expected_gap_s=body.expected_gap_s,
-        last_call=body.last_call or session_id is None,
+        last_call=identity.final,
+        parent_session_id=identity.parent_id,
     )
