@@ -70,6 +70,7 @@ class CallRecord:
     restored_tokens: int = 0  # of those, restored from host memory
     instance_id: str | None = None
     error: str | None = None
+    session_id: str | None = None  # the session the router served it in (inferred when unsent)
 
     @property
     def ttft_s(self) -> float | None:
@@ -183,17 +184,26 @@ async def drive(
     desc: str = "replay",
     time_scale: float = 1.0,
     output_kv_reusable: bool = True,
+    send_session_ids: bool = True,
+    shared_prefix_tokens: int = 0,
 ) -> list[SessionResult]:
     """Replay ``sessions`` closed-loop against ``target`` on the running loop. Arrivals and
     tool gaps are multiplied by ``time_scale``. ``block_size``: KV reuse is counted in whole
     blocks (what a prefix cache can hold). ``output_kv_reusable``: whether the previous
     call's output tokens, as they reappear in the next prompt, could hit its KV (False when
-    the target returns no token ids and stand-ins replace them)."""
+    the target returns no token ids and stand-ins replace them). ``send_session_ids=False``:
+    calls go without their session id (the router infers it; each record keeps the one it
+    used). ``shared_prefix_tokens``: every session's first prompt of a model starts with the
+    same tokens, as an agent's system prompt and tool definitions do (at most all but one of
+    the prompt's tokens)."""
     if time_scale < 0:
         raise ValueError(f"time_scale must be >= 0, got {time_scale}")
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     bar = _progress_bar(sum(s.num_calls for s in sessions), desc, progress)
+
+    shared = {m: SessionTokens("<shared prefix>", seed, vocab_of(m)).take(shared_prefix_tokens)
+              for m in {s.model for s in sessions}}
 
     async def one(session: Session) -> SessionResult:
         await asyncio.sleep(session.arrival_s * time_scale)
@@ -204,7 +214,8 @@ async def drive(
         output: list[int] = []
         for k, call in enumerate(session.calls):
             if k == 0:
-                prompt = tokens.take(call.input_tokens)
+                prompt = shared[session.model][: call.input_tokens - 1]
+                prompt = prompt + tokens.take(call.input_tokens - len(prompt))
                 reusable = 0
             else:
                 computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
@@ -221,7 +232,7 @@ async def drive(
                 max_tokens = min(max_tokens, context - len(prompt))
             request = CallRequest(
                 call_id=f"{session.session_id}#{k}",
-                session_id=session.session_id,
+                session_id=session.session_id if send_session_ids else "",
                 model=session.model,
                 prompt_token_ids=prompt,
                 params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
@@ -242,6 +253,7 @@ async def drive(
                     restored_tokens=outcome.restored_tokens,
                     instance_id=outcome.instance_id,
                     error=outcome.error,
+                    session_id=request.session_id or None,
                 )
             )
             bar.update(1)
@@ -331,8 +343,11 @@ def run_sim(
     *,
     seed: int = 0,
     progress: bool = False,
+    send_session_ids: bool = True,
+    shared_prefix_tokens: int = 0,
 ) -> ReplayResult:
-    """Replay ``sessions`` on a simulated cluster of ``system`` under a fresh virtual loop."""
+    """Replay ``sessions`` on a simulated cluster of ``system`` under a fresh virtual loop
+    (``send_session_ids``, ``shared_prefix_tokens``: see :func:`drive`)."""
     spec = spec or ClusterSpec()
     unknown = sorted({s.model for s in sessions} - set(spec.models))
     if unknown:
@@ -347,7 +362,8 @@ def run_sim(
             results = await drive(
                 sessions, SimTarget(cluster.router), seed=seed, vocab_of=vocab.__getitem__,
                 context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
-                desc=system.name,
+                desc=system.name, send_session_ids=send_session_ids,
+                shared_prefix_tokens=shared_prefix_tokens,
             )
             totals = cluster.totals()
         finally:
