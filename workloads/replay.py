@@ -29,7 +29,7 @@ import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.sampling_params import SamplingParams
@@ -38,8 +38,9 @@ from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
 from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
+from workloads.dependencies import CallBoard
 from workloads.systems import SystemConfig
-from workloads.trace import Session
+from workloads.trace import CallRef, Session
 
 __all__ = [
     "CallRecord",
@@ -163,10 +164,12 @@ class SessionTokens:
 
 
 def next_prompt(
-    prev_prompt: list[int], prev_output: list[int], input_tokens: int, tokens: SessionTokens
+    prev_prompt: list[int], prev_output: list[int], input_tokens: int, tokens: SessionTokens,
+    keep: int | None = None,
 ) -> list[int]:
-    """Call k+1's prompt: the first ``input_tokens`` of prompt + output + fresh tool tokens."""
-    base = prev_prompt + prev_output
+    """Call k+1's prompt: the first ``input_tokens`` of prompt + output (its first ``keep``
+    tokens when given) + fresh tool tokens."""
+    base = (prev_prompt + prev_output)[:keep]
     if input_tokens <= len(base):
         return base[:input_tokens]
     return base + tokens.take(input_tokens - len(base))
@@ -204,24 +207,36 @@ async def drive(
 
     shared = {m: SessionTokens("<shared prefix>", seed, vocab_of(m)).take(shared_prefix_tokens)
               for m in {s.model for s in sessions}}
+    board = CallBoard(sessions)
 
     async def one(session: Session) -> SessionResult:
+        start = t0
+        if session.start_after is not None or session.calls[0].waits_for:
+            await board.wait_start(session)
+            start = loop.time()
         await asyncio.sleep(session.arrival_s * time_scale)
-        result = SessionResult(session.session_id, session.model, t0 + session.arrival_s * time_scale)
+        result = SessionResult(session.session_id, session.model, start + session.arrival_s * time_scale)
         tokens = SessionTokens(session.session_id, seed, vocab_of(session.model))
         context = context_of(session.model) if context_of is not None else None
         prompt: list[int] = []
         output: list[int] = []
         for k, call in enumerate(session.calls):
-            if k == 0:
+            if k > 0:
+                await board.wait(call.waits_for)
+                await asyncio.sleep((session.calls[k - 1].tool_gap_s or 0.0) * time_scale)
+            reusable = 0
+            if call.prefix_from is not None and call.prefix_from.session_id != session.session_id:
+                prompt = next_prompt(board.tokens(call.prefix_from), [], call.input_tokens, tokens,
+                                     call.prefix_tokens)
+            elif k == 0:
                 prompt = shared[session.model][: call.input_tokens - 1]
                 prompt = prompt + tokens.take(call.input_tokens - len(prompt))
-                reusable = 0
             else:
                 computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
-                reusable = min(computed, call.input_tokens - 1)
-                reusable = reusable // block_size * block_size
-                prompt = next_prompt(prompt, output, call.input_tokens, tokens)
+                base = board.tokens(call.prefix_from) if call.prefix_from else prompt + output
+                keep = min(len(base) if call.prefix_tokens is None else call.prefix_tokens, computed)
+                reusable = min(keep, call.input_tokens - 1) // block_size * block_size
+                prompt = next_prompt(base, [], call.input_tokens, tokens, call.prefix_tokens)
             max_tokens = call.output_tokens
             if context is not None:
                 if len(prompt) >= context:
@@ -256,9 +271,8 @@ async def drive(
                     session_id=request.session_id or None,
                 )
             )
+            board.ended(CallRef(session.session_id, k), prompt, output)
             bar.update(1)
-            if call.tool_gap_s is not None and k + 1 < session.num_calls:
-                await asyncio.sleep(call.tool_gap_s * time_scale)
         return result
 
     try:
@@ -381,4 +395,4 @@ def replicate(sessions: Sequence[Session], copies: int) -> list[Session]:
         raise ValueError(f"copies must be >= 1, got {copies}")
     if copies == 1:
         return list(sessions)
-    return [replace(s, session_id=f"{s.session_id}@{r}") for r in range(copies) for s in sessions]
+    return [s.renamed(lambda sid, r=r: f"{sid}@{r}") for r in range(copies) for s in sessions]
