@@ -264,6 +264,19 @@ def write_random_checkpoint(
     return path
 
 
+def write_tokenizer_files(model_dirs: list[Path]) -> None:
+    """Rewrite the tokenizer (and chat template) of tiny models written earlier; the same
+    seeded BPE, so token ids are unchanged."""
+    import json
+
+    by_vocab: dict[int, Any] = {}
+    for path in model_dirs:
+        vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+        if vocab not in by_vocab:
+            by_vocab[vocab] = build_tokenizer(vocab)
+        by_vocab[vocab].save_pretrained(path)
+
+
 def make_tiny_models(directory: str | Path, size: str = "tiny", seed: int = 0) -> dict[str, Path]:
     """Write "tiny-llama", "tiny-qwen3" (tied embeddings) and "tiny-qwen3-moe" under
     ``directory`` (one shared tokenizer); returns name -> path. ``size="small"`` gives

@@ -4,13 +4,23 @@ prompt starting with one shared system prompt), inferred against sent."""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import AsyncIterator
+from pathlib import Path
 
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from engine.models.tiny import build_tokenizer
+from router.app import RouterConfig, create_app
+from talaria.protocol import CallEvent, CallRequest, CallUsage, InstanceState
 from workloads.cluster import ClusterSpec
 from workloads.generator import generate_trace
-from workloads.replay import CallRecord, SessionResult
+from workloads.live import LiveTarget
+from workloads.replay import CallRecord, SessionResult, drive
 from workloads.session_check import check_inference, format_check, session_match
 from workloads.systems import SYSTEMS
+from workloads.trace import Call, Session
 
 
 def _result(true: str, inferred: list[str | None]) -> SessionResult:
@@ -45,3 +55,37 @@ def test_inferred_sessions_match_and_cost_nothing_on_a_small_trace() -> None:
     later_firsts = len(trace) - len({s.model for s in trace})
     assert sum(s.calls[0].cached_tokens for s in check.without_ids.sessions) >= later_firsts * 3968
     assert "calls in their true session (100.00%)" in format_check(check)
+
+
+class _EchoInstance:
+    """An in-process instance that answers every call with ``max_tokens`` tokens of id 5."""
+
+    instance_id = "i0"
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        n = call.params.max_tokens
+        yield CallEvent(call.call_id, [5] * n, finished=True, finish_reason="length",
+                        usage=CallUsage(len(call.prompt_token_ids), n, 0))
+
+    async def abort(self, call_id: str) -> None:
+        return None
+
+    async def state(self) -> InstanceState:
+        return InstanceState("i0")
+
+
+async def test_live_replay_without_ids_reads_the_inferred_sessions_back(tmp_path: Path) -> None:
+    build_tokenizer(512).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    config = RouterConfig(models={"m": str(tmp_path)}, instances={"i0": "unused"}, poll_interval_s=None)
+    server = TestServer(create_app(config, clients={"i0": _EchoInstance()}))
+    await server.start_server()
+    sessions = [Session(f"s{i}", "m", (Call(40, 3, 0.0), Call(60, 3, 0.0), Call(90, 2, None))) for i in range(3)]
+    try:
+        async with aiohttp.ClientSession() as http:
+            results = await drive(sessions, LiveTarget(http, str(server.make_url("/v1"))), vocab_of=lambda m: 300,
+                                  output_kv_reusable=False, send_session_ids=False)
+    finally:
+        await server.close()
+    assert session_match(results).rate == 1.0
+    assert {c.session_id for r in results for c in r.calls} == {"inferred-0", "inferred-1", "inferred-2"}
