@@ -14,7 +14,10 @@ import pytest
 from serve_process import start_serve
 
 from engine.models.tiny import CHAT_TEMPLATE
+from router.app import CONFIG_KEY
+from talaria.cli import _router_app
 from talaria.paths import default_models_dir, ensure_tiny_models
+from talaria.serve_config import ConfigError, load_serve_config
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file",
@@ -32,6 +35,18 @@ def test_a_catalog_written_before_tools_gets_the_current_template(tmp_path: Path
     ensure_tiny_models()
     assert old.read_text() == CHAT_TEMPLATE
     assert sorted(p.stat().st_mtime_ns for p in default_models_dir().glob("*/*.safetensors")) == weights
+
+    # The serve config names the router's session headers, inference and a model's tool format.
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'[router]\ninfer_sessions = false\nsession_headers = ["x-my-session"]\n'
+                    f'[models.m]\npath = "{paths["tiny-llama"]}"\ntool_format = "hermes"\n')
+    config = load_serve_config(toml)
+    router = _router_app(config, {"i0": "http://127.0.0.1:1"})[CONFIG_KEY]
+    assert router.session_headers.session == ("x-my-session",) and not router.infer_sessions
+    assert router.tool_formats == {"m": "hermes"}
+    toml.write_text('[router]\nsession_headers = "x-one"\n')
+    with pytest.raises(ConfigError, match="session_headers"):
+        load_serve_config(toml)
 
 
 @pytest.mark.slow
