@@ -44,7 +44,6 @@ __all__ = [
     "answer_parser",
     "detect_tool_format",
     "new_tool_call_id",
-    "parse_all",
 ]
 
 
@@ -298,14 +297,3 @@ def answer_parser(
                           "tool_formats in the router config); it cannot take tools", "tools")
     return AnswerParser(TOOL_FORMATS[format_name], any_call=tools.choice == "required",
                         function=tools.function, parallel=tools.parallel, id_prefix=id_prefix)
-
-
-def parse_all(parser: ToolCallParser, text: str) -> ToolOutput:
-    """Feed ``text`` whole and finish: the non-streaming answer."""
-    out = parser.feed(text)
-    for item in parser.finish().items:
-        if isinstance(item, str):
-            out.add_text(item)
-        else:
-            out.items.append(item)
-    return out

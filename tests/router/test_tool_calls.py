@@ -18,7 +18,6 @@ from router.tool_calls import (
     ToolCall,
     ToolOutput,
     detect_tool_format,
-    parse_all,
 )
 
 TWO_CALLS = (
@@ -31,20 +30,21 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def _split_feed(text: str, cuts: list[int]) -> list[str | ParsedToolCall]:
+def _feed(text: str, cuts: list[int] | None = None) -> ToolOutput:
+    """Feed ``text`` cut at ``cuts`` (None: whole), then finish; merged output."""
     parser = HermesToolParser()
     out = ToolOutput()
-    bounds = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
+    bounds = sorted({c % (len(text) + 1) for c in cuts or []} | {0, len(text)})
     for a, b in zip(bounds, bounds[1:], strict=False):
         for item in parser.feed(text[a:b]).items:
             out.add_text(item) if isinstance(item, str) else out.items.append(item)
     for item in parser.finish().items:
         out.add_text(item) if isinstance(item, str) else out.items.append(item)
-    return out.items
+    return out
 
 
 def test_text_and_parallel_calls() -> None:
-    out = parse_all(HermesToolParser(), TWO_CALLS)
+    out = _feed(TWO_CALLS)
     assert out.text == "I'll check both."
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Köln <3"})]
@@ -55,7 +55,7 @@ def test_text_and_parallel_calls() -> None:
        st.sampled_from([TWO_CALLS, "plain answer, no calls  ", "a <tool_ call> lookalike <tool_call",
                         TWO_CALLS + "\nand then some text", '<tool_call>{"name": "f"}</tool_call>x']))
 def test_any_split_gives_the_whole_text_answer(cuts: list[int], text: str) -> None:
-    assert _split_feed(text, cuts) == parse_all(HermesToolParser(), text).items
+    assert _feed(text, cuts).items == _feed(text).items
 
 
 def test_content_is_released_before_the_call_closes() -> None:
@@ -69,17 +69,17 @@ def test_content_is_released_before_the_call_closes() -> None:
 
 def test_malformed_calls_come_back_as_text() -> None:
     bad_json = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": }\n</tool_call>'
-    assert parse_all(HermesToolParser(), bad_json).items == [bad_json]
+    assert _feed(bad_json).items == [bad_json]
     no_name = '<tool_call>{"arguments": {}}</tool_call>'
-    assert parse_all(HermesToolParser(), no_name).items == [no_name]
+    assert _feed(no_name).items == [no_name]
     not_object_args = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'
-    assert parse_all(HermesToolParser(), not_object_args).items == [not_object_args]
+    assert _feed(not_object_args).items == [not_object_args]
     cut_short = 'ok <tool_call>{"name": "f", "argu'  # the answer ended mid-call (max_tokens)
-    assert parse_all(HermesToolParser(), cut_short).items == [cut_short]
+    assert _feed(cut_short).items == [cut_short]
 
 
 def test_a_final_call_left_open_still_counts_and_string_arguments_are_decoded() -> None:
-    out = parse_all(HermesToolParser(), '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')
+    out = _feed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')
     assert out.calls == [ParsedToolCall("f", '{"a": 1}')] and out.text == ""
 
 
