@@ -4,13 +4,16 @@ share it, so both answer the same text."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from router import openai_schema as schema
 from router.tokenization import ModelTokenizer
-from talaria.protocol import CallEvent, CallUsage
+from router.tool_calls import AnswerParser
+from talaria.protocol import CallEvent, CallRequest, CallUsage
 from talaria.protocol.text import StopMatcher
 
 
@@ -30,6 +33,7 @@ class OutputAssembler:
         self._tok = tok
         self._detok = tok.detokenizer(prompt_ids)
         self._stop = StopMatcher(stops)
+        self._stops = list(stops)
         self._want_logprobs = want_logprobs
         self._text: list[str] = []
         self._all = Piece()
@@ -74,6 +78,16 @@ class OutputAssembler:
         self.flush()
         return "".join(self._text)
 
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the answer (None when none did): the earliest in the
+        whole output, as the matcher cut at the earliest."""
+        if not self._stop.stopped:
+            return None
+        full = self._tok.decode(self.token_ids)
+        hits = [(full.find(s), s) for s in self._stops if s in full]
+        return min(hits)[1] if hits else None
+
     def usage(self) -> dict[str, Any]:
         reported = self.reported
         prompt = reported.prompt_tokens if reported else self.prompt_tokens
@@ -93,3 +107,25 @@ class OutputAssembler:
             return None
         piece = piece or self._all
         return schema.completion_logprobs(piece.tokens, piece.logprobs)
+
+
+async def collect(
+    request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent]
+) -> bool:
+    """Feed the call's events to ``out`` until it is done; False if the client left first."""
+    while True:
+        out.add(event)
+        if out.done:
+            return True
+        if request.transport is None or request.transport.is_closing():
+            return False
+        event = await anext(events)
+
+
+Responder = Callable[
+    [web.Request, schema.CompletionBody, CallRequest, "OutputAssembler", CallEvent,
+     AsyncIterator[CallEvent], AnswerParser | None],
+    Awaitable[web.StreamResponse],
+]
+"""Writes one call's answer in an API's shape: (request, body, call, assembler, first event,
+the rest of the events, the tool-call parser or None)."""

@@ -54,13 +54,24 @@ class ModelTokenizer:
             )
         return cls(name, tokenizer, int(context))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        prefill: str = "",
+    ) -> list[int]:
+        """The chat template applied (with ``tools`` when given, through transformers, whose
+        ``tojson`` the templates expect), the generation prompt added and ``prefill``
+        written after it as the start of the answer; then tokenized."""
+        if self.chat_template is None:
             raise ValueError(f"model {self.name!r} has no chat template; use /v1/completions")
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
         )
-        return self.encode_text(text, add_special_tokens=False)
+        return self.encode_text(text + prefill, add_special_tokens=False)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -34,14 +34,18 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
     """The router app for a ServeConfig and the instances' URLs (wired here: the
     composition root is the one place in ``talaria`` that imports ``router``)."""
     from router.app import RouterConfig, create_app
+    from router.session_identity import SessionHeaders
 
     r = config.router
+    headers = SessionHeaders(session=tuple(r.session_headers)) if r.session_headers else SessionHeaders()
     return create_app(
         RouterConfig(
             models=config.model_paths(), instances=urls, policy=r.policy, api_key=r.api_key,
             max_body_bytes=r.max_body_bytes, poll_interval_s=r.poll_interval_s,
             block_size=config.engine.block_size,
             max_model_lens=config.max_model_lens(),
+            tool_formats={n: m.tool_format for n, m in config.models.items() if m.tool_format},
+            session_headers=headers, infer_sessions=r.infer_sessions,
         )
     )
 

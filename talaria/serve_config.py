@@ -8,6 +8,8 @@ port = 8000             # 0: a free port
 policy = "talaria"      # "talaria" | "load" | "cache_aware"
 api_key = "secret"
 max_body_bytes = 33554432
+infer_sessions = true   # calls naming no session join the one their prompt extends
+session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the default list
 
 [engine]                # all optional; shared by every instance
 block_size = 16
@@ -16,6 +18,7 @@ dtype = "auto"
 [models.my-model]       # none: the tiny catalog, written on first use
 path = "/models/my-model"   # relative paths are relative to this file
 max_model_len = 8192
+tool_format = "hermes"      # how it writes tool calls (default: found in its chat template)
 
 [[instances]]           # none: one instance on the CPU
 id = "i0"
@@ -73,6 +76,8 @@ class RouterSection:
     api_key: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     poll_interval_s: float = 1.0
+    infer_sessions: bool = True
+    session_headers: list[str] | None = None  # None: the router's default list
 
 
 @dataclass
@@ -89,6 +94,7 @@ class EngineSection:
 class ModelEntry:
     path: str
     max_model_len: int | None = None
+    tool_format: str | None = None
 
 
 @dataclass
@@ -180,6 +186,10 @@ class ServeConfig:
             raise ConfigError(f"[router].max_body_bytes must be >= 1024, got {r.max_body_bytes}")
         if r.poll_interval_s <= 0:
             raise ConfigError(f"[router].poll_interval_s must be > 0, got {r.poll_interval_s}")
+        headers = r.session_headers
+        if headers is not None and (not isinstance(headers, list) or not headers
+                                    or not all(isinstance(h, str) and h.strip() for h in headers)):
+            raise ConfigError(f"[router].session_headers must be a non-empty list of header names, got {headers!r}")
         e = self.engine
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(e, key) < 1:

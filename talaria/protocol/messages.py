@@ -53,6 +53,7 @@ class CallRequest:
     params: SamplingParams
     expected_gap_s: float | None = None  # client hint: tool gap expected after this call
     last_call: bool = False  # client hint: the session ends after this call
+    parent_session_id: str | None = None  # a subagent's session: the session that spawned it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +69,7 @@ class CallRequest:
             params=SamplingParams(**params),
             expected_gap_s=data.get("expected_gap_s"),
             last_call=bool(data.get("last_call", False)),
+            parent_session_id=data.get("parent_session_id"),
         )
 
 
