@@ -5,18 +5,19 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stre
 (200 while the process serves), ``GET /metrics``. The handlers validate, tokenize and
 build a :class:`~talaria.protocol.CallRequest`; :class:`~router.core.RouterCore` places and
 forwards it. Errors before the first token get their HTTP status; after it, a streamed
-error event then ``[DONE]`` (or a 502 for a non-streamed call), never a silent truncation.
-An instance's failure reaches the client as a generic message naming the request id; the
-detail goes to the log. A client that goes away (noticed while its call waits too), or a
-stop string reached, aborts the call on its instance. Bounds: ``router.limits``.
+error event (then ``[DONE]`` on the OpenAI API), or a 502 for a non-streamed call, never a
+silent truncation; an instance's failure reaches the client as a generic message naming the
+request id, the detail goes to the log. A client that goes away (noticed while its call
+waits too), or a stop string reached, aborts the call on its instance. Bounds on what
+requests may take: ``router.limits``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,34 +25,43 @@ import orjson
 import structlog
 from aiohttp import web
 
+from router import anthropic_api, anthropic_schema, openai_api
 from router import openai_schema as schema
 from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
 from router.limits import (
+    LIMITS_KEY,
     InflightGate,
     RouterLimits,
     check_prompt_bytes,
-    check_session_id,
     prompt_bytes,
 )
 from router.metrics import RouterMetrics
 from router.placement import POLICIES, PlacementContext
+from router.session_identity import SessionHeaders, resolve_session
+from router.session_inference import SessionInference
 from router.sessions import SessionTable
-from router.stream_output import OutputAssembler
+from router.stream_output import OutputAssembler, Responder
 from router.tokenization import ModelTokenizer
-from talaria.protocol import CallEvent, CallRequest, InstanceClient, Overloaded, SamplingParams
+from router.tool_calls import (
+    TOOL_FORMATS,
+    AnswerParser,
+    answer_parser,
+    detect_tool_format,
+)
+from talaria.protocol import CallRequest, InstanceClient, Overloaded, SamplingParams
 from talaria.protocol.errors import (
     ApiError,
     bad_request,
-    error_body,
     error_middleware,
     no_healthy_instance,
     overloaded,
+    unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import key_middleware, next_or_gone, read_body
+from talaria.protocol.http import next_or_gone, read_body
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +78,9 @@ class RouterConfig:
     block_size: int = 16
     session_ttl_s: float = 1800.0
     max_model_lens: dict[str, int] = field(default_factory=dict)  # per-model override
+    tool_formats: dict[str, str] = field(default_factory=dict)  # model -> tool-call format
+    session_headers: SessionHeaders = field(default_factory=SessionHeaders)
+    infer_sessions: bool = True  # calls naming no session join the session their prompt extends
     instance_key: str | None = None  # sent to every instance (`talaria serve` generates it)
     limits: RouterLimits = field(default_factory=RouterLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
@@ -84,6 +97,12 @@ class RouterConfig:
         unknown = set(self.max_model_lens) - set(self.models)
         if unknown:
             raise ValueError(f"max_model_lens names models not in the catalog: {sorted(unknown)}")
+        unknown = set(self.tool_formats) - set(self.models)
+        if unknown:
+            raise ValueError(f"tool_formats names models not in the catalog: {sorted(unknown)}")
+        bad = {m: f for m, f in self.tool_formats.items() if f not in TOOL_FORMATS}
+        if bad:
+            raise ValueError(f"unknown tool-call formats {bad}; choose from {sorted(TOOL_FORMATS)}")
 
 
 CONFIG_KEY = web.AppKey("router_config", RouterConfig)
@@ -120,18 +139,18 @@ def create_app(
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
+        inference=SessionInference(config.block_size) if config.infer_sessions else None,
         deadlines=config.deadlines,
     )
-    middlewares = [error_middleware]
-    if config.api_key:
-        middlewares.append(key_middleware(config.api_key, lambda path: path.startswith("/v1/")))
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[error_middleware, anthropic_api.anthropic_errors, _auth_middleware],
+    )
     app[CONFIG_KEY] = config
     app[CORE_KEY] = core
     app[TOKENIZERS_KEY] = tokenizers
-    app[GATE_KEY] = InflightGate(
-        config.limits.max_inflight_calls, config.limits.busy_retry_after_s
-    )
+    app[LIMITS_KEY] = config.limits
+    app[GATE_KEY] = InflightGate(config.limits.max_inflight_calls, config.limits.busy_retry_after_s)
     if config.poll_interval_s is not None:
         poller = HealthPoller(core, config.poll_interval_s)
         app[POLLER_KEY] = poller
@@ -145,11 +164,26 @@ def create_app(
     app.on_cleanup.append(close)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)  # Claude Code adds ?beta=true: paths match alone
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_get("/", root)  # and HEAD /: agents probe the base URL before their first call
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    key = request.app[CONFIG_KEY].api_key
+    if key and request.path.startswith("/v1/"):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":  # Anthropic's clients may send x-api-key instead
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise unauthorized()
+    return await handler(request)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -160,23 +194,45 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _complete(request, schema.parse_completion(await _json_body(request)))
 
 
+async def messages(request: web.Request) -> web.StreamResponse:
+    parsed = anthropic_schema.parse_messages(await _json_body(request))
+    return await _complete(request, parsed.body, parsed.prefill, anthropic_api.respond,
+                           anthropic_api.TOOL_ID_PREFIX)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    parsed = anthropic_schema.parse_count_tokens(await _json_body(request))
+    tok = _tokenizer(request, parsed.body.model)
+    answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
+    ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
+                          request.app[LIMITS_KEY])
+    return _json({"input_tokens": len(ids)})
+
+
+async def root(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
 async def models(request: web.Request) -> web.Response:
+    """The catalog in the OpenAI and the Anthropic list shapes at once (each client reads its
+    own fields and ignores the other's)."""
     created = int(time.time())
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "talaria",
-         "max_model_len": tok.context_len}
+         "max_model_len": tok.context_len, "type": "model", "display_name": name, "created_at": stamp}
         for name, tok in sorted(request.app[TOKENIZERS_KEY].items())
     ]
-    return _json({"object": "list", "data": data})
+    return _json({"object": "list", "data": data, "has_more": False,
+                  "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
 async def health(request: web.Request) -> web.Response:
     """Readiness: 503 while no instance is healthy, so a load balancer notices."""
     core = request.app[CORE_KEY]
-    status = 200 if core.healthy else 503
     return _json({"status": "ok" if core.healthy else "no_healthy_instance",
                   "healthy_instances": sorted(core.healthy), "instances": sorted(core.clients)},
-                 status)
+                 200 if core.healthy else 503)
 
 
 async def live(request: web.Request) -> web.Response:
@@ -191,7 +247,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await read_body(request, request.app[CONFIG_KEY].limits.body_timeout_s)
+    raw = await read_body(request, request.app[LIMITS_KEY].body_timeout_s)
     if not raw:
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -204,16 +260,26 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
-async def _complete(request: web.Request, body: schema.CompletionBody) -> web.StreamResponse:
+def _tokenizer(request: web.Request, model: str) -> ModelTokenizer:
     tokenizers = request.app[TOKENIZERS_KEY]
-    tok = tokenizers.get(body.model)
+    tok = tokenizers.get(model)
     if tok is None:
-        raise unknown_model(body.model, list(tokenizers))
-    limits = request.app[CONFIG_KEY].limits
+        raise unknown_model(model, list(tokenizers))
+    return tok
+
+
+async def _complete(
+    request: web.Request, body: schema.CompletionBody, prefill: str = "",
+    respond: Responder = openai_api.respond, tool_id_prefix: str = "call_",
+) -> web.StreamResponse:
+    """Tokenize, place and forward one call; ``respond`` writes the answer in its API's shape.
+    ``prefill``: text the answer continues (written after the prompt)."""
+    tok = _tokenizer(request, body.model)
+    answer = _answer_parser(request.app[CONFIG_KEY], body, tok, tool_id_prefix)
+    limits = request.app[LIMITS_KEY]
     with request.app[GATE_KEY].admit():
-        session_id = _session_id(request, body, limits)
-        prompt_ids = await _tokenize(tok, body, limits)
-        call = _call_request(body, tok, prompt_ids, session_id)
+        prompt_ids = await _tokenize(tok, body, prefill + (answer.prefill if answer else ""), limits)
+        call = _call_request(request, body, tok, prompt_ids)
         events = request.app[CORE_KEY].submit(call)
         async with contextlib.aclosing(events):
             try:
@@ -226,35 +292,27 @@ async def _complete(request: web.Request, body: schema.CompletionBody) -> web.St
                 raise ApiError(exc.status, exc.message) from exc
             if first is None:
                 return web.Response(status=499)  # the client left before the first token
-            out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs)
-            if body.stream:
-                return await _stream(request, body, call, out, first, events)
-            return await _collect(request, body, call, out, first, events)
+            out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id)
+            return await respond(request, body, call, out, first, events, answer)
 
 
-def _session_id(
-    request: web.Request, body: schema.CompletionBody, limits: RouterLimits
-) -> str | None:
-    """The client's session id (header or body), checked; None: a session of one call."""
-    header = request.headers.get("X-Session-ID")
-    if header is not None:
-        header = check_session_id(header, limits.max_session_id_chars, "X-Session-ID")
-    if body.session_id is not None:
-        check_session_id(body.session_id, limits.max_session_id_chars)
-    if header and body.session_id and header != body.session_id:
-        raise bad_request("the X-Session-ID header and the session_id field disagree", "session_id")
-    return header or body.session_id
+def _answer_parser(
+    config: RouterConfig, body: schema.CompletionBody, tok: ModelTokenizer, id_prefix: str = "call_"
+) -> AnswerParser | None:
+    fmt = config.tool_formats.get(tok.name) or detect_tool_format(tok.chat_template)
+    return answer_parser(body.tools, tok.name, fmt, id_prefix)
 
 
 async def _tokenize(
-    tok: ModelTokenizer, body: schema.CompletionBody, limits: RouterLimits
+    tok: ModelTokenizer, body: schema.CompletionBody, prefill: str, limits: RouterLimits
 ) -> list[int]:
+    """Token ids of the request's prompt, its size checked first (``router.limits``)."""
     param = "messages" if body.kind == "chat" else "prompt"
-    size = prompt_bytes(body.messages, body.prompt)
+    size = prompt_bytes(body.messages, body.prompt) + len(prefill.encode())
     check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
-            ids = await tok.tokenize_chat(body.messages, size)
+            ids = await tok.tokenize_chat(body.messages, size, body.tools.tools, prefill)
         elif isinstance(body.prompt, str):
             ids = await tok.tokenize_text(body.prompt, size)
         elif body.prompt is not None:
@@ -280,7 +338,7 @@ async def _tokenize(
 
 
 def _call_request(
-    body: schema.CompletionBody, tok: ModelTokenizer, prompt_ids: list[int], session_id: str | None
+    request: web.Request, body: schema.CompletionBody, tok: ModelTokenizer, prompt_ids: list[int]
 ) -> CallRequest:
     room = tok.context_len - len(prompt_ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else room
@@ -290,7 +348,9 @@ def _call_request(
             f"context length of {tok.name!r} is {tok.context_len}: at most {room} tokens fit",
             "max_tokens",
         )
-    call_id = uuid.uuid4().hex
+    identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,
+                               body.last_call, request.app[CONFIG_KEY].session_headers,
+                               request.app[LIMITS_KEY].max_session_id_chars)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
@@ -299,107 +359,12 @@ def _call_request(
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     return CallRequest(
-        call_id=call_id,
-        session_id=session_id or f"anon-{call_id}",
+        call_id=uuid.uuid4().hex,
+        session_id=identity.session_id or "",  # "": the core infers it (or makes a session of one)
         model=body.model,
         prompt_token_ids=prompt_ids,
         params=params,
         expected_gap_s=body.expected_gap_s,
-        last_call=body.last_call or session_id is None,
+        last_call=identity.final,
+        parent_session_id=identity.parent_id,
     )
-
-
-async def _collect(
-    request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent],
-) -> web.Response:
-    poll_s = request.app[CONFIG_KEY].limits.disconnect_poll_s
-    while True:
-        out.add(event)
-        if out.done:
-            break
-        following = await next_or_gone(events, request, poll_s)
-        if following is None:
-            return web.Response(status=499)  # the client left; aclosing aborts the call
-        event = following
-    if out.error is not None:
-        log.warning("router.call_failed", call_id=call.call_id, error=out.error)
-        raise ApiError(502, _failed(call), code="instance_failed")
-    created = int(time.time())
-    usage = out.usage()
-    if body.kind == "chat":
-        data = schema.chat_completion(call.call_id, body.model, created, out.text, out.finish_reason,
-                                      usage, out.chat_logprobs())
-    else:
-        data = schema.text_completion(call.call_id, body.model, created, out.text, out.finish_reason,
-                                      usage, out.completion_logprobs())
-    response = _json(data)
-    response.headers["X-Session-ID"] = call.session_id
-    return response
-
-
-async def _stream(
-    request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent],
-) -> web.StreamResponse:
-    """SSE. Ends with ``[DONE]`` after the finish, or after an error event: an instance's
-    failure, or anything unexpected here."""
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                 "X-Session-ID": call.session_id}
-    )
-    created = int(time.time())
-    chat = body.kind == "chat"
-    poll_s = request.app[CONFIG_KEY].limits.disconnect_poll_s
-
-    def chunk(text: str | None, finish: str | None = None, usage: dict[str, Any] | None = None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        if chat:
-            delta = None if text is None else ({"content": text} if finish is None or text else {})
-            return schema.chat_chunk(call.call_id, body.model, created, delta, finish, usage, logprobs)
-        return schema.text_completion(call.call_id, body.model, created, text, finish, usage, logprobs)
-
-    try:
-        await response.prepare(request)
-        if chat:
-            await _send(response, schema.chat_chunk(
-                call.call_id, body.model, created, {"role": "assistant", "content": ""}))
-        try:
-            while True:
-                piece = out.add(event)
-                if piece.text or piece.logprobs:
-                    lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
-                    await _send(response, chunk(piece.text, logprobs=lp))
-                if out.done:
-                    break
-                following = await next_or_gone(events, request, poll_s)
-                if following is None:
-                    log.info("router.client_disconnected", call_id=call.call_id)
-                    return response
-                event = following
-        except ConnectionError:
-            raise
-        except Exception as exc:  # never end a 200 stream without saying why
-            log.exception("router.stream_failed", call_id=call.call_id)
-            out.error = out.error or f"{type(exc).__name__}: {exc}"
-        if out.error is not None:
-            log.warning("router.call_failed", call_id=call.call_id, error=out.error)
-            await _send(response, error_body(_failed(call), "upstream_error", None, "instance_failed"))
-        else:
-            await _send(response, chunk(out.flush(), out.finish_reason))
-            if body.include_usage:
-                await _send(response, chunk(None, usage=out.usage()))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    except ConnectionError:
-        log.info("router.client_disconnected", call_id=call.call_id)
-    return response
-
-
-def _failed(call: CallRequest) -> str:
-    """What a client is told when its call fails on an instance (the detail is logged)."""
-    return f"the call failed on its instance; request id {call.call_id}"
-
-
-async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
-    await response.write(b"data: " + orjson.dumps(data) + b"\n\n")

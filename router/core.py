@@ -4,6 +4,12 @@ Nothing here is HTTP: the aiohttp layer (router.app) and the replay driver (in-p
 virtual clock) call :meth:`RouterCore.submit` alike. Time comes from the injected clock
 (default: the running loop's ``loop.time()``).
 
+Sessions: a call sent without a session id (``session_id == ""``) gets one here, before it
+is placed: the session its prompt continues when inference is on (:mod:`router.session_inference`),
+else a session of one (``anon-<call id>``, ended with the call); ``call.session_id`` is
+updated in place so the caller can answer with it. A session's first call that names a
+parent (a subagent) is placed as its parent's continuation would be, where the parent's KV is.
+
 Failure rules: a call that fails before its first event (:class:`InstanceUnavailable`: the
 instance is unreachable, answers an error, breaks the stream, or misses the first-token
 deadline) is retried once on the next-best instance; an overloaded one is skipped the same
@@ -27,6 +33,7 @@ from router.call_health import CallHealth, HealthRules
 from router.deadlines import DeadlineMissed, Deadlines, next_event
 from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
+from router.session_inference import SessionInference
 from router.sessions import SessionRecord, SessionTable
 from talaria.protocol import (
     CallEvent,
@@ -71,6 +78,7 @@ class RouterCore:
         refresh_after_call: bool = True,
         deadlines: Deadlines | None = None,
         health_rules: HealthRules | None = None,
+        inference: SessionInference | None = None,
     ) -> None:
         self.clients: dict[str, InstanceClient] = dict(clients)
         self.context = context if context is not None else PlacementContext()
@@ -82,6 +90,7 @@ class RouterCore:
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.call_health = CallHealth(health_rules if health_rules is not None else HealthRules())
         self._clock = clock
+        self.inference = inference
         self.states: dict[str, InstanceState] = {}
         self.healthy: set[str] = set(self.clients)  # optimistic until a poll or call says no
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -141,6 +150,8 @@ class RouterCore:
         dropped = self.sessions.cleanup(self.now())
         for record in dropped:
             self._observe_sct(record)
+            if self.inference is not None:
+                self.inference.forget(record.session_id)
         return len(dropped)
 
     async def close(self) -> None:
@@ -150,7 +161,9 @@ class RouterCore:
 
     # ---- placement and forwarding -----------------------------------------------------------
 
-    def placement_call(self, call: CallRequest, hashes: list[int] | None = None) -> PlacementCall:
+    def placement_call(
+        self, call: CallRequest, hashes: list[int] | None = None, affinity: str | None = None
+    ) -> PlacementCall:
         return PlacementCall(
             model=call.model,
             session_id=call.session_id,
@@ -158,6 +171,7 @@ class RouterCore:
             block_hashes=hashes if hashes is not None else block_hashes(call.prompt_token_ids, self.block_size),
             block_size=self.block_size,
             max_tokens=call.params.max_tokens,
+            affinity=affinity,
         )
 
     def rank(self, call: CallRequest, session: SessionRecord | None = None) -> list[str]:
@@ -170,12 +184,15 @@ class RouterCore:
         :class:`CallRejected`."""
         start = self.now()
         hashes = block_hashes(call.prompt_token_ids, self.block_size)
-        pcall = self.placement_call(call, hashes)
+        if not call.session_id:
+            self._name_session(call, hashes)
         session = self.sessions.start_call(
-            call.session_id, call.model, start, pcall.prompt_len, call.expected_gap_s
+            call.session_id, call.model, start, len(call.prompt_token_ids), call.expected_gap_s
         )
         previous = session.instance_id
-        ranked = self.policy.choose(pcall, session, self.states, set(self.healthy))
+        parent = self._parent(call, session)
+        pcall = self.placement_call(call, hashes, parent.instance_id if parent else None)
+        ranked = self.policy.choose(pcall, parent or session, self.states, set(self.healthy))
         instance_id: str | None = None
         stream: AsyncIterator[CallEvent] | None = None
         first: CallEvent | None = None
@@ -215,6 +232,20 @@ class RouterCore:
             await self._finish(
                 call, instance_id, stream, start, hashes, outputs, outcome, pcall, prefilling
             )
+
+    def _name_session(self, call: CallRequest, hashes: list[int]) -> None:
+        if self.inference is not None:
+            call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes)
+        else:
+            call.session_id, call.last_call = f"anon-{call.call_id}", True
+
+    def _parent(self, call: CallRequest, session: SessionRecord) -> SessionRecord | None:
+        """The parent's record for a subagent's first call (placement reads it as the call's
+        session: the parent's instance and KV); None otherwise."""
+        if session.calls != 1 or not call.parent_session_id or call.parent_session_id == call.session_id:
+            return None
+        parent = self.sessions.get(call.parent_session_id)
+        return parent if parent is not None and parent.model == call.model else None
 
     async def _open(
         self, call: CallRequest, ranked: list[str], pcall: PlacementCall
@@ -317,6 +348,11 @@ class RouterCore:
         )
         if record is not None and before is not None and call.session_id not in self.sessions:
             self._observe_sct(record)
+        if self.inference is not None:
+            if call.session_id in self.sessions:
+                self.inference.record_answer(call.session_id, outputs)
+            else:
+                self.inference.forget(call.session_id)
         if instance_id is not None and self.refresh_after_call:
             self._background(self.refresh(instance_id))
 

@@ -19,10 +19,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
+from aiohttp import web
+
 from talaria.protocol.errors import bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
 
-__all__ = ["InflightGate", "RouterLimits", "check_prompt_bytes", "check_session_id"]
+__all__ = [
+    "LIMITS_KEY", "InflightGate", "RouterLimits", "check_prompt_bytes", "check_session_id",
+    "prompt_bytes",
+]
+
+
+MAX_SESSION_ID_CHARS = (MAX_ID_CHARS - 1) // 2  # two of them scoped (<session>:<agent>) fit
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,14 @@ class RouterLimits:
         for f in fields(self):
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)!r}")
-        if self.max_session_id_chars > MAX_ID_CHARS:
-            raise ValueError(f"max_session_id_chars must be <= {MAX_ID_CHARS} (what instances take)")
+        if self.max_session_id_chars > MAX_SESSION_ID_CHARS:
+            raise ValueError(
+                f"max_session_id_chars must be <= {MAX_SESSION_ID_CHARS}: a scoped id "
+                f"(<session>:<agent>) must stay within the {MAX_ID_CHARS} instances take"
+            )
+
+
+LIMITS_KEY = web.AppKey("router_limits", RouterLimits)
 
 
 def check_session_id(value: Any, max_chars: int, param: str = "session_id") -> str:
@@ -53,10 +67,19 @@ def check_session_id(value: Any, max_chars: int, param: str = "session_id") -> s
 
 
 def prompt_bytes(messages: list[dict[str, Any]] | None, prompt: Any) -> int:
-    """UTF-8 bytes of the text a request asks to tokenize (0 for token ids)."""
-    if messages is not None:
-        return sum(len(str(m.get("content") or "").encode()) for m in messages)
-    return len(prompt.encode()) if isinstance(prompt, str) else 0
+    """UTF-8 bytes of the text a request asks to tokenize, at least (the strings of its
+    messages or its prompt; 0 for token ids): the template only adds to it."""
+    return _text_bytes(messages if messages is not None else prompt)
+
+
+def _text_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    return 0
 
 
 def check_prompt_bytes(size: int, context_len: int, bytes_per_token: int, param: str) -> None:

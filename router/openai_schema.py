@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from router.openai_tools import ToolRequest, assistant_tool_calls, parse_tools
 from router.request_fields import check_fields
 from talaria.protocol.errors import bad_request
 
@@ -40,6 +41,8 @@ class CompletionBody:
     expected_gap_s: float | None = None
     last_call: bool = False
     ignore_eos: bool = False
+    tools: ToolRequest = field(default_factory=ToolRequest)
+    metadata_session_id: str | None = None  # the session Anthropic metadata.user_id names
 
 
 def parse_chat(body: Any) -> CompletionBody:
@@ -47,6 +50,7 @@ def parse_chat(body: Any) -> CompletionBody:
     check_fields(data, "chat")
     parsed = _common(data, "chat")
     parsed.messages = _messages(data.get("messages"))
+    parsed.tools = parse_tools(data)
     max_tokens = data.get("max_completion_tokens")
     name = "max_completion_tokens"
     if max_tokens is None:
@@ -158,6 +162,12 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
         clean = dict(message)
         clean["content"] = _content(message.get("content"), role, where, message)
+        if role == "assistant" and message.get("tool_calls") is not None:
+            clean["tool_calls"] = assistant_tool_calls(message["tool_calls"], where)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request(f"{where}.tool_call_id must be a non-empty string", f"{where}.tool_call_id")
         out.append(clean)
     return out
 
@@ -293,7 +303,11 @@ def chat_completion(
     finish_reason: str | None,
     usage: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return {
         "id": f"chatcmpl-{call_id}",
         "object": "chat.completion",
@@ -302,7 +316,7 @@ def chat_completion(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,6 +30,7 @@ class PlacementCall:
     block_hashes: list[int]  # of the prompt's full blocks (router.tokenization.block_hashes)
     block_size: int
     max_tokens: int = 16
+    affinity: str | None = None  # an instance preferred among equals (a subagent's parent's)
 
 
 class PrefixIndex:
@@ -154,12 +155,13 @@ class _Base:
         if ms is not None and ms.residency != Residency.ACTIVE:
             device = 0  # the model was switched out: its KV left the device
         host = 0
-        kv = state.sessions.get(call.session_id) if state is not None else None
+        owner = session.session_id if session is not None else call.session_id  # or a parent's
+        kv = state.sessions.get(owner) if state is not None else None
         if kv is not None and kv.model == call.model:
             reported = max(kv.device_tokens, kv.host_tokens)
             if session is not None and session.block_hashes:
                 # The session's KV only helps as far as this prompt still extends it.
-                reported = min(reported, _common_blocks(session.block_hashes, call.block_hashes) * call.block_size)
+                reported = min(reported, common_prefix_len(session.block_hashes, call.block_hashes) * call.block_size)
             device = max(device, min(kv.device_tokens, reported))
             host = max(0, min(kv.host_tokens, reported) - device)  # a host copy starts at token 0
         limit = max(0, call.prompt_len - 1)  # at least one token is always prefilled
@@ -168,7 +170,8 @@ class _Base:
         return device, host
 
 
-def _common_blocks(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -204,9 +207,9 @@ class CacheAware(_Base):
         states: Mapping[str, InstanceState],
         healthy: Collection[str],
     ) -> list[str]:
-        def key(i: str) -> tuple[int, int, str]:
+        def key(i: str) -> tuple[int, bool, int, str]:
             device, host = self.local_tokens(i, call, session, states)
-            return (-(device + host), self.load(i, states), i)
+            return (-(device + host), i != call.affinity, self.load(i, states), i)
 
         return sorted(self._eligible(call, states, healthy), key=key)
 
@@ -239,9 +242,9 @@ class Talaria(_Base):
         healthy: Collection[str],
     ) -> list[str]:
         estimates = [self.estimate(i, call, session, states) for i in self._eligible(call, states, healthy)]
-        estimates.sort(
-            key=lambda e: (round(e.total_s, 9), -e.local_tokens, self.load(e.instance_id, states), e.instance_id)
-        )
+        estimates.sort(key=lambda e: (
+            round(e.total_s, 9), -e.local_tokens, e.instance_id != call.affinity,
+            self.load(e.instance_id, states), e.instance_id))
         return [e.instance_id for e in estimates]
 
     def estimate(

@@ -3,8 +3,9 @@
 A field outside it is refused with 400 naming it, so a client never believes an option took
 effect when it did not. Fields in ``ACCEPTED_AT_DEFAULT`` are accepted only at the value
 that changes nothing (clients often send them explicitly); any other value is refused the
-same way. A ``null`` value counts as absent. Tool calling (``tools``, ``tool_choice``,
-``parallel_tool_calls``) and structured output (``response_format``) are not supported yet.
+same way. A ``null`` value counts as absent. Structured output (``response_format``) is not
+supported. The Anthropic Messages API (``router.anthropic_schema``) reads its own fields and
+hands the chat parser only those.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ _COMMON = frozenset({
 })
 
 SUPPORTED_FIELDS: dict[str, frozenset[str]] = {
-    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                       "parallel_tool_calls"},
     "completion": _COMMON | {"prompt", "best_of", "echo"},
 }
 

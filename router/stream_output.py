@@ -1,17 +1,27 @@
 """Turns a call's CallEvents into the text the client sees: detokenise, cut at stop strings,
 keep logprobs and usage. One assembler per call; the streaming and the collecting handler
-share it, so both answer the same text."""
+share it, so both answer the same text. A failure the instance reports becomes a generic
+``error`` naming the request id (the detail goes to the log), and :func:`next_event` waits
+for a call's next event while watching that its client is still there."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+from aiohttp import web
+
 from router import openai_schema as schema
+from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
-from talaria.protocol import CallEvent, CallUsage
+from router.tool_calls import AnswerParser
+from talaria.protocol import CallEvent, CallRequest, CallUsage
+from talaria.protocol.http import next_or_gone
 from talaria.protocol.text import StopMatcher
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -25,11 +35,14 @@ class Piece:
 
 class OutputAssembler:
     def __init__(
-        self, tok: ModelTokenizer, prompt_ids: Sequence[int], stops: Sequence[str], want_logprobs: bool
+        self, tok: ModelTokenizer, prompt_ids: Sequence[int], stops: Sequence[str],
+        want_logprobs: bool, request_id: str = "",
     ) -> None:
+        self.request_id = request_id
         self._tok = tok
         self._detok = tok.detokenizer(prompt_ids)
         self._stop = StopMatcher(stops)
+        self._stops = list(stops)
         self._want_logprobs = want_logprobs
         self._text: list[str] = []
         self._all = Piece()
@@ -60,8 +73,14 @@ class OutputAssembler:
             self.done = True
             self.finish_reason = event.finish_reason or "stop"
             if event.error is not None or self.finish_reason in ("error", "abort"):
-                self.error = event.error or "the instance aborted the call"
+                self.fail(event.error or "the instance aborted the call")
         return piece
+
+    def fail(self, detail: str) -> None:
+        """The call failed: log ``detail``; the client is told only that, and the id."""
+        log.warning("router.call_failed", request_id=self.request_id, error=detail)
+        self.error = f"the call failed on its instance; request id {self.request_id}"
+        self.done = True
 
     def flush(self) -> str:
         """Release text held back for a possible stop string (call it once, at the end)."""
@@ -73,6 +92,16 @@ class OutputAssembler:
     def text(self) -> str:
         self.flush()
         return "".join(self._text)
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the answer (None when none did): the earliest in the
+        whole output, as the matcher cut at the earliest."""
+        if not self._stop.stopped:
+            return None
+        full = self._tok.decode(self.token_ids)
+        hits = [(full.find(s), s) for s in self._stops if s in full]
+        return min(hits)[1] if hits else None
 
     def usage(self) -> dict[str, Any]:
         reported = self.reported
@@ -93,3 +122,31 @@ class OutputAssembler:
             return None
         piece = piece or self._all
         return schema.completion_logprobs(piece.tokens, piece.logprobs)
+
+
+async def collect(
+    request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent]
+) -> bool:
+    """Feed the call's events to ``out`` until it is done; False if the client left first."""
+    while True:
+        out.add(event)
+        if out.done:
+            return True
+        following = await next_event(request, events)
+        if following is None:
+            return False
+        event = following
+
+
+async def next_event(request: web.Request, events: AsyncIterator[CallEvent]) -> CallEvent | None:
+    """The call's next event, or None once its client has gone away."""
+    return await next_or_gone(events, request, request.app[LIMITS_KEY].disconnect_poll_s)
+
+
+Responder = Callable[
+    [web.Request, schema.CompletionBody, CallRequest, "OutputAssembler", CallEvent,
+     AsyncIterator[CallEvent], AnswerParser | None],
+    Awaitable[web.StreamResponse],
+]
+"""Writes one call's answer in an API's shape: (request, body, call, assembler, first event,
+the rest of the events, the tool-call parser or None)."""

@@ -45,11 +45,14 @@ class ModelTokenizer:
         """Run an encode off the event loop, on this tokenizer's own (small-prompt) thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]], size: int) -> list[int]:
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], size: int,
+        tools: list[dict[str, Any]] | None = None, prefill: str = "",
+    ) -> list[int]:
         """``encode_chat`` in the lane for a prompt of ``size`` bytes."""
         executor, tokenizer = self._lane(size)
         return await asyncio.get_running_loop().run_in_executor(
-            executor, _encode_chat, tokenizer, self.name, messages
+            executor, _encode_chat, tokenizer, self.name, messages, tools, prefill
         )
 
     async def tokenize_text(self, text: str, size: int) -> list[int]:
@@ -87,8 +90,18 @@ class ModelTokenizer:
             )
         return cls(name, tokenizer, int(context))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return _encode_chat(self.tokenizer, self.name, messages)
+    @property
+    def chat_template(self) -> str | None:
+        return _chat_template(self.tokenizer)
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        prefill: str = "",
+    ) -> list[int]:
+        """The chat template applied (with ``tools`` when given, through transformers, whose
+        ``tojson`` the templates expect), the generation prompt added and ``prefill``
+        written after it as the start of the answer; then tokenized."""
+        return _encode_chat(self.tokenizer, self.name, messages, tools, prefill)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return _encode_text(self.tokenizer, text, add_special_tokens)
@@ -108,11 +121,21 @@ class ModelTokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
 
 
-def _encode_chat(tokenizer: Any, name: str, messages: list[dict[str, Any]]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
+def _chat_template(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+def _encode_chat(
+    tokenizer: Any, name: str, messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None, prefill: str,
+) -> list[int]:
+    if _chat_template(tokenizer) is None:
         raise ValueError(f"model {name!r} has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return _encode_text(tokenizer, text, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
+    return _encode_text(tokenizer, text + prefill, add_special_tokens=False)
 
 
 def _encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

@@ -36,8 +36,10 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
     from router.app import RouterConfig, create_app
     from router.deadlines import Deadlines
     from router.limits import RouterLimits
+    from router.session_identity import SessionHeaders
 
     r = config.router
+    headers = SessionHeaders(session=tuple(r.session_headers)) if r.session_headers else SessionHeaders()
     return create_app(
         RouterConfig(
             models=config.model_paths(), instances=urls, policy=r.policy, api_key=r.api_key,
@@ -52,6 +54,8 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
                 body_timeout_s=r.body_timeout_s,
             ),
             deadlines=Deadlines(first_token_s=r.first_token_timeout_s, stall_s=r.stall_timeout_s),
+            tool_formats={n: m.tool_format for n, m in config.models.items() if m.tool_format},
+            session_headers=headers, infer_sessions=r.infer_sessions,
         )
     )
 

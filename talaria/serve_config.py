@@ -12,6 +12,8 @@ instance_key = "..."    # the router<->instance secret; `serve` generates one wh
 first_token_timeout_s = 300.0   # a call's first token, else retry on another instance
 stall_timeout_s = 60.0  # between two tokens of a call, else an error event
 max_inflight_calls = 1024       # beyond: 429 with Retry-After
+infer_sessions = true   # calls naming no session join the one their prompt extends
+session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the default list
 
 [engine]                # all optional; shared by every instance
 block_size = 16
@@ -20,6 +22,7 @@ dtype = "auto"
 [models.my-model]       # none: the tiny catalog, written on first use
 path = "/models/my-model"   # relative paths are relative to this file
 max_model_len = 8192
+tool_format = "hermes"      # how it writes tool calls (default: found in its chat template)
 
 [[instances]]           # none: one instance on the CPU
 id = "i0"
@@ -85,6 +88,8 @@ class RouterSection:
     max_session_id_chars: int = 256
     max_sessions: int = 100_000
     body_timeout_s: float = 30.0
+    infer_sessions: bool = True
+    session_headers: list[str] | None = None  # None: the router's default list
 
 
 @dataclass
@@ -101,6 +106,7 @@ class EngineSection:
 class ModelEntry:
     path: str
     max_model_len: int | None = None
+    tool_format: str | None = None
 
 
 @dataclass
@@ -200,6 +206,10 @@ class ServeConfig:
                 raise ConfigError(f"[router].{key} must be >= 1, got {getattr(r, key)}")
         if r.instance_key is not None and len(r.instance_key) < 16:
             raise ConfigError("[router].instance_key must be at least 16 characters")
+        headers = r.session_headers
+        if headers is not None and (not isinstance(headers, list) or not headers
+                                    or not all(isinstance(h, str) and h.strip() for h in headers)):
+            raise ConfigError(f"[router].session_headers must be a non-empty list of header names, got {headers!r}")
         e = self.engine
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(e, key) < 1:

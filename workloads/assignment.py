@@ -44,12 +44,24 @@ def assign_models(
 ) -> list[Session]:
     """Give each session one of ``models`` (first = most popular). Session counts per model are
     the Zipf-like shares of :func:`popularity_weights` rounded by largest remainder, so the skew
-    is exact; which session gets which model is a seeded shuffle. Order is kept."""
+    is exact; which session gets which model is a seeded shuffle. Order is kept. A child
+    session (``parent_id``, a subagent) is not counted: it takes its root session's model."""
     if not models:
         raise ValueError("assign_models needs at least one model")
     if len(set(models)) != len(models):
         raise ValueError(f"models must be distinct, got {list(models)}")
-    counts = apportion(len(sessions), popularity_weights(len(models), skew))
+    roots = [s for s in sessions if s.parent_id is None]
+    counts = apportion(len(roots), popularity_weights(len(models), skew))
     labels = [m for m, n in zip(models, counts, strict=True) for _ in range(n)]
     random.Random(seed).shuffle(labels)
-    return [replace(s, model=m) for s, m in zip(sessions, labels, strict=True)]
+    model = {s.session_id: m for s, m in zip(roots, labels, strict=True)}
+    parent = {s.session_id: s.parent_id for s in sessions}
+
+    def root_model(sid: str) -> str:
+        seen = set()
+        while parent.get(sid) is not None and sid not in seen:
+            seen.add(sid)
+            sid = parent[sid]  # type: ignore[assignment]
+        return model[sid]
+
+    return [replace(s, model=root_model(s.session_id)) for s in sessions]

@@ -19,6 +19,7 @@ from engine.sim.model_spec import DEFAULT_CATALOG
 from router.core import RouterCore
 from router.health import HealthPoller
 from router.inprocess import InProcessClient
+from router.session_inference import SessionInference
 from talaria.instance.admission import Instance
 from workloads.systems import SystemConfig
 
@@ -120,7 +121,8 @@ async def start_cluster(
         engines[iid] = engine
         instances[iid] = inst
     clients = {iid: InProcessClient(iid, inst) for iid, inst in instances.items()}
-    router = RouterCore(clients, system.placement, clock=loop.time, block_size=spec.block_size)
+    router = RouterCore(clients, system.placement, clock=loop.time, block_size=spec.block_size,
+                        inference=SessionInference(spec.block_size))
     poller = HealthPoller(router, spec.poll_interval_s)
     await poller.poll_once()
     cluster = Cluster(system, spec, engines, instances, router, poller)

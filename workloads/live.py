@@ -85,20 +85,23 @@ class LiveTarget:
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "session_id": request.session_id,
         }
+        if request.session_id:  # none: the router infers it, and answers with it
+            body["session_id"] = request.session_id
         payload = orjson.dumps(body)
         outcome = CallOutcome(None, loop.time(), [], error="never sent")
         for attempt in range(MAX_RETRIES + 1):
             if attempt:
                 self.retries += 1
-            outcome, wait_s = await self._send(payload, tokens)
+            outcome, wait_s = await self._send(request, payload, tokens)
             if wait_s is None:
                 return outcome
             await asyncio.sleep(wait_s)
         return outcome
 
-    async def _send(self, payload: bytes, tokens: SessionTokens) -> tuple[CallOutcome, float | None]:
+    async def _send(
+        self, request: CallRequest, payload: bytes, tokens: SessionTokens
+    ) -> tuple[CallOutcome, float | None]:
         """One attempt: its outcome, and how long to wait before re-sending it (None: done,
         successfully or not worth re-sending)."""
         loop = asyncio.get_running_loop()
@@ -116,6 +119,7 @@ class LiveTarget:
                     text = await resp.text()
                     outcome = CallOutcome(None, loop.time(), [], error=f"HTTP {resp.status}: {text}")
                     return outcome, RETRY_WAIT_S if resp.status in _RETRYABLE_STATUS else None
+                request.session_id = request.session_id or resp.headers.get("X-Session-ID", "")
                 async for raw in resp.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -145,23 +149,30 @@ class LiveTarget:
 def scale_sessions(
     sessions: Sequence[Session], token_scale: float, max_context: int
 ) -> tuple[list[Session], int]:
-    """Token counts times ``token_scale`` (at least 1; prompts still strictly growing); calls
-    whose prompt + output would exceed ``max_context`` end their session early. Returns the
-    sessions and how many calls were dropped."""
+    """Token counts times ``token_scale`` (at least 1; prompts that extend their session's
+    previous one still strictly growing); calls whose prompt + output would exceed
+    ``max_context`` end their session early, unless another session depends on them (an
+    error then). Returns the sessions and how many calls were dropped."""
     if not token_scale > 0:
         raise ValueError(f"token_scale must be > 0, got {token_scale}")
     out: list[Session] = []
     dropped = 0
+    needed = {r for s in sessions for r in s.references()}
     for s in sessions:
         calls: list[Call] = []
         prompt = 0
         for k, c in enumerate(s.calls):
-            p = max(prompt + 1, round(c.input_tokens * token_scale))
+            p = max(prompt + 1 if c.extends_previous else 1, round(c.input_tokens * token_scale))
             o = max(1, round(c.output_tokens * token_scale))
             if p + o > max_context:
                 dropped += len(s.calls) - k
+                if any(r.session_id == s.session_id and r.call >= k for r in needed):
+                    raise ValueError(f"session {s.session_id!r}: call {k} does not fit a context of "
+                                     f"{max_context} tokens but other sessions depend on it; scale "
+                                     "tokens down further")
                 break
-            calls.append(replace(c, input_tokens=p, output_tokens=o))
+            kept = None if c.prefix_tokens is None else min(p, round(c.prefix_tokens * token_scale))
+            calls.append(replace(c, input_tokens=p, output_tokens=o, prefix_tokens=kept))
             prompt = p
         if not calls:
             raise ValueError(

@@ -94,4 +94,4 @@ def run_lower_bound(
 
 
 def _at_zero(session: Session) -> Session:
-    return replace(session, arrival_s=0.0)
+    return replace(session.alone(), arrival_s=0.0)

@@ -2,6 +2,7 @@
 
 - the shared real trace (``swe-claude-code.jsonl``: per-session ``calls`` with ``gap_s``);
 - CSV (``session_id,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms``);
+- Mooncake JSONL with sessions (Dynamo's agentic traces): ``workloads.mooncake``;
 ``load_any_trace`` picks the reader from the file. The real trace is found beside the
 repository (``../shared/traces/``) or wherever ``TALARIA_REAL_TRACE`` points.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import orjson
 
+from workloads.mooncake import is_mooncake, read_mooncake_trace
 from workloads.trace import (
     Call,
     Session,
@@ -38,7 +40,8 @@ def real_trace_path() -> Path:
 
 
 def load_any_trace(path: str | Path) -> list[Session]:
-    """Our JSONL, the shared real-trace JSONL (calls with ``gap_s``) or a CSV trace."""
+    """Our JSONL, the shared real-trace JSONL (calls with ``gap_s``), a Mooncake JSONL with
+    sessions (Dynamo's agentic traces, ``workloads.mooncake``) or a CSV trace."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file {path} does not exist")
@@ -48,6 +51,8 @@ def load_any_trace(path: str | Path) -> list[Session]:
         first = f.readline()
     if b'"gap_s"' in first and b'"tool_gap_s"' not in first:
         return read_real_trace(path)
+    if is_mooncake(first):
+        return read_mooncake_trace(path)
     return load_trace(path)
 
 

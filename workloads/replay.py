@@ -29,7 +29,7 @@ import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.sampling_params import SamplingParams
@@ -38,8 +38,9 @@ from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
 from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
+from workloads.dependencies import CallBoard
 from workloads.systems import SystemConfig
-from workloads.trace import Session
+from workloads.trace import CallRef, Session
 
 __all__ = [
     "CallRecord",
@@ -70,6 +71,7 @@ class CallRecord:
     restored_tokens: int = 0  # of those, restored from host memory
     instance_id: str | None = None
     error: str | None = None
+    session_id: str | None = None  # the session the router served it in (inferred when unsent)
 
     @property
     def ttft_s(self) -> float | None:
@@ -162,10 +164,12 @@ class SessionTokens:
 
 
 def next_prompt(
-    prev_prompt: list[int], prev_output: list[int], input_tokens: int, tokens: SessionTokens
+    prev_prompt: list[int], prev_output: list[int], input_tokens: int, tokens: SessionTokens,
+    keep: int | None = None,
 ) -> list[int]:
-    """Call k+1's prompt: the first ``input_tokens`` of prompt + output + fresh tool tokens."""
-    base = prev_prompt + prev_output
+    """Call k+1's prompt: the first ``input_tokens`` of prompt + output (its first ``keep``
+    tokens when given) + fresh tool tokens."""
+    base = (prev_prompt + prev_output)[:keep]
     if input_tokens <= len(base):
         return base[:input_tokens]
     return base + tokens.take(input_tokens - len(base))
@@ -183,34 +187,56 @@ async def drive(
     desc: str = "replay",
     time_scale: float = 1.0,
     output_kv_reusable: bool = True,
+    send_session_ids: bool = True,
+    shared_prefix_tokens: int = 0,
 ) -> list[SessionResult]:
     """Replay ``sessions`` closed-loop against ``target`` on the running loop. Arrivals and
     tool gaps are multiplied by ``time_scale``. ``block_size``: KV reuse is counted in whole
     blocks (what a prefix cache can hold). ``output_kv_reusable``: whether the previous
     call's output tokens, as they reappear in the next prompt, could hit its KV (False when
-    the target returns no token ids and stand-ins replace them)."""
+    the target returns no token ids and stand-ins replace them). ``send_session_ids=False``:
+    calls go without their session id (the router infers it; each record keeps the one it
+    used). ``shared_prefix_tokens``: every session's first prompt of a model starts with the
+    same tokens, as an agent's system prompt and tool definitions do (at most all but one of
+    the prompt's tokens)."""
     if time_scale < 0:
         raise ValueError(f"time_scale must be >= 0, got {time_scale}")
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     bar = _progress_bar(sum(s.num_calls for s in sessions), desc, progress)
 
+    shared = {m: SessionTokens("<shared prefix>", seed, vocab_of(m)).take(shared_prefix_tokens)
+              for m in {s.model for s in sessions}}
+    board = CallBoard(sessions)
+
     async def one(session: Session) -> SessionResult:
+        start = t0
+        if session.start_after is not None or session.calls[0].waits_for:
+            await board.wait_start(session)
+            start = loop.time()
         await asyncio.sleep(session.arrival_s * time_scale)
-        result = SessionResult(session.session_id, session.model, t0 + session.arrival_s * time_scale)
+        result = SessionResult(session.session_id, session.model, start + session.arrival_s * time_scale)
         tokens = SessionTokens(session.session_id, seed, vocab_of(session.model))
         context = context_of(session.model) if context_of is not None else None
         prompt: list[int] = []
         output: list[int] = []
         for k, call in enumerate(session.calls):
-            if k == 0:
-                prompt = tokens.take(call.input_tokens)
-                reusable = 0
+            if k > 0:
+                await board.wait(call.waits_for)
+                await asyncio.sleep((session.calls[k - 1].tool_gap_s or 0.0) * time_scale)
+            reusable = 0
+            if call.prefix_from is not None and call.prefix_from.session_id != session.session_id:
+                prompt = next_prompt(board.tokens(call.prefix_from), [], call.input_tokens, tokens,
+                                     call.prefix_tokens)
+            elif k == 0:
+                prompt = shared[session.model][: call.input_tokens - 1]
+                prompt = prompt + tokens.take(call.input_tokens - len(prompt))
             else:
                 computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
-                reusable = min(computed, call.input_tokens - 1)
-                reusable = reusable // block_size * block_size
-                prompt = next_prompt(prompt, output, call.input_tokens, tokens)
+                base = board.tokens(call.prefix_from) if call.prefix_from else prompt + output
+                keep = min(len(base) if call.prefix_tokens is None else call.prefix_tokens, computed)
+                reusable = min(keep, call.input_tokens - 1) // block_size * block_size
+                prompt = next_prompt(base, [], call.input_tokens, tokens, call.prefix_tokens)
             max_tokens = call.output_tokens
             if context is not None:
                 if len(prompt) >= context:
@@ -221,7 +247,7 @@ async def drive(
                 max_tokens = min(max_tokens, context - len(prompt))
             request = CallRequest(
                 call_id=f"{session.session_id}#{k}",
-                session_id=session.session_id,
+                session_id=session.session_id if send_session_ids else "",
                 model=session.model,
                 prompt_token_ids=prompt,
                 params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
@@ -242,11 +268,11 @@ async def drive(
                     restored_tokens=outcome.restored_tokens,
                     instance_id=outcome.instance_id,
                     error=outcome.error,
+                    session_id=request.session_id or None,
                 )
             )
+            board.ended(CallRef(session.session_id, k), prompt, output)
             bar.update(1)
-            if call.tool_gap_s is not None and k + 1 < session.num_calls:
-                await asyncio.sleep(call.tool_gap_s * time_scale)
         return result
 
     try:
@@ -331,8 +357,11 @@ def run_sim(
     *,
     seed: int = 0,
     progress: bool = False,
+    send_session_ids: bool = True,
+    shared_prefix_tokens: int = 0,
 ) -> ReplayResult:
-    """Replay ``sessions`` on a simulated cluster of ``system`` under a fresh virtual loop."""
+    """Replay ``sessions`` on a simulated cluster of ``system`` under a fresh virtual loop
+    (``send_session_ids``, ``shared_prefix_tokens``: see :func:`drive`)."""
     spec = spec or ClusterSpec()
     unknown = sorted({s.model for s in sessions} - set(spec.models))
     if unknown:
@@ -347,7 +376,8 @@ def run_sim(
             results = await drive(
                 sessions, SimTarget(cluster.router), seed=seed, vocab_of=vocab.__getitem__,
                 context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
-                desc=system.name,
+                desc=system.name, send_session_ids=send_session_ids,
+                shared_prefix_tokens=shared_prefix_tokens,
             )
             totals = cluster.totals()
         finally:
@@ -365,4 +395,4 @@ def replicate(sessions: Sequence[Session], copies: int) -> list[Session]:
         raise ValueError(f"copies must be >= 1, got {copies}")
     if copies == 1:
         return list(sessions)
-    return [replace(s, session_id=f"{s.session_id}@{r}") for r in range(copies) for s in sessions]
+    return [s.renamed(lambda sid, r=r: f"{sid}@{r}") for r in range(copies) for s in sessions]

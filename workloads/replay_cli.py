@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drop the staging region from every policy (servers too small to "
                    "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--strip-session-ids", action="store_true",
+                   help="replay the first policy (default talaria) with session ids sent and "
+                   "withheld (the router infers them): prints the calls matched and both SCTs")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="with --strip-session-ids: every session's first prompt starts with "
+                   "this many shared tokens (an agent's system prompt and tools)")
     p.add_argument("--live", metavar="URL", help="replay against the router at URL instead")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="live: multiply arrivals and tool gaps by this")
@@ -167,6 +173,14 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
               f"skew {args.skew}", file=sys.stderr)
     sessions = replicate(sessions, args.servers)
     progress = not args.no_progress
+    if args.strip_session_ids:
+        from workloads.session_check import check_inference, format_check
+
+        chosen = systems[0] if args.policies else parse_policies("talaria")[0]
+        check = check_inference(sessions, chosen, spec, seed=args.seed,
+                                shared_prefix_tokens=args.shared_prefix, progress=progress)
+        print(format_check(check))
+        return 1 if check.with_ids.failed_calls or check.without_ids.failed_calls else 0
     calls = sum(s.num_calls for s in sessions)
     print(f"replay: {len(sessions)} sessions, {calls} calls on {args.servers} x {args.server} "
           f"(TP={args.tp}), models {catalog}", flush=True)

@@ -17,13 +17,27 @@ call and field):
 - every call but the last has a tool gap ``tool_gap_s >= 0`` (seconds from the end of the call
   to the agent sending the next one); the last call's gap may be ``None``;
 - ``arrival_s >= 0`` is when the session's first call is sent, relative to the trace start.
+
+Sessions may depend on each other, as an agent's subagents do (all optional, checked by
+:func:`validate_sessions`; references are ``[session_id, call index]``):
+- ``parent_id``: the session that spawned this one; ``start_after``: the call whose end starts
+  it (``arrival_s`` then counts from that end, or the later end of its first call's
+  ``waits_for``, not from the trace start);
+- a call's ``waits_for``: calls of other sessions that must end before it is sent (a parent
+  waiting for its subagents); its gap counts from the latest end, its session's previous
+  call's included;
+- a call's ``prefix_from`` / ``prefix_tokens``: its prompt starts with the first
+  ``prefix_tokens`` tokens of that call's prompt + output (default: its session's previous
+  call, all of it), the rest new. With either set the prompt need not grow (an agent that
+  compacts its context); a ``prefix_from`` in another session must be a call it waits for.
+Dependencies form no cycle.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import orjson
@@ -34,11 +48,25 @@ class TraceError(ValueError):
 
 
 @dataclass(frozen=True)
+class CallRef:
+    session_id: str
+    call: int  # index in that session's calls
+
+
+@dataclass(frozen=True)
 class Call:
     input_tokens: int  # the whole prompt of this call
     output_tokens: int
     tool_gap_s: float | None  # time the agent spends in tools after this call; None: last call
     tools: tuple[str, ...] = ()
+    waits_for: tuple[CallRef, ...] = ()  # calls of other sessions that must end first
+    prefix_from: CallRef | None = None  # whose prompt + output this prompt starts with
+    prefix_tokens: int | None = None  # how many of those tokens (None: all that fit)
+
+    @property
+    def extends_previous(self) -> bool:
+        """Whether the prompt is its session's previous prompt + output + new tokens."""
+        return self.prefix_from is None and self.prefix_tokens is None
 
 
 @dataclass(frozen=True)
@@ -48,6 +76,35 @@ class Session:
     calls: tuple[Call, ...]
     arrival_s: float = 0.0
     tags: dict[str, str] = field(default_factory=dict)  # free-form provenance, not validated
+    parent_id: str | None = None  # the session that spawned this one (a subagent's)
+    start_after: CallRef | None = None  # the call whose end starts this session
+
+    def references(self) -> list[CallRef]:
+        """Every call of another session this one depends on."""
+        refs = [self.start_after] if self.start_after is not None else []
+        for call in self.calls:
+            refs += call.waits_for
+            if call.prefix_from is not None and call.prefix_from.session_id != self.session_id:
+                refs.append(call.prefix_from)
+        return refs
+
+    def renamed(self, rename: Callable[[str], str]) -> Session:
+        """The session with its id and every session id it names passed through ``rename``."""
+        def ref(r: CallRef | None) -> CallRef | None:
+            return None if r is None else CallRef(rename(r.session_id), r.call)
+
+        calls = tuple(replace(c, waits_for=tuple(CallRef(rename(r.session_id), r.call) for r in c.waits_for),
+                              prefix_from=ref(c.prefix_from)) for c in self.calls)
+        return replace(self, session_id=rename(self.session_id), calls=calls, start_after=ref(self.start_after),
+                       parent_id=None if self.parent_id is None else rename(self.parent_id))
+
+    def alone(self) -> Session:
+        """The session without what ties it to others (for replaying it by itself)."""
+        calls = tuple(
+            replace(c, waits_for=(), prefix_from=None, prefix_tokens=None)
+            if c.prefix_from is not None and c.prefix_from.session_id != self.session_id
+            else replace(c, waits_for=()) for c in self.calls)
+        return replace(self, calls=calls, start_after=None, parent_id=None)
 
     @property
     def num_calls(self) -> int:
@@ -88,7 +145,19 @@ def validate_session(session: Session, where: str = "") -> None:
             raise TraceError(f"{at}: tool_gap_s must be a finite number >= 0, got {gap!r}")
         if not all(isinstance(t, str) for t in call.tools):
             raise TraceError(f"{at}: tools must be strings, got {call.tools!r}")
-        if k > 0:
+        if call.prefix_tokens is not None and (
+                not isinstance(call.prefix_tokens, int) or not 0 <= call.prefix_tokens <= call.input_tokens):
+            raise TraceError(f"{at}: prefix_tokens must be in [0, input_tokens], got {call.prefix_tokens!r}")
+        if call.prefix_from is not None:
+            ref = call.prefix_from
+            if ref.session_id == session.session_id and not 0 <= ref.call < k:
+                raise TraceError(f"{at}: prefix_from must name an earlier call of its session")
+            if ref.session_id != session.session_id and ref not in call.waits_for and not (
+                    k == 0 and ref == session.start_after):
+                raise TraceError(f"{at}: prefix_from {ref} in another session must be a call it waits for")
+        elif k == 0 and call.prefix_tokens is not None:
+            raise TraceError(f"{at}: a first call's prefix_tokens needs a prefix_from")
+        if k > 0 and call.extends_previous:
             before = session.calls[k - 1].input_tokens
             if call.input_tokens <= before:
                 raise TraceError(
@@ -98,12 +167,46 @@ def validate_session(session: Session, where: str = "") -> None:
 
 
 def validate_sessions(sessions: Sequence[Session]) -> None:
-    seen: set[str] = set()
+    seen: dict[str, Session] = {}
     for session in sessions:
         validate_session(session)
         if session.session_id in seen:
             raise TraceError(f"duplicate session_id {session.session_id!r}")
-        seen.add(session.session_id)
+        seen[session.session_id] = session
+    for session in sessions:
+        for ref in session.references():
+            target = seen.get(ref.session_id)
+            if target is None or not 0 <= ref.call < target.num_calls:
+                raise TraceError(f"session {session.session_id!r} depends on {ref}, which is not in the trace")
+        if session.parent_id is not None and session.parent_id not in seen:
+            raise TraceError(f"session {session.session_id!r}: parent {session.parent_id!r} is not in the trace")
+    _check_acyclic(sessions)
+
+
+def _check_acyclic(sessions: Sequence[Session]) -> None:
+    """Calls must be orderable: each after its session's previous call and what it waits for."""
+    deps: dict[CallRef, list[CallRef]] = {}
+    for s in sessions:
+        for k, call in enumerate(s.calls):
+            before = [CallRef(s.session_id, k - 1)] if k else ([s.start_after] if s.start_after else [])
+            deps[CallRef(s.session_id, k)] = before + list(call.waits_for)
+    state: dict[CallRef, int] = {}  # 1: on the path, 2: done
+    for root in deps:
+        stack = [(root, iter(deps[root]))]
+        state[root] = state.get(root) or 1
+        if state[root] == 2:
+            continue
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[node] = 2
+                stack.pop()
+            elif state.get(child) == 1:
+                raise TraceError(f"dependency cycle through {child}")
+            elif state.get(child) is None:
+                state[child] = 1
+                stack.append((child, iter(deps[child])))
 
 
 def _is_number(value: object) -> bool:
@@ -111,8 +214,28 @@ def _is_number(value: object) -> bool:
 
 
 # --- our JSONL format -----------------------------------------------------------------------
-_SESSION_FIELDS = {"session_id", "model", "calls", "arrival_s", "tags"}
-_CALL_FIELDS = {"input_tokens", "output_tokens", "tool_gap_s", "tools"}
+_SESSION_FIELDS = {"session_id", "model", "calls", "arrival_s", "tags", "parent_id", "start_after"}
+_CALL_FIELDS = {"input_tokens", "output_tokens", "tool_gap_s", "tools", "waits_for", "prefix_from",
+                "prefix_tokens"}
+
+
+def _call_dict(c: Call) -> dict:
+    data: dict = {"input_tokens": c.input_tokens, "output_tokens": c.output_tokens,
+                  "tool_gap_s": c.tool_gap_s, "tools": list(c.tools)}
+    if c.waits_for:
+        data["waits_for"] = [[r.session_id, r.call] for r in c.waits_for]
+    if c.prefix_from is not None:
+        data["prefix_from"] = [c.prefix_from.session_id, c.prefix_from.call]
+    if c.prefix_tokens is not None:
+        data["prefix_tokens"] = c.prefix_tokens
+    return data
+
+
+def _ref(raw: object, at: str) -> CallRef:
+    if (not isinstance(raw, list) or len(raw) != 2 or not isinstance(raw[0], str)
+            or not isinstance(raw[1], int) or isinstance(raw[1], bool)):
+        raise TraceError(f"{at}: a call reference must be [session_id, call index], got {raw!r}")
+    return CallRef(raw[0], raw[1])
 
 
 def session_to_dict(session: Session) -> dict:
@@ -120,18 +243,14 @@ def session_to_dict(session: Session) -> dict:
         "session_id": session.session_id,
         "model": session.model,
         "arrival_s": session.arrival_s,
-        "calls": [
-            {
-                "input_tokens": c.input_tokens,
-                "output_tokens": c.output_tokens,
-                "tool_gap_s": c.tool_gap_s,
-                "tools": list(c.tools),
-            }
-            for c in session.calls
-        ],
+        "calls": [_call_dict(c) for c in session.calls],
     }
     if session.tags:
         data["tags"] = dict(session.tags)
+    if session.parent_id is not None:
+        data["parent_id"] = session.parent_id
+    if session.start_after is not None:
+        data["start_after"] = [session.start_after.session_id, session.start_after.call]
     return data
 
 
@@ -161,12 +280,19 @@ def session_from_dict(data: object, where: str = "") -> Session:
         tools = raw.get("tools") or []
         if not isinstance(tools, list):
             raise TraceError(f"{at}: tools must be a list of strings")
+        waits = raw.get("waits_for") or []
+        if not isinstance(waits, list):
+            raise TraceError(f"{at}: waits_for must be a list of call references")
+        prefix_from = raw.get("prefix_from")
         calls.append(
             Call(
                 input_tokens=raw["input_tokens"],
                 output_tokens=raw["output_tokens"],
                 tool_gap_s=raw.get("tool_gap_s"),
                 tools=tuple(tools),
+                waits_for=tuple(_ref(r, at) for r in waits),
+                prefix_from=None if prefix_from is None else _ref(prefix_from, at),
+                prefix_tokens=raw.get("prefix_tokens"),
             )
         )
     tags = data.get("tags") or {}
@@ -178,6 +304,8 @@ def session_from_dict(data: object, where: str = "") -> Session:
         calls=tuple(calls),
         arrival_s=data.get("arrival_s", 0.0),
         tags={str(k): str(v) for k, v in tags.items()},
+        parent_id=data.get("parent_id"),
+        start_after=None if data.get("start_after") is None else _ref(data["start_after"], where),
     )
     validate_session(session, where)
     return session

@@ -21,12 +21,52 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, IM_START_ID, EOS_ID = 0, 1, 2  # ids of SPECIAL_TOKENS, in order
 PAD_ID = BOS_ID
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# A Qwen2.5-style ChatML template with tools (rendered by transformers' apply_chat_template,
+# whose ``tojson`` keeps key order and does not HTML-escape): tool signatures in the system
+# turn, assistant tool calls as <tool_call>{"name", "arguments"}</tool_call>, consecutive tool
+# results grouped into one user turn of <tool_response> blocks. Content may be a string, a list
+# of text parts or null; arguments a JSON string (OpenAI's wire form) or an object. Unlike
+# Qwen's, an assistant turn always starts "<|im_start|>assistant\n", so every prompt extends
+# the previous call's prompt (the generation prompt) token for token.
+CHAT_TEMPLATE = """\
+{%- macro text_of(c) -%}
+{%- if c is string -%}{{ c }}
+{%- elif c is iterable -%}{%- for p in c -%}{%- if p.type == 'text' -%}{{ p.text }}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- text_of(messages[0].content) + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + (tool | tojson) }}
+{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + text_of(messages[0].content) + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + text_of(message.content) + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set c = text_of(message.content) %}
+{{- '<|im_start|>assistant\\n' + c }}
+{%- for tc in (message.tool_calls or []) %}
+{%- set f = tc.function if tc.function is defined else tc %}
+{%- if c or not loop.first %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{"name": "' + f.name + '", "arguments": ' }}
+{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + text_of(message.content) + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
@@ -222,6 +262,19 @@ def write_random_checkpoint(
     tok = tokenizer if tokenizer is not None else build_tokenizer(config.vocab_size)
     tok.save_pretrained(path)
     return path
+
+
+def write_tokenizer_files(model_dirs: list[Path]) -> None:
+    """Rewrite the tokenizer (and chat template) of tiny models written earlier; the same
+    seeded BPE, so token ids are unchanged."""
+    import json
+
+    by_vocab: dict[int, Any] = {}
+    for path in model_dirs:
+        vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+        if vocab not in by_vocab:
+            by_vocab[vocab] = build_tokenizer(vocab)
+        by_vocab[vocab].save_pretrained(path)
 
 
 def make_tiny_models(directory: str | Path, size: str = "tiny", seed: int = 0) -> dict[str, Path]:

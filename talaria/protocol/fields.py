@@ -36,12 +36,13 @@ def check_keys(data: Mapping[str, Any], allowed: Collection[str], where: str) ->
 def printable_id(value: Any, name: str, max_chars: int = MAX_ID_CHARS) -> str:
     """A non-empty string of at most ``max_chars`` printable ASCII characters (space to
     tilde): safe in a header, a URL path segment and a log line."""
+    rule = f"{name} must be a non-empty string of at most {max_chars} printable ASCII characters"
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty string")
+        raise ValueError(rule)
     if len(value) > max_chars:
-        raise ValueError(f"{name} is {len(value)} characters long; at most {max_chars} allowed")
+        raise ValueError(f"{rule}; it has {len(value)}")
     if not all(" " <= ch <= "~" for ch in value):
-        raise ValueError(f"{name} must be printable ASCII (no control or non-ASCII characters)")
+        raise ValueError(f"{rule} (no control or non-ASCII characters)")
     return value
 
 

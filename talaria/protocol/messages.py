@@ -68,6 +68,7 @@ class CallRequest:
     params: SamplingParams
     expected_gap_s: float | None = None  # client hint: tool gap expected after this call
     last_call: bool = False  # client hint: the session ends after this call
+    parent_session_id: str | None = None  # a subagent's session: the session that spawned it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +98,10 @@ class CallRequest:
             params=SamplingParams(**params),
             expected_gap_s=None if gap is None else number(gap, "expected_gap_s", lo=0.0),
             last_call=boolean(data.get("last_call", False), "last_call"),
+            parent_session_id=(
+                None if data.get("parent_session_id") is None
+                else printable_id(data["parent_session_id"], "parent_session_id")
+            ),
         )
 
 

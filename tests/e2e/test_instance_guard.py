@@ -55,7 +55,7 @@ def mutated_calls(draw: st.DrawFn) -> Any:
     elif kind == "param":
         body["params"][draw(st.sampled_from(PARAM_FIELDS))] = draw(json_values)
     elif kind == "drop":
-        del body[draw(st.sampled_from(CALL_FIELDS[:-1]))]
+        body.pop(draw(st.sampled_from(CALL_FIELDS[:-1])), None)
     else:
         body = draw(json_values)
     return body

@@ -119,3 +119,34 @@ class FakeInstance:
 
 def model_state(name: str, residency: Residency = Residency.ACTIVE, **kw: float) -> ModelState:
     return ModelState(name=name, residency=residency, **kw)  # type: ignore[arg-type]
+
+
+def write_tiny_tokenizer(path: Path, context_len: int = 4096) -> Path:
+    """The tiny models' own tokenizer and chat template (Qwen-style, with tools)."""
+    from engine.models.tiny import build_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(512).save_pretrained(str(path))
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": context_len}))
+    return path
+
+
+class ScriptedInstance(FakeInstance):
+    """A FakeInstance whose answers are chosen per call: ``script`` maps each call (by
+    arrival order) to the token ids it answers with, then finishes with ``stop``."""
+
+    def __init__(self, instance_id: str, script: list[list[int]]) -> None:
+        super().__init__(instance_id, [])
+        self.script = list(script)
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        self.calls.append(call)
+        tokens = self.script[min(len(self.calls), len(self.script)) - 1][: call.params.max_tokens]
+        for i, token in enumerate(tokens):
+            await asyncio.sleep(0)
+            last = i == len(tokens) - 1
+            yield CallEvent(
+                call_id=call.call_id, token_ids=[token], finished=last,
+                finish_reason=("length" if len(tokens) == call.params.max_tokens else "stop") if last else None,
+                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens) if last else None,
+            )

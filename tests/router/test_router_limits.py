@@ -188,9 +188,6 @@ async def test_a_slow_body_gets_408(tokenizer: ModelTokenizer) -> None:
 @pytest.mark.parametrize(
     ("path", "extra", "needle"),
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-        ("/v1/chat/completions", {"parallel_tool_calls": True}, "parallel_tool_calls"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
         ("/v1/chat/completions", {"top_logprobs": 5, "logprobs": True}, "top_logprobs"),

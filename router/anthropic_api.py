@@ -1,0 +1,211 @@
+"""The Anthropic Messages API's answers: messages, their SSE stream, usage and errors.
+
+The router's chat path (tokenize, place, forward, assemble text, find tool calls) is shared
+with the OpenAI API; this module writes its result as Anthropic's clients read it:
+- a ``message`` with ``text`` and ``tool_use`` content blocks, ``stop_reason``
+  (``end_turn`` | ``max_tokens`` | ``stop_sequence`` | ``tool_use``) and usage whose
+  ``input_tokens`` excludes the prompt tokens served from cache (``cache_read_input_tokens``);
+- the stream as named SSE events: ``message_start`` (the message, empty), ``ping``, per content
+  block ``content_block_start`` / ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a tool
+  block's input as one ``input_json_delta`` that is the whole JSON object), ``message_delta``
+  (stop reason, cumulative usage), ``message_stop``; a failure after the stream began is an
+  ``error`` event;
+- errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from router.openai_schema import CompletionBody
+from router.stream_output import OutputAssembler, collect, next_event
+from router.tool_calls import AnswerParser, ToolCall
+from talaria.protocol import CallEvent, CallRequest
+from talaria.protocol.errors import ApiError
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["TOOL_ID_PREFIX", "anthropic_errors", "error_response", "respond"]
+
+TOOL_ID_PREFIX = "toolu_"
+PATH_PREFIX = "/v1/messages"
+_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 502: "api_error", 503: "overloaded_error", 504: "timeout_error",
+}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(error_body(status, message)),
+                        content_type="application/json", headers=headers or {})
+
+
+@web.middleware
+async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Errors on the Messages API's paths in Anthropic's shape (the rest keep OpenAI's)."""
+    if not request.path.startswith(PATH_PREFIX):
+        return await handler(request)
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, exc.message, exc.headers)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, exc.text or "request body too large")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason or "error")
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        return error_response(500, "internal error")
+
+
+async def respond(
+    request: web.Request, body: CompletionBody, call: CallRequest, out: OutputAssembler,
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+) -> web.StreamResponse:
+    if body.stream:
+        return await _stream(request, body, call, out, event, events, answer)
+    if not await collect(request, out, event, events):
+        return web.Response(status=499)  # the client left; the caller aborts the call
+    if out.error is not None:
+        raise ApiError(502, out.error, code="instance_failed")
+    text = out.text
+    items: list[str | ToolCall] = [text]
+    if answer is not None:
+        items = answer.feed(text) + answer.finish()
+    content = [_block(item) for item in items if not isinstance(item, str) or item]
+    message = _message(call, body.model, content or [{"type": "text", "text": ""}])
+    message.update(_stop(out, answer))
+    message["usage"] = _usage(out)
+    response = web.Response(body=orjson.dumps(message), content_type="application/json")
+    response.headers["X-Session-ID"] = call.session_id
+    return response
+
+
+def _message(call: CallRequest, model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": f"msg_{call.call_id}", "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": None, "stop_sequence": None}
+
+
+def _block(item: str | ToolCall) -> dict[str, Any]:
+    if isinstance(item, str):
+        return {"type": "text", "text": item}
+    return {"type": "tool_use", "id": item.id, "name": item.name, "input": item.arguments_object()}
+
+
+def _stop(out: OutputAssembler, answer: AnswerParser | None) -> dict[str, Any]:
+    if answer is not None and answer.calls:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    matched = out.matched_stop
+    if matched is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": matched}
+    reason = "max_tokens" if out.finish_reason == "length" else "end_turn"
+    return {"stop_reason": reason, "stop_sequence": None}
+
+
+def _usage(out: OutputAssembler) -> dict[str, int]:
+    usage = out.usage()
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": usage["completion_tokens"]}
+
+
+class _Events:
+    """Writes the named SSE events; opens and closes content blocks in index order."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+        self.index = -1
+        self.open_text = False
+
+    async def send(self, name: str, data: dict[str, Any]) -> None:
+        await self.response.write(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
+
+    async def items(self, items: list[str | ToolCall]) -> None:
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    continue
+                if not self.open_text:
+                    await self.start({"type": "text", "text": ""})
+                    self.open_text = True
+                await self.send("content_block_delta", {
+                    "type": "content_block_delta", "index": self.index,
+                    "delta": {"type": "text_delta", "text": item}})
+            else:
+                await self.close()
+                await self.start({"type": "tool_use", "id": item.id, "name": item.name, "input": {}})
+                await self.send("content_block_delta", {
+                    "type": "content_block_delta", "index": self.index,
+                    "delta": {"type": "input_json_delta", "partial_json": item.arguments}})
+                await self.close(force=True)
+
+    async def start(self, block: dict[str, Any]) -> None:
+        self.index += 1
+        await self.send("content_block_start",
+                        {"type": "content_block_start", "index": self.index, "content_block": block})
+
+    async def close(self, force: bool = False) -> None:
+        if self.open_text or force:
+            await self.send("content_block_stop", {"type": "content_block_stop", "index": self.index})
+            self.open_text = False
+
+
+async def _stream(
+    request: web.Request, body: CompletionBody, call: CallRequest, out: OutputAssembler,
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Session-ID": call.session_id})
+    sse = _Events(response)
+    try:
+        await response.prepare(request)
+        start = _message(call, body.model, [])
+        start["usage"] = {"input_tokens": out.prompt_tokens, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens": 0, "output_tokens": 0}
+        await sse.send("message_start", {"type": "message_start", "message": start})
+        await sse.send("ping", {"type": "ping"})
+        try:
+            while True:
+                piece = out.add(event)
+                await sse.items(answer.feed(piece.text) if answer is not None else [piece.text])
+                if out.done:
+                    break
+                following = await next_event(request, events)
+                if following is None:
+                    log.info("router.client_disconnected", call_id=call.call_id)
+                    return response
+                event = following
+        except ConnectionError:
+            raise
+        except Exception as exc:  # never end a 200 stream without saying why
+            log.exception("router.stream_failed", call_id=call.call_id)
+            out.fail(f"{type(exc).__name__}: {exc}")
+        if out.error is not None:
+            await sse.send("error", error_body(500, out.error))
+        else:
+            rest = out.flush()
+            await sse.items(answer.feed(rest) + answer.finish() if answer is not None else [rest])
+            if sse.index < 0:  # an empty answer is one empty text block
+                await sse.start({"type": "text", "text": ""})
+                sse.open_text = True
+            await sse.close()
+            await sse.send("message_delta", {"type": "message_delta", "delta": _stop(out, answer),
+                                             "usage": _usage(out)})
+            await sse.send("message_stop", {"type": "message_stop"})
+        await response.write_eof()
+    except ConnectionError:
+        log.info("router.client_disconnected", call_id=call.call_id)
+    return response
+

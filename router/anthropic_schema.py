@@ -1,0 +1,237 @@
+"""Anthropic Messages API requests, read into the router's one chat request form.
+
+A ``/v1/messages`` body is translated into the OpenAI chat body the chat template takes
+(``system`` -> a system message, ``tool_use`` blocks -> assistant ``tool_calls``, each
+``tool_result`` block -> a ``tool`` message, ``tools[].input_schema`` -> function
+``parameters``) and then validated by the same parser as ``/v1/chat/completions``, so both APIs
+accept and reject alike. What has no OpenAI counterpart stays here: consecutive turns of one
+role merge (as Anthropic's API does); a final assistant turn is a prefill the answer continues;
+Claude Code's ``metadata.user_id`` may name the session. Fields the router has no use for
+(``thinking``, ``cache_control``, ``service_tier``, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from router import openai_schema
+from talaria.protocol.errors import bad_request
+
+__all__ = ["MessagesRequest", "parse_messages", "parse_count_tokens", "metadata_session_id"]
+
+_IGNORED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # no slot in an open model's template
+
+
+@dataclass
+class MessagesRequest:
+    body: openai_schema.CompletionBody
+    prefill: str = ""  # a final assistant turn's text: the answer continues it
+
+
+def parse_messages(data: Any) -> MessagesRequest:
+    data = _object(data)
+    max_tokens = data.get("max_tokens")
+    if max_tokens is None:
+        raise bad_request("max_tokens: Field required", "max_tokens")
+    return _parse(data, {"max_tokens": max_tokens, "stream": data.get("stream")})
+
+
+def parse_count_tokens(data: Any) -> MessagesRequest:
+    return _parse(_object(data), {})
+
+
+def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
+    temperature = data.get("temperature")
+    if temperature is not None and (not isinstance(temperature, int | float) or not 0 <= temperature <= 1):
+        raise bad_request("temperature must be a number in [0, 1]", "temperature")
+    messages, prefill = _messages(data.get("messages"), data.get("system"))
+    chat: dict[str, Any] = {
+        "model": data.get("model"),
+        "messages": messages,
+        "temperature": temperature,
+        "top_p": data.get("top_p"),
+        "top_k": data.get("top_k"),
+        "stop": _stop_sequences(data.get("stop_sequences")),
+        **extra,
+    }
+    tools = data.get("tools")
+    if tools is not None:
+        chat["tools"] = _tools(tools)
+    chat.update(_tool_choice(data.get("tool_choice")))
+    body = openai_schema.parse_chat(chat)
+    body.metadata_session_id = metadata_session_id(data.get("metadata"))
+    if prefill and body.tools.choice in ("required", "function"):
+        raise bad_request("a final assistant turn (prefill) cannot be combined with a tool_choice "
+                          "that forces a tool call", "tool_choice")
+    return MessagesRequest(body, prefill)
+
+
+def metadata_session_id(metadata: Any) -> str | None:
+    """The session Claude Code names in ``metadata.user_id``: a JSON string with
+    ``session_id``, or the older ``user_<hash>_account_<id>_session_<uuid>``."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise bad_request("metadata must be an object", "metadata")
+    user = metadata.get("user_id")
+    if not isinstance(user, str) or not user:
+        return None
+    if user.startswith("{"):
+        try:
+            parsed = orjson.loads(user)
+        except orjson.JSONDecodeError:
+            return None
+        session = parsed.get("session_id") if isinstance(parsed, dict) else None
+        return session if isinstance(session, str) and session else None
+    _, found, session = user.rpartition("_session_")
+    return session if found and session else None
+
+
+def _object(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data
+
+
+def _stop_sequences(stops: Any) -> list[str] | None:
+    if stops is None:
+        return None
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop_sequences must be an array of non-empty strings", "stop_sequences")
+    return stops or None
+
+
+def _messages(messages: Any, system: Any) -> tuple[list[dict[str, Any]], str]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array", "messages")
+    turns: list[tuple[str, list[dict[str, Any]]]] = []  # consecutive turns of one role merged
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system'", f"{where}.role")
+        blocks = _blocks(message.get("content"), f"{where}.content")
+        if turns and turns[-1][0] == message["role"]:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((message["role"], blocks))
+    prefill = ""
+    if turns[-1][0] == "assistant":
+        role, blocks = turns.pop()
+        if any(b["type"] != "text" for b in blocks if b["type"] not in _IGNORED_BLOCKS):
+            raise bad_request("a final assistant turn (prefill) may hold only text", "messages")
+        prefill = "".join(b["text"] for b in blocks if b["type"] == "text")
+        if not turns:
+            raise bad_request("messages must hold a user turn before a final assistant turn", "messages")
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        out.append({"role": "system", "content": _text(system, "system")})
+    for role, blocks in turns:
+        out.extend(_assistant(blocks) if role == "assistant" else _user(role, blocks))
+    return out, prefill
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of content blocks", where)
+    out = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}[{j}]"
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise bad_request(f"{at}.text must be a string", at)
+        elif kind == "tool_use":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise bad_request(f"{at}: a tool_use block needs a string id and name", at)
+            if not isinstance(block.get("input", {}), dict):
+                raise bad_request(f"{at}.input must be an object", at)
+        elif kind == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+                raise bad_request(f"{at}.tool_use_id must be a non-empty string", at)
+            block = {**block, "content": _text(block.get("content", ""), f"{at}.content")}
+        elif kind not in _IGNORED_BLOCKS:
+            raise bad_request(f"{at}: content blocks of type {kind!r} are not supported "
+                              "(text, tool_use, tool_result and thinking are)", at)
+        out.append(block)
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or the text of an array of text blocks (the form system and tool results take)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, block in enumerate(content):
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise bad_request(f"{where}[{j}] must be a text block (only text is supported)", where)
+            texts.append(block["text"])
+        return "".join(texts)
+    raise bad_request(f"{where} must be a string or an array of text blocks", where)
+
+
+def _user(role: str, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool results first (as ``tool`` messages, in order), then the turn's text."""
+    out: list[dict[str, Any]] = []
+    for block in blocks:
+        if block["type"] == "tool_result":
+            text = block["content"]
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": f"Error: {text}" if block.get("is_error") else text})
+    texts = [b["text"] for b in blocks if b["type"] == "text"]
+    if texts or not out:
+        out.append({"role": role, "content": "".join(texts)})
+    return out
+
+
+def _assistant(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    message: dict[str, Any] = {
+        "role": "assistant", "content": "".join(b["text"] for b in blocks if b["type"] == "text")}
+    calls = [
+        {"id": b["id"], "type": "function",
+         "function": {"name": b["name"], "arguments": b.get("input", {})}}  # the template's tojson
+        for b in blocks if b["type"] == "tool_use"
+    ]
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise bad_request("tools must be an array", "tools")
+    out = []
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise bad_request(f"tools[{j}] must be an object with a name", "tools")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad_request(f"tools[{j}] ({tool['name']!r}): only custom tools with an input_schema "
+                              "are supported", "tools")
+        function: dict[str, Any] = {"name": tool["name"], "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> dict[str, Any]:
+    if choice is None:
+        return {}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    mapped = {"auto": "auto", "any": "required", "none": "none"}
+    if kind in mapped:
+        out: dict[str, Any] = {"tool_choice": mapped[kind]}
+    elif kind == "tool" and isinstance(choice.get("name"), str):
+        out = {"tool_choice": {"type": "function", "function": {"name": choice["name"]}}}
+    else:
+        raise bad_request("tool_choice must be {'type': 'auto' | 'any' | 'none'} or "
+                          "{'type': 'tool', 'name': ...}", "tool_choice")
+    if choice.get("disable_parallel_tool_use") is True:
+        out["parallel_tool_calls"] = False
+    return out

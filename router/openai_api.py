@@ -1,0 +1,139 @@
+"""The OpenAI API's answers: chat completions and text completions, whole or as SSE chunks.
+
+A chat answer's tool calls (found by ``router.tool_calls``) become ``message.tool_calls`` and
+``finish_reason: "tool_calls"``; streamed, each call's id, type and name come once, in its
+first delta, then its arguments. A failure after the stream began is an error chunk, never a
+silent truncation; the stream ends with ``data: [DONE]``, after an error chunk when anything
+failed (the instance, or this side).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from router import openai_schema as schema
+from router import openai_tools
+from router.stream_output import OutputAssembler, collect, next_event
+from router.tool_calls import AnswerParser, ToolCall
+from talaria.protocol import CallEvent, CallRequest
+from talaria.protocol.errors import ApiError, error_body
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["respond"]
+
+
+async def respond(
+    request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+) -> web.StreamResponse:
+    if body.stream:
+        return await _stream(request, body, call, out, event, events, answer)
+    return await _collect(request, body, call, out, event, events, answer)
+
+
+async def _collect(
+    request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
+) -> web.Response:
+    if not await collect(request, out, event, events):
+        return web.Response(status=499)  # the client left; the caller aborts the call
+    if out.error is not None:
+        raise ApiError(502, out.error, code="instance_failed")
+    created = int(time.time())
+    usage = out.usage()
+    if body.kind == "chat":
+        text, finish, calls = out.text, out.finish_reason, None
+        if answer is not None:
+            items = answer.feed(text) + answer.finish()
+            text = "".join(i for i in items if isinstance(i, str))
+            calls = [openai_tools.tool_call_dict(c.id, c.name, c.arguments) for c in answer.calls]
+            finish = answer.finish_reason(finish)
+        data = schema.chat_completion(call.call_id, body.model, created, text, finish,
+                                      usage, out.chat_logprobs(), calls)
+    else:
+        data = schema.text_completion(call.call_id, body.model, created, out.text, out.finish_reason,
+                                      usage, out.completion_logprobs())
+    return web.Response(body=orjson.dumps(data), content_type="application/json",
+                        headers={"X-Session-ID": call.session_id})
+
+
+async def _stream(
+    request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                 "X-Session-ID": call.session_id}
+    )
+    created = int(time.time())
+    chat = body.kind == "chat"
+
+    def chunk(text: str | None, finish: str | None = None, usage: dict[str, Any] | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        if chat:
+            delta = None if text is None else ({"content": text} if finish is None or text else {})
+            return schema.chat_chunk(call.call_id, body.model, created, delta, finish, usage, logprobs)
+        return schema.text_completion(call.call_id, body.model, created, text, finish, usage, logprobs)
+
+    try:
+        await response.prepare(request)
+        if chat:
+            await _send(response, schema.chat_chunk(
+                call.call_id, body.model, created, {"role": "assistant", "content": ""}))
+        try:
+            while True:
+                piece = out.add(event)
+                if answer is not None:
+                    lp = out.chat_logprobs(piece) if piece.logprobs else None
+                    await _send_answer(response, answer.feed(piece.text), call, body, created, lp)
+                elif piece.text or piece.logprobs:
+                    lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
+                    await _send(response, chunk(piece.text, logprobs=lp))
+                if out.done:
+                    break
+                following = await next_event(request, events)
+                if following is None:
+                    log.info("router.client_disconnected", call_id=call.call_id)
+                    return response
+                event = following
+        except ConnectionError:
+            raise
+        except Exception as exc:  # never end a 200 stream without saying why
+            log.exception("router.stream_failed", call_id=call.call_id)
+            out.fail(f"{type(exc).__name__}: {exc}")
+        if out.error is not None:
+            await _send(response, error_body(out.error, "upstream_error", None, "instance_failed"))
+        else:
+            if answer is not None:
+                rest = answer.feed(out.flush()) + answer.finish()
+                await _send_answer(response, rest, call, body, created, None)
+                await _send(response, chunk("", answer.finish_reason(out.finish_reason)))
+            else:
+                await _send(response, chunk(out.flush(), out.finish_reason))
+            if body.include_usage:
+                await _send(response, chunk(None, usage=out.usage()))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:
+        log.info("router.client_disconnected", call_id=call.call_id)
+    return response
+
+
+async def _send_answer(
+    response: web.StreamResponse, items: list[str | ToolCall], call: CallRequest,
+    body: schema.CompletionBody, created: int, logprobs: dict[str, Any] | None,
+) -> None:
+    for delta in openai_tools.answer_deltas(items, with_logprobs=logprobs is not None):
+        await _send(response, schema.chat_chunk(call.call_id, body.model, created, delta, logprobs=logprobs))
+        logprobs = None
+
+
+async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
+    await response.write(b"data: " + orjson.dumps(data) + b"\n\n")

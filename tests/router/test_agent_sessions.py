@@ -1,0 +1,153 @@
+"""Sessions from what coding agents send (Claude Code, Codex, OpenCode headers; Anthropic
+metadata), a subagent's first call placed with its parent, the session-final hint; and
+sessions inferred from prompts when nothing names one."""
+
+from __future__ import annotations
+
+import pytest
+from multidict import CIMultiDict
+from router_fakes import FakeInstance
+from test_api import chat_body, reply, serve
+
+from router.anthropic_schema import metadata_session_id
+from router.app import CORE_KEY
+from router.core import RouterCore
+from router.session_identity import SessionHeaders, SessionIdentity, resolve_session
+from router.session_inference import SessionInference
+from router.tokenization import ModelTokenizer
+from talaria.protocol import CallRequest, InstanceState, SamplingParams, SessionKV
+from talaria.protocol.errors import ApiError
+from talaria.protocol.text import block_hashes
+
+
+def _resolve(headers: dict[str, str], **kw: object) -> SessionIdentity:
+    return resolve_session(CIMultiDict(headers), **kw)  # type: ignore[arg-type]
+
+
+def test_agent_headers_name_sessions_and_parents() -> None:
+    assert _resolve({"X-Claude-Code-Session-Id": "cc"}) == SessionIdentity("cc", None, False, "x-claude-code-session-id")
+    sub = _resolve({"x-claude-code-session-id": "cc", "x-claude-code-agent-id": "a1"})
+    assert (sub.session_id, sub.parent_id) == ("cc:a1", "cc")  # agent ids are scoped by session
+    nested = _resolve({"x-claude-code-session-id": "cc", "x-claude-code-agent-id": "a2",
+                       "x-claude-code-parent-agent-id": "a1"})
+    assert (nested.session_id, nested.parent_id) == ("cc:a2", "cc:a1")
+    assert _resolve({"session-id": "codex-1"}).session_id == "codex-1"
+    assert _resolve({"session_id": "codex-0"}).session_id == "codex-0"  # older Codex
+    opencode = _resolve({"X-Session-Id": "oc-2", "x-session-affinity": "oc-2", "x-parent-session-id": "oc-1"})
+    assert (opencode.session_id, opencode.parent_id, opencode.source) == ("oc-2", "oc-1", "x-session-id")
+    assert _resolve({"x-session-affinity": "oc-3"}).session_id == "oc-3"
+    assert _resolve({"x-session-id": "mine", "x-claude-code-session-id": "cc"}).session_id == "mine"
+    assert _resolve({"x-claude-code-session-id": "cc"}, body_session_id="body").session_id == "body"
+    assert _resolve({}, body_hint="meta").session_id == "meta"
+    assert _resolve({"x-claude-code-session-id": "cc"}, body_hint="meta").session_id == "cc"
+    assert _resolve({}) == SessionIdentity(None)
+    assert _resolve({"x-dynamo-session-final": "true", "x-dynamo-session-id": "d"}).final
+    assert _resolve({}, last_call=True).final
+    custom = SessionHeaders(session=("x-my-session",), parent=(), final=(), scoped=())
+    assert resolve_session(CIMultiDict({"X-My-Session": "m", "x-session-id": "ignored"}), names=custom).session_id == "m"
+
+
+@pytest.mark.parametrize("headers, body, match", [
+    ({"x-session-id": "a"}, "b", "disagree"),
+    ({"x-claude-code-session-id": " "}, None, "empty"),
+    ({"session-id": "x" * 300}, None, "printable ASCII"),
+    ({"x-talaria-session-final": "maybe"}, None, "true or false"),
+])
+def test_bad_session_sources_are_400(headers: dict[str, str], body: str | None, match: str) -> None:
+    with pytest.raises(ApiError, match=match) as info:
+        _resolve(headers, body_session_id=body)
+    assert info.value.status == 400
+
+
+def test_claude_code_metadata_user_id() -> None:
+    assert metadata_session_id({"user_id": '{"device_id": "d", "account_uuid": "", "session_id": "s-9"}'}) == "s-9"
+    assert metadata_session_id({"user_id": "user_abc_account_42_session_0d1e-77"}) == "0d1e-77"
+    assert metadata_session_id({"user_id": "someone"}) is None
+    assert metadata_session_id(None) is None
+
+
+async def test_headers_over_http_subagent_placed_with_parent_and_final_hint(tokenizer: ModelTokenizer) -> None:
+    a, b = FakeInstance("a", reply(tokenizer)), FakeInstance("b", reply(tokenizer))
+    async with serve(tokenizer, {"a": a, "b": b}) as client:
+        core = client.server.app[CORE_KEY]
+        core.context.add("a", 0, 10**6)  # a is busy: the parent's first call goes to b
+        parent = {"x-claude-code-session-id": "cc"}
+        resp = await client.post("/v1/chat/completions", json=chat_body(), headers=parent)
+        assert resp.status == 200 and resp.headers["X-Session-ID"] == "cc" and b.calls[-1].session_id == "cc"
+        core.context.remove("a", 10**6)  # a and b are equal now; a would win the tie by name
+        other = {"x-claude-code-session-id": "cc2"}
+        await client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": "x"}]),
+                          headers=other)
+        assert a.calls[-1].session_id == "cc2"
+        sub = {**parent, "x-claude-code-agent-id": "explore-1"}
+        await client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": "sub"}]),
+                          headers=sub)
+        assert b.calls[-1].session_id == "cc:explore-1" and b.calls[-1].parent_session_id == "cc"
+        await client.post("/v1/chat/completions", json=chat_body(),
+                          headers={**parent, "x-talaria-session-final": "true"})
+        assert b.calls[-1].last_call and "cc" not in core.sessions and "cc2" in core.sessions
+
+
+async def test_a_subagent_goes_where_its_parent_kv_is_on_host() -> None:
+    """The parent's KV, reported in host memory on b, draws its subagent's first call (which
+    repeats the parent's prompt) to b although b is busier; without the parent id, a wins."""
+    prompt = list(range(1, 200))
+    for parent_id, expected in (("p", "b"), (None, "a")):
+        a, b = FakeInstance("a", [5, 6]), FakeInstance("b", [5, 6])
+        core = RouterCore({"a": a, "b": b}, "talaria", refresh_after_call=False, block_size=16)
+        core.sessions.start_call("p", "m", 0.0, len(prompt))
+        core.sessions.end_call("p", "b", 1.0, block_hashes(prompt, 16), len(prompt))
+        for iid in ("a", "b"):
+            core.update_state(InstanceState(iid, block_size=16))
+        core.states["b"].sessions["p"] = SessionKV("p", "m", host_tokens=len(prompt))
+        core.context.add("b", 50, 50)
+        child = CallRequest("c1", "child", "m", prompt + [7, 8], SamplingParams(max_tokens=2),
+                            parent_session_id=parent_id)
+        events = [e async for e in core.submit(child)]
+        assert events[-1].instance_id == expected
+
+
+def test_inference_joins_continuations_and_keeps_sessions_apart() -> None:
+    inf = SessionInference(block_size=4)
+
+    def assign(prompt: list[int], model: str = "m") -> str:
+        return inf.assign(model, prompt, block_hashes(prompt, 4))
+
+    system = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # every session starts with the same system prompt
+    s1 = assign(system + [20, 21])
+    s2 = assign(system + [30])
+    assert s1 != s2  # sharing a system prompt is not continuing a session
+    inf.record_answer(s1, [22, 23])
+    assert assign(system + [20, 21, 22, 23, 24, 25, 26]) == s1
+    assert assign(system + [30, 31, 32]) == s2
+    assert assign(system + [30, 31, 32]) == s2  # a retry of the same prompt
+    assert assign(system + [20, 21, 22, 23, 24, 25, 26, 99], model="other") not in (s1, s2)
+    assert assign([1, 2]) not in (s1, s2) and assign([1, 2, 3]) == assign([1, 2, 3, 4, 5, 6, 7])  # short
+    # Two sessions with equal prompts: the one whose answer the prompt repeats wins.
+    t1, t2 = assign([50, 51, 52, 53, 54]), "?"
+    inf.record_answer(t1, [60])
+    t2 = inf.assign("m", [50, 51, 52, 53, 54], block_hashes([50, 51, 52, 53, 54], 4))
+    assert t2 == t1
+    inf.forget(s1)
+    assert assign(system + [20, 21, 22, 23, 24, 25, 26, 27]) != s1
+    small = SessionInference(block_size=4, max_sessions=2)
+    ids = [small.assign("m", [k] * 5, block_hashes([k] * 5, 4)) for k in range(3)]
+    assert len(small) == 2 and ids[0] not in small
+
+
+async def test_inferred_sessions_over_http(tokenizer: ModelTokenizer) -> None:
+    a = FakeInstance("a", reply(tokenizer))
+    messages = [{"role": "user", "content": "Fix the failing test"}]
+    async with serve(tokenizer, {"a": a}) as client:
+        ids = []
+        for turn in range(3):
+            resp = await client.post("/v1/chat/completions", json=chat_body(messages=messages))
+            data = await resp.json()
+            ids.append(resp.headers["X-Session-ID"])
+            messages = messages + [data["choices"][0]["message"], {"role": "user", "content": f"result {turn}"}]
+        other = await client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": "hi"}]))
+        assert ids == [ids[0]] * 3 and other.headers["X-Session-ID"] != ids[0]
+    assert all(not c.last_call for c in a.calls)
+    async with serve(tokenizer, {"a": a}, infer_sessions=False) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.headers["X-Session-ID"].startswith("anon-") and a.calls[-1].last_call
