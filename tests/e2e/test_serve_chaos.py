@@ -1,8 +1,9 @@
 """Chaos: a live replay of agent sessions against `talaria serve` (two instances, tiny CPU
-models) while instance processes are killed twice (SIGKILL). The supervisor restarts each
-killed instance, the router re-adds it, and the replay client re-sends a failed call as an
-agent would; every session completes every call, and the client reports how many re-sends it
-needed."""
+models) while one instance hangs for a while (SIGSTOP, then SIGCONT: its calls miss their
+first-token and stall deadlines, its polls time out) and instance processes are killed twice
+(SIGKILL). The supervisor restarts each killed instance, the router re-adds it, and the
+replay client re-sends a failed call as an agent would; every session completes every call,
+and the client reports how many re-sends it needed."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.slow
 CONFIG = """
 [router]
 poll_interval_s = 0.2
+first_token_timeout_s = 2.0
+stall_timeout_s = 2.0
 
 [[instances]]
 id = "a"
@@ -44,7 +47,7 @@ drain_timeout_s = 1.0
 slot_quantum_s = 0.5
 """
 SESSIONS = 12
-CALLS = 12
+CALLS = 16
 OUTPUT_TOKENS = 2400  # x token_scale 0.02: 48 tokens, so a kill finds calls mid-stream
 
 
@@ -93,7 +96,7 @@ def test_a_replay_completes_while_instances_are_killed_twice(
     def replay() -> None:
         try:
             out["result"], out["info"] = run_live(live_replay(
-                sessions, serve.url, token_scale=0.02, time_scale=0.02, vocab_size=200,
+                sessions, serve.url, token_scale=0.02, time_scale=0.1, vocab_size=200,
                 progress=False,
             ))
         except BaseException as exc:
@@ -104,10 +107,16 @@ def test_a_replay_completes_while_instances_are_killed_twice(
     killed: list[tuple[str, int]] = []
     try:
         runner.start()
-        for victim, after_s in (("a", 2.0), ("b", 1.0)):
+        time.sleep(2.0)
+        hung = instance_pids(serve, "a")[-1]
+        os.kill(hung, signal.SIGSTOP)  # a hangs: it accepts connections, answers nothing
+        time.sleep(3.0)
+        os.kill(hung, signal.SIGCONT)
+        assert runner.is_alive(), "the replay ended during the hang"
+        for victim, after_s in (("a", 1.0), ("b", 1.0)):
             time.sleep(after_s)
             pid = instance_pids(serve, victim)[-1]
-            assert runner.is_alive(), f"the replay ended before the chaos: {out}"
+            assert runner.is_alive(), f"the replay ended before the chaos: {out.get('error')}"
             os.kill(pid, signal.SIGKILL)
             killed.append((victim, pid))
             wait_restarted(serve, victim, pid, timeout_s=120)
@@ -116,7 +125,7 @@ def test_a_replay_completes_while_instances_are_killed_twice(
         result, info = out["result"], out["info"]
         print(f"chaos replay: {len(result.sessions)} sessions, "
               f"{sum(len(s.calls) for s in result.sessions)} calls, {info['retries']} re-sent, "
-              f"{len(killed)} kills")
+              f"1 hang, {len(killed)} kills, {result.wall_s:.1f} s")
         assert len(killed) == 2
         assert len(result.sessions) == SESSIONS
         assert result.failed_calls == 0, [c.error for c in result.calls if c.error]
