@@ -19,7 +19,7 @@ from aiohttp import web
 
 from router import openai_schema as schema
 from router import openai_tools
-from router.stream_output import OutputAssembler, collect, next_event
+from router.stream_output import OutputAssembler, Piece, collect
 from router.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError, error_body
@@ -87,27 +87,17 @@ async def _stream(
         if chat:
             await _send(response, schema.chat_chunk(
                 call.call_id, body.model, created, {"role": "assistant", "content": ""}))
-        try:
-            while True:
-                piece = out.add(event)
-                if answer is not None:
-                    lp = out.chat_logprobs(piece) if piece.logprobs else None
-                    await _send_answer(response, answer.feed(piece.text), call, body, created, lp)
-                elif piece.text or piece.logprobs:
-                    lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
-                    await _send(response, chunk(piece.text, logprobs=lp))
-                if out.done:
-                    break
-                following = await next_event(request, events)
-                if following is None:
-                    log.info("router.client_disconnected", call_id=call.call_id)
-                    return response
-                event = following
-        except ConnectionError:
-            raise
-        except Exception as exc:  # never end a 200 stream without saying why
-            log.exception("router.stream_failed", call_id=call.call_id)
-            out.fail(f"{type(exc).__name__}: {exc}")
+
+        async def emit(piece: Piece) -> None:
+            if answer is not None:
+                lp = out.chat_logprobs(piece) if piece.logprobs else None
+                await _send_answer(response, answer.feed(piece.text), call, body, created, lp)
+            elif piece.text or piece.logprobs:
+                lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
+                await _send(response, chunk(piece.text, logprobs=lp))
+
+        if not await collect(request, out, event, events, emit):
+            return response  # the client left; the caller aborts the call
         if out.error is not None:
             await _send(response, error_body(out.error, "upstream_error", None, "instance_failed"))
         else:

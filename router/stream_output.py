@@ -125,17 +125,30 @@ class OutputAssembler:
 
 
 async def collect(
-    request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent]
+    request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent],
+    emit: Callable[[Piece], Awaitable[None]] | None = None,
 ) -> bool:
-    """Feed the call's events to ``out`` until it is done; False if the client left first."""
-    while True:
-        out.add(event)
-        if out.done:
-            return True
-        following = await next_event(request, events)
-        if following is None:
-            return False
-        event = following
+    """Feed the call's events to ``out`` (and each piece to ``emit``) until it is done; False
+    if the client left first. Anything failing here but the client's connection fails the
+    call (``out.error``), so its answer still says so."""
+    try:
+        while True:
+            piece = out.add(event)
+            if emit is not None:
+                await emit(piece)
+            if out.done:
+                return True
+            following = await next_event(request, events)
+            if following is None:
+                log.info("router.client_disconnected", request_id=out.request_id)
+                return False
+            event = following
+    except ConnectionError:
+        raise
+    except Exception as exc:
+        log.exception("router.stream_failed", request_id=out.request_id)
+        out.fail(f"{type(exc).__name__}: {exc}")
+        return True
 
 
 async def next_event(request: web.Request, events: AsyncIterator[CallEvent]) -> CallEvent | None:

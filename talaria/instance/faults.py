@@ -1,18 +1,26 @@
 """How an admission loop lives through engine faults.
 
 An exception from the engine (or from the loop's own bookkeeping around it) is a *fault*: the
-loop fails the calls the engine held, takes them out of the engine, waits a backoff, and goes
-on. Faults in a row without progress in between (a step that delivered events, or a switch
-that completed) mean the engine is broken beyond one call: after ``max_consecutive`` of them
-the loop gives up, fails every call and stops, so the instance reports unhealthy and its
-supervisor can restart it.
+calls the engine held fail with an error naming it and are taken out of the engine (their
+blocks freed), and the loop goes on after a backoff. Faults in a row without progress in
+between (a step that delivered events, or a switch that completed) mean the engine is broken
+beyond one call: after ``max_consecutive`` of them the loop gives up, every call it still
+has fails, and the instance reports unhealthy so its supervisor can restart it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FaultBudget"]
+import structlog
+
+from talaria.instance.calls import CallBook
+from talaria.instance.executor import EngineExecutor
+
+log = structlog.get_logger("talaria.faults")
+
+__all__ = ["EngineFaults", "FaultBudget"]
 
 
 @dataclass
@@ -41,3 +49,41 @@ class FaultBudget:
     def progress(self) -> None:
         """The engine did useful work: earlier faults no longer count against it."""
         self.consecutive = 0
+
+
+class EngineFaults:
+    """What a fault does to an instance's calls. ``finish(pending, reason, event, error=)``
+    is the loop's one way to end a call."""
+
+    def __init__(
+        self, instance_id: str, calls: CallBook, executor: EngineExecutor,
+        finish: Callable[..., None], budget: FaultBudget,
+    ) -> None:
+        self.instance_id = instance_id
+        self.calls = calls
+        self.executor = executor
+        self.finish = finish
+        self.budget = budget
+
+    def handle(self, exc: Exception) -> float | None:
+        """Fail the calls in the engine and take them out of it; the backoff before going
+        on, or None when the loop must give up (then every call has ended)."""
+        log.exception("engine_fault", instance=self.instance_id, running=len(self.calls.running))
+        error = f"engine fault: {type(exc).__name__}: {exc}"
+        for pending in list(self.calls.running.values()):
+            self.drop(pending.call.call_id)
+            self.finish(pending, "error", None, error=error)
+        backoff = self.budget.fault()
+        if backoff is None:
+            log.error("admission_loop_gave_up", instance=self.instance_id,
+                      faults=self.budget.consecutive)
+            for pending in self.calls:
+                self.finish(pending, "error", None, error=f"the instance failed: {error}")
+        return backoff
+
+    def drop(self, call_id: str) -> None:
+        """Take a call out of the engine (a failure to is logged: the engine is suspect)."""
+        try:
+            self.executor.abort(call_id)
+        except Exception:
+            log.exception("abort_after_fault_failed", instance=self.instance_id, call=call_id)

@@ -25,7 +25,7 @@ from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineExecutor
-from talaria.instance.faults import FaultBudget
+from talaria.instance.faults import EngineFaults, FaultBudget
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.policies.round_scheduler import RoundScheduler, Slot
@@ -74,7 +74,10 @@ class AdmissionLoop:
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
-        self.faults = FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s)
+        self.faults = EngineFaults(
+            instance_id, calls, executor, self.finish,
+            FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
+        )
 
     def now(self) -> float:
         return self.view.now()
@@ -112,42 +115,18 @@ class AdmissionLoop:
         return True
 
     async def _recover(self, exc: Exception) -> bool:
-        """An engine fault (see ``talaria.instance.faults``): fail the calls in the engine,
-        take them out of it, and go on after a backoff; False when the loop gives up."""
-        log.exception("engine_fault", instance=self.instance_id, running=len(self.calls.running))
+        """An engine fault (``talaria.instance.faults``); False when the loop gives up."""
         self.counters["engine_faults"] += 1
-        error = f"engine fault: {type(exc).__name__}: {exc}"
-        for pending in list(self.calls.running.values()):
-            self._drop_from_engine(pending.call.call_id)
-            self.finish(pending, "error", None, error=error)
-        backoff = self.faults.fault()
+        backoff = self.faults.handle(exc)
         if backoff is None:
-            log.error("admission_loop_gave_up", instance=self.instance_id,
-                      faults=self.faults.consecutive)
             self.healthy = False
-            for pending in self.calls:
-                self.finish(pending, "error", None, error=f"the instance failed: {error}")
             return False
-        self._resync()
-        await asyncio.sleep(backoff)
-        return True
-
-    def _drop_from_engine(self, call_id: str) -> None:
-        try:
-            self.executor.abort(call_id)
-        except Exception:
-            log.exception("abort_after_fault_failed", instance=self.instance_id, call=call_id)
-
-    def _resync(self) -> None:
-        """After a fault: believe the engine about which model is active (a switch may have
-        failed half-way) and re-read its counts."""
+        # Believe the engine about which model is active (a switch may have failed half-way).
         self.active_model = self.executor.active_model
         if self.slot is not None and self.slot.model != self.active_model:
             self.slot = None
-        try:
-            self.refresh_engine_view()
-        except Exception:
-            log.exception("refresh_after_fault_failed", instance=self.instance_id)
+        await asyncio.sleep(backoff)
+        return True
 
     async def _serve_slot(self) -> None:
         """Admit into the active slot; close it, or keep it when nothing else waits."""
@@ -231,7 +210,7 @@ class AdmissionLoop:
             return
         except Exception as exc:  # the call's own failure: it alone fails
             log.exception("admit_failed", instance=self.instance_id, call=call.call_id)
-            self._drop_from_engine(call.call_id)
+            self.faults.drop(call.call_id)
             self.finish(pending, "error", None,
                         error=f"the engine could not take the call: {type(exc).__name__}: {exc}")
             return
@@ -332,7 +311,7 @@ class AdmissionLoop:
             self.sessions.switch_out(outgoing)
         report = await self.executor.activate(model)
         self.active_model = model
-        self.faults.progress()
+        self.faults.budget.progress()
         self.counters["switches"] += 1
         log.info(
             "switch",
@@ -362,7 +341,7 @@ class AdmissionLoop:
     async def _step(self) -> None:
         result: StepResult = await self.executor.step()
         if result.events:
-            self.faults.progress()
+            self.faults.budget.progress()
         for event in result.events:
             pending = self.calls.running.get(event.request_id)
             if pending is None:
