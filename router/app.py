@@ -228,11 +228,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Readiness: 503 while no instance is healthy, so a load balancer notices."""
+    """Readiness: 503 while no instance can take a call, so a load balancer notices."""
     core = request.app[CORE_KEY]
-    return _json({"status": "ok" if core.healthy else "no_healthy_instance",
-                  "healthy_instances": sorted(core.healthy), "instances": sorted(core.clients)},
-                 200 if core.healthy else 503)
+    serving = bool(core.candidates())
+    return _json({"status": "ok" if serving else "no_healthy_instance",
+                  "healthy_instances": sorted(core.healthy),
+                  "suspect_instances": sorted(core.suspect), "instances": sorted(core.clients)},
+                 200 if serving else 503)
 
 
 async def live(request: web.Request) -> web.Response:

@@ -7,7 +7,9 @@ count; ``failures_to_down`` in a row start a cooldown, during which a healthy po
 bring the instance back. Failures during a cooldown belong to the same episode. After it the
 instance is on probation: one more failure starts the next cooldown, twice as long; a call
 that finishes well clears everything. So an instance that answers ``/state`` but fails every
-call is not re-added at each poll, and one burst of failures costs one cooldown.
+call is not re-added at each poll, and one burst of failures costs one cooldown. (While no
+instance is healthy, the router still places calls on instances cooling down whose polls
+answer: ``RouterCore.suspect``.)
 """
 
 from __future__ import annotations

@@ -93,6 +93,9 @@ class RouterCore:
         self.inference = inference
         self.states: dict[str, InstanceState] = {}
         self.healthy: set[str] = set(self.clients)  # optimistic until a poll or call says no
+        # Answer their polls but cool down after failed calls: placed on only when no
+        # instance is healthy (better a suspect instance than a 503).
+        self.suspect: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def now(self) -> float:
@@ -107,10 +110,13 @@ class RouterCore:
         if state.healthy:
             if self.call_health.may_come_back(state.instance_id, self.now()):
                 self.mark_up(state.instance_id)
+            elif state.instance_id not in self.healthy:
+                self.suspect.add(state.instance_id)
         else:
             self.mark_down(state.instance_id, "instance reports unhealthy")
 
     def mark_up(self, instance_id: str) -> None:
+        self.suspect.discard(instance_id)
         if instance_id in self.clients and instance_id not in self.healthy:
             log.info("router.instance_up", instance=instance_id)
             self.healthy.add(instance_id)
@@ -118,6 +124,7 @@ class RouterCore:
     def mark_down(self, instance_id: str, reason: str) -> None:
         """The instance is down: it takes no calls, and the prefixes it held no longer count
         (an instance that comes back has lost its KV)."""
+        self.suspect.discard(instance_id)
         if instance_id in self.healthy:
             log.warning("router.instance_down", instance=instance_id, reason=reason)
             self.healthy.discard(instance_id)
@@ -175,7 +182,11 @@ class RouterCore:
         )
 
     def rank(self, call: CallRequest, session: SessionRecord | None = None) -> list[str]:
-        return self.policy.choose(self.placement_call(call), session, self.states, set(self.healthy))
+        return self.policy.choose(self.placement_call(call), session, self.states, self.candidates())
+
+    def candidates(self) -> set[str]:
+        """Where calls may go: the healthy instances, else the suspect ones."""
+        return set(self.healthy or self.suspect)
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         """Place and forward ``call``; yields its events, each tagged with ``instance_id``.
@@ -192,7 +203,7 @@ class RouterCore:
         previous = session.instance_id
         parent = self._parent(call, session)
         pcall = self.placement_call(call, hashes, parent.instance_id if parent else None)
-        ranked = self.policy.choose(pcall, parent or session, self.states, set(self.healthy))
+        ranked = self.policy.choose(pcall, parent or session, self.states, self.candidates())
         instance_id: str | None = None
         stream: AsyncIterator[CallEvent] | None = None
         first: CallEvent | None = None

@@ -270,3 +270,19 @@ def test_one_burst_of_failures_costs_one_cooldown_and_probation_doubles_it() -> 
     assert not health.may_come_back("a", 15.9) and health.may_come_back("a", 16.0)
     health.success("a")
     assert not health.failure("a", 20.0)  # a good call clears everything
+
+
+async def test_with_no_healthy_instance_calls_go_to_one_cooling_down() -> None:
+    now = [0.0]
+    a, b = FakeInstance("a", REPLY), FakeInstance("b", REPLY)
+    core = RouterCore({"a": a, "b": b}, "load", refresh_after_call=False, clock=lambda: now[0],
+                      health_rules=rules(failures_to_down=1, cooldown_s=60.0))
+    core.call_failed("a", TimeoutError("slow"))  # a cools down
+    await core.refresh("a")  # its polls still answer
+    assert core.healthy == {"b"} and core.suspect == {"a"}
+    [e async for e in core.submit(request(1))]
+    assert len(b.calls) == 1 and not a.calls  # b is healthy: a is not used
+    b.unavailable = True
+    await core.refresh("b")  # b is gone
+    events = [e async for e in core.submit(request(2))]
+    assert events[-1].finished and events[-1].instance_id == "a"  # better than a 503
