@@ -114,7 +114,21 @@ class EngineCore:
         self._pending.append(self._event(req, []))
 
     def has_unfinished(self) -> bool:
+        """Whether a ``step`` has anything to do: a live request, or an event not delivered
+        yet (an abort's)."""
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests added and neither finished nor aborted (what a model switch must wait
+        for; an aborted request's pending event does not count)."""
+        return len(self.scheduler.requests)
+
+    def take_pending_events(self) -> list[TokenEvent]:
+        """Hand over the events not delivered yet (a core being switched out gives its
+        aborts' events to whoever steps next)."""
+        events, self._pending = self._pending, []
+        return events
 
     # ---------------------------------------------------------------------- step
     def step(self) -> StepResult:
@@ -192,8 +206,8 @@ class EngineCore:
 
     def reset_kv(self) -> None:
         """Drop every device block, pins and session memory included (a model switch).
-        Requires no unfinished request."""
-        if self.has_unfinished():
+        Requires no live request (pending events hold no blocks)."""
+        if self.num_live_requests:
             raise RuntimeError("cannot reset the KV cache while requests are unfinished")
         self.kv.reset()
 

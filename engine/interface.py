@@ -177,3 +177,8 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
     def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
         """(tokens of the session's last prefix cached on device, tokens in host store)."""
         ...
+
+    def forget_session(self, session_id: str) -> None:
+        """Drop what the engine remembers of a session (its pin, its prefix chain): its
+        blocks stay cached until evicted, reachable by prefix, no longer by session."""
+        ...

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# Temperatures below this sample as greedy: dividing logits by less overflows float32 and
+# turns the probabilities into NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
 class SamplingParams:
     """How a request's tokens are chosen and when it stops.
 
-    temperature == 0 means greedy. A seed makes the request's sampling reproducible
-    whatever else shares its batch (each request draws from its own generator).
+    temperature below ``GREEDY_BELOW_TEMPERATURE`` (0 included) means greedy. A seed makes
+    the request's sampling reproducible whatever else shares its batch (each request draws
+    from its own generator). Every field is checked by type and range: a boolean is not an
+    integer, a number must be finite.
     """
 
     max_tokens: int = 16
@@ -26,19 +35,36 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and not (
+            _is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or any(
+            not _is_int(t) or t < 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of integers >= 0")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -74,7 +74,10 @@ class ServedModels:
         return model
 
     def check_activation(self, model: str, unfinished: int) -> None:
-        """A switch to ``model`` needs no unfinished request of the outgoing model."""
+        """A switch to ``model`` needs no unfinished request of the outgoing model.
+        ``unfinished`` counts live requests: added and neither finished nor aborted. An
+        aborted request whose event is not delivered yet is finished (its blocks are free):
+        it never blocks a switch, and its event still comes with the engine's next step."""
         self.check_model(model)
         if unfinished and model != self.active:
             raise RuntimeError(

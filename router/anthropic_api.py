@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from router.openai_schema import CompletionBody
-from router.stream_output import OutputAssembler, collect
+from router.stream_output import OutputAssembler, Piece, collect
 from router.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
@@ -176,12 +176,12 @@ async def _stream(
                           "cache_read_input_tokens": 0, "output_tokens": 0}
         await sse.send("message_start", {"type": "message_start", "message": start})
         await sse.send("ping", {"type": "ping"})
-        while True:
-            piece = out.add(event)
+
+        async def emit(piece: Piece) -> None:
             await sse.items(answer.feed(piece.text) if answer is not None else [piece.text])
-            if out.done:
-                break
-            event = await anext(events)
+
+        if not await collect(request, out, event, events, emit):
+            return response  # the client left; the caller aborts the call
         if out.error is not None:
             await sse.send("error", error_body(500, out.error))
         else:
@@ -195,7 +195,7 @@ async def _stream(
                                              "usage": _usage(out)})
             await sse.send("message_stop", {"type": "message_stop"})
         await response.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:
         log.info("router.client_disconnected", call_id=call.call_id)
     return response
 

@@ -1,11 +1,15 @@
 """The router's aiohttp application: the OpenAI-compatible front door.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. The handlers validate, tokenize and
+``GET /v1/models``, ``GET /health`` (503 while no instance is healthy), ``GET /live``
+(200 while the process serves), ``GET /metrics``. The handlers validate, tokenize and
 build a :class:`~talaria.protocol.CallRequest`; :class:`~router.core.RouterCore` places and
 forwards it. Errors before the first token get their HTTP status; after it, a streamed
-error event (or a 502 for a non-streamed call), never a silent truncation. A client that
-goes away, or a stop string reached, aborts the call on its instance.
+error event (then ``[DONE]`` on the OpenAI API), or a 502 for a non-streamed call, never a
+silent truncation; an instance's failure reaches the client as a generic message naming the
+request id, the detail goes to the log. A client that goes away (noticed while its call
+waits too), or a stop string reached, aborts the call on its instance. Bounds on what
+requests may take: ``router.limits``.
 """
 
 from __future__ import annotations
@@ -24,8 +28,16 @@ from aiohttp import web
 from router import anthropic_api, anthropic_schema, openai_api
 from router import openai_schema as schema
 from router.core import CallRejected, NoHealthyInstance, RouterCore
+from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
+from router.limits import (
+    LIMITS_KEY,
+    InflightGate,
+    RouterLimits,
+    check_prompt_bytes,
+    prompt_bytes,
+)
 from router.metrics import RouterMetrics
 from router.placement import POLICIES, PlacementContext
 from router.session_identity import SessionHeaders, resolve_session
@@ -49,6 +61,7 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
+from talaria.protocol.http import next_or_gone, read_body
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +81,9 @@ class RouterConfig:
     tool_formats: dict[str, str] = field(default_factory=dict)  # model -> tool-call format
     session_headers: SessionHeaders = field(default_factory=SessionHeaders)
     infer_sessions: bool = True  # calls naming no session join the session their prompt extends
+    instance_key: str | None = None  # sent to every instance (`talaria serve` generates it)
+    limits: RouterLimits = field(default_factory=RouterLimits)
+    deadlines: Deadlines = field(default_factory=Deadlines)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -93,6 +109,7 @@ CONFIG_KEY = web.AppKey("router_config", RouterConfig)
 CORE_KEY = web.AppKey("router_core", RouterCore)
 TOKENIZERS_KEY = web.AppKey("router_tokenizers", dict[str, ModelTokenizer])
 POLLER_KEY = web.AppKey("router_poller", HealthPoller)
+GATE_KEY = web.AppKey("router_inflight", InflightGate)
 
 
 def create_app(
@@ -103,7 +120,10 @@ def create_app(
     """Build the router app. ``clients`` defaults to one HttpInstanceClient per configured
     instance (closed at cleanup); ``tokenizers`` defaults to loading each model's."""
     if clients is None:
-        clients = {i: HttpInstanceClient(i, url) for i, url in config.instances.items()}
+        clients = {
+            i: HttpInstanceClient(i, url, key=config.instance_key)
+            for i, url in config.instances.items()
+        }
         owned = list(clients.values())
     else:
         owned = []
@@ -115,11 +135,12 @@ def create_app(
     core = RouterCore(
         clients,
         config.policy,
-        sessions=SessionTable(config.session_ttl_s),
+        sessions=SessionTable(config.session_ttl_s, config.limits.max_sessions),
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
         inference=SessionInference(config.block_size) if config.infer_sessions else None,
+        deadlines=config.deadlines,
     )
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -128,6 +149,8 @@ def create_app(
     app[CONFIG_KEY] = config
     app[CORE_KEY] = core
     app[TOKENIZERS_KEY] = tokenizers
+    app[LIMITS_KEY] = config.limits
+    app[GATE_KEY] = InflightGate(config.limits.max_inflight_calls, config.limits.busy_retry_after_s)
     if config.poll_interval_s is not None:
         poller = HealthPoller(core, config.poll_interval_s)
         app[POLLER_KEY] = poller
@@ -146,6 +169,7 @@ def create_app(
     app.router.add_get("/", root)  # and HEAD /: agents probe the base URL before their first call
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -180,7 +204,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     parsed = anthropic_schema.parse_count_tokens(await _json_body(request))
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
-    ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""))
+    ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
+                          request.app[LIMITS_KEY])
     return _json({"input_tokens": len(ids)})
 
 
@@ -203,9 +228,18 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 503 while no instance can take a call, so a load balancer notices."""
     core = request.app[CORE_KEY]
-    return _json({"status": "ok", "healthy_instances": sorted(core.healthy),
-                  "instances": sorted(core.clients)})
+    serving = bool(core.candidates())
+    return _json({"status": "ok" if serving else "no_healthy_instance",
+                  "healthy_instances": sorted(core.healthy),
+                  "suspect_instances": sorted(core.suspect), "instances": sorted(core.clients)},
+                 200 if serving else 503)
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while the router process serves, whatever its instances do."""
+    return _json({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -215,7 +249,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
+    raw = await read_body(request, request.app[LIMITS_KEY].body_timeout_s)
     if not raw:
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -244,20 +278,24 @@ async def _complete(
     ``prefill``: text the answer continues (written after the prompt)."""
     tok = _tokenizer(request, body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], body, tok, tool_id_prefix)
-    prompt_ids = await _tokenize(tok, body, prefill + (answer.prefill if answer else ""))
-    call = _call_request(request, body, tok, prompt_ids)
-    events = request.app[CORE_KEY].submit(call)
-    try:
-        first = await anext(events)
-    except NoHealthyInstance as exc:
-        raise no_healthy_instance(str(exc)) from exc
-    except Overloaded as exc:
-        raise overloaded(str(exc), exc.retry_after_s) from exc
-    except CallRejected as exc:
-        raise ApiError(exc.status, exc.message) from exc
-    out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs)
-    async with contextlib.aclosing(events):
-        return await respond(request, body, call, out, first, events, answer)
+    limits = request.app[LIMITS_KEY]
+    with request.app[GATE_KEY].admit():
+        prompt_ids = await _tokenize(tok, body, prefill + (answer.prefill if answer else ""), limits)
+        call = _call_request(request, body, tok, prompt_ids)
+        events = request.app[CORE_KEY].submit(call)
+        async with contextlib.aclosing(events):
+            try:
+                first = await next_or_gone(events, request, limits.disconnect_poll_s)
+            except NoHealthyInstance as exc:
+                raise no_healthy_instance(f"{exc} (request id {call.call_id})") from exc
+            except Overloaded as exc:
+                raise overloaded(str(exc), exc.retry_after_s) from exc
+            except CallRejected as exc:
+                raise ApiError(exc.status, exc.message) from exc
+            if first is None:
+                return web.Response(status=499)  # the client left before the first token
+            out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id)
+            return await respond(request, body, call, out, first, events, answer)
 
 
 def _answer_parser(
@@ -267,13 +305,18 @@ def _answer_parser(
     return answer_parser(body.tools, tok.name, fmt, id_prefix)
 
 
-async def _tokenize(tok: ModelTokenizer, body: schema.CompletionBody, prefill: str = "") -> list[int]:
+async def _tokenize(
+    tok: ModelTokenizer, body: schema.CompletionBody, prefill: str, limits: RouterLimits
+) -> list[int]:
+    """Token ids of the request's prompt, its size checked first (``router.limits``)."""
     param = "messages" if body.kind == "chat" else "prompt"
+    size = prompt_bytes(body.messages, body.prompt) + len(prefill.encode())
+    check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
-            ids = await tok.run(tok.encode_chat, body.messages, body.tools.tools, prefill)
+            ids = await tok.tokenize_chat(body.messages, size, body.tools.tools, prefill)
         elif isinstance(body.prompt, str):
-            ids = await tok.run(tok.encode_text, body.prompt)
+            ids = await tok.tokenize_text(body.prompt, size)
         elif body.prompt is not None:
             tok.check_token_ids(body.prompt)
             ids = list(body.prompt)
@@ -308,7 +351,8 @@ def _call_request(
             "max_tokens",
         )
     identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,
-                               body.last_call, request.app[CONFIG_KEY].session_headers)
+                               body.last_call, request.app[CONFIG_KEY].session_headers,
+                               request.app[LIMITS_KEY].max_session_id_chars)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,

@@ -10,22 +10,27 @@ else a session of one (``anon-<call id>``, ended with the call); ``call.session_
 updated in place so the caller can answer with it. A session's first call that names a
 parent (a subagent) is placed as its parent's continuation would be, where the parent's KV is.
 
-Failure rules: an instance that fails before the first event (:class:`InstanceUnavailable`)
-is marked down and the call is retried once on the next-best instance; an overloaded one
-is skipped the same way. After the first event a failure ends the stream with an error
-event (``finish_reason="error"``): never a silent truncation. A consumer that stops
-iterating early (``aclose``) aborts the call on its instance.
+Failure rules: a call that fails before its first event (:class:`InstanceUnavailable`: the
+instance is unreachable, answers an error, breaks the stream, or misses the first-token
+deadline) is retried once on the next-best instance; an overloaded one is skipped the same
+way. After the first event a failure (a broken or malformed stream, a missed stall
+deadline) ends the stream with an error event (``finish_reason="error"``): never a silent
+truncation. A call that missed a deadline is aborted on its instance, and so is one whose
+consumer stops iterating early (``aclose``). Every failure counts against the instance's
+health (``router.call_health``); deadlines are ``router.deadlines.Deadlines``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
 import structlog
 
+from router.call_health import CallHealth, HealthRules
+from router.deadlines import DeadlineMissed, Deadlines, next_event
 from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.session_inference import SessionInference
@@ -36,6 +41,7 @@ from talaria.protocol import (
     InstanceClient,
     InstanceState,
     InstanceUnavailable,
+    InstanceUnreachable,
     Overloaded,
 )
 from talaria.protocol.text import block_hashes
@@ -70,6 +76,8 @@ class RouterCore:
         clock: Callable[[], float] | None = None,
         block_size: int = 16,
         refresh_after_call: bool = True,
+        deadlines: Deadlines | None = None,
+        health_rules: HealthRules | None = None,
         inference: SessionInference | None = None,
     ) -> None:
         self.clients: dict[str, InstanceClient] = dict(clients)
@@ -79,10 +87,15 @@ class RouterCore:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.block_size = block_size
         self.refresh_after_call = refresh_after_call
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
+        self.call_health = CallHealth(health_rules if health_rules is not None else HealthRules())
         self._clock = clock
         self.inference = inference
         self.states: dict[str, InstanceState] = {}
         self.healthy: set[str] = set(self.clients)  # optimistic until a poll or call says no
+        # Answer their polls but cool down after failed calls: placed on only when no
+        # instance is healthy (better a suspect instance than a 503).
+        self.suspect: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def now(self) -> float:
@@ -91,13 +104,19 @@ class RouterCore:
     # ---- instance health and state ---------------------------------------------------------
 
     def update_state(self, state: InstanceState) -> None:
+        """A reported state; a healthy one brings the instance back unless its calls put it
+        in a cooldown (see ``router.health``)."""
         self.states[state.instance_id] = state
         if state.healthy:
-            self.mark_up(state.instance_id)
+            if self.call_health.may_come_back(state.instance_id, self.now()):
+                self.mark_up(state.instance_id)
+            elif state.instance_id not in self.healthy:
+                self.suspect.add(state.instance_id)
         else:
             self.mark_down(state.instance_id, "instance reports unhealthy")
 
     def mark_up(self, instance_id: str) -> None:
+        self.suspect.discard(instance_id)
         if instance_id in self.clients and instance_id not in self.healthy:
             log.info("router.instance_up", instance=instance_id)
             self.healthy.add(instance_id)
@@ -105,6 +124,7 @@ class RouterCore:
     def mark_down(self, instance_id: str, reason: str) -> None:
         """The instance is down: it takes no calls, and the prefixes it held no longer count
         (an instance that comes back has lost its KV)."""
+        self.suspect.discard(instance_id)
         if instance_id in self.healthy:
             log.warning("router.instance_down", instance=instance_id, reason=reason)
             self.healthy.discard(instance_id)
@@ -113,12 +133,25 @@ class RouterCore:
     async def refresh(self, instance_id: str) -> bool:
         """Fetch one instance's state; marks it up or down. Returns whether it is healthy."""
         try:
-            state = await self.clients[instance_id].state()
-        except Exception as exc:  # any failure to report counts as down
+            async with asyncio.timeout(self.deadlines.state_s):
+                state = await self.clients[instance_id].state()
+        except Exception as exc:  # any failure to report in time counts as down
             self.mark_down(instance_id, f"state poll failed: {exc!r}")
             return False
         self.update_state(state)
         return state.healthy
+
+    def call_failed(self, instance_id: str, exc: Exception) -> None:
+        """A call failed on the instance: unreachable is down at once (until a poll finds it
+        back); other failures count towards a cooldown (``router.call_health``)."""
+        kind = (
+            "unreachable" if isinstance(exc, InstanceUnreachable)
+            else "deadline" if isinstance(exc, DeadlineMissed) else "unavailable"
+        )
+        self.metrics.call_failures.inc(instance=instance_id, kind=kind)
+        log.warning("router.call_failed", instance=instance_id, kind=kind, error=str(exc))
+        if kind == "unreachable" or self.call_health.failure(instance_id, self.now()):
+            self.mark_down(instance_id, f"call failed ({kind}): {exc}")
 
     def cleanup_sessions(self) -> int:
         dropped = self.sessions.cleanup(self.now())
@@ -149,7 +182,11 @@ class RouterCore:
         )
 
     def rank(self, call: CallRequest, session: SessionRecord | None = None) -> list[str]:
-        return self.policy.choose(self.placement_call(call), session, self.states, set(self.healthy))
+        return self.policy.choose(self.placement_call(call), session, self.states, self.candidates())
+
+    def candidates(self) -> set[str]:
+        """Where calls may go: the healthy instances, else the suspect ones."""
+        return set(self.healthy or self.suspect)
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         """Place and forward ``call``; yields its events, each tagged with ``instance_id``.
@@ -166,31 +203,33 @@ class RouterCore:
         previous = session.instance_id
         parent = self._parent(call, session)
         pcall = self.placement_call(call, hashes, parent.instance_id if parent else None)
-        ranked = self.policy.choose(pcall, parent or session, self.states, set(self.healthy))
+        ranked = self.policy.choose(pcall, parent or session, self.states, self.candidates())
         instance_id: str | None = None
         stream: AsyncIterator[CallEvent] | None = None
         first: CallEvent | None = None
         outputs: list[int] = []
         outcome = "error"
         finished = False
+        prefilling = True  # the call's prompt still counts as outstanding prefill
         try:
             instance_id, stream, first = await self._open(call, ranked, pcall)
             self.metrics.placements.inc(
                 instance=instance_id, returning="yes" if previous == instance_id else "no"
             )
             event: CallEvent = first
-            first_token_seen = False
             while True:
                 event.instance_id = instance_id
                 outputs.extend(event.token_ids)
-                if not first_token_seen and (event.token_ids or event.finished):
-                    first_token_seen = True
+                if prefilling and (event.token_ids or event.finished):
+                    prefilling = False
                     self.metrics.ttft.observe(self.now() - start, model=call.model)
                     self.context.prefill_done(instance_id, pcall.prompt_len)
                 if event.finished:
                     finished = True
                     failed = event.error is not None or event.finish_reason == "error"
                     outcome = "error" if failed else "ok"
+                    if not failed:
+                        self.call_health.success(instance_id)
                     self._count_usage(call, event, len(outputs))
                 yield event
                 if finished:
@@ -201,7 +240,9 @@ class RouterCore:
                 outcome = "aborted"
             raise
         finally:
-            await self._finish(call, instance_id, stream, start, hashes, outputs, outcome, pcall)
+            await self._finish(
+                call, instance_id, stream, start, hashes, outputs, outcome, pcall, prefilling
+            )
 
     def _name_session(self, call: CallRequest, hashes: list[int]) -> None:
         if self.inference is not None:
@@ -229,14 +270,19 @@ class RouterCore:
             stream = aiter(self.clients[instance_id].submit(call))
             self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.max_tokens)
             try:
-                first = await anext(stream)
+                first = await next_event(stream, self.deadlines.first_token_s, "first token")
             except (InstanceUnavailable, StopAsyncIteration) as exc:
-                self.mark_down(instance_id, f"call failed before first token: {exc!r}")
-                errors.append(exc if isinstance(exc, InstanceUnavailable) else InstanceUnavailable("stream ended with no event"))
+                failure = (exc if isinstance(exc, InstanceUnavailable)
+                           else InstanceUnavailable("the stream ended with no event"))
+                self.call_failed(instance_id, failure)
+                errors.append(failure)
+                if isinstance(exc, DeadlineMissed):
+                    await self._abort_quietly(instance_id, call.call_id)
             except Overloaded as exc:
                 errors.append(exc)
-            except BaseException:
+            except BaseException:  # cancelled (its client left): the call goes everywhere
                 self._release(instance_id, pcall)
+                self._background(self._abort_quietly(instance_id, call.call_id))
                 await _close(stream)
                 raise
             else:
@@ -247,20 +293,35 @@ class RouterCore:
         overloaded = [e for e in errors if isinstance(e, Overloaded)]
         if overloaded:
             raise Overloaded(str(overloaded[-1]), min(e.retry_after_s for e in overloaded))
-        raise NoHealthyInstance(f"no instance could take the call: {errors[-1]}")
+        log.warning("router.call_unplaced", call_id=call.call_id, errors=[str(e) for e in errors])
+        raise NoHealthyInstance(f"no instance could take the call ({len(errors)} tried)")
 
     async def _next(self, stream: AsyncIterator[CallEvent], call: CallRequest, instance_id: str) -> CallEvent:
+        """The call's next event; a failure becomes its error event."""
         try:
-            return await anext(stream)
+            return await next_event(stream, self.deadlines.stall_s, "event after the last")
         except StopAsyncIteration:
-            message = "instance closed the stream before the call finished"
-        except (TimeoutError, InstanceUnavailable, Overloaded, ConnectionError) as exc:
-            self.mark_down(instance_id, f"call failed after first token: {exc!r}")
-            message = f"instance {instance_id} failed mid-call: {exc}"
+            failure = InstanceUnavailable("the instance closed the stream before the call finished")
+        except (InstanceUnavailable, Overloaded, ConnectionError, TimeoutError) as exc:
+            failure = exc if isinstance(exc, InstanceUnavailable) else InstanceUnavailable(str(exc))
+        self.call_failed(instance_id, failure)
+        if isinstance(failure, DeadlineMissed):
+            await self._abort_quietly(instance_id, call.call_id)
+        message = f"instance {instance_id} failed mid-call: {failure}"
         return CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error=message)
 
-    def _release(self, instance_id: str, pcall: PlacementCall) -> None:
-        self.context.prefill_done(instance_id, pcall.prompt_len)
+    async def _abort_quietly(self, instance_id: str, call_id: str) -> None:
+        """Best effort: the instance also aborts a call whose connection closed."""
+        try:
+            async with asyncio.timeout(self.deadlines.state_s):
+                await self.clients[instance_id].abort(call_id)
+        except Exception as exc:
+            log.info("router.abort_failed", instance=instance_id, call_id=call_id, error=repr(exc))
+
+    def _release(self, instance_id: str, pcall: PlacementCall, prefilling: bool = True) -> None:
+        """The call no longer counts on the instance (its prefill only if not yet done)."""
+        if prefilling:
+            self.context.prefill_done(instance_id, pcall.prompt_len)
         self.context.remove(instance_id, pcall.prompt_len + pcall.max_tokens)
 
     def _count_usage(self, call: CallRequest, event: CallEvent, n_outputs: int) -> None:
@@ -274,13 +335,13 @@ class RouterCore:
     async def _finish(
         self, call: CallRequest, instance_id: str | None, stream: AsyncIterator[CallEvent] | None,
         start: float, hashes: list[int], outputs: list[int], outcome: str, pcall: PlacementCall,
+        prefilling: bool,
     ) -> None:
         now = self.now()
         if instance_id is not None and stream is not None:
-            self._release(instance_id, pcall)
+            self._release(instance_id, pcall, prefilling)
             if outcome == "aborted":
-                with contextlib.suppress(Exception):
-                    await self.clients[instance_id].abort(call.call_id)
+                await self._abort_quietly(instance_id, call.call_id)
             await _close(stream)
             self.metrics.call_time.observe(now - start, model=call.model)
         self.metrics.requests.inc(model=call.model, instance=instance_id or "none", outcome=outcome)
@@ -304,9 +365,13 @@ class RouterCore:
             else:
                 self.inference.forget(call.session_id)
         if instance_id is not None and self.refresh_after_call:
-            task = asyncio.ensure_future(self.refresh(instance_id))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self.refresh(instance_id))
+
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` beside the call (kept until done; cancelled by ``close``)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _observe_sct(self, record: SessionRecord) -> None:
         if record.last_finish is not None:

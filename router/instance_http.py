@@ -2,9 +2,11 @@
 
 ``POST /internal/v1/calls`` (body: CallRequest JSON) streams NDJSON CallEvent lines;
 429 means overloaded (``retry_after_s`` in the body, ``Retry-After`` header); other 4xx
-mean the call is invalid; 5xx, refused connections and timeouts mean the instance is
-unavailable. ``POST /internal/v1/calls/{id}/abort``, ``GET /internal/v1/state``,
-``GET /health``.
+mean the call is invalid; a refused connection or a stream whose connection breaks means
+the instance is unreachable; 5xx, timeouts and lines that are not a well-formed event mean
+it is unavailable.
+``POST /internal/v1/calls/{id}/abort``, ``GET /internal/v1/state``, ``GET /health``. Every
+request carries ``Authorization: Bearer <key>`` when the client has the instances' key.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import aiohttp
 import orjson
 
 from router.core import CallRejected
-from talaria.protocol import CallEvent, CallRequest, InstanceState, InstanceUnavailable, Overloaded
+from talaria.protocol import (
+    CallEvent,
+    CallRequest,
+    InstanceState,
+    InstanceUnavailable,
+    InstanceUnreachable,
+    Overloaded,
+)
 
 
 class HttpInstanceClient:
@@ -30,8 +39,10 @@ class HttpInstanceClient:
         session: aiohttp.ClientSession | None = None,
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 10.0,
+        key: str | None = None,
     ) -> None:
         self.instance_id = instance_id
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.base_url = base_url.rstrip("/")
         self._session = session
         self._owns_session = session is None
@@ -55,10 +66,12 @@ class HttpInstanceClient:
         try:
             response = await self._http().post(
                 url, data=orjson.dumps(call.to_dict()),
-                headers={"Content-Type": "application/json"}, timeout=timeout,
+                headers={**self._headers, "Content-Type": "application/json"}, timeout=timeout,
             )
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+            raise InstanceUnreachable(f"{self.instance_id}: cannot reach {url}: {exc!r}") from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise InstanceUnavailable(f"{self.instance_id}: cannot reach {url}: {exc!r}") from exc
+            raise InstanceUnavailable(f"{self.instance_id}: no answer from {url}: {exc!r}") from exc
         async with response:
             if response.status != 200:
                 await self._raise_for(response)
@@ -70,11 +83,22 @@ class HttpInstanceClient:
                         line = bytes(buffer[:end]).strip()
                         del buffer[: end + 1]
                         if line:
-                            yield CallEvent.from_dict(orjson.loads(line))
+                            yield self._event(line)
                 if bytes(buffer).strip():
-                    yield CallEvent.from_dict(orjson.loads(bytes(buffer)))
+                    yield self._event(bytes(buffer))
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                    ConnectionError) as exc:  # the process went away mid-call
+                raise InstanceUnreachable(f"{self.instance_id}: stream broke: {exc!r}") from exc
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 raise InstanceUnavailable(f"{self.instance_id}: stream broke: {exc!r}") from exc
+
+    def _event(self, line: bytes) -> CallEvent:
+        try:
+            return CallEvent.from_dict(orjson.loads(line))
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            raise InstanceUnavailable(
+                f"{self.instance_id}: malformed event {line[:200]!r}: {exc}"
+            ) from exc
 
     async def _raise_for(self, response: aiohttp.ClientResponse) -> None:
         body = await _json(response)
@@ -92,7 +116,7 @@ class HttpInstanceClient:
         url = f"{self.base_url}/internal/v1/calls/{call_id}/abort"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().post(url, timeout=timeout) as response:
+            async with self._http().post(url, headers=self._headers, timeout=timeout) as response:
                 await response.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: abort failed: {exc!r}") from exc
@@ -101,19 +125,23 @@ class HttpInstanceClient:
         url = f"{self.base_url}/internal/v1/state"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().get(url, timeout=timeout) as response:
+            async with self._http().get(url, headers=self._headers, timeout=timeout) as response:
                 if response.status != 200:
                     raise InstanceUnavailable(f"{self.instance_id}: state HTTP {response.status}")
                 data = orjson.loads(await response.read())
-        except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
+            if not isinstance(data, dict):
+                raise ValueError(f"the state is a {type(data).__name__}, not an object")
+            data.setdefault("instance_id", self.instance_id)
+            return InstanceState.from_dict(data)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError, KeyError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: state poll failed: {exc!r}") from exc
-        data.setdefault("instance_id", self.instance_id)
-        return InstanceState.from_dict(data)
 
     async def health(self) -> bool:
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().get(f"{self.base_url}/health", timeout=timeout) as response:
+            async with self._http().get(
+                f"{self.base_url}/health", headers=self._headers, timeout=timeout
+            ) as response:
                 return response.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False

@@ -91,6 +91,8 @@ class RouterMetrics:
         self.completion_tokens = Counter("talaria_router_completion_tokens_total", "Generated tokens.")
         self.retries = Counter("talaria_router_retries_total", "Calls retried on another instance before the first token.")
         self.placements = Counter("talaria_router_placements_total", "Calls placed, by instance and whether it was the session's previous instance.")
+        self.call_failures = Counter("talaria_router_call_failures_total", "Calls an instance failed, by instance and kind (unreachable, unavailable, deadline).")
+        self.rejected = Counter("talaria_router_rejected_total", "Requests refused before placement, by reason (e.g. busy: the router's cap on calls in flight).")
         self.ttft = Histogram("talaria_router_ttft_seconds", "Time to first token seen by the router.", TTFT_BUCKETS)
         self.call_time = Histogram("talaria_router_call_seconds", "Call duration seen by the router.", SCT_BUCKETS)
         self.sct = Histogram("talaria_router_session_completion_seconds", "Session completion time (first call sent to last call done).", SCT_BUCKETS)
@@ -98,7 +100,7 @@ class RouterMetrics:
     def render(self, states: Mapping[str, InstanceState], healthy: set[str], sessions: int) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.cached_tokens, self.completion_tokens,
-                       self.retries, self.placements):
+                       self.retries, self.placements, self.call_failures, self.rejected):
             lines += metric.render()
         for hist in (self.ttft, self.call_time, self.sct):
             lines += hist.render()

@@ -3,7 +3,8 @@
 A chat answer's tool calls (found by ``router.tool_calls``) become ``message.tool_calls`` and
 ``finish_reason: "tool_calls"``; streamed, each call's id, type and name come once, in its
 first delta, then its arguments. A failure after the stream began is an error chunk, never a
-silent truncation; the stream ends with ``data: [DONE]``.
+silent truncation; the stream ends with ``data: [DONE]``, after an error chunk when anything
+failed (the instance, or this side).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from router import openai_schema as schema
 from router import openai_tools
-from router.stream_output import OutputAssembler, collect
+from router.stream_output import OutputAssembler, Piece, collect
 from router.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError, error_body
@@ -86,17 +87,17 @@ async def _stream(
         if chat:
             await _send(response, schema.chat_chunk(
                 call.call_id, body.model, created, {"role": "assistant", "content": ""}))
-        while True:
-            piece = out.add(event)
+
+        async def emit(piece: Piece) -> None:
             if answer is not None:
                 lp = out.chat_logprobs(piece) if piece.logprobs else None
                 await _send_answer(response, answer.feed(piece.text), call, body, created, lp)
             elif piece.text or piece.logprobs:
                 lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
                 await _send(response, chunk(piece.text, logprobs=lp))
-            if out.done:
-                break
-            event = await anext(events)
+
+        if not await collect(request, out, event, events, emit):
+            return response  # the client left; the caller aborts the call
         if out.error is not None:
             await _send(response, error_body(out.error, "upstream_error", None, "instance_failed"))
         else:
@@ -110,7 +111,7 @@ async def _stream(
                 await _send(response, chunk(None, usage=out.usage()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:
         log.info("router.client_disconnected", call_id=call.call_id)
     return response
 

@@ -1,8 +1,9 @@
 """Parse and validate OpenAI request bodies; build OpenAI response objects.
 
 Parsing never trusts the body: every wrong type, missing field or out-of-range value raises
-an :class:`~talaria.protocol.errors.ApiError` (400) whose message names the field. Unknown fields are
-ignored, as OpenAI-compatible servers do, so clients that send extra options keep working.
+an :class:`~talaria.protocol.errors.ApiError` (400) whose message names the field. A field
+the server does not support is refused the same way (``router.request_fields``), so no
+option is silently ignored.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from router.openai_tools import ToolRequest, assistant_tool_calls, parse_tools
+from router.request_fields import check_fields
 from talaria.protocol.errors import bad_request
 
 MAX_STOP_STRINGS = 16
@@ -45,6 +47,7 @@ class CompletionBody:
 
 def parse_chat(body: Any) -> CompletionBody:
     data = _object(body)
+    check_fields(data, "chat")
     parsed = _common(data, "chat")
     parsed.messages = _messages(data.get("messages"))
     parsed.tools = parse_tools(data)
@@ -55,25 +58,33 @@ def parse_chat(body: Any) -> CompletionBody:
     parsed.max_tokens = _max_tokens(max_tokens, name)
     parsed.logprobs = _bool(data, "logprobs")
     top = data.get("top_logprobs")
-    if top is not None and (not _is_int(top) or not 0 <= top <= 20):
-        raise bad_request("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+    if top is not None and (not _is_int(top) or top != 0):
+        raise bad_request(
+            "top_logprobs is not supported beyond 0 (logprobs gives the chosen tokens' only)",
+            "top_logprobs",
+        )
     return parsed
 
 
 def parse_completion(body: Any) -> CompletionBody:
     data = _object(body)
+    check_fields(data, "completion")
     parsed = _common(data, "completion")
     parsed.prompt = _prompt(data.get("prompt"))
     parsed.max_tokens = _max_tokens(data.get("max_tokens"), "max_tokens")
     logprobs = data.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
-        raise bad_request("logprobs must be an integer in [0, 5] or null", "logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
+        raise bad_request(
+            "logprobs must be 0 or null: the chosen tokens' logprobs are returned, the most "
+            "likely alternatives are not supported", "logprobs",
+        )
     parsed.logprobs = logprobs is not None
-    if data.get("echo") is True:
-        raise bad_request("echo is not supported", "echo")
+    echo = data.get("echo")
+    if echo is not None and echo is not False:
+        raise bad_request("echo is not supported (only false)", "echo")
     best_of = data.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise bad_request("best_of must be 1", "best_of")
+    if best_of is not None and not (_is_int(best_of) and best_of == 1):
+        raise bad_request("best_of must be the integer 1", "best_of")
     return parsed
 
 
@@ -103,8 +114,8 @@ def _common(data: dict[str, Any], kind: Literal["chat", "completion"]) -> Comple
         raise bad_request("seed must be an integer", "seed")
     parsed.seed = seed
     n = data.get("n")
-    if n is not None and n != 1:
-        raise bad_request("only n=1 is supported", "n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise bad_request("only n=1 is supported (an integer)", "n")
     parsed.stop = _stop(data.get("stop"))
     parsed.stream = _bool(data, "stream")
     options = data.get("stream_options")

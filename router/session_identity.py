@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from router.limits import check_session_id
 from talaria.protocol.errors import bad_request
 
 __all__ = ["SessionHeaders", "SessionIdentity", "resolve_session"]
-
-MAX_SESSION_ID_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -74,53 +73,58 @@ def resolve_session(
     body_hint: str | None = None,
     last_call: bool = False,
     names: SessionHeaders | None = None,
+    max_chars: int = 256,
 ) -> SessionIdentity:
     """The session a request names. ``headers``: case-insensitive (aiohttp's CIMultiDict);
     ``body_session_id``: the body's ``session_id``; ``body_hint``: a weaker body source
-    (Anthropic ``metadata.user_id``); ``last_call``: the body's session-final hint."""
+    (Anthropic ``metadata.user_id``); ``last_call``: the body's session-final hint. Every id
+    read is checked (``router.limits.check_session_id``: at most ``max_chars`` printable
+    ASCII characters; 400 otherwise)."""
     names = names or SessionHeaders()
+    checked = _Checker(max_chars)
     final = last_call or any(_flag(headers, h) for h in names.final)
-    explicit = _header(headers, names.explicit, names) if names.explicit in names.session else None
+    explicit = checked.header(headers, names.explicit, names) if names.explicit in names.session else None
     if explicit and body_session_id and explicit != body_session_id:
         raise bad_request(f"the {names.explicit} header and the session_id field disagree", "session_id")
     if body_session_id:
-        return SessionIdentity(_checked(body_session_id, "session_id"),
-                               _parent(headers, names, None), final, "session_id")
+        return SessionIdentity(checked(body_session_id, "session_id"),
+                               checked.parent(headers, names, None), final, "session_id")
     for header in names.session:
-        value = _header(headers, header, names)
+        value = checked.header(headers, header, names)
         if value:
-            return SessionIdentity(value, _parent(headers, names, header), final, header)
+            return SessionIdentity(value, checked.parent(headers, names, header), final, header)
     if body_hint:
-        return SessionIdentity(_checked(body_hint, "metadata.user_id"), None, final, "metadata.user_id")
-    return SessionIdentity(None, _parent(headers, names, None), final, "")
+        return SessionIdentity(checked(body_hint, "metadata.user_id"), None, final, "metadata.user_id")
+    return SessionIdentity(None, checked.parent(headers, names, None), final, "")
 
 
-def _parent(headers: Mapping[str, str], names: SessionHeaders, source: str | None) -> str | None:
-    for header in names.parent:
-        value = _header(headers, header, names)
-        if value:
-            return value
-    scope = dict(names.scoped).get(source or "")
-    return _header(headers, scope, names) if scope else None  # a subagent's parent: its session
+class _Checker:
+    """Reads ids from headers, each checked against one bound."""
 
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
 
-def _header(headers: Mapping[str, str], name: str, names: SessionHeaders) -> str | None:
-    raw = headers.get(name)
-    if raw is None:
-        return None
-    value = _checked(raw.strip(), name)
-    scope = dict(names.scoped).get(name)
-    scope_value = headers.get(scope, "").strip() if scope else ""
-    return f"{_checked(scope_value, scope or name)}:{value}" if scope_value else value
+    def __call__(self, value: str, source: str) -> str:
+        if not value:
+            raise bad_request(f"the session id in {source} is empty", source)
+        return check_session_id(value, self.max_chars, source)
 
+    def parent(self, headers: Mapping[str, str], names: SessionHeaders, source: str | None) -> str | None:
+        for header in names.parent:
+            value = self.header(headers, header, names)
+            if value:
+                return value
+        scope = dict(names.scoped).get(source or "")
+        return self.header(headers, scope, names) if scope else None  # a subagent's parent: its session
 
-def _checked(value: str, source: str) -> str:
-    if not value:
-        raise bad_request(f"the session id in {source} is empty", source)
-    if len(value) > MAX_SESSION_ID_LEN or not value.isprintable() or not value.isascii():
-        raise bad_request(f"the session id in {source} must be at most {MAX_SESSION_ID_LEN} printable "
-                          "ASCII characters", source)
-    return value
+    def header(self, headers: Mapping[str, str], name: str, names: SessionHeaders) -> str | None:
+        raw = headers.get(name)
+        if raw is None:
+            return None
+        value = self(raw.strip(), name)
+        scope = dict(names.scoped).get(name)
+        scope_value = headers.get(scope, "").strip() if scope else ""
+        return f"{self(scope_value, scope or name)}:{value}" if scope_value else value
 
 
 def _flag(headers: Mapping[str, str], name: str) -> bool:

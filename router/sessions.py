@@ -3,13 +3,14 @@
 Times are the caller's clock (the event loop's ``loop.time()``, virtual in simulation).
 A session record lives while calls are in flight and ``ttl_s`` after its last finish;
 ``cleanup`` drops the stale ones (and a session whose client said ``last_call`` goes when
-that call ends).
+that call ends). The table holds at most ``max_sessions``: a new session beyond that evicts
+the least recently seen idle one.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 
@@ -37,11 +38,15 @@ class SessionRecord:
 
 
 class SessionTable:
-    def __init__(self, ttl_s: float = 1800.0) -> None:
+    def __init__(self, ttl_s: float = 1800.0, max_sessions: int = 100_000) -> None:
         if ttl_s <= 0:
             raise ValueError(f"session ttl_s must be > 0, got {ttl_s}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.ttl_s = ttl_s
-        self._sessions: dict[str, SessionRecord] = {}
+        self.max_sessions = max_sessions
+        self.evicted = 0
+        self._sessions: OrderedDict[str, SessionRecord] = OrderedDict()  # least recent first
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -64,6 +69,8 @@ class SessionTable:
         record as it was before this call's placement."""
         record = self._sessions.get(session_id)
         if record is None or record.model != model:
+            if record is None:
+                self._make_room()
             record = SessionRecord(session_id=session_id, model=model, started_at=now)
             self._sessions[session_id] = record
         elif record.last_finish is not None and record.active_calls == 0:
@@ -73,7 +80,18 @@ class SessionTable:
         record.prompt_tokens = prompt_tokens
         record.last_seen = now
         record.expected_gap_hint = expected_gap_s
+        self._sessions.move_to_end(session_id)
         return record
+
+    def _make_room(self) -> None:
+        """Evict least recently seen idle sessions until one more fits (sessions with calls
+        in flight stay: the router's cap on calls in flight bounds them)."""
+        while len(self._sessions) >= self.max_sessions:
+            victim = next((r for r in self._sessions.values() if r.active_calls == 0), None)
+            if victim is None:
+                return
+            del self._sessions[victim.session_id]
+            self.evicted += 1
 
     def end_call(
         self,
@@ -92,6 +110,7 @@ class SessionTable:
         record.active_calls = max(0, record.active_calls - 1)
         record.last_finish = now
         record.last_seen = now
+        self._sessions.move_to_end(session_id)
         if instance_id is not None:
             record.instance_id = instance_id
             record.block_hashes = kv_block_hashes

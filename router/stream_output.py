@@ -1,6 +1,8 @@
 """Turns a call's CallEvents into the text the client sees: detokenise, cut at stop strings,
 keep logprobs and usage. One assembler per call; the streaming and the collecting handler
-share it, so both answer the same text."""
+share it, so both answer the same text. A failure the instance reports becomes a generic
+``error`` naming the request id (the detail goes to the log), and :func:`next_event` waits
+for a call's next event while watching that its client is still there."""
 
 from __future__ import annotations
 
@@ -8,13 +10,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from router import openai_schema as schema
+from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
 from router.tool_calls import AnswerParser
 from talaria.protocol import CallEvent, CallRequest, CallUsage
+from talaria.protocol.http import next_or_gone
 from talaria.protocol.text import StopMatcher
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -28,8 +35,10 @@ class Piece:
 
 class OutputAssembler:
     def __init__(
-        self, tok: ModelTokenizer, prompt_ids: Sequence[int], stops: Sequence[str], want_logprobs: bool
+        self, tok: ModelTokenizer, prompt_ids: Sequence[int], stops: Sequence[str],
+        want_logprobs: bool, request_id: str = "",
     ) -> None:
+        self.request_id = request_id
         self._tok = tok
         self._detok = tok.detokenizer(prompt_ids)
         self._stop = StopMatcher(stops)
@@ -64,8 +73,14 @@ class OutputAssembler:
             self.done = True
             self.finish_reason = event.finish_reason or "stop"
             if event.error is not None or self.finish_reason in ("error", "abort"):
-                self.error = event.error or "the instance aborted the call"
+                self.fail(event.error or "the instance aborted the call")
         return piece
+
+    def fail(self, detail: str) -> None:
+        """The call failed: log ``detail``; the client is told only that, and the id."""
+        log.warning("router.call_failed", request_id=self.request_id, error=detail)
+        self.error = f"the call failed on its instance; request id {self.request_id}"
+        self.done = True
 
     def flush(self) -> str:
         """Release text held back for a possible stop string (call it once, at the end)."""
@@ -110,16 +125,35 @@ class OutputAssembler:
 
 
 async def collect(
-    request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent]
+    request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent],
+    emit: Callable[[Piece], Awaitable[None]] | None = None,
 ) -> bool:
-    """Feed the call's events to ``out`` until it is done; False if the client left first."""
-    while True:
-        out.add(event)
-        if out.done:
-            return True
-        if request.transport is None or request.transport.is_closing():
-            return False
-        event = await anext(events)
+    """Feed the call's events to ``out`` (and each piece to ``emit``) until it is done; False
+    if the client left first. Anything failing here but the client's connection fails the
+    call (``out.error``), so its answer still says so."""
+    try:
+        while True:
+            piece = out.add(event)
+            if emit is not None:
+                await emit(piece)
+            if out.done:
+                return True
+            following = await next_event(request, events)
+            if following is None:
+                log.info("router.client_disconnected", request_id=out.request_id)
+                return False
+            event = following
+    except ConnectionError:
+        raise
+    except Exception as exc:
+        log.exception("router.stream_failed", request_id=out.request_id)
+        out.fail(f"{type(exc).__name__}: {exc}")
+        return True
+
+
+async def next_event(request: web.Request, events: AsyncIterator[CallEvent]) -> CallEvent | None:
+    """The call's next event, or None once its client has gone away."""
+    return await next_or_gone(events, request, request.app[LIMITS_KEY].disconnect_poll_s)
 
 
 Responder = Callable[

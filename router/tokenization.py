@@ -3,11 +3,17 @@
 The router owns tokenization so it can hash prompt prefixes for KV locality, with the
 engine's own block-hash chain (``talaria.protocol.text.block_hashes``): the router's prefix
 index and session table then name KV exactly as the instances do.
+
+Encoding runs off the event loop in two lanes per model, each one thread with its own copy
+of the tokenizer (a fast tokenizer must not encode from two threads at once): prompts of up
+to ``large_prompt_bytes`` in one, longer ones in the other, so a huge prompt never makes a
+small call of the same model wait behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,19 +28,49 @@ T = TypeVar("T")
 class ModelTokenizer:
     """One catalog model's tokenizer, chat template and context length."""
 
-    def __init__(self, name: str, tokenizer: Any, context_len: int) -> None:
+    def __init__(
+        self, name: str, tokenizer: Any, context_len: int, large_prompt_bytes: int = 64 * 1024
+    ) -> None:
         if context_len < 2:
             raise ValueError(f"context length of {name!r} must be >= 2, got {context_len}")
         self.name = name
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.vocab_size = len(tokenizer)
-        # One worker: a HF fast tokenizer must not encode from two threads at once.
+        self.large_prompt_bytes = large_prompt_bytes
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}")
+        self._large: tuple[ThreadPoolExecutor, Any] | None = None  # made on first use
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run an encode off the event loop, on this tokenizer's own thread."""
+        """Run an encode off the event loop, on this tokenizer's own (small-prompt) thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], size: int,
+        tools: list[dict[str, Any]] | None = None, prefill: str = "",
+    ) -> list[int]:
+        """``encode_chat`` in the lane for a prompt of ``size`` bytes."""
+        executor, tokenizer = self._lane(size)
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, _encode_chat, tokenizer, self.name, messages, tools, prefill
+        )
+
+    async def tokenize_text(self, text: str, size: int) -> list[int]:
+        """``encode_text`` in the lane for a prompt of ``size`` bytes."""
+        executor, tokenizer = self._lane(size)
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, _encode_text, tokenizer, text, True
+        )
+
+    def _lane(self, size: int) -> tuple[ThreadPoolExecutor, Any]:
+        if size <= self.large_prompt_bytes:
+            return self._executor, self.tokenizer
+        if self._large is None:
+            self._large = (
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-large-{self.name}"),
+                copy.deepcopy(self.tokenizer),
+            )
+        return self._large
 
     @classmethod
     def load(cls, name: str, path: str | Path, max_model_len: int | None = None) -> ModelTokenizer:
@@ -56,8 +92,7 @@ class ModelTokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        template = getattr(self.tokenizer, "chat_template", None)
-        return template if isinstance(template, str) else None
+        return _chat_template(self.tokenizer)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -66,15 +101,10 @@ class ModelTokenizer:
         """The chat template applied (with ``tools`` when given, through transformers, whose
         ``tojson`` the templates expect), the generation prompt added and ``prefill``
         written after it as the start of the answer; then tokenized."""
-        if self.chat_template is None:
-            raise ValueError(f"model {self.name!r} has no chat template; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
-        )
-        return self.encode_text(text + prefill, add_special_tokens=False)
+        return _encode_chat(self.tokenizer, self.name, messages, tools, prefill)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return _encode_text(self.tokenizer, text, add_special_tokens)
 
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -89,6 +119,27 @@ class ModelTokenizer:
 
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+
+
+def _chat_template(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+def _encode_chat(
+    tokenizer: Any, name: str, messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None, prefill: str,
+) -> list[int]:
+    if _chat_template(tokenizer) is None:
+        raise ValueError(f"model {name!r} has no chat template; use /v1/completions")
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
+    return _encode_text(tokenizer, text + prefill, add_special_tokens=False)
+
+
+def _encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _config_context_len(path: Path) -> int | None:

@@ -34,6 +34,8 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
     """The router app for a ServeConfig and the instances' URLs (wired here: the
     composition root is the one place in ``talaria`` that imports ``router``)."""
     from router.app import RouterConfig, create_app
+    from router.deadlines import Deadlines
+    from router.limits import RouterLimits
     from router.session_identity import SessionHeaders
 
     r = config.router
@@ -44,6 +46,14 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
             max_body_bytes=r.max_body_bytes, poll_interval_s=r.poll_interval_s,
             block_size=config.engine.block_size,
             max_model_lens=config.max_model_lens(),
+            instance_key=r.instance_key,
+            limits=RouterLimits(
+                max_inflight_calls=r.max_inflight_calls,
+                max_session_id_chars=r.max_session_id_chars,
+                max_sessions=r.max_sessions,
+                body_timeout_s=r.body_timeout_s,
+            ),
+            deadlines=Deadlines(first_token_s=r.first_token_timeout_s, stall_s=r.stall_timeout_s),
             tool_formats={n: m.tool_format for n, m in config.models.items() if m.tool_format},
             session_headers=headers, infer_sessions=r.infer_sessions,
         )

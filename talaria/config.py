@@ -41,6 +41,11 @@ class PolicyConfig:
     rate_ewma_alpha: float = 0.2
     state_refresh_s: float = 1.0  # how often session KV locations are re-read from the engine
     session_memory_s: float = 3600.0  # forget a quiet session with no KV here after this long
+    max_sessions: int = 10_000  # beyond, the least recently seen idle sessions are forgotten
+    # engine faults: each fails the calls in the engine; this many in a row without
+    # progress stop the loop (the instance reports unhealthy and is restarted)
+    max_engine_faults: int = 5
+    engine_fault_backoff_s: float = 0.1  # wait after a fault, doubling while they repeat
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -51,7 +56,8 @@ class PolicyConfig:
         for key in positive:
             if not getattr(self, key) > 0:
                 raise ValueError(f"PolicyConfig.{key} must be > 0, got {getattr(self, key)!r}")
-        non_negative = ("sp_horizon_s", "sp_budget_s", "sp_idle_margin_s", "default_gap_s")
+        non_negative = ("sp_horizon_s", "sp_budget_s", "sp_idle_margin_s", "default_gap_s",
+                        "engine_fault_backoff_s")
         for key in non_negative:
             if not getattr(self, key) >= 0:
                 raise ValueError(f"PolicyConfig.{key} must be >= 0, got {getattr(self, key)!r}")
@@ -60,7 +66,7 @@ class PolicyConfig:
                 raise ValueError(
                     f"PolicyConfig.{key} must be in (0, 1], got {getattr(self, key)!r}"
                 )
-        for key in ("max_queue_calls", "max_running_calls"):
+        for key in ("max_queue_calls", "max_running_calls", "max_engine_faults", "max_sessions"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PolicyConfig.{key} must be an integer >= 1, got {value!r}")

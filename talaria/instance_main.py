@@ -4,6 +4,9 @@
 engine starts its own tensor-parallel workers (if any) and stops them when it is shut down.
 When the process is ready it writes ``ready_file`` (JSON: id, pid, url) atomically, so the
 parent learns the port it got (port 0 picks a free one). SIGINT / SIGTERM drain and stop.
+Every route of its API needs ``[router].instance_key`` (``talaria serve`` generates it). When
+the admission loop gives up (engine faults in a row) the process exits with status 1, so its
+supervisor starts a fresh one.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
@@ -24,6 +27,9 @@ from aiohttp import web
 
 from talaria.clock import new_live_loop
 from talaria.serve_config import ConfigError, InstanceEntry, ServeConfig
+
+if TYPE_CHECKING:
+    from talaria.instance.admission import Instance
 
 log = structlog.get_logger("talaria.instance_main")
 
@@ -74,6 +80,12 @@ def run_instance(
     )
 
     entry = config.instance(instance_id)
+    key = config.router.instance_key
+    if not key:
+        raise ConfigError(
+            "[router].instance_key is not set: the instance's API needs the secret the router "
+            "sends (`talaria serve` generates one; set it when starting instances by hand)"
+        )
     log.info("instance.building", instance=instance_id, device=entry.device,
              models=list(config.models), tp=entry.tensor_parallel_size)
     engine = build_engine(config, entry)
@@ -82,19 +94,24 @@ def run_instance(
         settings = InstanceServerSettings(
             limits=engine_limits(engine, config.max_model_lens()),
             drain_timeout_s=entry.drain_timeout_s,
+            key=key,
+            body_timeout_s=config.router.body_timeout_s,
         )
         app = create_instance_app(instance, settings)
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
-            runner.run(_serve(app, entry, ready_file))
+            failed = runner.run(_serve(app, entry, ready_file, instance))
     finally:
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
-    log.info("instance.exit", instance=instance_id)
-    return 0
+    log.info("instance.exit", instance=instance_id, failed=failed)
+    return 1 if failed else 0
 
 
-async def _serve(app: web.Application, entry: InstanceEntry, ready_file: Path | None) -> None:
+async def _serve(
+    app: web.Application, entry: InstanceEntry, ready_file: Path | None, instance: Instance
+) -> bool:
+    """Serve until a signal (returns False) or until the admission loop gives up (True)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -116,8 +133,16 @@ async def _serve(app: web.Application, entry: InstanceEntry, ready_file: Path | 
         log.info("instance.ready", instance=entry.id, url=url)
         if ready_file is not None:
             _write_atomic(ready_file, {"id": entry.id, "pid": os.getpid(), "url": url})
-        await stop.wait()
+        stopped = asyncio.ensure_future(stop.wait())
+        loop_ended = asyncio.ensure_future(instance.wait_until_stopped())
+        await asyncio.wait({stopped, loop_ended}, return_when=asyncio.FIRST_COMPLETED)
+        failed = not stop.is_set()
+        for task in (stopped, loop_ended):
+            task.cancel()
+        if failed:
+            log.error("instance.loop_failed", instance=entry.id)
         log.info("instance.stopping", instance=entry.id)
+        return failed
     finally:
         await runner.cleanup()
 

@@ -8,10 +8,17 @@ Routes:
 - ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}``.
 - ``GET /internal/v1/state`` -> ``InstanceState`` JSON; ``GET /health`` -> ``{"status": "ok"}``.
 
+Every route needs ``Authorization: Bearer <key>`` when the settings hold a key (``talaria
+serve`` generates one and gives it to the router and its instances); 401 otherwise. A call's
+body is parsed field by field (``CallRequest.from_dict``): a wrong type, an out-of-range
+value or an unknown field is a 400, never a failure inside the instance. A body that has not
+arrived within ``body_timeout_s`` is a 408.
+
 Who frees what: a call's blocks belong to the engine while it runs; the handler that
 submitted it owns its ``CallHandle`` and aborts it in ``finally`` unless it finished, so a
 client that disconnects (noticed on a failed write, or by polling the transport while no
-event arrives) or a handler cancelled at shutdown never leaves a call running.
+event arrives) or a handler cancelled at shutdown never leaves a call running. A queued
+call is also checked at admission: one whose client has gone is dropped, never prefilled.
 
 Life cycle: the admission loop starts in ``cleanup_ctx``. At shutdown new calls get 503,
 in-flight calls are given ``drain_timeout_s`` to finish, the rest are aborted, then the loop
@@ -35,6 +42,7 @@ from talaria.instance.admission import Instance
 from talaria.instance.calls import CallHandle
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
 from talaria.protocol.errors import ApiError, error_middleware, overloaded
+from talaria.protocol.http import client_gone, key_middleware, next_or_gone, read_body
 
 log = structlog.get_logger("talaria.instance_server")
 
@@ -54,8 +62,14 @@ class InstanceServerSettings:
     drain_timeout_s: float = 30.0
     disconnect_poll_s: float = 0.5  # how often a waiting stream checks its client is there
     max_body_bytes: int = 64 * 1024 * 1024
+    key: str | None = None  # the bearer key every route requires; None: no check
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.key is not None and len(self.key) < 16:
+            raise ValueError("the instance key must be at least 16 characters")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.disconnect_poll_s <= 0:
@@ -108,7 +122,10 @@ def create_instance_app(
     """The instance's aiohttp app. Its admission loop starts and stops with the app."""
     if settings is None:
         settings = InstanceServerSettings(limits=engine_limits(instance.engine))
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    middlewares = [error_middleware]
+    if settings.key is not None:
+        middlewares.append(key_middleware(settings.key, lambda _path: True))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[INSTANCE_KEY] = instance
     app[SETTINGS_KEY] = settings
     app[INFLIGHT_KEY] = _Calls()
@@ -168,8 +185,9 @@ async def _submit(request: web.Request) -> web.StreamResponse:
     app = request.app
     instance = app[INSTANCE_KEY]
     calls = app[INFLIGHT_KEY]
-    call = _parse_call(await request.read())
-    _check_call(call, instance, app[SETTINGS_KEY].limits)
+    settings = app[SETTINGS_KEY]
+    call = _parse_call(await read_body(request, settings.body_timeout_s))
+    _check_call(call, instance, settings.limits)
     if not calls.accepting:
         raise ApiError(503, f"instance {instance.instance_id!r} is shutting down")
     try:
@@ -180,8 +198,8 @@ async def _submit(request: web.Request) -> web.StreamResponse:
         raise ApiError(503, str(exc)) from exc
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
+    handle.client_gone = lambda: client_gone(request)
     calls.add(handle)
-    settings = app[SETTINGS_KEY]
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     finished = False
     try:
@@ -211,13 +229,7 @@ async def _next_event(
     """The call's next event, or None once the client has gone away."""
     if not handle.queue.empty():
         return await anext(handle)
-    while True:
-        try:
-            return await asyncio.wait_for(anext(handle), poll_s)
-        except TimeoutError:
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                return None
+    return await next_or_gone(handle, request, poll_s)
 
 
 async def _abort(request: web.Request) -> web.Response:
@@ -247,26 +259,11 @@ def _parse_call(raw: bytes) -> CallRequest:
     if not raw:
         raise ApiError(400, "the request body is empty; send a CallRequest JSON object")
     try:
-        data = orjson.loads(raw)
+        return CallRequest.from_dict(orjson.loads(raw))
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    missing = [k for k in ("call_id", "session_id", "model", "prompt_token_ids") if k not in data]
-    if missing:
-        raise ApiError(400, f"the call is missing field(s): {', '.join(missing)}")
-    ids = data["prompt_token_ids"]
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-        raise ApiError(400, "prompt_token_ids must be a list of integers", param="prompt_token_ids")
-    params = data.get("params")
-    if params is not None and not isinstance(params, dict):
-        raise ApiError(400, "params must be a JSON object", param="params")
-    try:
-        return CallRequest.from_dict(data)
-    except TypeError as exc:  # an unknown sampling parameter
-        raise ApiError(400, f"bad params: {exc}", param="params") from exc
-    except ValueError as exc:  # a sampling parameter out of range
-        raise ApiError(400, f"bad params: {exc}", param="params") from exc
+    except ValueError as exc:
+        raise ApiError(400, f"bad call: {exc}") from exc
 
 
 def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, ModelLimits]) -> None:
@@ -279,8 +276,6 @@ def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, Mode
         )
     if not call.prompt_token_ids:
         raise ApiError(400, "prompt_token_ids is empty", param="prompt_token_ids")
-    if not call.call_id or not call.session_id:
-        raise ApiError(400, "call_id and session_id must be non-empty")
     limit = limits.get(call.model)
     if limit is None:
         return
@@ -291,6 +286,13 @@ def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, Mode
             f"the prompt has {n} tokens; model {call.model!r} allows at most "
             f"{limit.max_model_len - 1} (max_model_len {limit.max_model_len})",
             param="prompt_token_ids",
+        )
+    if n + call.params.max_tokens > limit.max_model_len:
+        raise ApiError(
+            400,
+            f"the prompt has {n} tokens and max_tokens is {call.params.max_tokens}: model "
+            f"{call.model!r} holds {limit.max_model_len} (at most {limit.max_model_len - n} fit)",
+            param="max_tokens",
         )
     bad = next((t for t in call.prompt_token_ids if not 0 <= t < limit.vocab_size), None)
     if bad is not None:

@@ -11,8 +11,12 @@ one ``INSTANCE <id> <pid> <url>`` line per instance.
 Shut-down (SIGINT / SIGTERM): the router stops taking connections, every instance gets
 SIGTERM (it drains with its own timeout), stragglers get SIGKILL after ``kill_after_s``; the
 temp dir is removed. Children also die with this process (PR_SET_PDEATHSIG), so even a
-killed ``serve`` leaves nothing behind. An instance that dies while serving is logged; the
-router marks it down and places its sessions elsewhere.
+killed ``serve`` leaves nothing behind. An instance that dies while serving is restarted
+with backoff (``talaria.supervisor``); meanwhile the router marks it down and places its
+sessions elsewhere, and re-adds it once it answers again.
+
+The router and the instances share a secret (``[router].instance_key``, generated here when
+the config has none, passed in the private config file): every instance route requires it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -38,6 +43,7 @@ from aiohttp import web
 
 from talaria.clock import new_live_loop
 from talaria.serve_config import ServeConfig
+from talaria.supervisor import Supervisor
 
 log = structlog.get_logger("talaria.serve")
 
@@ -58,6 +64,9 @@ class InstanceProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
 
 
 def instance_urls(config: ServeConfig) -> dict[str, str]:
@@ -83,8 +92,10 @@ def serve(
     for name, path in config.model_paths().items():
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model {name!r}: no config.json in {path!r}")
-    workdir = Path(tempfile.mkdtemp(prefix="talaria-serve-"))
+    workdir = Path(tempfile.mkdtemp(prefix="talaria-serve-"))  # private: mode 0700
     _assign_ports(config)
+    if config.router.instance_key is None:
+        config.router.instance_key = secrets.token_urlsafe(32)
     config_file = workdir / "serve.json"
     config_file.write_bytes(config.to_json())
     drain = max((e.drain_timeout_s for e in config.instances), default=0.0)
@@ -94,7 +105,8 @@ def serve(
         for entry in config.instances:
             children.append(_spawn(entry.id, config_file, workdir))
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
-            return runner.run(_run(config, children, router_factory, start_timeout_s))
+            return runner.run(_run(config, children, router_factory, start_timeout_s,
+                                   lambda iid: _restart(iid, config, config_file, workdir)))
     finally:
         _stop_children(children, kill_after)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -122,6 +134,7 @@ def run_router(config: ServeConfig, router_factory: RouterFactory) -> int:
 
 def _spawn(instance_id: str, config_file: Path, workdir: Path) -> InstanceProcess:
     ready = workdir / f"{instance_id}.ready"
+    ready.unlink(missing_ok=True)  # a restart: the dead process's file
     cmd = [
         sys.executable, "-m", "talaria.cli", "instance",
         "--config", str(config_file), "--id", instance_id,
@@ -130,6 +143,16 @@ def _spawn(instance_id: str, config_file: Path, workdir: Path) -> InstanceProces
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     log.info("serve.instance_started", instance=instance_id, pid=proc.pid)
     return InstanceProcess(instance_id, proc, ready)
+
+
+def _restart(
+    instance_id: str, config: ServeConfig, config_file: Path, workdir: Path
+) -> InstanceProcess:
+    """A fresh process for a dead instance, on the port its predecessor had."""
+    child = _spawn(instance_id, config_file, workdir)
+    entry = config.instance(instance_id)
+    child.url = f"http://{entry.host}:{entry.port}"
+    return child
 
 
 def _assign_ports(config: ServeConfig) -> None:
@@ -155,12 +178,14 @@ async def _run(
     children: list[InstanceProcess],
     router_factory: RouterFactory,
     start_timeout_s: float,
+    restart: Callable[[str], InstanceProcess],
 ) -> int:
     stop = _stop_event()
     urls = {e.id: f"http://{e.host}:{e.port}" for e in config.instances}
     # Build the router (tokenizers load) while the instances start.
     app_future = asyncio.get_running_loop().run_in_executor(None, router_factory, config, urls)
-    ready = await _wait_ready(children, stop, start_timeout_s)
+    key = config.router.instance_key or ""
+    ready = await _wait_ready(children, stop, start_timeout_s, key)
     if not ready:
         with contextlib.suppress(Exception):  # the instances' failure is the one to report
             await app_future
@@ -170,9 +195,8 @@ async def _run(
     try:
         for child in children:
             print(f"INSTANCE {child.id} {child.pid} {child.url}", flush=True)
-        watcher = asyncio.ensure_future(_watch(children, stop))
-        await stop.wait()
-        watcher.cancel()
+        restartable = {e.id for e in config.instances if e.restart}
+        await Supervisor(children, restart, restartable=restartable).run(stop)
         log.info("serve.stopping")
     finally:
         await runner.cleanup()
@@ -180,7 +204,7 @@ async def _run(
 
 
 async def _wait_ready(
-    children: list[InstanceProcess], stop: asyncio.Event, timeout_s: float
+    children: list[InstanceProcess], stop: asyncio.Event, timeout_s: float, key: str
 ) -> bool:
     """Until every instance wrote its ready file and answers /health; False on a child
     that exits, a signal, or the timeout."""
@@ -198,7 +222,7 @@ async def _wait_ready(
                     return False
                 if child.url is None and child.ready_file.is_file():
                     url = orjson.loads(child.ready_file.read_bytes())["url"]
-                    if await _healthy(http, url):
+                    if await _healthy(http, url, key):
                         child.url = url
             waiting = [c.id for c in children if c.url is None]
             if not waiting:
@@ -217,9 +241,11 @@ async def _wait_ready(
                 await asyncio.wait_for(stop.wait(), 0.1)
 
 
-async def _healthy(http: aiohttp.ClientSession, url: str) -> bool:
+async def _healthy(http: aiohttp.ClientSession, url: str, key: str) -> bool:
+    headers = {"Authorization": f"Bearer {key}"}
     try:
-        async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+        async with http.get(f"{url}/health", headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=2.0)) as r:
             return r.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False
@@ -241,17 +267,6 @@ async def _start_router(config: ServeConfig, app: web.Application) -> web.AppRun
     log.info("serve.router_ready", url=url)
     print(f"ROUTER_READY {url}/v1", flush=True)
     return runner
-
-
-async def _watch(children: list[InstanceProcess], stop: asyncio.Event) -> None:
-    """Log each instance that exits while serving (the router routes around it)."""
-    alive = {c.id for c in children}
-    while alive and not stop.is_set():
-        for child in children:
-            if child.id in alive and child.proc.poll() is not None:
-                alive.discard(child.id)
-                log.warning("serve.instance_exited", instance=child.id, code=child.proc.returncode)
-        await asyncio.sleep(0.5)
 
 
 def _stop_children(children: list[InstanceProcess], kill_after_s: float) -> None:

@@ -8,6 +8,10 @@ port = 8000             # 0: a free port
 policy = "talaria"      # "talaria" | "load" | "cache_aware"
 api_key = "secret"
 max_body_bytes = 33554432
+instance_key = "..."    # the router<->instance secret; `serve` generates one when unset
+first_token_timeout_s = 300.0   # a call's first token, else retry on another instance
+stall_timeout_s = 60.0  # between two tokens of a call, else an error event
+max_inflight_calls = 1024       # beyond: 429 with Retry-After
 infer_sessions = true   # calls naming no session join the one their prompt extends
 session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the default list
 
@@ -28,6 +32,7 @@ tensor_parallel_size = 1
 kv_blocks = 1024        # blocks per model; and/or kv_bytes = "8GiB" (the KV region)
 host_kv_bytes = "16GiB"
 staging = true
+restart = true          # start it again (with backoff) when its process dies
 
 [policy]
 preset = "talaria"      # baseline | +staging | +host_kv | +sp | talaria
@@ -76,6 +81,13 @@ class RouterSection:
     api_key: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     poll_interval_s: float = 1.0
+    instance_key: str | None = None
+    first_token_timeout_s: float = 300.0
+    stall_timeout_s: float = 60.0
+    max_inflight_calls: int = 1024
+    max_session_id_chars: int = 256
+    max_sessions: int = 100_000
+    body_timeout_s: float = 30.0
     infer_sessions: bool = True
     session_headers: list[str] | None = None  # None: the router's default list
 
@@ -109,6 +121,7 @@ class InstanceEntry:
     host_kv_bytes: int = _DEFAULT_HOST_KV_BYTES
     staging: bool = True
     drain_timeout_s: float = 30.0
+    restart: bool = True
 
 
 @dataclass
@@ -184,8 +197,15 @@ class ServeConfig:
         _port(r.port, "[router].port")
         if r.max_body_bytes < 1024:
             raise ConfigError(f"[router].max_body_bytes must be >= 1024, got {r.max_body_bytes}")
-        if r.poll_interval_s <= 0:
-            raise ConfigError(f"[router].poll_interval_s must be > 0, got {r.poll_interval_s}")
+        for key in ("poll_interval_s", "first_token_timeout_s", "stall_timeout_s",
+                    "body_timeout_s"):
+            if getattr(r, key) <= 0:
+                raise ConfigError(f"[router].{key} must be > 0, got {getattr(r, key)}")
+        for key in ("max_inflight_calls", "max_session_id_chars", "max_sessions"):
+            if getattr(r, key) < 1:
+                raise ConfigError(f"[router].{key} must be >= 1, got {getattr(r, key)}")
+        if r.instance_key is not None and len(r.instance_key) < 16:
+            raise ConfigError("[router].instance_key must be at least 16 characters")
         headers = r.session_headers
         if headers is not None and (not isinstance(headers, list) or not headers
                                     or not all(isinstance(h, str) and h.strip() for h in headers)):

@@ -11,6 +11,11 @@ not reused (a few hundred tokens per call next to tens of thousands).
 A real trace rarely fits tiny CPU models as is: :func:`scale_sessions` scales token counts
 (``token_scale``) and drops calls that would not fit the model's context, and the driver
 scales arrivals and tool gaps (``time_scale``).
+
+A call that fails as an agent would see it fail (the connection breaks, the router answers
+502 or 503, or the stream ends in an error event) is sent again, as an agent re-sends it,
+after a short wait, up to ``MAX_RETRIES`` times; a 429 waits its ``Retry-After``. The
+target counts every re-send (``retries`` in :func:`live_replay`'s info).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ __all__ = [
 ]
 
 MAX_RETRIES = 30
+RETRY_WAIT_S = 0.2  # before re-sending a failed call
+_RETRYABLE_STATUS = frozenset({502, 503})
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class LiveTarget:
         self.http = http
         self.url = base_url(url)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.retries = 0  # calls re-sent after a failure (or a 429)
 
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
         loop = asyncio.get_running_loop()
@@ -81,45 +89,61 @@ class LiveTarget:
         if request.session_id:  # none: the router infers it, and answers with it
             body["session_id"] = request.session_id
         payload = orjson.dumps(body)
+        outcome = CallOutcome(None, loop.time(), [], error="never sent")
+        for attempt in range(MAX_RETRIES + 1):
+            if attempt:
+                self.retries += 1
+            outcome, wait_s = await self._send(request, payload, tokens)
+            if wait_s is None:
+                return outcome
+            await asyncio.sleep(wait_s)
+        return outcome
+
+    async def _send(
+        self, request: CallRequest, payload: bytes, tokens: SessionTokens
+    ) -> tuple[CallOutcome, float | None]:
+        """One attempt: its outcome, and how long to wait before re-sending it (None: done,
+        successfully or not worth re-sending)."""
+        loop = asyncio.get_running_loop()
         headers = {**self.headers, "Content-Type": "application/json"}
-        for _ in range(MAX_RETRIES):
-            first: float | None = None
-            usage: dict | None = None
-            error: str | None = None
-            try:
-                async with self.http.post(f"{self.url}/v1/completions", data=payload,
-                                          headers=headers) as resp:
-                    if resp.status == 429:
-                        await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
+        first: float | None = None
+        usage: dict | None = None
+        error: str | None = None
+        try:
+            async with self.http.post(f"{self.url}/v1/completions", data=payload,
+                                      headers=headers) as resp:
+                if resp.status == 429:
+                    wait = float(resp.headers.get("Retry-After", "1"))
+                    return CallOutcome(None, loop.time(), [], error="HTTP 429"), wait
+                if resp.status != 200:
+                    text = await resp.text()
+                    outcome = CallOutcome(None, loop.time(), [], error=f"HTTP {resp.status}: {text}")
+                    return outcome, RETRY_WAIT_S if resp.status in _RETRYABLE_STATUS else None
+                request.session_id = request.session_id or resp.headers.get("X-Session-ID", "")
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
                         continue
-                    if resp.status != 200:
-                        text = await resp.text()
-                        return CallOutcome(None, loop.time(), [], error=f"HTTP {resp.status}: {text}")
-                    request.session_id = request.session_id or resp.headers.get("X-Session-ID", "")
-                    async for raw in resp.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            break
-                        chunk = orjson.loads(data)
-                        if "error" in chunk:
-                            error = str(chunk["error"].get("message", chunk["error"]))
-                            continue
-                        if first is None and chunk.get("choices"):
-                            first = loop.time()
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]
-            except aiohttp.ClientError as exc:
-                return CallOutcome(first, loop.time(), [], error=f"{type(exc).__name__}: {exc}")
-            done = loop.time()
-            if usage is None and error is None:
-                error = "the stream ended without usage"
-            n_out = int(usage["completion_tokens"]) if usage else 0
-            cached = int((usage or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0))
-            return CallOutcome(first, done, tokens.take(n_out), cached_tokens=cached, error=error)
-        return CallOutcome(None, loop.time(), [], error="overloaded (429) on every retry")
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = orjson.loads(data)
+                    if "error" in chunk:
+                        error = str(chunk["error"].get("message", chunk["error"]))
+                        continue
+                    if first is None and chunk.get("choices"):
+                        first = loop.time()
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            return CallOutcome(first, loop.time(), [], error=f"{type(exc).__name__}: {exc}"), RETRY_WAIT_S
+        if usage is None and error is None:
+            error = "the stream ended without usage"
+        if error is not None:
+            return CallOutcome(first, loop.time(), [], error=error), RETRY_WAIT_S
+        n_out = int(usage["completion_tokens"]) if usage else 0
+        cached = int((usage or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0))
+        return CallOutcome(first, loop.time(), tokens.take(n_out), cached_tokens=cached), None
 
 
 def scale_sessions(
@@ -167,7 +191,7 @@ async def live_replay(
 ) -> tuple[ReplayResult, dict[str, int]]:
     """Replay against the router at ``url`` on the running loop. Sessions whose model the
     router does not serve are given served models (Zipf ``skew``). Returns the result and
-    {"dropped_calls": n}."""
+    {"dropped_calls": n, "retries": calls re-sent after a failure}."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         served = await fetch_models(http, url)
@@ -180,13 +204,14 @@ async def live_replay(
             raise ValueError(f"the router at {url} reports no context length for its models")
         scaled, dropped = scale_sessions(mapped, token_scale, context)
         wall = time.perf_counter()
+        target = LiveTarget(http, url, api_key)
         results = await drive(
-            scaled, LiveTarget(http, url, api_key), seed=seed,
+            scaled, target, seed=seed,
             vocab_of=lambda _model: vocab_size, progress=progress, desc="live",
             time_scale=time_scale, output_kv_reusable=False,
         )
         return (ReplayResult("live", results, None, time.perf_counter() - wall),
-                {"dropped_calls": dropped})
+                {"dropped_calls": dropped, "retries": target.retries})
 
 
 def run_live_replay(sessions: Sequence[Session], url: str, **kwargs: Any) -> tuple[

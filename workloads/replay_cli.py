@@ -128,7 +128,8 @@ def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
              "token_scale": args.token_scale, **info}
     bench = benchmark([result], setup=setup)
     print(f"live replay of {len(sessions)} sessions against {args.live} "
-          f"({info['dropped_calls']} calls dropped to fit the context)")
+          f"({info['dropped_calls']} calls dropped to fit the context, {info['retries']} "
+          "calls re-sent after a failure)")
     print(format_table(bench))
     if args.json_path:
         write_json(to_json(bench), args.json_path)

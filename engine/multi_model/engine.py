@@ -31,6 +31,7 @@ from engine.interface import (
     MoveReport,
     Residency,
     StepResult,
+    TokenEvent,
 )
 from engine.model_runner import resolve_device
 from engine.multi_model.catalog import read_catalog
@@ -94,6 +95,7 @@ class MultiModelEngine(ServesModels):
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
         }
         self._restores: list[MoveReport] = []
+        self._carried: list[TokenEvent] = []  # switched-out cores' undelivered events
 
     # ------------------------------------------------------------------ catalog
 
@@ -103,14 +105,17 @@ class MultiModelEngine(ServesModels):
 
     # ---------------------------------------------------------------- switching
     def activate(self, model: str) -> MoveReport:
-        """Make ``model`` the active one. Requires no unfinished request; drops every device
-        KV block of the outgoing model (offload first to keep them)."""
-        self.served.check_activation(model, int(self.has_unfinished()))
+        """Make ``model`` the active one. Requires no live request; drops every device KV
+        block of the outgoing model (offload first to keep them). Events the outgoing core
+        has not delivered (aborts') come with the next ``step``."""
+        live = sum(core.num_live_requests for core in self.cores.values())
+        self.served.check_activation(model, live)
         if model == self.served.active:
             return MoveReport(MoveKind.NONE, 0, 0.0)
         self._poll_staging(block=self.rank.staged_model == model)
         if self.served.active is not None:
             outgoing = self.cores[self.served.active]
+            self._carried.extend(outgoing.take_pending_events())
             self._remember_sessions(self.served.active)
             outgoing.reset_kv()
         self.served.active = None  # if the copy fails, no model is runnable (torn weights)
@@ -171,10 +176,12 @@ class MultiModelEngine(ServesModels):
             self._sessions[model].setdefault(request.session_id, [])
 
     def step(self) -> StepResult:
+        carried, self._carried = self._carried, []
         if self.served.active is None:
-            return StepResult(events=[], seconds=0.0)
+            return StepResult(events=carried, seconds=0.0)
         model = self.served.active
         result = self.cores[model].step()
+        result.events[:0] = carried
         meter = self._meters[model]
         meter.observe_step(result)
         for record in self._secondaries[model].drain_records():
@@ -187,7 +194,7 @@ class MultiModelEngine(ServesModels):
             core.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return any(core.has_unfinished() for core in self.cores.values())
+        return bool(self._carried) or any(core.has_unfinished() for core in self.cores.values())
 
     def take_restore_reports(self) -> list[MoveReport]:
         """KV restores (kind "kv_restore") performed inside steps since the last call."""
@@ -203,6 +210,12 @@ class MultiModelEngine(ServesModels):
         core = self._active_core_of(session_id)
         if core is not None:
             core.unpin_session_kv(session_id)
+
+    def forget_session(self, session_id: str) -> None:
+        model = self._session_model.pop(session_id, None)
+        if model is not None:
+            self._sessions[model].pop(session_id, None)
+            self.cores[model].kv.forget_session(session_id)
 
     def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
         """(tokens of the session's last prefix cached on device, tokens in the host store)."""

@@ -69,6 +69,8 @@ class Instance:
             "reservations_expired": 0,
             "reservations_yielded": 0,
             "stages": 0,
+            "engine_faults": 0,
+            "departed": 0,
         }
         self.sessions = SessionKeeper(self.policy, self.executor, self.rates, self.counters)
         self.est = Estimator(self, self.calls, self.sessions, self.rates)
@@ -146,6 +148,12 @@ class Instance:
             finally:
                 self._task = None
         self.executor.close()
+
+    async def wait_until_stopped(self) -> None:
+        """Return when the admission loop has ended: stopped, or given up after engine
+        faults (then ``healthy`` is False)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
 
     def submit(self, call: CallRequest) -> CallHandle:
         """Queue a call; iterate the returned handle for its events.

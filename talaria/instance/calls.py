@@ -32,6 +32,9 @@ class CallHandle:
         self.call = call
         self.queue: asyncio.Queue[CallEvent] = asyncio.Queue()
         self.done = False  # the finishing event has been put
+        # Set by a server: whether the call's client has gone away (checked at admission,
+        # so a departed client's queued call is dropped, never prefilled).
+        self.client_gone: Callable[[], bool] | None = None
         self._consumed = False
         self._abort = abort
 
@@ -44,6 +47,9 @@ class CallHandle:
             return
         self.done = event.finished
         self.queue.put_nowait(event)
+
+    def departed(self) -> bool:
+        return self.client_gone is not None and self.client_gone()
 
     def abort(self) -> None:
         if not self.done:

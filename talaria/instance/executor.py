@@ -118,6 +118,15 @@ class EngineExecutor:
         self._check_idle("session_kv_tokens")
         return self.engine.session_kv_tokens(session_id)
 
+    def forget_session(self, session_id: str) -> None:
+        self._check_idle("forget_session")
+        self.engine.forget_session(session_id)
+
+    @property
+    def active_model(self) -> str | None:
+        """The engine's active model (a plain read, safe while an operation is in flight)."""
+        return self.engine.active_model
+
     @property
     def busy(self) -> str | None:
         """Name of the operation in flight, or None."""

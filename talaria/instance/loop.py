@@ -9,7 +9,9 @@ them out. Time comes only from the event loop.
 
 Who touches the engine: only this task, between awaited operations (see EngineExecutor).
 Who ends a call: ``finish`` (its terminal event; it leaves the call book) exactly once, from
-delivery, abort, a refused admission, or a loop failure.
+delivery, abort, a refused admission, or an engine fault. A fault fails only the calls in the
+engine and the loop goes on (``talaria.instance.faults``); a call the engine cannot take
+fails alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineExecutor
+from talaria.instance.faults import EngineFaults, FaultBudget
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.policies.round_scheduler import RoundScheduler, Slot
@@ -71,6 +74,10 @@ class AdmissionLoop:
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
+        self.faults = EngineFaults(
+            instance_id, calls, executor, self.finish,
+            FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
+        )
 
     def now(self) -> float:
         return self.view.now()
@@ -81,26 +88,45 @@ class AdmissionLoop:
         try:
             while True:
                 self.wake.clear()
-                await self._housekeeping()
-                if self.stopping and not self.calls:
-                    break
-                if self.slot is not None:
-                    await self._serve_slot()
-                if self.calls.running:
-                    await self._maybe_stage()
-                    await self._step()
-                    continue
-                await self._between_slots()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the engine failed: fail every call, stop taking new ones
-            log.exception("admission_loop_failed", instance=self.instance_id)
-            self.healthy = False
-            for pending in self.calls:
-                self.finish(pending, "error", None, error=f"{type(exc).__name__}: {exc}")
+                try:
+                    if not await self._turn():
+                        break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if not await self._recover(exc):
+                        break
         finally:
             if self.executor.busy is None:
                 self.sessions.release_all()
+
+    async def _turn(self) -> bool:
+        """One decision; False once stopping with nothing left to serve."""
+        await self._housekeeping()
+        if self.stopping and not self.calls:
+            return False
+        if self.slot is not None:
+            await self._serve_slot()
+        if self.calls.running:
+            await self._maybe_stage()
+            await self._step()
+            return True
+        await self._between_slots()
+        return True
+
+    async def _recover(self, exc: Exception) -> bool:
+        """An engine fault (``talaria.instance.faults``); False when the loop gives up."""
+        self.counters["engine_faults"] += 1
+        backoff = self.faults.handle(exc)
+        if backoff is None:
+            self.healthy = False
+            return False
+        # Believe the engine about which model is active (a switch may have failed half-way).
+        self.active_model = self.executor.active_model
+        if self.slot is not None and self.slot.model != self.active_model:
+            self.slot = None
+        await asyncio.sleep(backoff)
+        return True
 
     async def _serve_slot(self) -> None:
         """Admit into the active slot; close it, or keep it when nothing else waits."""
@@ -162,9 +188,13 @@ class AdmissionLoop:
             self._admit(pending)
 
     def _admit(self, pending: PendingCall, sp: bool = False) -> None:
-        """Hand a call (already off its queue) to the engine. An engine that refuses the
-        call as malformed (ValueError) fails that call only."""
+        """Hand a call (already off its queue) to the engine, unless its client has gone. An
+        engine that refuses the call fails that call only."""
         call = pending.call
+        if pending.handle.departed():
+            self.counters["departed"] += 1
+            self.finish(pending, "abort", None)
+            return
         try:
             self.executor.add_request(
                 EngineRequest(
@@ -177,6 +207,12 @@ class AdmissionLoop:
             )
         except ValueError as exc:
             self.finish(pending, "error", None, error=f"rejected by the engine: {exc}")
+            return
+        except Exception as exc:  # the call's own failure: it alone fails
+            log.exception("admit_failed", instance=self.instance_id, call=call.call_id)
+            self.faults.drop(call.call_id)
+            self.finish(pending, "error", None,
+                        error=f"the engine could not take the call: {type(exc).__name__}: {exc}")
             return
         pending.admitted = self.now()
         pending.sp = sp
@@ -275,6 +311,7 @@ class AdmissionLoop:
             self.sessions.switch_out(outgoing)
         report = await self.executor.activate(model)
         self.active_model = model
+        self.faults.budget.progress()
         self.counters["switches"] += 1
         log.info(
             "switch",
@@ -303,6 +340,8 @@ class AdmissionLoop:
 
     async def _step(self) -> None:
         result: StepResult = await self.executor.step()
+        if result.events:
+            self.faults.budget.progress()
         for event in result.events:
             pending = self.calls.running.get(event.request_id)
             if pending is None:

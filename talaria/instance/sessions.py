@@ -151,13 +151,27 @@ class SessionKeeper:
 
     def refresh(self, now: float, live_sessions: set[str]) -> None:
         """Re-read where each session's KV is; forget sessions with nothing left here that
-        have been quiet for ``session_memory_s``."""
+        have been quiet for ``session_memory_s``, then, beyond ``max_sessions``, the least
+        recently seen ones with no call here and no reservation (here and in the engine)."""
         for session_id, hist in list(self.gaps.sessions.items()):
             kv = self.executor.session_kv_tokens(session_id)
             quiet = now - hist.last_seen > self.policy.session_memory_s
             empty = kv == (0, 0) and session_id not in self.reservations
             if empty and quiet and session_id not in live_sessions:
-                self.gaps.forget(session_id)
-                self.kv_tokens.pop(session_id, None)
+                self.forget(session_id)
             else:
                 self.kv_tokens[session_id] = kv
+        excess = len(self.gaps.sessions) - self.policy.max_sessions
+        if excess > 0:
+            idle = sorted(
+                (h for s, h in self.gaps.sessions.items()
+                 if s not in live_sessions and s not in self.reservations),
+                key=lambda h: h.last_seen,
+            )
+            for hist in idle[:excess]:
+                self.forget(hist.session_id)
+
+    def forget(self, session_id: str) -> None:
+        self.gaps.forget(session_id)
+        self.kv_tokens.pop(session_id, None)
+        self.executor.forget_session(session_id)

@@ -3,6 +3,8 @@
 - ``messages``: the dataclasses that cross the router/instance boundary (calls, events,
   instance state) and the ``InstanceClient`` protocol (HTTP live, direct call in simulation);
 - ``errors``: the HTTP error type and middleware both servers answer errors with;
+- ``http``: what both servers do alike (key check, body deadline, a client that left);
+- ``fields``: reading untrusted JSON field by field (type and range, named errors);
 - ``text``: how both sides name prompt prefixes (the engine's block-hash chain) and turn
   tokens into text (one detokenizer, one stop-string matcher).
 
@@ -16,6 +18,7 @@ from talaria.protocol.messages import (
     InstanceClient,
     InstanceState,
     InstanceUnavailable,
+    InstanceUnreachable,
     ModelState,
     Overloaded,
     Residency,
@@ -31,6 +34,7 @@ __all__ = [
     "InstanceClient",
     "InstanceState",
     "InstanceUnavailable",
+    "InstanceUnreachable",
     "ModelState",
     "Overloaded",
     "Residency",

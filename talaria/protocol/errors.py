@@ -22,6 +22,7 @@ _TYPES: dict[int, str] = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",

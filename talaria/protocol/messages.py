@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 import orjson
 
 from engine.interface import Residency
 from engine.sampling_params import SamplingParams
+from talaria.protocol.fields import (
+    boolean,
+    check_keys,
+    int_list,
+    integer,
+    is_number,
+    number,
+    optional_text,
+    printable_id,
+)
 
 __all__ = [
     "CallRequest",
@@ -26,6 +36,7 @@ __all__ = [
     "InstanceState",
     "InstanceClient",
     "InstanceUnavailable",
+    "InstanceUnreachable",
     "Residency",
     "SamplingParams",
     "to_json",
@@ -34,6 +45,10 @@ __all__ = [
 
 class InstanceUnavailable(RuntimeError):
     """The instance could not be reached or failed before producing a first token."""
+
+
+class InstanceUnreachable(InstanceUnavailable):
+    """Nothing answered at the instance's address (no process, refused connection)."""
 
 
 class Overloaded(RuntimeError):
@@ -59,18 +74,39 @@ class CallRequest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CallRequest:
-        params = data.get("params") or {}
+    def from_dict(cls, data: Any) -> CallRequest:
+        """Parse an untrusted call: every field checked by type and range, unknown fields
+        refused by name; ValueError says what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a call must be a JSON object, got {type(data).__name__}")
+        check_keys(data, _CALL_FIELDS, "the call")
+        missing = [k for k in ("call_id", "session_id", "model", "prompt_token_ids") if k not in data]
+        if missing:
+            raise ValueError(f"the call is missing field(s): {', '.join(missing)}")
+        params = data.get("params")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ValueError("params must be a JSON object")
+        check_keys(params, _SAMPLING_FIELDS, "params")
+        gap = data.get("expected_gap_s")
         return cls(
-            call_id=str(data["call_id"]),
-            session_id=str(data["session_id"]),
-            model=str(data["model"]),
-            prompt_token_ids=list(data["prompt_token_ids"]),
+            call_id=printable_id(data["call_id"], "call_id"),
+            session_id=printable_id(data["session_id"], "session_id"),
+            model=printable_id(data["model"], "model"),
+            prompt_token_ids=int_list(data["prompt_token_ids"], "prompt_token_ids"),
             params=SamplingParams(**params),
-            expected_gap_s=data.get("expected_gap_s"),
-            last_call=bool(data.get("last_call", False)),
-            parent_session_id=data.get("parent_session_id"),
+            expected_gap_s=None if gap is None else number(gap, "expected_gap_s", lo=0.0),
+            last_call=boolean(data.get("last_call", False), "last_call"),
+            parent_session_id=(
+                None if data.get("parent_session_id") is None
+                else printable_id(data["parent_session_id"], "parent_session_id")
+            ),
         )
+
+
+_CALL_FIELDS = frozenset(f.name for f in fields(CallRequest))
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 @dataclass
@@ -95,18 +131,37 @@ class CallEvent:
     instance_id: str | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CallEvent:
+    def from_dict(cls, data: Any) -> CallEvent:
+        """Parse an event from an instance's stream: known fields checked by type, fields
+        this side does not know ignored (a newer instance may add some); ValueError if
+        malformed."""
+        if not isinstance(data, dict):
+            raise ValueError(f"an event must be a JSON object, got {type(data).__name__}")
+        if "call_id" not in data:
+            raise ValueError("the event has no call_id")
         usage = data.get("usage")
+        if usage is not None and not isinstance(usage, dict):
+            raise ValueError("usage must be a JSON object or null")
+        logprobs = data.get("logprobs")
+        if logprobs is not None and not (
+            isinstance(logprobs, list) and all(v is None or is_number(v) for v in logprobs)
+        ):
+            raise ValueError("logprobs must be a list of numbers or null")
         return cls(
-            call_id=data["call_id"],
-            token_ids=list(data.get("token_ids") or []),
-            logprobs=data.get("logprobs"),
-            finished=bool(data.get("finished", False)),
-            finish_reason=data.get("finish_reason"),
-            error=data.get("error"),
-            usage=CallUsage(**usage) if usage else None,
-            instance_id=data.get("instance_id"),
+            call_id=printable_id(data["call_id"], "call_id"),
+            token_ids=int_list(data.get("token_ids") or [], "token_ids"),
+            logprobs=logprobs,
+            finished=boolean(data.get("finished", False), "finished"),
+            finish_reason=optional_text(data.get("finish_reason"), "finish_reason"),
+            error=optional_text(data.get("error"), "error"),
+            usage=None if usage is None else CallUsage(**{
+                f: integer(usage.get(f, 0), f"usage.{f}", lo=0) for f in _USAGE_FIELDS
+            }),
+            instance_id=optional_text(data.get("instance_id"), "instance_id"),
         )
+
+
+_USAGE_FIELDS = tuple(f.name for f in fields(CallUsage))
 
 
 @dataclass

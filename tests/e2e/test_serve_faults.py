@@ -1,6 +1,7 @@
 """Fault tolerance of a live `talaria serve` with two instances: one instance process is
-killed (SIGKILL) while agent sessions run; every session completes every call on the other
-instance, whose state then holds those sessions' KV (rebuilt there); none is lost."""
+killed (SIGKILL, not restarted: `restart = false`) while agent sessions run; every session
+completes every call on the other instance, whose state then holds those sessions' KV
+(rebuilt there); none is lost."""
 
 from __future__ import annotations
 
@@ -24,16 +25,19 @@ CONFIG = """
 [router]
 policy = "talaria"
 poll_interval_s = 0.2
+instance_key = "test-instance-key-0123456789"
 
 [[instances]]
 id = "a"
 kv_blocks = 256
 drain_timeout_s = 2.0
+restart = false
 
 [[instances]]
 id = "b"
 kv_blocks = 256
 drain_timeout_s = 2.0
+restart = false
 
 [policy]
 slot_quantum_s = 1.0
@@ -45,7 +49,11 @@ RETRYABLE = (openai.APIConnectionError, openai.InternalServerError, openai.APITi
 
 
 def state(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/internal/v1/state", timeout=10) as r:
+    request = urllib.request.Request(
+        f"{url}/internal/v1/state",
+        headers={"Authorization": "Bearer test-instance-key-0123456789"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
         return orjson.loads(r.read())
 
 

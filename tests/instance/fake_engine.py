@@ -239,6 +239,10 @@ class FakeEngine(ServesModels):
             return (0, 0)
         return (kv.device if kv.model == self.active else 0, kv.host)
 
+    def forget_session(self, session_id: str) -> None:
+        self._kv.pop(session_id, None)
+        self.log.append(("forget", session_id))
+
     # test helpers -----------------------------------------------------------------------
 
     def pinned(self, session_id: str) -> bool:

@@ -133,7 +133,7 @@ def test_stop_without_drain_aborts_everything() -> None:
     assert not any(engine.pinned(s) for s in ("s0", "s1"))
 
 
-def test_engine_failure_fails_calls_and_marks_unhealthy() -> None:
+def test_an_engine_that_fails_every_step_makes_the_instance_unhealthy() -> None:
     class Broken(FakeEngine):
         def step(self):  # type: ignore[no-untyped-def]
             raise RuntimeError("device lost")
@@ -141,13 +141,17 @@ def test_engine_failure_fails_calls_and_marks_unhealthy() -> None:
     engine = Broken(["a"], step_s=0.1)
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("baseline"))
+        inst = Instance("i", engine, preset("baseline", max_engine_faults=3))
         await inst.start()
-        events = await inst.submit(call("c0", "s0", "a", 10)).collect()
-        return events, inst
+        seen = []
+        for i in range(3):  # each call fails alone; the third fault in a row ends the loop
+            seen.append((inst.state().healthy, await inst.submit(call(f"c{i}", "s0", "a", 10)).collect()))
+        return seen, inst
 
-    events, inst = run_virtual(main())
-    assert events[-1].finish_reason == "error" and "device lost" in (events[-1].error or "")
+    seen, inst = run_virtual(main())
+    assert [healthy for healthy, _ in seen] == [True, True, True]
+    for _, events in seen:
+        assert events[-1].finish_reason == "error" and "device lost" in (events[-1].error or "")
     assert not inst.state().healthy
 
 
@@ -235,3 +239,43 @@ def test_a_call_the_engine_rejects_fails_alone() -> None:
     (bad, good), healthy = run_virtual(main())
     assert bad.last.finish_reason == "error" and "max_model_len" in (bad.last.error or "")
     assert good.last.finish_reason == "length" and healthy
+
+
+def test_a_queued_call_whose_client_left_is_dropped_at_admission() -> None:
+    engine = _engine()
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("baseline", max_running_calls=1))
+        await inst.start()
+        first = inst.submit(call("c0", "s0", "a", 50, max_tokens=5))
+        queued = inst.submit(call("c1", "s1", "a", 50))
+        queued.client_gone = lambda: True  # its server noticed the client is gone
+        await first.collect()
+        events = await queued.collect()
+        await inst.stop()
+        return events, inst
+
+    events, inst = run_virtual(main())
+    assert [e.finish_reason for e in events] == ["abort"]
+    assert ("add", "c1") not in engine.log  # never prefilled
+    assert inst.counters["departed"] == 1
+
+
+def test_the_session_table_is_bounded_here_and_in_the_engine() -> None:
+    engine = _engine()
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("baseline", max_sessions=3, state_refresh_s=0.05))
+        await inst.start()
+        for i in range(8):
+            await inst.submit(call(f"c{i}", f"s{i}", "a", 20, max_tokens=3)).collect()
+        await inst.submit(call("last", "s-last", "a", 20, max_tokens=3)).collect()
+        await inst.stop()
+        return inst
+
+    inst = run_virtual(main())
+    kept = set(inst.sessions.gaps.sessions)
+    assert len(kept) <= 3 and "s-last" in kept
+    forgotten = {sid for kind, sid in engine.log if kind == "forget"}
+    assert {f"s{i}" for i in range(5)} <= forgotten  # the least recently seen went first
+    assert not forgotten & {"s-last"}

@@ -14,6 +14,7 @@ from talaria.protocol import (
     CallUsage,
     InstanceState,
     InstanceUnavailable,
+    InstanceUnreachable,
     ModelState,
     Overloaded,
     Residency,
@@ -86,7 +87,7 @@ class FakeInstance:
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         self.calls.append(call)
         if self.unavailable:
-            raise InstanceUnavailable(f"{self.instance_id} is down")
+            raise InstanceUnreachable(f"{self.instance_id} is down")
         if self.overloaded:
             raise Overloaded(f"{self.instance_id} queue full", retry_after_s=2.5)
         tokens = self.reply[: call.params.max_tokens]

@@ -1,0 +1,47 @@
+"""How long the router waits on an instance, on every hop of a call.
+
+- ``first_token_s``: from sending a call to its first event (its first token, or its end).
+  Missed: the call is aborted there and retried on the next-best instance, as when the
+  instance cannot be reached.
+- ``stall_s``: between two events of a call after its first. Missed: the call is aborted
+  there and its client gets an error event (a retry could repeat tokens already sent).
+- ``state_s``: one poll of an instance's state. Missed: the poll counts as failed.
+
+Either call deadline missed counts against the instance's health (``router.health``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from talaria.protocol import CallEvent, InstanceUnavailable
+
+__all__ = ["Deadlines", "DeadlineMissed", "next_event"]
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    first_token_s: float = 300.0
+    stall_s: float = 60.0
+    state_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("first_token_s", "stall_s", "state_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+class DeadlineMissed(InstanceUnavailable):
+    """An instance did not produce a call's next event in time."""
+
+
+async def next_event(stream: AsyncIterator[CallEvent], seconds: float, what: str) -> CallEvent:
+    """The stream's next event within ``seconds``; DeadlineMissed otherwise (the wait is
+    cancelled, which closes the stream's connection)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await anext(stream)
+    except TimeoutError:
+        raise DeadlineMissed(f"no {what} within {seconds:g} s") from None

@@ -1,0 +1,115 @@
+"""The router's bounds on one request and on all of them together.
+
+- a session id is at most ``max_session_id_chars`` printable ASCII characters
+  (:func:`check_session_id`; 400 otherwise): it is stored in both tables and echoed in a
+  header;
+- a prompt's size is checked before it is tokenized (:func:`check_prompt_bytes`): no text
+  longer than ``context length x max_prompt_bytes_per_token`` bytes can fit, so none is
+  tokenized just to be refused;
+- at most ``max_inflight_calls`` calls are in the router at once (tokenizing, waiting or
+  streaming): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
+- the session table holds at most ``max_sessions`` (least recently seen idle ones go first);
+- a request body must arrive within ``body_timeout_s`` (408).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any
+
+from aiohttp import web
+
+from talaria.protocol.errors import bad_request, overloaded
+from talaria.protocol.fields import MAX_ID_CHARS, printable_id
+
+__all__ = [
+    "LIMITS_KEY", "InflightGate", "RouterLimits", "check_prompt_bytes", "check_session_id",
+    "prompt_bytes",
+]
+
+
+MAX_SESSION_ID_CHARS = (MAX_ID_CHARS - 1) // 2  # two of them scoped (<session>:<agent>) fit
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    max_inflight_calls: int = 1024
+    max_session_id_chars: int = 256
+    max_sessions: int = 100_000
+    max_prompt_bytes_per_token: int = 32
+    body_timeout_s: float = 30.0
+    busy_retry_after_s: float = 1.0
+    disconnect_poll_s: float = 0.5  # how often a waiting call checks its client is there
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)!r}")
+        if self.max_session_id_chars > MAX_SESSION_ID_CHARS:
+            raise ValueError(
+                f"max_session_id_chars must be <= {MAX_SESSION_ID_CHARS}: a scoped id "
+                f"(<session>:<agent>) must stay within the {MAX_ID_CHARS} instances take"
+            )
+
+
+LIMITS_KEY = web.AppKey("router_limits", RouterLimits)
+
+
+def check_session_id(value: Any, max_chars: int, param: str = "session_id") -> str:
+    """A client's session id, or 400: a non-empty string of at most ``max_chars`` printable
+    ASCII characters."""
+    try:
+        return printable_id(value, param, max_chars)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+
+
+def prompt_bytes(messages: list[dict[str, Any]] | None, prompt: Any) -> int:
+    """UTF-8 bytes of the text a request asks to tokenize, at least (the strings of its
+    messages or its prompt; 0 for token ids): the template only adds to it."""
+    return _text_bytes(messages if messages is not None else prompt)
+
+
+def _text_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    return 0
+
+
+def check_prompt_bytes(size: int, context_len: int, bytes_per_token: int, param: str) -> None:
+    """400 for a text that cannot fit the context whatever it tokenizes to."""
+    limit = context_len * bytes_per_token
+    if size > limit:
+        raise bad_request(
+            f"the prompt is {size} bytes long; the context holds {context_len} tokens and no "
+            f"prompt over {limit} bytes is accepted ({bytes_per_token} bytes per token)",
+            param,
+        )
+
+
+class InflightGate:
+    """Counts the calls inside the router; ``admit`` refuses one beyond the cap with 429."""
+
+    def __init__(self, limit: int, retry_after_s: float) -> None:
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.inflight = 0
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        if self.inflight >= self.limit:
+            raise overloaded(
+                f"the router has {self.inflight} calls in flight (max_inflight_calls="
+                f"{self.limit}); retry later", self.retry_after_s,
+            )
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1

@@ -1,0 +1,48 @@
+"""Which request fields each endpoint supports: the one whitelist.
+
+A field outside it is refused with 400 naming it, so a client never believes an option took
+effect when it did not. Fields in ``ACCEPTED_AT_DEFAULT`` are accepted only at the value
+that changes nothing (clients often send them explicitly); any other value is refused the
+same way. A ``null`` value counts as absent. Structured output (``response_format``) is not
+supported. The Anthropic Messages API (``router.anthropic_schema``) reads its own fields and
+hands the chat parser only those.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from talaria.protocol.errors import bad_request
+
+__all__ = ["ACCEPTED_AT_DEFAULT", "SUPPORTED_FIELDS", "check_fields"]
+
+_COMMON = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "logprobs",
+    "stream", "stream_options", "ignore_eos", "session_id", "talaria", "user",
+})
+
+SUPPORTED_FIELDS: dict[str, frozenset[str]] = {
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                       "parallel_tool_calls"},
+    "completion": _COMMON | {"prompt", "best_of", "echo"},
+}
+
+ACCEPTED_AT_DEFAULT: dict[str, Any] = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": {},
+}
+
+
+def check_fields(data: dict[str, Any], kind: Literal["chat", "completion"]) -> None:
+    supported = SUPPORTED_FIELDS[kind]
+    refused = sorted(
+        str(key) for key, value in data.items()
+        if value is not None and key not in supported
+        and not (key in ACCEPTED_AT_DEFAULT and value == ACCEPTED_AT_DEFAULT[key])
+    )
+    if refused:
+        raise bad_request(
+            f"unsupported field(s): {', '.join(refused)} (this server does not implement them)",
+            refused[0],
+        )

@@ -1,0 +1,76 @@
+"""Reading untrusted JSON field by field: each reader checks one value's type and range and
+raises ValueError naming the field. What crosses the router/instance boundary is parsed with
+these, never with ``cls(**data)``: a boolean is not an integer, a number is finite, an id is
+printable ASCII of bounded length, and an unknown field is named, not ignored (where the
+receiver is strict).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from typing import Any
+
+__all__ = [
+    "MAX_ID_CHARS", "boolean", "check_keys", "integer", "int_list", "is_int", "is_number",
+    "number", "optional_text", "printable_id",
+]
+
+MAX_ID_CHARS = 1024  # call and session ids on the internal API (the router's bound is lower)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_keys(data: Mapping[str, Any], allowed: Collection[str], where: str) -> None:
+    unknown = sorted(str(k) for k in data if k not in allowed)
+    if unknown:
+        raise ValueError(f"{where} has unknown field(s): {', '.join(unknown)}")
+
+
+def printable_id(value: Any, name: str, max_chars: int = MAX_ID_CHARS) -> str:
+    """A non-empty string of at most ``max_chars`` printable ASCII characters (space to
+    tilde): safe in a header, a URL path segment and a log line."""
+    rule = f"{name} must be a non-empty string of at most {max_chars} printable ASCII characters"
+    if not isinstance(value, str) or not value:
+        raise ValueError(rule)
+    if len(value) > max_chars:
+        raise ValueError(f"{rule}; it has {len(value)}")
+    if not all(" " <= ch <= "~" for ch in value):
+        raise ValueError(f"{rule} (no control or non-ASCII characters)")
+    return value
+
+
+def integer(value: Any, name: str, lo: int | None = None) -> int:
+    if not is_int(value) or (lo is not None and value < lo):
+        raise ValueError(f"{name} must be an integer{f' >= {lo}' if lo is not None else ''}")
+    return int(value)
+
+
+def number(value: Any, name: str, lo: float | None = None) -> float:
+    if not is_number(value) or (lo is not None and value < lo):
+        raise ValueError(f"{name} must be a finite number{f' >= {lo:g}' if lo is not None else ''}")
+    return float(value)
+
+
+def boolean(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean")
+    return value
+
+
+def int_list(value: Any, name: str, lo: int = 0) -> list[int]:
+    if not isinstance(value, list) or not all(is_int(t) and t >= lo for t in value):
+        raise ValueError(f"{name} must be a list of integers >= {lo}")
+    return list(value)
+
+
+def optional_text(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string or null")
+    return value

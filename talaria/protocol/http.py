@@ -1,0 +1,72 @@
+"""What both servers (the router's public API, the instance's internal API) do alike over HTTP:
+check a bearer key in constant time, read a body under a deadline, and notice a client that
+has gone away while its call waits for its next event."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from talaria.protocol.errors import ApiError, unauthorized
+
+__all__ = ["bearer_matches", "client_gone", "key_middleware", "next_or_gone", "read_body"]
+
+T = TypeVar("T")
+
+
+def bearer_matches(request: web.Request, key: str) -> bool:
+    """``Authorization: Bearer <key>``, compared in constant time."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def key_middleware(key: str, protects: Callable[[str], bool]) -> Any:
+    """A middleware answering 401 to requests for paths ``protects`` names that lack the key."""
+
+    @web.middleware
+    async def check_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if protects(request.path) and not bearer_matches(request, key):
+            raise unauthorized()
+        return await handler(request)
+
+    return check_key
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The whole body, or 408 when it has not arrived within ``timeout_s`` (a slow sender
+    does not hold a connection and a handler for minutes)."""
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout"
+        ) from None
+
+
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def next_or_gone(events: AsyncIterator[T], request: web.Request, poll_s: float) -> T | None:
+    """The next item of ``events``, or None once the client of ``request`` has gone away
+    (checked every ``poll_s`` while waiting). The wait for the item is cancelled only when
+    the client is gone, so an async generator's ``finally`` runs then (and aborts its call)."""
+    task = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if client_gone(request):
+                task.cancel()
+                await asyncio.wait({task})
+                return None
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task})  # let the generator finish before anyone closes it
+        raise

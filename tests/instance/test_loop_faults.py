@@ -1,0 +1,106 @@
+"""The admission loop cannot die of one call: a call the engine cannot take fails alone; an
+engine fault fails the calls in the engine, takes them out of it, and the loop goes on;
+faults in a row without progress make it give up cleanly (every call ends, unhealthy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fake_engine import FakeEngine
+from instance_helpers import call
+
+from engine.interface import EngineRequest, MoveReport, StepResult
+from talaria.clock import run_virtual
+from talaria.config import preset
+from talaria.instance.admission import Instance
+from talaria.protocol import CallEvent
+
+
+@dataclass
+class FaultyEngine(FakeEngine):
+    """Raises where told: on ``add_request`` of the ids in ``bad_ids`` (after taking the
+    request, as a half-done add would), on the steps numbered in ``bad_steps``, on every
+    ``activate`` of the models in ``bad_models``."""
+
+    bad_ids: set[str] = field(default_factory=set)
+    bad_steps: set[int] = field(default_factory=set)
+    bad_models: set[str] = field(default_factory=set)
+    steps: int = 0
+
+    def add_request(self, request: EngineRequest) -> None:
+        super().add_request(request)
+        if request.request_id in self.bad_ids:
+            raise TypeError("seed must be an int")
+
+    def step(self) -> StepResult:
+        self.steps += 1
+        if self.steps in self.bad_steps:
+            raise RuntimeError(f"device fault at step {self.steps}")
+        return super().step()
+
+    def activate(self, model: str) -> MoveReport:
+        if model in self.bad_models:
+            raise RuntimeError(f"cannot copy the weights of {model}")
+        return super().activate(model)
+
+
+def engine(**kw: object) -> FaultyEngine:
+    return FaultyEngine(["a", "b"], num_blocks=200, step_s=0.1, initial_model="a", **kw)  # type: ignore[arg-type]
+
+
+def test_a_call_the_engine_cannot_take_fails_alone_and_leaves_nothing_behind() -> None:
+    eng = engine(bad_ids={"bad"})
+
+    async def main() -> tuple[list[CallEvent], list[CallEvent], Instance]:
+        inst = Instance("i", eng, preset("talaria"))
+        await inst.start()
+        good = inst.submit(call("good", "s1", "a", 20, max_tokens=4))
+        bad = inst.submit(call("bad", "s2", "a", 20, max_tokens=4))
+        out = await good.collect(), await bad.collect()
+        after = await inst.submit(call("after", "s3", "a", 20, max_tokens=2)).collect()
+        assert after[-1].finish_reason == "length"
+        await inst.stop()
+        return out[0], out[1], inst
+
+    good, bad, inst = run_virtual(main())
+    assert good[-1].finish_reason == "length"
+    assert bad[-1].finish_reason == "error" and "TypeError" in (bad[-1].error or "")
+    assert "bad" in eng.aborted  # the half-added request was taken out of the engine
+    assert inst.healthy and inst.counters["engine_faults"] == 0
+
+
+def test_an_engine_fault_fails_what_is_in_flight_and_the_loop_goes_on() -> None:
+    eng = engine(bad_steps={3})
+
+    async def main() -> tuple[list[list[CallEvent]], list[CallEvent], Instance]:
+        inst = Instance("i", eng, preset("talaria"))
+        await inst.start()
+        handles = [inst.submit(call(f"c{i}", f"s{i}", "a", 20, max_tokens=10)) for i in range(2)]
+        failed = [await h.collect() for h in handles]
+        later = await inst.submit(call("later", "s9", "b", 20, max_tokens=3)).collect()
+        await inst.stop()
+        return failed, later, inst
+
+    failed, later, inst = run_virtual(main())
+    for events in failed:
+        assert [e.finished for e in events].count(True) == 1
+        assert events[-1].finish_reason == "error" and "device fault" in (events[-1].error or "")
+    assert set(eng.aborted) == {"c0", "c1"}  # taken out of the engine, blocks freed
+    assert later[-1].finish_reason == "length"  # a switch and a call after the fault
+    assert inst.healthy and inst.counters["engine_faults"] == 1
+    assert eng.stats().num_free_blocks == eng.num_blocks
+
+
+def test_faults_in_a_row_make_the_loop_give_up_and_end_every_call() -> None:
+    eng = engine(bad_models={"b"})
+
+    async def main() -> tuple[list[CallEvent], list[CallEvent], Instance]:
+        inst = Instance("i", eng, preset("talaria", max_engine_faults=3))
+        await inst.start()
+        b = inst.submit(call("b1", "s1", "b", 20, max_tokens=3))
+        b_events = await b.collect()
+        return b_events, [], inst
+
+    b_events, _, inst = run_virtual(main())
+    assert b_events[-1].finish_reason == "error" and "cannot copy" in (b_events[-1].error or "")
+    assert not inst.healthy and inst.counters["engine_faults"] == 3

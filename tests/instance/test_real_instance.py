@@ -1,0 +1,41 @@
+"""An instance on the real multi-model engine (two tiny models, CPU) survives what killed it
+before: a call aborted while a call of another model waits (the loop then switches models
+while the engine still holds the abort's undelivered event)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from real_engine import LLAMA, QWEN, real_engine
+
+from engine.sampling_params import SamplingParams
+from talaria.config import PolicyConfig
+from talaria.instance.admission import Instance
+from talaria.protocol import CallRequest
+
+
+def call(cid: str, model: str, max_tokens: int, n: int = 12) -> CallRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return CallRequest(cid, f"s-{cid}", model, [(i * 3) % 400 + 1 for i in range(n)], params)
+
+
+async def test_an_abort_while_another_model_waits_leaves_the_instance_serving(
+    tiny_models: dict[str, Path],
+) -> None:
+    inst = Instance("i", real_engine(tiny_models), PolicyConfig(slot_quantum_s=60.0))
+    await inst.start()
+    try:
+        long = inst.submit(call("long", LLAMA, max_tokens=300))
+        first = await anext(long)
+        assert first.token_ids and not first.finished
+        short = inst.submit(call("short", QWEN, max_tokens=3))
+        long.abort()  # the client left, or the router cut the stream at a stop string
+        events = await short.collect()
+        assert events[-1].finish_reason == "length", events[-1]
+        assert inst.healthy
+        again = await inst.submit(call("again", LLAMA, max_tokens=2)).collect()
+        assert again[-1].finish_reason == "length"
+        assert inst.counters["switches"] == 2
+    finally:
+        await inst.stop()
+    assert inst.engine.stats().num_free_blocks == inst.engine.stats().num_total_blocks

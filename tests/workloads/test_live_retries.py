@@ -1,0 +1,79 @@
+"""The live replay client re-sends a call as an agent would: after a broken connection, a 502
+or 503, or a stream that ends in an error event (and after a 429's Retry-After), counting
+each re-send; a 4xx other than 429 is final."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from talaria.protocol import CallRequest, SamplingParams
+from workloads import live
+from workloads.live import LiveTarget
+from workloads.replay import SessionTokens
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def router(script: list[str]) -> web.Application:
+    """Answers each request with the next step of ``script``: "502", "503", "429", "400",
+    "error" (a 200 stream ending in an error event), "drop" (the connection closes mid-stream)
+    or "ok"."""
+    seen: list[str] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        step = script[len(seen)]
+        seen.append(step)
+        if step in ("502", "503", "400"):
+            return web.json_response({"error": {"message": step}}, status=int(step))
+        if step == "429":
+            return web.json_response({"error": {"message": "busy"}}, status=429,
+                                     headers={"Retry-After": "0"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        if step == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        if step == "error":
+            await resp.write(b'data: {"error": {"message": "failed"}}\n\n')
+        else:
+            await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def send(script: list[str]) -> tuple[object, int]:
+    server = TestServer(router(script))
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            target = LiveTarget(http, str(server.make_url("/v1")))
+            call = CallRequest("c", "s", "m", [1, 2, 3], SamplingParams(max_tokens=2))
+            outcome = await target.call(call, SessionTokens("s", 0, 100))
+            return outcome, target.retries
+    finally:
+        await server.close()
+
+
+async def test_failures_an_agent_would_retry_are_re_sent_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(live, "RETRY_WAIT_S", 0.0)
+    outcome, retries = await send(["502", "503", "error", "drop", "429", "ok"])
+    assert outcome.error is None and len(outcome.output_token_ids) == 2  # type: ignore[attr-defined]
+    assert retries == 5
+
+
+async def test_a_client_error_is_final() -> None:
+    outcome, retries = await send(["400", "ok"])
+    assert outcome.error is not None and "HTTP 400" in outcome.error  # type: ignore[attr-defined]
+    assert retries == 0
