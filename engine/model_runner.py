@@ -1,9 +1,14 @@
-"""Runs one scheduled step on the model: KV tensors, input preparation, forward, sampling.
+"""Runs one scheduled step on the model: KV tensor, input preparation, forward, sampling.
 
-The KV cache is one (k, v) pair per layer, each ``[num_blocks, block_size, kv_heads,
-head_dim]``. The runner allocates it, or takes caller-supplied tensors (e.g. views of a
-device arena) that it never reallocates. Logits are computed only for the last scheduled
-token of sequences that reach their end this step (the ones that yield a token).
+The KV cache is one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+(the layout nano-vllm and flash-attn's paged API use). The runner allocates it, or takes a
+caller-supplied one (e.g. a view of a device arena) that it never reallocates. A step is
+three parts: ``prepare`` (host work: token ids, positions, slots and attention metadata,
+built once per step and moved in one copy), ``forward_step`` (the model and the logits of
+the sampled rows: device work only, no host synchronisation, the part a CUDA graph captures
+when ``prepare`` is given a ``FixedShape``), and sampling. Logits are computed only for the
+last scheduled token of sequences that reach their end this step (the ones that yield a
+token).
 """
 
 from __future__ import annotations
@@ -15,13 +20,11 @@ from typing import Any
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, FixedShape, build_attention_metadata
 from engine.config import EngineConfig
 from engine.parallel.state import SINGLE, ParallelContext
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,6 +67,18 @@ class SampledToken:
     logprob: float | None
 
 
+@dataclass
+class StepInputs:
+    """What ``forward_step`` reads (device tensors, fixed shapes under a ``FixedShape``) and
+    how many of its logit rows are real (the rest pad a fixed-shape batch)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn: AttentionMetadata
+    logit_rows: torch.Tensor  # [num_logit_rows] token rows whose logits are computed
+    num_samples: int
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -74,7 +89,7 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         dtype: torch.dtype,
-        kv_caches: KVCaches | None = None,
+        kv_cache: torch.Tensor | None = None,
         hf_config: Any = None,
         seed: int = 0,
     ) -> None:
@@ -85,25 +100,12 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.hf_config = hf_config
-        num_layers, kv_heads, head_dim = model.kv_cache_spec()
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        if kv_caches is None:
-            kv_caches = [
-                (
-                    torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device),
-                )
-                for _ in range(num_layers)
-            ]
-        if len(kv_caches) != num_layers:
-            raise ValueError(f"model has {num_layers} layers, got {len(kv_caches)} KV caches")
-        for i, (k, v) in enumerate(kv_caches):
-            if tuple(k.shape) != shape or tuple(v.shape) != shape:
-                raise ValueError(
-                    f"KV cache of layer {i} has shapes {tuple(k.shape)}/{tuple(v.shape)}, "
-                    f"expected {shape}"
-                )
-        self.kv_caches = kv_caches
+        shape = model.kv_cache_shape(num_blocks, block_size)
+        if kv_cache is None:
+            kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if tuple(kv_cache.shape) != shape:
+            raise ValueError(f"KV cache has shape {tuple(kv_cache.shape)}, expected {shape}")
+        self.kv_cache = kv_cache
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
@@ -113,7 +115,7 @@ class ModelRunner:
     def from_config(
         cls,
         config: EngineConfig,
-        kv_caches: KVCaches | None = None,
+        kv_cache: torch.Tensor | None = None,
         parallel: ParallelContext = SINGLE,
     ) -> ModelRunner:
         """Build the model from ``config.model`` (HF directory), load weights, size the KV."""
@@ -136,8 +138,8 @@ class ModelRunner:
             model = build_model(hf_config, dtype, parallel, backend)
         load_checkpoint(model, path)
         model.eval()
-        if kv_caches is not None:
-            num_blocks = kv_caches[0][0].shape[0]
+        if kv_cache is not None:
+            num_blocks = kv_cache.shape[2]
         else:
             num_blocks = cls.choose_num_blocks(config, model, hf_config, dtype, device)
         return cls(
@@ -147,7 +149,7 @@ class ModelRunner:
             vocab_size=int(hf_config.vocab_size),
             device=device,
             dtype=dtype,
-            kv_caches=kv_caches,
+            kv_cache=kv_cache,
             hf_config=hf_config,
             seed=config.seed,
         )
@@ -179,50 +181,43 @@ class ModelRunner:
         return max(1, min(needed, int(available * config.kv_memory_fraction) // per_block))
 
     # ------------------------------------------------------------------ running
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled tokens into (input_ids, positions, metadata, logit rows)."""
-        bs = self.block_size
+    def prepare(self, out: SchedulerOutput, fixed: FixedShape | None = None) -> StepInputs:
+        """Flatten the scheduled tokens into the step's device inputs (host work only).
+        ``fixed`` pads a decode-only batch to a bucket's shapes (see ``FixedShape``)."""
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logit_rows: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        table = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
-        offset = 0
-        for i, s in enumerate(out.scheduled):
-            start, n = s.num_computed_tokens, s.num_new_tokens
+        for s in out.scheduled:
             ids.extend(s.token_ids)
-            blocks = torch.tensor(s.block_ids, dtype=torch.long)
-            table[i, : len(s.block_ids)] = blocks.to(torch.int32)
-            pos = torch.arange(start, start + n, dtype=torch.long)
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            offset += n
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(s.num_computed_tokens + s.num_new_tokens)
             if s.samples:
-                logit_rows.append(offset - 1)
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+                logit_rows.append(len(ids) - 1)
+        num_samples = len(logit_rows)
+        if fixed is not None:
+            pad = fixed.num_seqs - len(ids)
+            ids.extend([0] * max(0, pad))
+            logit_rows = list(range(fixed.num_seqs))
+        positions, attn = build_attention_metadata(
+            query_lens,
+            seq_lens,
+            [s.block_ids for s in out.scheduled],
+            self.block_size,
+            self.device,
+            fixed,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        return input_ids, torch.cat(positions).to(dev, non_blocking=True), attn, logit_rows
+        host = torch.tensor(ids + logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return StepInputs(host[: len(ids)], positions, attn, host[len(ids) :], num_samples)
+
+    def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model over the step's tokens, then float32 logits ``[num_logit_rows, vocab]``
+        (None when no row samples). Device work only: no host synchronisation, and every
+        shape follows from the inputs' shapes."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+        if inputs.logit_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
 
     def execute(
         self, out: SchedulerOutput, generators: dict[str, torch.Generator]
@@ -230,16 +225,14 @@ class ModelRunner:
         """Run the step's forward pass; sample one token per sequence that reached its end."""
         if out.is_empty:
             return []
-        input_ids, positions, attn, logit_rows = self.prepare(out)
+        inputs = self.prepare(out)
         sampling = [s for s in out.scheduled if s.samples]
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attn, self.kv_caches)
-            if not sampling:
+            logits = self.forward_step(inputs)
+            if logits is None:
                 return []
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
             result = self.sampler(
-                logits,
+                logits[: inputs.num_samples],
                 [s.request.params for s in sampling],
                 [generators.get(s.request_id) for s in sampling],
             )

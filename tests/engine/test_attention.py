@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import allocate_kv_caches, build_metadata
+from helpers import allocate_kv_cache, build_metadata
 
 from engine.attention.selector import flash_available, get_attention_backend
 from engine.attention.torch_paged import TorchPagedAttention
@@ -32,7 +32,8 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
     # (cached tokens, new tokens): a prefill from scratch, a chunk after cached context,
     # and two decodes (one right after a block boundary).
     seqs = [(0, 11), (9, 6), (12, 1), (7, 1)]
-    k_cache, v_cache = allocate_kv_caches(1, num_blocks, block_size, kv_heads, d)[0]
+    kv = allocate_kv_cache(1, num_blocks, block_size, kv_heads, d)[0]
+    k_cache, v_cache = kv[0], kv[1]
     free = torch.randperm(num_blocks).tolist()
     full_k, full_v, tables = [], [], []
     for cached, new in seqs:
@@ -53,7 +54,8 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
     k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
     v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
 
-    out = TorchPagedAttention().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
+    backend = TorchPagedAttention()
+    out = backend.forward(q, k_new, v_new, kv, backend.prepare(meta), scale)
 
     expected = torch.cat(
         [dense_causal(qi, ki, vi, scale) for qi, ki, vi in zip(qs, full_k, full_v, strict=True)]
@@ -67,12 +69,15 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
 
 
 def test_metadata_token_count_mismatch_raises() -> None:
-    k_cache, v_cache = allocate_kv_caches(1, 4, 4, 1, 8)[0]
-    meta = build_metadata([2], [2], [[0]], 4)
+    kv = allocate_kv_cache(1, 4, 4, 1, 8)[0]
+    backend = TorchPagedAttention()
+    meta = backend.prepare(build_metadata([2], [2], [[0]], 4))
     q = torch.randn(3, 2, 8)
     k = torch.randn(3, 1, 8)
-    with pytest.raises(ValueError, match="slot|tokens"):
-        TorchPagedAttention().forward(q, k, k, k_cache, v_cache, meta, 1.0)
+    with pytest.raises(ValueError, match="tokens"):
+        backend.forward(q, k, k, kv, meta, 1.0)
+    with pytest.raises(ValueError, match="prepare"):
+        backend.forward(q[:2], k[:2], k[:2], kv, build_metadata([2], [2], [[0]], 4), 1.0)
 
 
 def test_selector_cpu_and_errors() -> None:
@@ -98,18 +103,15 @@ def test_flash_matches_torch_on_gpu(decode_only: bool) -> None:
     meta = build_metadata(
         [n for _, n in seqs], [c + n for c, n in seqs], tables, block_size, device
     )
-    caches = []
-    for _ in range(2):
-        k_cache = torch.randn(num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
-        v_cache = torch.randn(num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
-        caches.append((k_cache, v_cache))
-    caches[1] = (caches[0][0].clone(), caches[0][1].clone())
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
+    kv_copy = kv.clone()
     n = sum(n for _, n in seqs)
     q = torch.randn(n, heads, d, dtype=dtype, device=device)
     k = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
     v = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
     flash = get_attention_backend("flash", device)
-    out_flash = flash.forward(q, k, v, *caches[0], meta, d**-0.5)
-    out_torch = TorchPagedAttention().forward(q, k, v, *caches[1], meta, d**-0.5)
+    out_flash = flash.forward(q, k, v, kv, flash.prepare(meta), d**-0.5)
+    torch_backend = TorchPagedAttention()
+    out_torch = torch_backend.forward(q, k, v, kv_copy, torch_backend.prepare(meta), d**-0.5)
     torch.testing.assert_close(out_flash.float(), out_torch.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(caches[0][0], caches[1][0])
+    torch.testing.assert_close(kv, kv_copy)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from helpers import Step, ToyBlocks, allocate_kv_caches, batch_inputs
+from helpers import Step, ToyBlocks, allocate_kv_cache, batch_inputs
 
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.loader import load_checkpoint
@@ -82,7 +82,7 @@ def test_engine_matches_transformers(case: str, checkpoints: dict[str, Path]) ->
         config.num_key_value_heads,
         config.hidden_size // config.num_attention_heads,
     )
-    kv = allocate_kv_caches(num_layers, 32, BLOCK_SIZE, kv_heads, head_dim)
+    kv = allocate_kv_cache(num_layers, 32, BLOCK_SIZE, kv_heads, head_dim)
     blocks = ToyBlocks(32, BLOCK_SIZE, seed=3)
 
     gen = torch.Generator().manual_seed(7)

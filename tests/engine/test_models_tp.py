@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
-from helpers import Step, ToyBlocks, allocate_kv_caches, batch_inputs
+from helpers import Step, ToyBlocks, allocate_kv_cache, batch_inputs
 
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.loader import load_checkpoint
@@ -31,7 +31,7 @@ def _logits(path: Path, parallel: ParallelContext) -> torch.Tensor:
     model = build_model(config, torch.float32, parallel, TorchPagedAttention())
     load_checkpoint(model, path)
     num_layers, kv_heads, head_dim = model.kv_cache_spec()
-    kv = allocate_kv_caches(num_layers, 16, 4, kv_heads, head_dim)
+    kv = allocate_kv_cache(num_layers, 16, 4, kv_heads, head_dim)
     blocks = ToyBlocks(16, 4)
     outs = []
     with torch.no_grad():
