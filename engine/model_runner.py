@@ -182,33 +182,34 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ running
     def prepare(self, out: SchedulerOutput, fixed: FixedShape | None = None) -> StepInputs:
-        """Flatten the scheduled tokens into the step's device inputs (host work only).
-        ``fixed`` pads a decode-only batch to a bucket's shapes (see ``FixedShape``)."""
-        ids: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        for s in out.scheduled:
-            ids.extend(s.token_ids)
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(s.num_computed_tokens + s.num_new_tokens)
-            if s.samples:
-                logit_rows.append(len(ids) - 1)
-        num_samples = len(logit_rows)
-        if fixed is not None:
-            pad = fixed.num_seqs - len(ids)
-            ids.extend([0] * max(0, pad))
-            logit_rows = list(range(fixed.num_seqs))
-        positions, attn = build_attention_metadata(
-            query_lens,
-            seq_lens,
-            [s.block_ids for s in out.scheduled],
+        """Flatten the scheduled tokens into the step's device inputs (host work only), in
+        the batch order the metadata chose. ``fixed`` pads a decode-only batch to a bucket's
+        shapes (see ``FixedShape``). Logit rows follow the order of ``out.scheduled``."""
+        scheduled = out.scheduled
+        layout = build_attention_metadata(
+            [s.num_new_tokens for s in scheduled],
+            [s.num_computed_tokens + s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
             self.block_size,
             self.device,
             fixed,
         )
+        ids: list[int] = []
+        last_row: dict[int, int] = {}
+        for i in layout.order:
+            ids.extend(scheduled[i].token_ids)
+            last_row[i] = len(ids) - 1
+        logit_rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
+        num_samples = len(logit_rows)
+        if fixed is not None:
+            if num_samples != len(scheduled):
+                raise ValueError("a fixed-shape step needs every sequence to sample")
+            ids.extend([0] * (fixed.num_seqs - len(ids)))
+            logit_rows = list(range(fixed.num_seqs))  # the order is kept, padding follows
         host = torch.tensor(ids + logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return StepInputs(host[: len(ids)], positions, attn, host[len(ids) :], num_samples)
+        return StepInputs(
+            host[: len(ids)], layout.positions, layout.attn, host[len(ids) :], num_samples
+        )
 
     def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the step's tokens, then float32 logits ``[num_logit_rows, vocab]``

@@ -8,8 +8,9 @@ prefill chunk contributes its chunk, a decode one token). Sequence i's new token
 the new tokens' K and V at ``slot_mapping`` (block_id * block_size + offset).
 
 The torch backend attends ``groups`` of sequences in batched calls (see
-``engine.attention.grouping``); every index a layer needs is here, so the forward pass does
-no host work and reads nothing back from the device.
+``engine.attention.grouping``); the builder orders the batch so that each group's tokens are
+contiguous. Every index a layer needs is here, so the forward pass does no host work and
+reads nothing back from the device.
 
 Fixed shapes (a decode step a CUDA graph can capture): with ``FixedShape(num_seqs,
 num_blocks)`` a decode-only batch is padded to exactly ``num_seqs`` sequences with block
@@ -40,18 +41,29 @@ class FixedShape:
 @dataclass
 class AttentionGroup:
     """Sequences attended in one batched call, padded to ``query_width`` new tokens and
-    ``num_blocks`` blocks of context each."""
+    ``num_blocks`` blocks of context each. Their tokens are the contiguous rows
+    ``token_start : token_start + num_tokens`` of the batch."""
 
     num_seqs: int
     query_width: int
     num_blocks: int
-    query_rows: torch.Tensor  # [num_seqs * query_width] token row of each padded query
+    token_start: int
+    num_tokens: int
+    causal: bool  # every member's new tokens are its whole context (a fresh prefill)
     block_ids: torch.Tensor  # [num_seqs * num_blocks] padded block tables, flattened
     seq_lens: torch.Tensor  # [num_seqs]
     query_lens: torch.Tensor  # [num_seqs]
-    token_rows: torch.Tensor  # [real queries] token row of each real query
-    out_rows: torch.Tensor | None  # [real queries] its row in the padded result; None: all
+    # Only when members have fewer new tokens than query_width: the batch row of each padded
+    # query, and the row of the padded result holding each of the group's real tokens.
+    query_rows: torch.Tensor | None = None  # [num_seqs * query_width]
+    out_rows: torch.Tensor | None = None  # [num_tokens]
     mask: torch.Tensor | None = None  # additive, set by the torch backend's ``prepare``
+
+    @property
+    def needs_mask(self) -> bool:
+        """A causal group needs none: its queries sit at the start of its keys, so
+        top-left-aligned causal attention hides exactly the keys a query may not see."""
+        return not self.causal
 
 
 @dataclass
@@ -65,7 +77,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_seqs: int
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # in batch order, covering every token once
     write_rows: torch.Tensor | None = None  # fixed shapes: the row whose K/V each slot gets
 
     @property
@@ -77,6 +89,16 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass
+class StepLayout:
+    """How a step's sequences are laid out: ``order[i]`` is the index (in the caller's
+    order) of the i-th sequence of the batch; ``positions`` are the batch tokens'."""
+
+    order: list[int]
+    positions: torch.Tensor
+    attn: AttentionMetadata
+
+
 def build_attention_metadata(
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
@@ -84,9 +106,11 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     fixed: FixedShape | None = None,
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """``(positions, metadata)`` for sequences whose new tokens are the last ``query_lens[i]``
-    of ``seq_lens[i]`` tokens, in one host-to-device copy."""
+) -> StepLayout:
+    """The batch layout and metadata for sequences whose new tokens are the last
+    ``query_lens[i]`` of ``seq_lens[i]`` tokens, moved to ``device`` in one copy. Sequences
+    are reordered so that every attention group is contiguous (under ``fixed``, the order is
+    kept and padding sequences follow)."""
     num_real = len(query_lens)
     if num_real == 0 or len(seq_lens) != num_real or len(block_tables) != num_real:
         raise ValueError(
@@ -99,15 +123,25 @@ def build_attention_metadata(
                 f"sequence {i}: query_len {q}, seq_len {s} and {len(table)} blocks of "
                 f"{block_size} do not fit together"
             )
-    q_lens, s_lens, tables = list(query_lens), list(seq_lens), [list(t) for t in block_tables]
     if fixed is not None:
-        _check_fixed(fixed, q_lens, tables)
+        _check_fixed(fixed, query_lens, block_tables)
         pad = fixed.num_seqs - num_real
-        q_lens, s_lens, tables = q_lens + [1] * pad, s_lens + [1] * pad, tables + [[]] * pad
+        order = list(range(num_real))
+        q_lens = list(query_lens) + [1] * pad
+        s_lens = list(seq_lens) + [1] * pad
+        tables = [list(t) for t in block_tables] + [[]] * pad
         plans = [GroupPlan(tuple(range(fixed.num_seqs)), 1, fixed.num_blocks)]
         width = fixed.num_blocks
     else:
-        plans = plan_groups(q_lens, s_lens, block_size)
+        planned = plan_groups(query_lens, seq_lens, block_size)
+        order = [i for plan in planned for i in plan.seqs]
+        rank = {seq: pos for pos, seq in enumerate(order)}
+        plans = [
+            GroupPlan(tuple(rank[i] for i in p.seqs), p.query_width, p.num_blocks) for p in planned
+        ]
+        q_lens = [query_lens[i] for i in order]
+        s_lens = [seq_lens[i] for i in order]
+        tables = [list(block_tables[i]) for i in order]
         width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     q_t = torch.tensor(q_lens, dtype=torch.long)
@@ -126,7 +160,6 @@ def build_attention_metadata(
         "table": table,
     }
     if fixed is not None:
-        positions[num_real:] = 0
         slots[num_real:] = slots[0]
         host["write_rows"] = torch.cat(
             (torch.arange(num_real), torch.zeros(fixed.num_seqs - num_real, dtype=torch.long))
@@ -141,11 +174,13 @@ def build_attention_metadata(
             num_seqs=len(plan.seqs),
             query_width=plan.query_width,
             num_blocks=plan.num_blocks,
-            query_rows=dev[f"{g}.query_rows"],
+            token_start=int(starts[plan.seqs[0]]),
+            num_tokens=int(starts[plan.seqs[-1] + 1] - starts[plan.seqs[0]]),
+            causal=all(q_lens[i] == s_lens[i] for i in plan.seqs),
             block_ids=dev[f"{g}.block_ids"],
             seq_lens=dev[f"{g}.seq_lens"],
             query_lens=dev[f"{g}.query_lens"],
-            token_rows=dev[f"{g}.token_rows"],
+            query_rows=dev.get(f"{g}.query_rows"),
             out_rows=dev.get(f"{g}.out_rows"),
         )
         for g, plan in enumerate(plans)
@@ -163,7 +198,7 @@ def build_attention_metadata(
         groups=groups,
         write_rows=dev.get("write_rows"),
     )
-    return dev["positions"], meta
+    return StepLayout(order, dev["positions"], meta)
 
 
 def _check_fixed(fixed: FixedShape, query_lens: list[int], tables: list[list[int]]) -> None:
@@ -185,23 +220,20 @@ def _group_tensors(
     seq_lens: torch.Tensor,
     table: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Host index tensors of one group (padding repeats a member's last real query)."""
-    members = torch.tensor(plan.seqs, dtype=torch.long)
+    """Host index tensors of one group whose members are consecutive in the batch (a padded
+    query repeats its sequence's last real one)."""
+    members = torch.arange(plan.seqs[0], plan.seqs[-1] + 1)
     q = query_lens[members]
-    offsets = torch.arange(plan.query_width)
-    rows = starts[members, None] + torch.minimum(offsets[None, :], q[:, None] - 1)
     out = {
-        "query_rows": rows.reshape(-1),
         "block_ids": table[members, : plan.num_blocks].reshape(-1),
         "seq_lens": seq_lens[members],
         "query_lens": q,
     }
-    if plan.query_width == 1:
-        out["token_rows"] = rows.reshape(-1)
-    else:
-        real = (offsets[None, :] < q[:, None]).reshape(-1).nonzero().squeeze(1)
-        out["token_rows"] = rows.reshape(-1)[real]
-        out["out_rows"] = real
+    if bool((q < plan.query_width).any()):
+        offsets = torch.arange(plan.query_width)
+        rows = starts[members, None] + torch.minimum(offsets[None, :], q[:, None] - 1)
+        out["query_rows"] = rows.reshape(-1)
+        out["out_rows"] = (offsets[None, :] < q[:, None]).reshape(-1).nonzero().squeeze(1)
     return out
 
 
@@ -232,7 +264,9 @@ def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensor_leaves(item)
 
 
-def with_group_masks(attn: AttentionMetadata, masks: list[torch.Tensor]) -> AttentionMetadata:
+def with_group_masks(
+    attn: AttentionMetadata, masks: list[torch.Tensor | None]
+) -> AttentionMetadata:
     """A copy of ``attn`` whose groups carry ``masks`` (one per group, in order)."""
     groups = [replace(g, mask=m) for g, m in zip(attn.groups, masks, strict=True)]
     return replace(attn, groups=groups)

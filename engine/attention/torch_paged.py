@@ -2,10 +2,13 @@
 
 A layer's cache is ``[2, num_blocks, block_size, kv_heads, head_dim]`` (K, V), a view of the
 model's one KV tensor. Each layer first writes the new tokens' K/V at ``slot_mapping``; then
-each group of sequences (``AttentionMetadata.groups``) is attended in one batched call: the
-group's blocks are gathered once for K and V together, its queries are gathered into a
-padded ``[seqs, query_width]`` batch, and an additive mask (built once per step by
-``prepare``) hides keys a query may not see, including every padding key. Scores and
+each group of sequences (``AttentionMetadata.groups``, contiguous in the batch) is attended
+in one batched call: the group's blocks are gathered once for K and V together, its queries
+are its rows of the batch (gathered into a padded ``[seqs, query_width]`` batch only when
+its members' chunks differ in length), and an additive mask (built once per step by
+``prepare``) hides keys a query may not see, including every padding key. A group of fresh
+prefills (no cached context) needs no mask: plain causal attention is exact for its real
+queries, and its padding queries' outputs are dropped. Scores and
 softmax are in float32; grouped-query attention shares each KV head among
 ``heads / kv_heads`` query heads.
 
@@ -51,29 +54,41 @@ def group_mask(group: AttentionGroup, block_size: int) -> torch.Tensor:
 def attend_group(
     q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float
 ) -> torch.Tensor:
-    """Attention of one group's padded queries: ``[seqs * query_width, heads, d]``."""
-    if group.mask is None:
+    """Attention of one group's tokens: ``[group.num_tokens, heads, d]`` float32."""
+    if group.needs_mask and group.mask is None:
         raise ValueError("attention group has no mask: call the backend's prepare() first")
     _, _, block_size, kv_heads, d = kv_cache.shape
     b, m, heads = group.num_seqs, group.query_width, q.shape[1]
     context = kv_cache.index_select(1, group.block_ids).float()
     keys = context[0].view(b, group.num_blocks * block_size, kv_heads, d).transpose(1, 2)
     values = context[1].view(b, group.num_blocks * block_size, kv_heads, d).transpose(1, 2)
-    queries = q.index_select(0, group.query_rows).float().view(b, m, heads, d).transpose(1, 2)
+    if group.query_rows is None:
+        queries = q[group.token_start : group.token_start + group.num_tokens]
+    else:
+        queries = q.index_select(0, group.query_rows)
+    queries = queries.float().view(b, m, heads, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
+        queries,
+        keys,
+        values,
+        attn_mask=group.mask,
+        is_causal=not group.needs_mask,
+        scale=scale,
+        enable_gqa=True,
     )
-    return out.transpose(1, 2).reshape(b * m, heads, d)
+    out = out.transpose(1, 2).reshape(b * m, heads, d)
+    return out if group.out_rows is None else out.index_select(0, group.out_rows)
 
 
 class TorchPagedAttention:
     name = "torch"
 
     def prepare(self, attn: AttentionMetadata) -> AttentionMetadata:
-        """Once per forward pass: the groups' masks (device ops only)."""
-        if all(g.mask is not None for g in attn.groups):
+        """Once per forward pass: the masks of the groups that need one (device ops only)."""
+        if all(g.mask is not None or not g.needs_mask for g in attn.groups):
             return attn
-        return with_group_masks(attn, [group_mask(g, attn.block_size) for g in attn.groups])
+        masks = [group_mask(g, attn.block_size) if g.needs_mask else None for g in attn.groups]
+        return with_group_masks(attn, masks)
 
     def forward(
         self,
@@ -94,10 +109,6 @@ class TorchPagedAttention:
                 f"metadata covers {attn.num_tokens} tokens but the batch has {q.shape[0]}"
             )
         write_kv(k, v, kv_cache, attn)
-        out = torch.empty_like(q)
-        for group in attn.groups:
-            result = attend_group(q, kv_cache, group, scale).to(q.dtype)
-            if group.out_rows is not None:
-                result = result.index_select(0, group.out_rows)
-            out.index_copy_(0, group.token_rows, result)
-        return out
+        parts = [attend_group(q, kv_cache, group, scale) for group in attn.groups]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.to(q.dtype)

@@ -76,17 +76,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", _inv_freq(head_dim, cfg), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``cos``/``sin`` ``[n, 1, head_dim / 2]`` of ``positions`` ``[n]``."""
+        """float32 tables ``[n, 1, head_dim]`` for ``positions`` ``[n]``: ``cat(cos, cos)``
+        and ``cat(-sin, sin)`` (the sign of ``rotate_half`` folded in)."""
         inv_freq = self.inv_freq.to(device=positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
-        return freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(
+            1
+        )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[n, heads, d]`` in the "rotate half" layout: the same float32 products
-    and sums as ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``, without the
-    concatenated tables."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[n, heads, d]`` in the "rotate half" layout with ``cos_sin``'s tables:
+    ``x * cos + swap_halves(x) * signed_sin``, the same float32 products and sums as
+    ``x * cos + rotate_half(x) * sin``."""
     h = x.float()
-    half = h.shape[-1] // 2
-    x1, x2 = h[..., :half], h[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    n, heads, d = h.shape
+    swapped = h.reshape(n, heads, 2, d // 2).flip(2).view(n, heads, d)
+    return (h * cos + swapped * signed_sin).to(x.dtype)

@@ -22,7 +22,7 @@ def build_metadata(
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens are the last ``query_lens[i]`` of ``seq_lens[i]``."""
-    return build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device)[1]
+    return build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device).attn
 
 
 UNWRITTEN = 1e3
@@ -75,17 +75,29 @@ class Step:
 
 def batch_inputs(
     steps: list[Step], blocks: ToyBlocks
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids, positions, metadata) for a batch of prefill chunks and decodes."""
-    ids: list[int] = []
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[slice]]:
+    """(input_ids, positions, metadata, rows) for a batch of prefill chunks and decodes, in
+    the batch order the metadata builder chose; ``rows[i]`` are ``steps[i]``'s batch rows."""
     q_lens, s_lens, tables = [], [], []
     for st in steps:
         seq_len = st.num_cached + len(st.token_ids)
         tables.append(list(blocks.grow(st.seq, seq_len)))
-        ids.extend(st.token_ids)
         q_lens.append(len(st.token_ids))
         s_lens.append(seq_len)
-    positions, meta = build_attention_metadata(q_lens, s_lens, tables, blocks.block_size)
-    expected = [p for st in steps for p in range(st.num_cached, st.num_cached + len(st.token_ids))]
-    assert positions.tolist() == expected
-    return torch.tensor(ids, dtype=torch.int64), positions, meta
+    layout = build_attention_metadata(q_lens, s_lens, tables, blocks.block_size)
+    ids: list[int] = []
+    expected: list[int] = []
+    rows: dict[int, slice] = {}
+    for i in layout.order:
+        st = steps[i]
+        rows[i] = slice(len(ids), len(ids) + len(st.token_ids))
+        ids.extend(st.token_ids)
+        expected.extend(range(st.num_cached, st.num_cached + len(st.token_ids)))
+    assert sorted(layout.order) == list(range(len(steps)))
+    assert layout.positions.tolist() == expected
+    return (
+        torch.tensor(ids, dtype=torch.int64),
+        layout.positions,
+        layout.attn,
+        [rows[i] for i in range(len(steps))],
+    )

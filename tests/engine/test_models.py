@@ -105,15 +105,12 @@ def test_engine_matches_transformers(case: str, checkpoints: dict[str, Path]) ->
     ]
     refs = {0: ref_a, 1: ref_b}
     for steps in schedule:
-        ids, positions, meta = batch_inputs(steps, blocks)
+        ids, positions, meta, rows = batch_inputs(steps, blocks)
         logits = model.compute_logits(model(ids, positions, meta, kv))
         assert logits.dtype == torch.float32 and logits.shape == (len(ids), config.vocab_size)
-        start = 0
-        for st in steps:
-            end = start + len(st.token_ids)
+        for st, row in zip(steps, rows, strict=True):
             expected = refs[st.seq][st.num_cached : st.num_cached + len(st.token_ids)]
-            torch.testing.assert_close(logits[start:end], expected, atol=ATOL, rtol=0)
-            start = end
+            torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
 
 
 def test_logits_are_not_trivial(checkpoints: dict[str, Path]) -> None:

@@ -39,8 +39,9 @@ def _logits(path: Path, parallel: ParallelContext) -> torch.Tensor:
             [Step(0, list(range(5, 15)), 0), Step(1, list(range(20, 27)), 0)],
             [Step(0, [3], 10), Step(1, [4], 7)],
         ):
-            ids, positions, meta = batch_inputs(steps, blocks)
-            outs.append(model.compute_logits(model(ids, positions, meta, kv)))
+            ids, positions, meta, rows = batch_inputs(steps, blocks)
+            logits = model.compute_logits(model(ids, positions, meta, kv))
+            outs.extend(logits[row] for row in rows)
     return torch.cat(outs)
 
 
