@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata, FixedShape, build_attention_metadata
+from engine.attention.metadata import (
+    AttentionMetadata,
+    FixedShape,
+    build_attention_metadata,
+    copy_into,
+)
 from engine.config import EngineConfig
 from engine.parallel.state import SINGLE, ParallelContext
 from engine.sampler import Sampler
@@ -77,6 +82,15 @@ class StepInputs:
     attn: AttentionMetadata
     logit_rows: torch.Tensor  # [num_logit_rows] token rows whose logits are computed
     num_samples: int
+
+    def copy_(self, other: StepInputs) -> None:
+        """Take ``other``'s values into these tensors in place (a captured graph's static
+        inputs, refreshed for a new step of the same ``FixedShape``)."""
+        copy_into(
+            (self.input_ids, self.positions, self.attn, self.logit_rows),
+            (other.input_ids, other.positions, other.attn, other.logit_rows),
+        )
+        self.num_samples = other.num_samples
 
 
 class ModelRunner:

@@ -21,7 +21,7 @@ into row 0's slot again, which leaves the cache as the real rows left it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any
 
@@ -176,7 +176,7 @@ def build_attention_metadata(
             num_blocks=plan.num_blocks,
             token_start=int(starts[plan.seqs[0]]),
             num_tokens=int(starts[plan.seqs[-1] + 1] - starts[plan.seqs[0]]),
-            causal=all(q_lens[i] == s_lens[i] for i in plan.seqs),
+            causal=fixed is None and all(q_lens[i] == s_lens[i] for i in plan.seqs),
             block_ids=dev[f"{g}.block_ids"],
             seq_lens=dev[f"{g}.seq_lens"],
             query_lens=dev[f"{g}.query_lens"],
@@ -251,17 +251,27 @@ def _to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return out
 
 
-def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor reachable through dataclass fields, lists and tuples, in a fixed order
-    (for copying fresh step inputs into a captured graph's static ones)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        for f in fields(obj):
-            yield from tensor_leaves(getattr(obj, f.name))
-    elif isinstance(obj, list | tuple):
-        for item in obj:
-            yield from tensor_leaves(item)
+def copy_into(dst: Any, src: Any, path: str = "inputs") -> None:
+    """Copy every tensor of ``src`` into the same-shaped tensor of ``dst`` (dataclasses,
+    lists and tuples walked field by field); every other value must already be equal. This
+    refreshes a captured graph's static inputs for a new step of the same bucket."""
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
+            got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+            raise ValueError(f"{path}: cannot copy {got} into a tensor of {tuple(dst.shape)}")
+        dst.copy_(src)
+    elif is_dataclass(dst) and not isinstance(dst, type):
+        if type(src) is not type(dst):
+            raise ValueError(f"{path}: {type(src).__name__} is not a {type(dst).__name__}")
+        for f in fields(dst):
+            copy_into(getattr(dst, f.name), getattr(src, f.name), f"{path}.{f.name}")
+    elif isinstance(dst, list | tuple):
+        if not isinstance(src, list | tuple) or len(src) != len(dst):
+            raise ValueError(f"{path}: lengths differ")
+        for i, (d, s) in enumerate(zip(dst, src, strict=True)):
+            copy_into(d, s, f"{path}[{i}]")
+    elif dst != src:
+        raise ValueError(f"{path}: {src!r} differs from the static {dst!r}")
 
 
 def with_group_masks(
