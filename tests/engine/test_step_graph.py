@@ -81,6 +81,7 @@ def test_guard_catches_each_kind_of_host_sync() -> None:
     for name, fn in syncing.items():
         with pytest.raises(HostSyncError), no_host_sync():
             fn()
+            pytest.fail(f"{name} was not caught")
         fn()  # outside the guard it runs
     meta = x.to("meta")
     for read in (meta.tolist, meta.numpy):  # no op the guard sees: meta tensors catch them
