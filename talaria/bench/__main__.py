@@ -32,7 +32,8 @@ def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
     _section(
         f"engine throughput: {args.requests} requests x {args.min_prompt_len}-"
         f"{args.max_prompt_len} prompt tokens (uniform), {args.output_len} output tokens, "
-        f"small tiny-llama, fp32, greedy, {torch.get_num_threads()} threads"
+        f"small tiny-llama, fp32, greedy, {torch.get_num_threads()} threads; engine and padded "
+        "batch: best of 2 interleaved runs"
     )
     result = bench_engine_throughput(
         models["tiny-llama"],

@@ -4,7 +4,8 @@ Three runs of the same work (``num_requests`` prompts of mixed lengths drawn uni
 ``[min_prompt_len, max_prompt_len]``, exactly ``output_len`` generated tokens each, greedy):
 transformers one request at a time, transformers as one left-padded batch, and the engine
 (continuous batching, paged KV). Ratios are taken within one run so machine noise affects
-all three alike.
+all three alike; the engine and the padded batch, which take seconds, run twice, interleaved,
+and each keeps its faster run.
 
 The engine run also measures its pure decode steps against this machine's memory bandwidth:
 each decode step must read every weight the step uses once and the KV of every running
@@ -183,13 +184,22 @@ def bench_engine_throughput(
     min_prompt_len: int = 64,
     max_prompt_len: int = 448,
     output_len: int = 64,
+    repeats: int = 2,
 ) -> EngineBenchResult:
+    """The engine and transformers' padded batch run ``repeats`` times, interleaved, and the
+    fastest run of each counts (a shared machine's load only slows runs down); transformers
+    one request at a time runs once (its ratio is large and it takes longest)."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, num_requests, min_prompt_len, max_prompt_len)
-    engine, decode = run_engine(model_dir, prompts, output_len)
+    engines: list[tuple[ThroughputResult, DecodeBandwidth]] = []
+    batched: list[ThroughputResult] = []
+    for _ in range(repeats):
+        engines.append(run_engine(model_dir, prompts, output_len))
+        batched.append(run_hf_batched(model_dir, prompts, output_len))
+    engine, decode = min(engines, key=lambda r: r[0].seconds)
     runs = [
         run_hf_sequential(model_dir, prompts, output_len),
-        run_hf_batched(model_dir, prompts, output_len),
+        min(batched, key=lambda r: r.seconds),
         engine,
     ]
     return EngineBenchResult(runs, decode)
