@@ -8,7 +8,9 @@ built once per step and moved in one copy), ``forward_step`` (the model and the 
 the sampled rows: device work only, no host synchronisation, the part a CUDA graph captures
 when ``prepare`` is given a ``FixedShape``), and sampling. Logits are computed only for the
 last scheduled token of sequences that reach their end this step (the ones that yield a
-token).
+token). On a CPU (torch backend), decode groups keep their gathered context across steps
+(``engine.attention.decode_context``, at most the KV cache's size again); on a GPU the
+memory is the KV cache's, and flash-attn reads the paged cache in place.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.decode_context import DecodeContexts
 from engine.attention.metadata import (
     AttentionMetadata,
     FixedShape,
@@ -120,6 +123,18 @@ class ModelRunner:
         if tuple(kv_cache.shape) != shape:
             raise ValueError(f"KV cache has shape {tuple(kv_cache.shape)}, expected {shape}")
         self.kv_cache = kv_cache
+        self.decode_contexts: DecodeContexts | None = None
+        if device.type == "cpu" and getattr(model.attn_backend, "name", None) == "torch":
+            num_layers, _, _, _, kv_heads, head_dim = shape
+            self.decode_contexts = DecodeContexts(
+                num_layers,
+                kv_heads,
+                head_dim,
+                block_size,
+                dtype,
+                device,
+                budget_bytes=kv_cache.numel() * kv_cache.element_size(),
+            )
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
@@ -207,6 +222,8 @@ class ModelRunner:
             self.block_size,
             self.device,
             fixed,
+            contexts=self.decode_contexts if fixed is None else None,
+            seq_keys=[s.key for s in scheduled],
         )
         ids: list[int] = []
         last_row: dict[int, int] = {}

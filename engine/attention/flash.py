@@ -55,6 +55,7 @@ class FlashAttention:
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        layer: int,
     ) -> torch.Tensor:
         if attn.block_size % FLASH_BLOCK_MULTIPLE != 0:
             raise ValueError(

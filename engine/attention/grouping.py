@@ -36,14 +36,15 @@ def plan_groups(
     """Groups covering every sequence once: decodes (one new token) first, then prefills."""
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     prefills = [i for i, q in enumerate(query_lens) if q != 1]
-    return _split(decodes, query_lens, seq_lens, block_size) + _split(
+    return split_groups(decodes, query_lens, seq_lens, block_size) + split_groups(
         prefills, query_lens, seq_lens, block_size
     )
 
 
-def _split(
+def split_groups(
     seqs: list[int], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
 ) -> list[GroupPlan]:
+    """Groups of ``seqs`` (indices of one kind), sorted by context length."""
     if not seqs:
         return []
     order = sorted(seqs, key=lambda i: seq_lens[i], reverse=True)

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from engine.attention.grouping import GroupPlan, plan_groups
+from engine.attention.decode_context import AssignedContext, DecodeContexts
+from engine.attention.grouping import GroupPlan, plan_groups, split_groups
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ class AttentionGroup:
     query_rows: torch.Tensor | None = None  # [num_seqs * query_width]
     out_rows: torch.Tensor | None = None  # [num_tokens]
     mask: torch.Tensor | None = None  # additive, set by the torch backend's ``prepare``
+    # A decode group's context kept across steps (see ``engine.attention.decode_context``):
+    # [num_layers, 2, num_seqs, kv_heads, capacity, head_dim]; ``context_fresh``: gather the
+    # whole context into it this step, else append each member's new token, head by head,
+    # at ``append_slots`` ((row * kv_heads + head) * capacity + seq_len - 1).
+    context: torch.Tensor | None = None
+    context_fresh: bool = False
+    append_slots: torch.Tensor | None = None  # [num_seqs * kv_heads]
 
     @property
     def needs_mask(self) -> bool:
@@ -106,11 +114,14 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     fixed: FixedShape | None = None,
+    contexts: DecodeContexts | None = None,
+    seq_keys: Sequence[object] | None = None,
 ) -> StepLayout:
     """The batch layout and metadata for sequences whose new tokens are the last
     ``query_lens[i]`` of ``seq_lens[i]`` tokens, moved to ``device`` in one copy. Sequences
     are reordered so that every attention group is contiguous (under ``fixed``, the order is
-    kept and padding sequences follow)."""
+    kept and padding sequences follow). With ``contexts`` (and ``seq_keys``, an object per
+    sequence that stays the same across its steps), decode groups get kept contexts."""
     num_real = len(query_lens)
     if num_real == 0 or len(seq_lens) != num_real or len(block_tables) != num_real:
         raise ValueError(
@@ -123,6 +134,7 @@ def build_attention_metadata(
                 f"sequence {i}: query_len {q}, seq_len {s} and {len(table)} blocks of "
                 f"{block_size} do not fit together"
             )
+    assigned: list[AssignedContext | None] = [None]
     if fixed is not None:
         _check_fixed(fixed, query_lens, block_tables)
         pad = fixed.num_seqs - num_real
@@ -133,7 +145,7 @@ def build_attention_metadata(
         plans = [GroupPlan(tuple(range(fixed.num_seqs)), 1, fixed.num_blocks)]
         width = fixed.num_blocks
     else:
-        planned = plan_groups(query_lens, seq_lens, block_size)
+        planned, assigned = _plan(query_lens, seq_lens, block_size, contexts, seq_keys)
         order = [i for plan in planned for i in plan.seqs]
         rank = {seq: pos for pos, seq in enumerate(order)}
         plans = [
@@ -168,23 +180,34 @@ def build_attention_metadata(
         host.update(
             {f"{g}.{k}": v for k, v in _group_tensors(plan, starts, q_t, s_t, table).items()}
         )
+        kept = assigned[g]
+        if kept is not None:
+            _, _, b, kv_heads, capacity, _ = kept.buffer.shape
+            heads = torch.arange(b * kv_heads).view(b, kv_heads) * capacity
+            last = s_t[plan.seqs[0] : plan.seqs[-1] + 1] - 1
+            host[f"{g}.append_slots"] = (heads + last[:, None]).reshape(-1)
     dev = _to_device(host, torch.device(device))
-    groups = [
-        AttentionGroup(
-            num_seqs=len(plan.seqs),
-            query_width=plan.query_width,
-            num_blocks=plan.num_blocks,
-            token_start=int(starts[plan.seqs[0]]),
-            num_tokens=int(starts[plan.seqs[-1] + 1] - starts[plan.seqs[0]]),
-            causal=fixed is None and all(q_lens[i] == s_lens[i] for i in plan.seqs),
-            block_ids=dev[f"{g}.block_ids"],
-            seq_lens=dev[f"{g}.seq_lens"],
-            query_lens=dev[f"{g}.query_lens"],
-            query_rows=dev.get(f"{g}.query_rows"),
-            out_rows=dev.get(f"{g}.out_rows"),
+    groups: list[AttentionGroup] = []
+    for g, (plan, kept) in enumerate(zip(plans, assigned, strict=True)):
+        first, last = plan.seqs[0], plan.seqs[-1]
+        groups.append(
+            AttentionGroup(
+                num_seqs=len(plan.seqs),
+                query_width=plan.query_width,
+                num_blocks=plan.num_blocks,
+                token_start=int(starts[first]),
+                num_tokens=int(starts[last + 1] - starts[first]),
+                causal=fixed is None and all(q_lens[i] == s_lens[i] for i in plan.seqs),
+                block_ids=dev[f"{g}.block_ids"],
+                seq_lens=dev[f"{g}.seq_lens"],
+                query_lens=dev[f"{g}.query_lens"],
+                query_rows=dev.get(f"{g}.query_rows"),
+                out_rows=dev.get(f"{g}.out_rows"),
+                context=kept.buffer if kept is not None else None,
+                context_fresh=kept.fresh if kept is not None else False,
+                append_slots=dev.get(f"{g}.append_slots"),
+            )
         )
-        for g, plan in enumerate(plans)
-    ]
     meta = AttentionMetadata(
         slot_mapping=dev["slots"],
         query_start_loc=dev["starts"].to(torch.int32),
@@ -199,6 +222,24 @@ def build_attention_metadata(
         write_rows=dev.get("write_rows"),
     )
     return StepLayout(order, dev["positions"], meta)
+
+
+def _plan(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_size: int,
+    contexts: DecodeContexts | None,
+    seq_keys: Sequence[object] | None,
+) -> tuple[list[GroupPlan], list[AssignedContext | None]]:
+    """Groups (decodes first) and, with ``contexts``, each decode group's kept context."""
+    if contexts is None or seq_keys is None:
+        plans = plan_groups(query_lens, seq_lens, block_size)
+        return plans, [None] * len(plans)
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(query_lens) if q != 1]
+    plans, assigned = contexts.plan(decodes, seq_lens, seq_keys)
+    prefill_plans = split_groups(prefills, query_lens, seq_lens, block_size)
+    return plans + prefill_plans, assigned + [None] * len(prefill_plans)
 
 
 def _check_fixed(fixed: FixedShape, query_lens: list[int], tables: list[list[int]]) -> None:

@@ -18,7 +18,7 @@ BACKEND_NAMES = ("auto", "torch", "flash")
 class AttentionBackend(Protocol):
     """``prepare`` runs once per forward pass (device ops only: it is part of what a CUDA
     graph captures); ``forward`` once per layer, with that layer's cache
-    ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+    ``[2, num_blocks, block_size, kv_heads, head_dim]`` and index."""
 
     name: str
 
@@ -32,6 +32,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        layer: int,
     ) -> torch.Tensor: ...
 
 

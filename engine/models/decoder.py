@@ -28,9 +28,15 @@ from engine.parallel.state import ParallelContext
 
 class Attention(nn.Module):
     def __init__(
-        self, spec: DecoderSpec, parallel: ParallelContext, dtype: torch.dtype, backend: object
+        self,
+        index: int,
+        spec: DecoderSpec,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        backend: object,
     ) -> None:
         super().__init__()
+        self.index = index
         self.qkv_proj = QKVParallelLinear(
             spec.hidden_size,
             spec.head_dim,
@@ -68,7 +74,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         qk = apply_rotary(qk, *rotary)  # q and k heads together: one pass
         q, k = qk[:, :heads], qk[:, heads:]
-        out = self.backend.forward(q, k, v, kv_cache, attn, self.scale)  # type: ignore[attr-defined]
+        out = self.backend.forward(q, k, v, kv_cache, attn, self.scale, self.index)  # type: ignore[attr-defined]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -97,7 +103,7 @@ class DecoderLayer(nn.Module):
         backend: object,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, parallel, dtype, backend)
+        self.self_attn = Attention(index, spec, parallel, dtype, backend)
         self.mlp: nn.Module
         if spec.moe is not None and index in spec.moe.sparse_layers:
             m = spec.moe

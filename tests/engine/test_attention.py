@@ -59,7 +59,7 @@ def run_against_dense(
     v_new = torch.cat([full_v[i][seqs[i][0] :] for i in order])
 
     backend = TorchPagedAttention()
-    out = backend.forward(q, k_new, v_new, kv, backend.prepare(layout.attn), scale)
+    out = backend.forward(q, k_new, v_new, kv, backend.prepare(layout.attn), scale, 0)
 
     expected = torch.cat([dense_causal(qs[i], full_k[i], full_v[i], scale) for i in order])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -99,9 +99,9 @@ def test_metadata_token_count_mismatch_raises() -> None:
     q = torch.randn(3, 2, 8)
     k = torch.randn(3, 1, 8)
     with pytest.raises(ValueError, match="tokens"):
-        backend.forward(q, k, k, kv, meta, 1.0)
+        backend.forward(q, k, k, kv, meta, 1.0, 0)
     with pytest.raises(ValueError, match="prepare"):  # a chunk after cached context
-        backend.forward(q[:2], k[:2], k[:2], kv, build_metadata([2], [3], [[0]], 4), 1.0)
+        backend.forward(q[:2], k[:2], k[:2], kv, build_metadata([2], [3], [[0]], 4), 1.0, 0)
 
 
 def test_selector_cpu_and_errors() -> None:
@@ -134,9 +134,9 @@ def test_flash_matches_torch_on_gpu(decode_only: bool) -> None:
     k = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
     v = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
     flash = get_attention_backend("flash", device)
-    out_flash = flash.forward(q, k, v, kv, flash.prepare(meta), d**-0.5)
+    out_flash = flash.forward(q, k, v, kv, flash.prepare(meta), d**-0.5, 0)
     torch_backend = TorchPagedAttention()
-    out_torch = torch_backend.forward(q, k, v, kv_copy, torch_backend.prepare(meta), d**-0.5)
+    out_torch = torch_backend.forward(q, k, v, kv_copy, torch_backend.prepare(meta), d**-0.5, 0)
     torch.testing.assert_close(out_flash.float(), out_torch.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(kv, kv_copy)
 
