@@ -127,7 +127,12 @@ def main() -> None:
     parser.add_argument("--min-prompt-len", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=448)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's, one per core)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print("preparing the small tiny models (written once into the cache)...", flush=True)
     models = ensure_tiny_models("small")
     start = time.perf_counter()
