@@ -81,9 +81,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq.to(device=positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
-        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(
-            1
-        )
+        cos_table = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+        signed_sin_table = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        return cos_table, signed_sin_table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
