@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import StopStringWatcher
 from engine.interface import EngineRequest, EngineStats, StepResult, TokenEvent
 from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
-from engine.model_runner import KVCaches, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, validate_prompt
 from engine.scheduler import Scheduler
 
@@ -38,15 +38,15 @@ class EngineCore:
         runner: ModelRunner | None = None,
         tokenizer: Any = None,
         eos_token_ids: list[int] | None = None,
-        kv_caches: KVCaches | None = None,
+        kv_cache: torch.Tensor | None = None,
         secondary: SecondaryKVCache | None = None,
     ) -> None:
         self.config = config
         if runner is None and config.tensor_parallel_size > 1:
             from engine.parallel.tp_runner import start_tensor_parallel
 
-            runner = start_tensor_parallel(config, kv_caches)  # type: ignore[assignment]
-        self.runner = runner if runner is not None else ModelRunner.from_config(config, kv_caches)
+            runner = start_tensor_parallel(config, kv_cache)  # type: ignore[assignment]
+        self.runner = runner if runner is not None else ModelRunner.from_config(config, kv_cache)
         hf_config = self.runner.hf_config
         model_max = getattr(hf_config, "max_position_embeddings", None)
         if config.max_model_len is not None:

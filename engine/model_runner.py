@@ -1,9 +1,16 @@
-"""Runs one scheduled step on the model: KV tensors, input preparation, forward, sampling.
+"""Runs one scheduled step on the model: KV tensor, input preparation, forward, sampling.
 
-The KV cache is one (k, v) pair per layer, each ``[num_blocks, block_size, kv_heads,
-head_dim]``. The runner allocates it, or takes caller-supplied tensors (e.g. views of a
-device arena) that it never reallocates. Logits are computed only for the last scheduled
-token of sequences that reach their end this step (the ones that yield a token).
+The KV cache is one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+(the layout nano-vllm and flash-attn's paged API use). The runner allocates it, or takes a
+caller-supplied one (e.g. a view of a device arena) that it never reallocates. A step is
+three parts: ``prepare`` (host work: token ids, positions, slots and attention metadata,
+built once per step and moved in one copy), ``forward_step`` (the model and the logits of
+the sampled rows: device work only, no host synchronisation, the part a CUDA graph captures
+when ``prepare`` is given a ``FixedShape``), and sampling. Logits are computed only for the
+last scheduled token of sequences that reach their end this step (the ones that yield a
+token). On a CPU (torch backend), decode groups keep their gathered context across steps
+(``engine.attention.decode_context``, at most the KV cache's size again); on a GPU the
+memory is the KV cache's, and flash-attn reads the paged cache in place.
 """
 
 from __future__ import annotations
@@ -15,13 +22,17 @@ from typing import Any
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.decode_context import DecodeContexts
+from engine.attention.metadata import (
+    AttentionMetadata,
+    FixedShape,
+    build_attention_metadata,
+    copy_into,
+)
 from engine.config import EngineConfig
 from engine.parallel_context import SINGLE, ParallelContext
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,6 +75,27 @@ class SampledToken:
     logprob: float | None
 
 
+@dataclass
+class StepInputs:
+    """What ``forward_step`` reads (device tensors, fixed shapes under a ``FixedShape``) and
+    how many of its logit rows are real (the rest pad a fixed-shape batch)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn: AttentionMetadata
+    logit_rows: torch.Tensor  # [num_logit_rows] token rows whose logits are computed
+    num_samples: int
+
+    def copy_(self, other: StepInputs) -> None:
+        """Take ``other``'s values into these tensors in place (a captured graph's static
+        inputs, refreshed for a new step of the same ``FixedShape``)."""
+        copy_into(
+            (self.input_ids, self.positions, self.attn, self.logit_rows),
+            (other.input_ids, other.positions, other.attn, other.logit_rows),
+        )
+        self.num_samples = other.num_samples
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -74,7 +106,7 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         dtype: torch.dtype,
-        kv_caches: KVCaches | None = None,
+        kv_cache: torch.Tensor | None = None,
         hf_config: Any = None,
         seed: int = 0,
     ) -> None:
@@ -85,25 +117,24 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.hf_config = hf_config
-        num_layers, kv_heads, head_dim = model.kv_cache_spec()
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        if kv_caches is None:
-            kv_caches = [
-                (
-                    torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device),
-                )
-                for _ in range(num_layers)
-            ]
-        if len(kv_caches) != num_layers:
-            raise ValueError(f"model has {num_layers} layers, got {len(kv_caches)} KV caches")
-        for i, (k, v) in enumerate(kv_caches):
-            if tuple(k.shape) != shape or tuple(v.shape) != shape:
-                raise ValueError(
-                    f"KV cache of layer {i} has shapes {tuple(k.shape)}/{tuple(v.shape)}, "
-                    f"expected {shape}"
-                )
-        self.kv_caches = kv_caches
+        shape = model.kv_cache_shape(num_blocks, block_size)
+        if kv_cache is None:
+            kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if tuple(kv_cache.shape) != shape:
+            raise ValueError(f"KV cache has shape {tuple(kv_cache.shape)}, expected {shape}")
+        self.kv_cache = kv_cache
+        self.decode_contexts: DecodeContexts | None = None
+        if device.type == "cpu" and getattr(model.attn_backend, "name", None) == "torch":
+            num_layers, _, _, _, kv_heads, head_dim = shape
+            self.decode_contexts = DecodeContexts(
+                num_layers,
+                kv_heads,
+                head_dim,
+                block_size,
+                dtype,
+                device,
+                budget_bytes=kv_cache.numel() * kv_cache.element_size(),
+            )
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
@@ -113,14 +144,14 @@ class ModelRunner:
     def from_config(
         cls,
         config: EngineConfig,
-        kv_caches: KVCaches | None = None,
+        kv_cache: torch.Tensor | None = None,
         parallel: ParallelContext = SINGLE,
     ) -> ModelRunner:
         """Build the model from ``config.model`` (HF directory), load weights, size the KV."""
         from transformers import AutoConfig
 
         from engine.attention.selector import get_attention_backend
-        from engine.loader import load_checkpoint
+        from engine.models.loader import load_checkpoint
         from engine.models.registry import build_model
 
         path = Path(config.model)
@@ -136,8 +167,8 @@ class ModelRunner:
             model = build_model(hf_config, dtype, parallel, backend)
         load_checkpoint(model, path)
         model.eval()
-        if kv_caches is not None:
-            num_blocks = kv_caches[0][0].shape[0]
+        if kv_cache is not None:
+            num_blocks = kv_cache.shape[2]
         else:
             num_blocks = cls.choose_num_blocks(config, model, hf_config, dtype, device)
         return cls(
@@ -147,7 +178,7 @@ class ModelRunner:
             vocab_size=int(hf_config.vocab_size),
             device=device,
             dtype=dtype,
-            kv_caches=kv_caches,
+            kv_cache=kv_cache,
             hf_config=hf_config,
             seed=config.seed,
         )
@@ -179,50 +210,46 @@ class ModelRunner:
         return max(1, min(needed, int(available * config.kv_memory_fraction) // per_block))
 
     # ------------------------------------------------------------------ running
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled tokens into (input_ids, positions, metadata, logit rows)."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        table = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
-        offset = 0
-        for i, s in enumerate(out.scheduled):
-            start, n = s.num_computed_tokens, s.num_new_tokens
-            ids.extend(s.token_ids)
-            blocks = torch.tensor(s.block_ids, dtype=torch.long)
-            table[i, : len(s.block_ids)] = blocks.to(torch.int32)
-            pos = torch.arange(start, start + n, dtype=torch.long)
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            offset += n
-            if s.samples:
-                logit_rows.append(offset - 1)
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+    def prepare(self, out: SchedulerOutput, fixed: FixedShape | None = None) -> StepInputs:
+        """Flatten the scheduled tokens into the step's device inputs (host work only), in
+        the batch order the metadata chose. ``fixed`` pads a decode-only batch to a bucket's
+        shapes (see ``FixedShape``). Logit rows follow the order of ``out.scheduled``."""
+        scheduled = out.scheduled
+        layout = build_attention_metadata(
+            [s.num_new_tokens for s in scheduled],
+            [s.num_computed_tokens + s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+            self.block_size,
+            self.device,
+            fixed,
+            contexts=self.decode_contexts if fixed is None else None,
+            seq_keys=[s.key for s in scheduled],
         )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        return input_ids, torch.cat(positions).to(dev, non_blocking=True), attn, logit_rows
+        ids: list[int] = []
+        last_row: dict[int, int] = {}
+        for i in layout.order:
+            ids.extend(scheduled[i].token_ids)
+            last_row[i] = len(ids) - 1
+        logit_rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
+        num_samples = len(logit_rows)
+        if fixed is not None:
+            if num_samples != len(scheduled):
+                raise ValueError("a fixed-shape step needs every sequence to sample")
+            ids.extend([0] * (fixed.num_seqs - len(ids)))
+            logit_rows = list(range(fixed.num_seqs))  # the order is kept, padding follows
+        host = torch.tensor(ids + logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return StepInputs(
+            host[: len(ids)], layout.positions, layout.attn, host[len(ids) :], num_samples
+        )
+
+    def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model over the step's tokens, then float32 logits ``[num_logit_rows, vocab]``
+        (None when no row samples). Device work only: no host synchronisation, and every
+        shape follows from the inputs' shapes."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+        if inputs.logit_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
 
     def execute(
         self, out: SchedulerOutput, generators: dict[str, torch.Generator]
@@ -230,16 +257,14 @@ class ModelRunner:
         """Run the step's forward pass; sample one token per sequence that reached its end."""
         if out.is_empty:
             return []
-        input_ids, positions, attn, logit_rows = self.prepare(out)
+        inputs = self.prepare(out)
         sampling = [s for s in out.scheduled if s.samples]
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attn, self.kv_caches)
-            if not sampling:
+            logits = self.forward_step(inputs)
+            if logits is None:
                 return []
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
             result = self.sampler(
-                logits,
+                logits[: inputs.num_samples],
                 [s.request.params for s in sampling],
                 [generators.get(s.request_id) for s in sampling],
             )

@@ -34,6 +34,11 @@ class ScheduledRequest:
         return self.request.request_id
 
     @property
+    def key(self) -> object:
+        """The same object at every step of this request (its ``Request``)."""
+        return self.request
+
+    @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
         return self.request.token_slice(start, start + self.num_new_tokens)

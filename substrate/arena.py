@@ -4,9 +4,9 @@
 
 Invariant: the arena's storage is never freed or reallocated while the process lives. The
 active model's parameters are views at fixed offsets of the weight region (activating another
-model copies its bytes into the same region), and the KV caches are views of the KV region
-(re-viewed with the active model's shapes at each activation), so every address a captured
-CUDA graph holds stays valid.
+model copies its bytes into the same region), and each model's KV cache is one tensor viewing
+the start of the KV region with that model's shapes, so every address a captured CUDA graph
+holds stays valid.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import torch
 from torch import nn
 
 from substrate.layout import WeightLayout, align_up, dtype_size, view_bytes
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DeviceArena:
@@ -122,18 +120,15 @@ class DeviceArena:
         self, num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         """How many KV blocks of these shapes fit the KV region."""
-        per_block = block_size * kv_heads * head_dim * dtype_size(dtype)
-        if num_layers <= 0 or per_block <= 0:
+        per_block = 2 * num_layers * block_size * kv_heads * head_dim * dtype_size(dtype)
+        if per_block <= 0:
             raise ValueError(
                 f"invalid KV shapes: layers={num_layers} block_size={block_size} "
                 f"kv_heads={kv_heads} head_dim={head_dim}"
             )
-        n = self.kv_bytes // (2 * num_layers * per_block)
-        while n > 0 and 2 * num_layers * align_up(n * per_block) > self.kv_bytes:
-            n -= 1
-        return n
+        return self.kv_bytes // per_block
 
-    def kv_views(
+    def kv_cache(
         self,
         num_layers: int,
         num_blocks: int | None,
@@ -141,11 +136,10 @@ class DeviceArena:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-    ) -> KVCaches:
-        """Per-layer ``(k, v)`` caches over the KV region, each of shape
-        ``[num_blocks, block_size, kv_heads, head_dim]``; layer l's K starts at
-        ``2 * l * stride`` and its V at ``(2 * l + 1) * stride`` bytes, where stride is the
-        aligned size of one cache. ``num_blocks=None`` takes as many as fit."""
+    ) -> torch.Tensor:
+        """One model's KV cache, a view at the start of the KV region of shape
+        ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (K at ``[l, 0]``, V at
+        ``[l, 1]``). ``num_blocks=None`` takes as many as fit."""
         fit = self.kv_num_blocks(num_layers, block_size, kv_heads, head_dim, dtype)
         if num_blocks is None:
             num_blocks = fit
@@ -161,15 +155,8 @@ class DeviceArena:
             raise ValueError(
                 f"the KV region of {self.kv_bytes} bytes holds no KV block of these shapes"
             )
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        stride = align_up(num_blocks * block_size * kv_heads * head_dim * dtype_size(dtype))
-        return [
-            (
-                view_bytes(self.kv_region, 2 * layer * stride, shape, dtype),
-                view_bytes(self.kv_region, (2 * layer + 1) * stride, shape, dtype),
-            )
-            for layer in range(num_layers)
-        ]
+        shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        return view_bytes(self.kv_region, 0, shape, dtype)
 
 
 def _check_same(name: str, shape: tuple[int, ...], dtype: torch.dtype, view: torch.Tensor) -> None:

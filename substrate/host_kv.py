@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from substrate.arena import KVCaches
 from substrate.host_kv_index import HostKVIndex, HostKVKey, ValueHook
-from substrate.mover import TorchMover
+from substrate.mover import TorchMover, block_shape
 from substrate.moves import MoveKind, MoveRecord
 
 __all__ = ["HostKVCache", "HostKVIndex", "HostKVStore"]
@@ -56,7 +55,7 @@ class HostKVStore:
         model: str,
         block_hashes: Sequence[int],
         block_ids: Sequence[int],
-        kv_caches: KVCaches,
+        kv_cache: torch.Tensor,
         session_id: str | None = None,
     ) -> MoveRecord:
         """Copy device blocks (``block_ids[i]`` holds the block of ``block_hashes[i]``) to
@@ -66,7 +65,7 @@ class HostKVStore:
             raise ValueError(f"{len(block_hashes)} block hashes for {len(block_ids)} block ids")
         if not block_hashes:
             return MoveRecord(MoveKind.KV_OFFLOAD, 0, 0.0)
-        shape, dtype = _block_shape(kv_caches)
+        shape, dtype = block_shape(kv_cache), kv_cache.dtype
         block_nbytes = math.prod(shape) * dtype.itemsize
         result = self.index.insert_chain(model, block_hashes, block_nbytes, session_id)
         for entry in result.evicted:
@@ -79,7 +78,7 @@ class HostKVStore:
         ids = [first[h] for h in result.inserted]
         host = [torch.empty(shape, dtype=dtype, pin_memory=self.pin) for _ in ids]
         try:
-            record = self._mover(kv_caches).kv_offload(kv_caches, ids, host)
+            record = self._mover(kv_cache).kv_offload(kv_cache, ids, host)
         except BaseException:
             for h in result.inserted:
                 self.index.remove(model, h)
@@ -93,7 +92,7 @@ class HostKVStore:
         model: str,
         block_hashes: Sequence[int],
         block_ids: Sequence[int],
-        kv_caches: KVCaches,
+        kv_cache: torch.Tensor,
     ) -> MoveRecord:
         """Copy stored blocks into device blocks ``block_ids`` (the caller allocated them,
         after ``lookup`` said the hashes are present)."""
@@ -107,7 +106,7 @@ class HostKVStore:
                 f"{model}: {len(missing)} blocks not in the host KV store, e.g. {missing[0]}"
             )
         host = [self._payloads[(model, h)] for h in block_hashes]
-        record = self._mover(kv_caches).kv_restore(host, kv_caches, block_ids)
+        record = self._mover(kv_cache).kv_restore(host, kv_cache, block_ids)
         self.index.touch(model, block_hashes)
         return record
 
@@ -118,13 +117,11 @@ class HostKVStore:
             self._payloads.pop(entry.key, None)
         return sum(e.nbytes for e in dropped)
 
-    def bind(self, model: str, kv_caches: KVCaches) -> HostKVCache:
-        return HostKVCache(self, model, kv_caches)
+    def bind(self, model: str, kv_cache: torch.Tensor) -> HostKVCache:
+        return HostKVCache(self, model, kv_cache)
 
-    def _mover(self, kv_caches: KVCaches) -> TorchMover:
-        if not kv_caches:
-            raise ValueError("no KV caches given")
-        device = kv_caches[0][0].device
+    def _mover(self, kv_cache: torch.Tensor) -> TorchMover:
+        device = kv_cache.device
         if device not in self._movers:
             self._movers[device] = TorchMover(device, kv_chunk_bytes=self.kv_chunk_bytes)
         return self._movers[device]
@@ -132,35 +129,28 @@ class HostKVStore:
 
 class HostKVCache:
     """The store as the engine's secondary cache, bound to one model and its device KV
-    caches (rebind after every activation: the caches are re-viewed per model). Records of
-    the copies it made accumulate until ``drain_records``."""
+    cache (``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``). Records of the
+    copies it made accumulate until ``drain_records``."""
 
-    def __init__(self, store: HostKVStore, model: str, kv_caches: KVCaches) -> None:
+    def __init__(self, store: HostKVStore, model: str, kv_cache: torch.Tensor) -> None:
         self.store = store
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_cache = kv_cache
         self._records: list[MoveRecord] = []
 
     def lookup(self, block_hashes: list[int]) -> int:
         return self.store.lookup(self.model, block_hashes)
 
     def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
-        self._records.append(self.store.load(self.model, block_hashes, block_ids, self.kv_caches))
+        self._records.append(self.store.load(self.model, block_hashes, block_ids, self.kv_cache))
 
     def save(
         self, block_hashes: list[int], block_ids: list[int], session_id: str | None = None
     ) -> MoveRecord:
-        record = self.store.save(self.model, block_hashes, block_ids, self.kv_caches, session_id)
+        record = self.store.save(self.model, block_hashes, block_ids, self.kv_cache, session_id)
         self._records.append(record)
         return record
 
     def drain_records(self) -> list[MoveRecord]:
         records, self._records = self._records, []
         return records
-
-
-def _block_shape(kv_caches: KVCaches) -> tuple[tuple[int, ...], torch.dtype]:
-    if not kv_caches:
-        raise ValueError("no KV caches given")
-    k0 = kv_caches[0][0]
-    return (len(kv_caches), 2, *k0.shape[1:]), k0.dtype

@@ -5,9 +5,9 @@ The multi-model engine drives this; it decides *when* (no running requests befor
 activation, which sessions to offload), this decides *how* and keeps the books.
 
 Address invariant: every model's parameters are views of the same weight region, bound once
-(``bind_module``); every model's KV caches are views of the same KV region, created once per
-model and returned again on each activation (``kv_caches``), so addresses a model's captured
-CUDA graphs hold stay valid across any number of switches.
+(``bind_module``); every model's KV cache is one tensor viewing the same KV region, created
+once per model and returned again on each activation (``kv_cache``), so addresses a model's
+captured CUDA graphs hold stay valid across any number of switches.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from substrate.arena import DeviceArena, KVCaches
+from substrate.arena import DeviceArena
 from substrate.host_kv import HostKVCache, HostKVStore
 from substrate.host_kv_index import ValueHook
 from substrate.host_weights import FillFn, HostWeightStore
@@ -31,8 +31,8 @@ from substrate.staging import Stager
 
 @dataclass(frozen=True)
 class KVSpec:
-    """A model's per-rank KV cache shape: ``num_layers`` x (K, V) of
-    ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    """A model's per-rank KV cache shape:
+    ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
 
     num_layers: int
     block_size: int
@@ -82,7 +82,7 @@ class InstanceMemory:
         self.mover = TorchMover(self.arena.device)
         self.stager = Stager(self.arena.staging_region)
         self._kv_specs: dict[str, KVSpec] = {}
-        self._kv_caches: dict[str, KVCaches] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -120,12 +120,12 @@ class InstanceMemory:
         """Make ``module``'s parameters views of the weight region (once per model)."""
         self.arena.bind_module(module, self._layout(name))
 
-    def kv_caches(self, name: str, num_blocks: int | None = None) -> KVCaches:
-        """``name``'s KV caches over the KV region (as many blocks as fit by default); the
-        same tensors on every call for the same model."""
+    def kv_cache(self, name: str, num_blocks: int | None = None) -> torch.Tensor:
+        """``name``'s KV cache over the KV region (as many blocks as fit by default); the
+        same tensor on every call for the same model."""
         if name not in self._kv_caches:
             spec = self._kv_spec(name)
-            self._kv_caches[name] = self.arena.kv_views(
+            self._kv_caches[name] = self.arena.kv_cache(
                 spec.num_layers,
                 num_blocks,
                 spec.block_size,
@@ -204,8 +204,8 @@ class InstanceMemory:
         return self.ledger.placements()
 
     def host_kv_cache(self, name: str) -> HostKVCache:
-        """The host KV store as ``name``'s secondary cache, over its KV caches."""
-        return self.host_kv.bind(name, self.kv_caches(name))
+        """The host KV store as ``name``'s secondary cache, over its KV cache."""
+        return self.host_kv.bind(name, self.kv_cache(name))
 
     def offload_kv(
         self,
@@ -215,7 +215,7 @@ class InstanceMemory:
         session_id: str | None = None,
     ) -> MoveRecord:
         """Save device blocks of ``name`` (chain order) to the host KV store."""
-        record = self.host_kv.save(name, block_hashes, block_ids, self.kv_caches(name), session_id)
+        record = self.host_kv.save(name, block_hashes, block_ids, self.kv_cache(name), session_id)
         self.ledger.record(record)
         return record
 

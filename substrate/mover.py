@@ -12,10 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from substrate.arena import KVCaches
 from substrate.moves import MoveKind, MoveRecord
 
-__all__ = ["MoveKind", "MoveRecord", "TorchMover", "synchronize"]
+__all__ = ["MoveKind", "MoveRecord", "TorchMover", "block_shape", "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -62,72 +61,76 @@ class TorchMover:
         return self.copy_flat(MoveKind.ACTIVATE_D2D, weight_region, staging_region, nbytes)
 
     def kv_offload(
-        self, kv_caches: KVCaches, block_ids: Sequence[int], host_blocks: Sequence[torch.Tensor]
+        self, kv_cache: torch.Tensor, block_ids: Sequence[int], host_blocks: Sequence[torch.Tensor]
     ) -> MoveRecord:
-        """Copy device blocks ``block_ids`` into host tensors of shape
-        ``[num_layers, 2, block_size, kv_heads, head_dim]`` (one per block)."""
-        _check_blocks(kv_caches, block_ids, host_blocks)
+        """Copy blocks ``block_ids`` of ``kv_cache`` (``[num_layers, 2, num_blocks, block_size,
+        kv_heads, head_dim]``) into host tensors of shape ``[num_layers, 2, block_size,
+        kv_heads, head_dim]`` (one per block)."""
+        _check_blocks(kv_cache, block_ids, host_blocks)
         nbytes = sum(hb.numel() * hb.element_size() for hb in host_blocks)
 
         def run() -> None:
-            for lo, hi, idx, scratch in self._chunks(kv_caches, block_ids):
-                for layer, (k, v) in enumerate(kv_caches):
-                    scratch[:, layer, 0] = k.index_select(0, idx)
-                    scratch[:, layer, 1] = v.index_select(0, idx)
+            for lo, hi, idx, scratch in self._chunks(kv_cache, block_ids):
+                scratch.copy_(kv_cache.index_select(2, idx).movedim(2, 0))
                 for i in range(lo, hi):
                     host_blocks[i].copy_(scratch[i - lo], non_blocking=True)
 
         return self.timed(MoveKind.KV_OFFLOAD, nbytes, run)
 
     def kv_restore(
-        self, host_blocks: Sequence[torch.Tensor], kv_caches: KVCaches, block_ids: Sequence[int]
+        self, host_blocks: Sequence[torch.Tensor], kv_cache: torch.Tensor, block_ids: Sequence[int]
     ) -> MoveRecord:
-        """Copy host block tensors into device blocks ``block_ids`` (inverse of offload)."""
-        _check_blocks(kv_caches, block_ids, host_blocks)
+        """Copy host block tensors into blocks ``block_ids`` of ``kv_cache`` (inverse of
+        offload)."""
+        _check_blocks(kv_cache, block_ids, host_blocks)
         nbytes = sum(hb.numel() * hb.element_size() for hb in host_blocks)
 
         def run() -> None:
-            for lo, hi, idx, scratch in self._chunks(kv_caches, block_ids):
+            for lo, hi, idx, scratch in self._chunks(kv_cache, block_ids):
                 for i in range(lo, hi):
                     scratch[i - lo].copy_(host_blocks[i], non_blocking=True)
-                for layer, (k, v) in enumerate(kv_caches):
-                    k.index_copy_(0, idx, scratch[:, layer, 0])
-                    v.index_copy_(0, idx, scratch[:, layer, 1])
+                kv_cache.index_copy_(2, idx, scratch.movedim(0, 2))
 
         return self.timed(MoveKind.KV_RESTORE, nbytes, run)
 
     def _chunks(
-        self, kv_caches: KVCaches, block_ids: Sequence[int]
+        self, kv_cache: torch.Tensor, block_ids: Sequence[int]
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """(lo, hi, device ids of blocks lo..hi, scratch [hi-lo, layers, 2, ...])."""
-        k0 = kv_caches[0][0]
-        block_bytes = 2 * len(kv_caches) * k0[0].numel() * k0.element_size()
+        """(lo, hi, device ids of blocks lo..hi, scratch ``[hi-lo, layers, 2, ...]``)."""
+        shape = block_shape(kv_cache)
+        block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         per_chunk = max(1, self.kv_chunk_bytes // max(1, block_bytes))
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         for lo in range(0, len(block_ids), per_chunk):
             hi = min(lo + per_chunk, len(block_ids))
-            scratch = torch.empty(
-                (hi - lo, len(kv_caches), 2, *k0.shape[1:]), dtype=k0.dtype, device=self.device
-            )
+            scratch = torch.empty((hi - lo, *shape), dtype=kv_cache.dtype, device=self.device)
             yield lo, hi, ids[lo:hi], scratch
 
 
+def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """One block of every layer, K and V: ``[num_layers, 2, block_size, kv_heads, head_dim]``."""
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "a KV cache is [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], got "
+            f"shape {tuple(kv_cache.shape)}"
+        )
+    layers, two, _, *rest = kv_cache.shape
+    return (layers, two, *rest)
+
+
 def _check_blocks(
-    kv_caches: KVCaches, block_ids: Sequence[int], host_blocks: Sequence[torch.Tensor]
+    kv_cache: torch.Tensor, block_ids: Sequence[int], host_blocks: Sequence[torch.Tensor]
 ) -> None:
     if len(block_ids) != len(host_blocks):
         raise ValueError(f"{len(block_ids)} block ids for {len(host_blocks)} host blocks")
-    if not kv_caches:
-        raise ValueError("no KV caches given")
-    k0 = kv_caches[0][0]
-    want = (len(kv_caches), 2, *k0.shape[1:])
+    want = block_shape(kv_cache)
     for hb in host_blocks:
-        if tuple(hb.shape) != want or hb.dtype != k0.dtype:
+        if tuple(hb.shape) != want or hb.dtype != kv_cache.dtype:
             raise ValueError(
-                f"host KV block is {hb.dtype} {tuple(hb.shape)}, the device caches need "
-                f"{k0.dtype} {want}"
+                f"host KV block is {hb.dtype} {tuple(hb.shape)}, the device cache needs "
+                f"{kv_cache.dtype} {want}"
             )
-    num_blocks = k0.shape[0]
+    num_blocks = kv_cache.shape[2]
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"block ids {bad[:5]} out of range for {num_blocks} device blocks")

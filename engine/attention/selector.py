@@ -16,17 +16,23 @@ BACKEND_NAMES = ("auto", "torch", "flash")
 
 
 class AttentionBackend(Protocol):
+    """``prepare`` runs once per forward pass (device ops only: it is part of what a CUDA
+    graph captures); ``forward`` once per layer, with that layer's cache
+    ``[2, num_blocks, block_size, kv_heads, head_dim]`` and index."""
+
     name: str
+
+    def prepare(self, attn: AttentionMetadata) -> AttentionMetadata: ...
 
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        layer: int,
     ) -> torch.Tensor: ...
 
 

@@ -1,12 +1,23 @@
 """Pure-torch paged attention: works on any device and is the oracle for the others.
 
-For each layer call: the new tokens' K/V are written into the paged caches at
-``attn.slot_mapping``; then each sequence's whole context (cached + new, ``seq_lens[i]``
-tokens) is gathered through its block table and attended causally, the sequence's
-``query_lens[i]`` new tokens being the last ones of its context. Decodes (one new token)
-are attended together in one padded batch; prefill chunks one sequence at a time. Scores
-and softmax are in float32; grouped-query attention shares each KV head among
+A layer's cache is ``[2, num_blocks, block_size, kv_heads, head_dim]`` (K, V), a view of the
+model's one KV tensor. Each layer first writes the new tokens' K/V at ``slot_mapping``; then
+each group of sequences (``AttentionMetadata.groups``, contiguous in the batch) is attended
+in one batched call: the group's blocks are gathered once for K and V together (or, for a
+decode group that continues one of the previous step's, its kept context only takes the new
+tokens: ``engine.attention.decode_context``), its queries
+are its rows of the batch (gathered into a padded ``[seqs, query_width]`` batch only when
+its members' chunks differ in length), and an additive mask (built once per step by
+``prepare``) hides keys a query may not see, including every padding key. A group of fresh
+prefills (no cached context) needs no mask: plain causal attention is exact for its real
+queries, and its padding queries' outputs are dropped. Scores and
+softmax are in float32; grouped-query attention shares each KV head among
 ``heads / kv_heads`` query heads.
+
+Padding keys read slots no token of the sequence wrote: the caches' owners keep every slot
+finite (zeroed at allocation and at each model switch), so the mask cancels them. The forward
+pass runs no host synchronisation and no data-dependent shape, so it can be captured in a
+CUDA graph when the metadata has fixed shapes.
 """
 
 from __future__ import annotations
@@ -14,136 +25,128 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionGroup, AttentionMetadata, with_group_masks
 
 
 def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata
+) -> None:
+    """Store ``k``/``v`` ``[n, kv_heads, d]`` at ``attn.slot_mapping`` of a layer's cache."""
+    if attn.write_rows is not None:
+        k = k.index_select(0, attn.write_rows)
+        v = v.index_select(0, attn.write_rows)
+    two, num_blocks, block_size, kv_heads, d = kv_cache.shape
+    flat = kv_cache.view(two, num_blocks * block_size, kv_heads, d)
+    flat[0].index_copy_(0, attn.slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, attn.slot_mapping, v.to(kv_cache.dtype))
+
+
+def group_mask(group: AttentionGroup, block_size: int) -> torch.Tensor:
+    """Additive float32 mask ``[seqs, 1, query_width, num_blocks * block_size]``: query j of
+    a sequence sits at position ``seq_len - query_len + j`` and sees keys up to it."""
+    device = group.seq_lens.device
+    keys = torch.arange(group.num_blocks * block_size, device=device)
+    offsets = torch.arange(group.query_width, device=device)
+    query_pos = (group.seq_lens - group.query_lens)[:, None] + offsets[None, :]
+    visible = keys[None, None, :] <= query_pos[:, :, None]
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
+    return mask.masked_fill_(~visible, float("-inf")).unsqueeze(1)
+
+
+def group_context(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store ``k``/``v`` ``[n, kv_heads, d]`` at flat slots of caches ``[blocks, bs, kv_heads, d]``."""
-    kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    layer: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's keys and values ``[seqs, kv_heads, >= num_blocks * block_size, d]`` for
+    this layer, after this step's tokens were written to the paged cache: gathered from the
+    cache, or the group's kept context (head-major) with the new tokens appended."""
+    b, (_, kv_heads, d) = group.num_seqs, kv_cache.shape[2:]
+    if group.context is None:
+        gathered = kv_cache.index_select(1, group.block_ids).view(2, b, -1, kv_heads, d)
+        return gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)
+    kept = group.context[layer]
+    if group.context_fresh:
+        gathered = kv_cache.index_select(1, group.block_ids).view(2, b, -1, kv_heads, d)
+        kept[:, :, :, : gathered.shape[2]].copy_(gathered.transpose(2, 3))
+    else:
+        assert group.append_slots is not None
+        rows = slice(group.token_start, group.token_start + group.num_tokens)
+        flat = kept.view(2, -1, d)
+        flat[0].index_copy_(0, group.append_slots, k[rows].reshape(-1, d).to(kept.dtype))
+        flat[1].index_copy_(0, group.append_slots, v[rows].reshape(-1, d).to(kept.dtype))
+    return kept[0], kept[1]
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` tokens ``[seq_len, kv_heads, d]`` a block table points at."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
-
-
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``q`` ``[m, h, d]`` are the last ``m`` positions of ``k``/``v`` ``[s, kv_h, d]``."""
-    m, s = q.shape[0], k.shape[0]
-    visible = torch.ones(m, s, dtype=torch.bool, device=q.device).tril(diagonal=s - m)
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        k.float().transpose(0, 1),
-        v.float().transpose(0, 1),
-        attn_mask=visible,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1).to(q.dtype)
-
-
-def batched_decode_attention(
+def attend_group(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    group: AttentionGroup,
+    block_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence: ``q`` ``[b, h, d]`` -> ``[b, h, d]``.
-
-    Contexts are gathered padded to the longest and padded keys are masked out. Padding
-    reads slots no token of this sequence wrote: the caches' owners keep every slot finite
-    (zeroed at allocation and at each model switch), so a mask cancels them.
-    """
-    b, heads, d = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_blocks = -(-max(seq_lens) // block_size)
-    table = block_tables[:, :max_blocks].long()
-    width = max_blocks * block_size
-    visible = torch.arange(width, device=q.device)[None, :] < torch.tensor(
-        seq_lens, device=q.device
-    )[:, None]
-    flat = table.reshape(-1)  # index_select is several times faster than k_cache[table]
-    k = k_cache.index_select(0, flat).view(b, width, kv_heads, d).float()
-    v = v_cache.index_select(0, flat).view(b, width, kv_heads, d).float()
+    """Attention of one group's tokens over its keys/values ``[seqs, kv_heads, >= width,
+    d]``: ``[group.num_tokens, heads, d]`` float32."""
+    if group.needs_mask and group.mask is None:
+        raise ValueError("attention group has no mask: call the backend's prepare() first")
+    b, m, heads, d = group.num_seqs, group.query_width, q.shape[1], q.shape[2]
+    width = group.num_blocks * block_size
+    if group.query_rows is None:
+        queries = q[group.token_start : group.token_start + group.num_tokens]
+    else:
+        queries = q.index_select(0, group.query_rows)
+    queries = queries.float().view(b, m, heads, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :],
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=visible[:, None, None, :],
+        queries,
+        keys[:, :, :width].float(),
+        values[:, :, :width].float(),
+        attn_mask=group.mask,
+        is_causal=not group.needs_mask,
         scale=scale,
         enable_gqa=True,
     )
-    return out[:, :, 0, :].to(q.dtype)
+    out = out.transpose(1, 2).reshape(b * m, heads, d)
+    return out if group.out_rows is None else out.index_select(0, group.out_rows)
 
 
 class TorchPagedAttention:
     name = "torch"
+
+    def prepare(self, attn: AttentionMetadata) -> AttentionMetadata:
+        """Once per forward pass: the masks of the groups that need one (device ops only)."""
+        if all(g.mask is not None or not g.needs_mask for g in attn.groups):
+            return attn
+        masks = [group_mask(g, attn.block_size) if g.needs_mask else None for g in attn.groups]
+        return with_group_masks(attn, masks)
 
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        layer: int,
     ) -> torch.Tensor:
-        """``q`` ``[n, heads, d]``, ``k``/``v`` ``[n, kv_heads, d]`` -> ``[n, heads, d]``."""
+        """``q`` ``[n, heads, d]``, ``k``/``v`` ``[n, kv_heads, d]`` -> ``[n, heads, d]``;
+        ``kv_cache`` is layer ``layer``'s."""
         if q.shape[1] % k.shape[1] != 0:
             raise ValueError(
                 f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
             )
-        num_tokens = sum(attn.query_lens_host)
-        if q.shape[0] != num_tokens or attn.slot_mapping.shape[0] != num_tokens:
+        if q.shape[0] != attn.num_tokens:
             raise ValueError(
-                f"metadata covers {num_tokens} tokens ({attn.slot_mapping.shape[0]} slots) "
-                f"but the batch has {q.shape[0]}"
+                f"metadata covers {attn.num_tokens} tokens but the batch has {q.shape[0]}"
             )
-        write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = torch.empty_like(q)
-        decode_rows: list[int] = []  # sequence index of each decode
-        decode_tokens: list[int] = []  # its token's row in q
-        start = 0
-        for i, (query_len, seq_len) in enumerate(
-            zip(attn.query_lens_host, attn.seq_lens_host, strict=True)
-        ):
-            if query_len > seq_len:
-                raise ValueError(f"sequence {i}: query_len {query_len} exceeds seq_len {seq_len}")
-            end = start + query_len
-            if query_len == 1:
-                decode_rows.append(i)
-                decode_tokens.append(start)
-            else:
-                table = attn.block_tables[i]
-                k_ctx = gather_context(k_cache, table, seq_len)
-                v_ctx = gather_context(v_cache, table, seq_len)
-                out[start:end] = causal_attention(q[start:end], k_ctx, v_ctx, scale)
-            start = end
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=q.device)
-            tokens = torch.tensor(decode_tokens, device=q.device)
-            out[tokens] = batched_decode_attention(
-                q[tokens],
-                k_cache,
-                v_cache,
-                attn.block_tables.index_select(0, rows),
-                [attn.seq_lens_host[i] for i in decode_rows],
-                scale,
-            )
-        return out
+        write_kv(k, v, kv_cache, attn)
+        block_size = kv_cache.shape[2]
+        parts = [
+            attend_group(q, *group_context(k, v, kv_cache, g, layer), g, block_size, scale)
+            for g in attn.groups
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.to(q.dtype)

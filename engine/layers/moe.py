@@ -9,6 +9,12 @@ along the intermediate dimension (column-parallel) and its down projection along
 dimension (row-parallel), so each rank computes a partial sum for every routed token and one
 all-reduce per layer completes it.
 
+Two equivalent paths: batches of up to ``dense_max_tokens`` tokens (decode steps) run every
+expert on every token and weight the results by the routing, zero for experts a token did
+not pick: fixed shapes and no host synchronisation, so a CUDA graph can capture it. Larger
+batches run each picked expert on its tokens only, which needs the list of picked experts on
+the host (one synchronisation per layer).
+
 Weights: ``w13`` is ``[E, 2 * I_local, H]`` (gate rows then up rows), ``w2`` is
 ``[E, H, I_local]``. The loader accepts per-expert tensors (``shard_id=(e, "gate"|"up"|"down")``)
 or transformers' fused 3-D tensors (``shard_id="gate_up"`` with ``[E, 2I, H]``,
@@ -35,6 +41,7 @@ class SparseMoE(nn.Module):
         renormalize: bool,
         parallel: ParallelContext,
         dtype: torch.dtype,
+        dense_max_tokens: int = 64,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -45,6 +52,7 @@ class SparseMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.dense_max_tokens = dense_max_tokens
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.local_intermediate = divide(
@@ -113,6 +121,24 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
+        if x.shape[0] <= self.dense_max_tokens:
+            out = self._dense(x, ids, weights)
+        else:
+            out = self._sparse(x, ids, weights)
+        return self.parallel.all_reduce(out.to(x.dtype))
+
+    def _dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the routing (float32 ``[n, H]``)."""
+        local = self.local_intermediate
+        routing = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
+        routing.scatter_(1, ids, weights)
+        h = torch.matmul(x, self.experts.w13.transpose(1, 2))  # [E, n, 2 * I_local]
+        h = F.silu(h[..., :local]) * h[..., local:]
+        y = torch.bmm(h, self.experts.w2.transpose(1, 2))  # [E, n, H]
+        return (y.float() * routing.t()[:, :, None]).sum(0)
+
+    def _sparse(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each picked expert on its tokens only (float32 ``[n, H]``)."""
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         w13, w2, local = self.experts.w13, self.experts.w2, self.local_intermediate
         for expert in torch.unique(ids).tolist():
@@ -121,7 +147,7 @@ class SparseMoE(nn.Module):
             h = F.silu(h[:, :local]) * h[:, local:]
             h = F.linear(h, w2[expert])
             out.index_add_(0, token_idx, h.float() * weights[token_idx, slot, None])
-        return self.parallel.all_reduce(out.to(x.dtype))
+        return out
 
 
 class _Experts(nn.Module):

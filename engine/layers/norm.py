@@ -1,8 +1,10 @@
-"""RMSNorm, computed in float32 and cast back (as the reference implementations do)."""
+"""RMSNorm, computed in float32 and cast back (as the reference implementations do):
+``weight * (x * rsqrt(mean(x^2) + eps))``, the normalisation by torch's ``rms_norm``."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import copy_checked
@@ -21,7 +23,5 @@ class RMSNorm(nn.Module):
         copy_checked(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * h.to(x.dtype)

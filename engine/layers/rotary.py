@@ -2,8 +2,8 @@
 
 Supported ``rope_type``: "default" (no scaling), "linear" (positions divided by ``factor``)
 and "llama3" (Llama 3.1 frequency-dependent scaling). Anything else raises at build time.
-cos/sin are computed from the positions of each batch (no precomputed table, so there is no
-maximum position and the result matches the reference bit for bit in float32).
+cos/sin are computed once per forward pass from the batch's positions (no precomputed table,
+so there is no maximum position and the result matches the reference bit for bit in float32).
 """
 
 from __future__ import annotations
@@ -67,26 +67,30 @@ def _inv_freq(head_dim: int, cfg: RopeConfig) -> torch.Tensor:
     return inv_freq
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
+    """``cos_sin`` once per forward pass, then ``apply_rotary`` in every layer."""
+
     def __init__(self, head_dim: int, cfg: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.register_buffer("inv_freq", _inv_freq(head_dim, cfg), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[n, heads, d]`` and ``k`` ``[n, kv_heads, d]`` by ``positions`` ``[n]``."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 tables ``[n, 1, head_dim]`` for ``positions`` ``[n]``: ``cat(cos, cos)``
+        and ``cat(-sin, sin)`` (the sign of ``rotate_half`` folded in)."""
         inv_freq = self.inv_freq.to(device=positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().unsqueeze(1)
-        sin = emb.sin().unsqueeze(1)
-        q_out = (q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype)
-        k_out = (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype)
-        return q_out, k_out
+        cos, sin = freqs.cos(), freqs.sin()
+        cos_table = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+        signed_sin_table = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        return cos_table, signed_sin_table
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[n, heads, d]`` in the "rotate half" layout with ``cos_sin``'s tables:
+    ``x * cos + swap_halves(x) * signed_sin``, the same float32 products and sums as
+    ``x * cos + rotate_half(x) * sin``."""
+    h = x.float()
+    n, heads, d = h.shape
+    swapped = h.reshape(n, heads, 2, d // 2).flip(2).view(n, heads, d)
+    return (h * cos + swapped * signed_sin).to(x.dtype)

@@ -4,6 +4,10 @@ Options from ``DecoderSpec``: q/k/v (and o) bias, per-head q/k RMSNorm, GQA, RoP
 tied embeddings, and a sparse-MoE MLP on the layers that have one. Parameter names follow
 the Hugging Face layout with merged projections (``self_attn.qkv_proj``, ``mlp.gate_up_proj``,
 ``mlp.experts.w13`` / ``w2``, ``mlp.gate``), so the loader maps checkpoint names directly.
+
+The KV cache is one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``;
+layer l reads and writes ``kv_cache[l]``. Per-step work shared by every layer (the rotary
+tables, the attention backend's ``prepare``) runs once per forward pass.
 """
 
 from __future__ import annotations
@@ -17,16 +21,22 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.decoder_spec import DecoderSpec
 from engine.parallel_context import ParallelContext
 
 
 class Attention(nn.Module):
     def __init__(
-        self, spec: DecoderSpec, parallel: ParallelContext, dtype: torch.dtype, backend: object
+        self,
+        index: int,
+        spec: DecoderSpec,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        backend: object,
     ) -> None:
         super().__init__()
+        self.index = index
         self.qkv_proj = QKVParallelLinear(
             spec.hidden_size,
             spec.head_dim,
@@ -48,29 +58,23 @@ class Attention(nn.Module):
             self.k_norm: RMSNorm | None = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
         self.backend = backend
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
         attn: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, d)
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
-        out = self.backend.forward(q, k, v, k_cache, v_cache, attn, self.scale)  # type: ignore[attr-defined]
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = apply_rotary(qk, *rotary)  # q and k heads together: one pass
+        q, k = qk[:, :heads], qk[:, heads:]
+        out = self.backend.forward(q, k, v, kv_cache, attn, self.scale, self.index)  # type: ignore[attr-defined]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -99,7 +103,7 @@ class DecoderLayer(nn.Module):
         backend: object,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, parallel, dtype, backend)
+        self.self_attn = Attention(index, spec, parallel, dtype, backend)
         self.mlp: nn.Module
         if spec.moe is not None and index in spec.moe.sparse_layers:
             m = spec.moe
@@ -119,12 +123,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         h: torch.Tensor,
         attn: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), attn, kv_cache)
+        h = h + self.self_attn(rotary, self.input_layernorm(h), attn, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -152,6 +156,8 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.parallel = parallel
         self.model = DecoderModel(spec, parallel, dtype, backend)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
+        self.attn_backend = backend
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, parallel, dtype)
         if spec.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -161,27 +167,40 @@ class CausalLM(nn.Module):
         return self.model.layers[0].self_attn.num_kv_heads  # type: ignore[union-attr]
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(num_layers, num_local_kv_heads, head_dim) for allocating the paged caches."""
+        """(num_layers, num_local_kv_heads, head_dim) for allocating the paged cache."""
         return self.spec.num_layers, self.num_local_kv_heads, self.spec.head_dim
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+        num_layers, kv_heads, head_dim = self.kv_cache_spec()
+        return (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        if len(kv_caches) != self.spec.num_layers:
+        num_layers, kv_heads, head_dim = self.kv_cache_spec()
+        if (
+            kv_cache.dim() != 6
+            or kv_cache.shape[:2] != (num_layers, 2)
+            or kv_cache.shape[4:] != (kv_heads, head_dim)
+        ):
             raise ValueError(
-                f"expected {self.spec.num_layers} KV caches (one per layer), got {len(kv_caches)}"
+                f"expected a KV cache [{num_layers}, 2, blocks, block_size, {kv_heads}, "
+                f"{head_dim}], got {tuple(kv_cache.shape)}"
             )
         if input_ids.shape != positions.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ in shape"
             )
+        attn = self.attn_backend.prepare(attn)  # type: ignore[attr-defined]
+        rotary = self.rotary.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(positions, h, attn, kv_cache)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(rotary, h, attn, kv_cache[i])
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

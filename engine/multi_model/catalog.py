@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.attention.torch_paged import TorchPagedAttention
-from engine.loader import load_checkpoint
+from engine.models.loader import load_checkpoint
 from engine.model_runner import resolve_dtype
 from engine.models.decoder import CausalLM
 from engine.models.registry import build_model

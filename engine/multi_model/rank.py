@@ -6,8 +6,8 @@ every rank, each on its own arena and shard, in the same order. Scheduling state
 block tables, prefix maps) stays with the controller and is identical for all ranks.
 
 Address invariant (from the substrate): each model's parameters and buffers are views of
-the one weight region, bound once at start-up; each model's KV caches are views of the one
-KV region, created once. ``activate`` only copies bytes into those addresses.
+the one weight region, bound once at start-up; each model's KV cache is one tensor viewing
+the one KV region, created once. ``activate`` only copies bytes into those addresses.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from engine.model_runner import ModelRunner
 from engine.multi_model.catalog import CatalogEntry, build_meta_model, checkpoint_fill
 from engine.parallel_context import SINGLE, ParallelContext
 from substrate.instance_memory import InstanceMemory, KVSpec
-from substrate.layout import align_up, dtype_size
+from substrate.layout import align_up
 from substrate.ledger import Placement, StagingState
 from substrate.moves import MoveRecord, PlannedMove
 
 
 def kv_region_bytes(spec: KVSpec, num_blocks: int) -> int:
-    """Bytes of the KV region that ``num_blocks`` blocks of ``spec`` take (per-cache alignment
-    included, as ``DeviceArena.kv_views`` lays them out)."""
-    per_cache = num_blocks * spec.block_size * spec.kv_heads * spec.head_dim
-    return 2 * spec.num_layers * align_up(per_cache * dtype_size(spec.dtype))
+    """Bytes of the KV region that ``num_blocks`` blocks of ``spec`` take (aligned as the
+    arena aligns its regions)."""
+    return align_up(num_blocks * spec.block_bytes)
 
 
 class RankModels:
@@ -74,15 +73,15 @@ class RankModels:
             self.memory.load_model(name, checkpoint_fill(entry, parallel), entry.kv_spec)
             model = build_meta_model(entry, backend, parallel)
             self.memory.bind_module(name, model)
-            kv_caches = self.memory.kv_caches(name, num_kv_blocks)
+            kv_cache = self.memory.kv_cache(name, num_kv_blocks)
             self.runners[name] = ModelRunner(
                 model,
-                num_blocks=kv_caches[0][0].shape[0],
+                num_blocks=kv_cache.shape[2],
                 block_size=block_size,
                 vocab_size=entry.vocab_size,
                 device=device,
                 dtype=entry.dtype,
-                kv_caches=kv_caches,
+                kv_cache=kv_cache,
                 hf_config=entry.hf_config,
                 seed=seed,
             )
@@ -113,9 +112,7 @@ class RankModels:
 
     def restore_kv(self, name: str, block_hashes: list[int], block_ids: list[int]) -> MoveRecord:
         """Copy host-stored blocks of ``name`` into device blocks ``block_ids``."""
-        record = self.memory.host_kv.load(
-            name, block_hashes, block_ids, self.memory.kv_caches(name)
-        )
+        record = self.memory.host_kv.load(name, block_hashes, block_ids, self.memory.kv_cache(name))
         self.memory.ledger.record(record)
         return record
 

@@ -97,7 +97,8 @@ class StepEncoder:
 
 @dataclass(slots=True)
 class MirroredScheduled:
-    """Duck-types ``ScheduledRequest`` for ``ModelRunner.prepare``."""
+    """Duck-types ``ScheduledRequest`` for ``ModelRunner.prepare``; ``key`` is the same object
+    at every step of the request (its mirrored token list), as rank 0's is its ``Request``."""
 
     request_id: str
     token_ids: list[int]
@@ -105,6 +106,7 @@ class MirroredScheduled:
     num_new_tokens: int
     block_ids: list[int]
     samples: bool
+    key: object
 
 
 @dataclass(slots=True)
@@ -149,7 +151,13 @@ class StepDecoder:
                 )
             out.append(
                 MirroredScheduled(
-                    d.request_id, tokens[start:end], start, d.num_new_tokens, blocks, d.samples
+                    d.request_id,
+                    tokens[start:end],
+                    start,
+                    d.num_new_tokens,
+                    blocks,
+                    d.samples,
+                    tokens,
                 )
             )
         return MirroredStep(out)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import KVCaches, ModelRunner, SampledToken, resolve_device
+from engine.model_runner import ModelRunner, SampledToken, resolve_device
 from engine.parallel.channel import StepEncoder
 from engine.parallel.launcher import WorkerGroup
 from engine.parallel.sharding import check_shardable
@@ -43,7 +43,7 @@ class TensorParallelRunner:
         cls,
         group: WorkerGroup,
         config: EngineConfig,
-        kv_caches: KVCaches | None = None,
+        kv_cache: torch.Tensor | None = None,
         *,
         key: str | None = None,
         owns_group: bool = False,
@@ -53,7 +53,7 @@ class TensorParallelRunner:
         check_shardable(hf_config, group.world_size)
         key = key if key is not None else f"model-{next(_keys)}"
         group.run_on_all_ranks(
-            load_runner, key, replace(config), local_kwargs={"kv_caches": kv_caches}
+            load_runner, key, replace(config), local_kwargs={"kv_cache": kv_cache}
         )
         return cls(group, key, group.ctx.runners[key], owns_group)
 
@@ -103,7 +103,7 @@ class TensorParallelRunner:
 
 
 def start_tensor_parallel(
-    config: EngineConfig, kv_caches: KVCaches | None = None
+    config: EngineConfig, kv_cache: torch.Tensor | None = None
 ) -> TensorParallelRunner:
     """Check the model shards over ``config.tensor_parallel_size`` ranks, start the workers
     and load the model on all of them; the returned runner owns (and stops) the group."""
@@ -117,7 +117,7 @@ def start_tensor_parallel(
         timeout_s=config.distributed_timeout_s,
     )
     try:
-        return TensorParallelRunner.load(group, config, kv_caches, owns_group=True)
+        return TensorParallelRunner.load(group, config, kv_cache, owns_group=True)
     except BaseException:
         group.shutdown()
         raise

@@ -53,12 +53,9 @@ class RankContext:
         out = self.decoders.setdefault(msg.key, StepDecoder()).decode(msg)
         if out.is_empty:
             return
-        input_ids, positions, attn, logit_rows = runner.prepare(out)  # type: ignore[arg-type]
+        inputs = runner.prepare(out)  # type: ignore[arg-type]
         with torch.inference_mode():
-            hidden = runner.model(input_ids, positions, attn, runner.kv_caches)
-            if logit_rows:
-                rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
-                runner.model.compute_logits(hidden.index_select(0, rows))
+            runner.forward_step(inputs)
 
 
 def op_name(fn: str | Callable[..., Any]) -> str:
@@ -84,20 +81,22 @@ def resolve_op(name: str) -> Callable[..., Any]:
 
 
 # --------------------------------------------------------------------- built-in ops
-def load_runner(ctx: RankContext, key: str, config: EngineConfig, kv_caches: Any = None) -> int:
+def load_runner(
+    ctx: RankContext, key: str, config: EngineConfig, kv_cache: torch.Tensor | None = None
+) -> int:
     """Build ``config``'s model on this rank (its shard only) under ``key``; every rank then
     keeps the smallest rank's KV block count, so block ids mean the same on all ranks.
     Returns the agreed number of blocks. A collective op: run it on all ranks."""
     cfg = replace(config, device=str(ctx.device))
-    if cfg.num_kv_blocks is None and ctx.device.type == "cpu" and kv_caches is None:
+    if cfg.num_kv_blocks is None and ctx.device.type == "cpu" and kv_cache is None:
         cfg = replace(cfg, kv_memory_fraction=cfg.kv_memory_fraction / ctx.world_size)
-    runner = ModelRunner.from_config(cfg, kv_caches, parallel=ctx.parallel)
+    runner = ModelRunner.from_config(cfg, kv_cache, parallel=ctx.parallel)
     agreed = torch.tensor([runner.num_blocks], dtype=torch.long, device=ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctx.parallel.group)
     n = int(agreed.item())
     if n < runner.num_blocks:
-        runner.kv_caches = [(k[:n], v[:n]) for k, v in runner.kv_caches]
+        runner.kv_cache = runner.kv_cache[:, :, :n]
         runner.num_blocks = n
     ctx.runners[key] = runner
     ctx.decoders[key] = StepDecoder()
@@ -112,9 +111,7 @@ def drop_runner(ctx: RankContext, key: str) -> None:
 
 def zero_kv(ctx: RankContext, key: str) -> None:
     """Zero every KV block of the runner under ``key``."""
-    for k, v in ctx.runners[key].kv_caches:
-        k.zero_()
-        v.zero_()
+    ctx.runners[key].kv_cache.zero_()
 
 
 def call_state_method(ctx: RankContext, state_key: str, method: str, *args: Any, **kw: Any) -> Any:

@@ -1,7 +1,8 @@
 """`make bench`: every benchmark of the project, as ratios measured in one run.
 
 Sections (each can be chosen with ``--only``):
-- engine:     engine throughput vs transformers generate (one at a time / padded batch)
+- engine:     engine throughput vs transformers generate (one at a time / padded batch) on
+              mixed prompt lengths, and the decode step's fraction of the memory bandwidth
 - tp:         TP=2 step time vs TP=1 with the time spent in collectives
 - switch:     substrate copy rates (H2D, staging, D2D) vs a plain torch copy
 - multimodel: live model switch from host / staging, KV restore vs recompute
@@ -16,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from talaria.paths import ensure_tiny_models
 
 
@@ -27,18 +30,31 @@ def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
     from talaria.bench.engine_throughput import bench_engine_throughput
 
     _section(
-        f"engine throughput: {args.requests} requests x ~{args.prompt_len} prompt tokens, "
-        f"{args.output_len} output tokens, small tiny-llama, fp32, greedy"
+        f"engine throughput: {args.requests} requests x {args.min_prompt_len}-"
+        f"{args.max_prompt_len} prompt tokens (uniform), {args.output_len} output tokens, "
+        f"small tiny-llama, fp32, greedy, {torch.get_num_threads()} threads; engine and padded "
+        "batch: best of 2 interleaved runs"
     )
-    results = bench_engine_throughput(
-        models["tiny-llama"], args.requests, args.prompt_len, args.output_len
+    result = bench_engine_throughput(
+        models["tiny-llama"],
+        args.requests,
+        args.min_prompt_len,
+        args.max_prompt_len,
+        args.output_len,
     )
-    engine = results[-1]
-    for r in results:
+    engine = result.runs[-1]
+    for r in result.runs:
         print(
             f"  {r.name:30s} {r.seconds:7.2f} s  {r.tokens_per_s:8.1f} tok/s  "
             f"engine speedup x{engine.tokens_per_s / r.tokens_per_s:5.2f}"
         )
+    d = result.decode
+    print(
+        f"  decode steps: {d.steps}, {d.seconds / max(d.steps, 1) * 1e3:.1f} ms each, reading "
+        f"{d.weight_bytes / 1e6:.0f} MB weights + {d.kv_bytes / max(d.steps, 1) / 1e6:.0f} MB KV "
+        f"per step: {d.achieved_bytes_per_s / 1e9:.1f} GB/s = {d.fraction:.0%} of the "
+        f"{d.copy_bytes_per_s / 1e9:.1f} GB/s host copy rate (read + write)"
+    )
 
 
 def bench_tp(models: dict[str, Path], args: argparse.Namespace) -> None:
@@ -108,9 +124,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m talaria.bench", description=__doc__)
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--min-prompt-len", type=int, default=64)
+    parser.add_argument("--max-prompt-len", type=int, default=448)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's, one per core)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print("preparing the small tiny models (written once into the cache)...", flush=True)
     models = ensure_tiny_models("small")
     start = time.perf_counter()

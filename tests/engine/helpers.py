@@ -1,7 +1,7 @@
 """Test helpers: attention metadata, KV caches and a toy block allocator.
 
-The real metadata comes from the model runner; these build the same structure by hand so
-model and attention tests can drive the paged path directly.
+The metadata comes from the engine's own builder (the one the model runner uses), fed from
+hand-made block tables, so model and attention tests can drive the paged path directly.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 
 
 def build_metadata(
@@ -22,51 +22,26 @@ def build_metadata(
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens are the last ``query_lens[i]`` of ``seq_lens[i]``."""
-    slots: list[int] = []
-    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        if len(table) * block_size < s_len:
-            raise ValueError(f"block table {table} too short for {s_len} tokens")
-        for pos in range(s_len - q_len, s_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    width = max(len(t) for t in block_tables)
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for i, t in enumerate(block_tables):
-        tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-        query_lens_host=list(query_lens),
-        seq_lens_host=list(seq_lens),
-    )
+    return build_attention_metadata(query_lens, seq_lens, block_tables, block_size, device).attn
 
 
 UNWRITTEN = 1e3
 
 
-def allocate_kv_caches(
+def allocate_kv_cache(
     num_layers: int,
     num_blocks: int,
     block_size: int,
     kv_heads: int,
     head_dim: int,
     dtype: torch.dtype = torch.float32,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (k, v) caches filled with a large finite value, so attending to an
-    unwritten slot without masking it shows up as a large error (the backends may read
-    such slots under a mask; the engine keeps every slot finite, as this fill does)."""
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    return [
-        (torch.full(shape, UNWRITTEN, dtype=dtype), torch.full(shape, UNWRITTEN, dtype=dtype))
-        for _ in range(num_layers)
-    ]
+) -> torch.Tensor:
+    """A KV cache ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` filled with a large
+    finite value, so attending to an unwritten slot without masking it shows up as a large
+    error (the backends may read such slots under a mask; the engine keeps every slot
+    finite, as this fill does)."""
+    shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    return torch.full(shape, UNWRITTEN, dtype=dtype)
 
 
 @dataclass
@@ -100,17 +75,29 @@ class Step:
 
 def batch_inputs(
     steps: list[Step], blocks: ToyBlocks
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids, positions, metadata) for a batch of prefill chunks and decodes."""
-    ids: list[int] = []
-    positions: list[int] = []
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[slice]]:
+    """(input_ids, positions, metadata, rows) for a batch of prefill chunks and decodes, in
+    the batch order the metadata builder chose; ``rows[i]`` are ``steps[i]``'s batch rows."""
     q_lens, s_lens, tables = [], [], []
     for st in steps:
         seq_len = st.num_cached + len(st.token_ids)
         tables.append(list(blocks.grow(st.seq, seq_len)))
-        ids.extend(st.token_ids)
-        positions.extend(range(st.num_cached, seq_len))
         q_lens.append(len(st.token_ids))
         s_lens.append(seq_len)
-    meta = build_metadata(q_lens, s_lens, tables, blocks.block_size)
-    return torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), meta
+    layout = build_attention_metadata(q_lens, s_lens, tables, blocks.block_size)
+    ids: list[int] = []
+    expected: list[int] = []
+    rows: dict[int, slice] = {}
+    for i in layout.order:
+        st = steps[i]
+        rows[i] = slice(len(ids), len(ids) + len(st.token_ids))
+        ids.extend(st.token_ids)
+        expected.extend(range(st.num_cached, st.num_cached + len(st.token_ids)))
+    assert sorted(layout.order) == list(range(len(steps)))
+    assert layout.positions.tolist() == expected
+    return (
+        torch.tensor(ids, dtype=torch.int64),
+        layout.positions,
+        layout.attn,
+        [rows[i] for i in range(len(steps))],
+    )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from helpers import allocate_kv_caches, build_metadata
+from helpers import allocate_kv_cache, build_metadata
 
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.attention.selector import flash_available, get_attention_backend
 from engine.attention.torch_paged import TorchPagedAttention
 
@@ -24,55 +27,81 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
-    torch.manual_seed(0)
-    d, block_size, num_blocks = 8, 4, 40
+def run_against_dense(
+    seqs: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int = 4, seed: int = 0
+) -> AttentionMetadata:
+    """Attend ``(cached, new)`` sequences through the paged backend and compare with dense
+    causal attention per sequence; returns the metadata used."""
+    torch.manual_seed(seed)
+    d = 8
     scale = d**-0.5
-    # (cached tokens, new tokens): a prefill from scratch, a chunk after cached context,
-    # and two decodes (one right after a block boundary).
-    seqs = [(0, 11), (9, 6), (12, 1), (7, 1)]
-    k_cache, v_cache = allocate_kv_caches(1, num_blocks, block_size, kv_heads, d)[0]
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
+    kv = allocate_kv_cache(1, num_blocks, block_size, kv_heads, d)[0]
+    flat_k, flat_v = kv[0].view(-1, kv_heads, d), kv[1].view(-1, kv_heads, d)
     free = torch.randperm(num_blocks).tolist()
     full_k, full_v, tables = [], [], []
     for cached, new in seqs:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // block_size))]
         tables.append(table)
-        k_all = torch.randn(total, kv_heads, d)
-        v_all = torch.randn(total, kv_heads, d)
-        full_k.append(k_all)
-        full_v.append(v_all)
+        full_k.append(torch.randn(total, kv_heads, d))
+        full_v.append(torch.randn(total, kv_heads, d))
         for pos in range(cached):  # context written by earlier steps
             slot = table[pos // block_size] * block_size + pos % block_size
-            k_cache.view(-1, kv_heads, d)[slot] = k_all[pos]
-            v_cache.view(-1, kv_heads, d)[slot] = v_all[pos]
-    meta = build_metadata([n for _, n in seqs], [c + n for c, n in seqs], tables, block_size)
-    qs = [torch.randn(n, heads, d) for _, n in seqs]
-    q = torch.cat(qs)
-    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
-    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
-
-    out = TorchPagedAttention().forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
-
-    expected = torch.cat(
-        [dense_causal(qi, ki, vi, scale) for qi, ki, vi in zip(qs, full_k, full_v, strict=True)]
+            flat_k[slot], flat_v[slot] = full_k[-1][pos], full_v[-1][pos]
+    layout = build_attention_metadata(
+        [n for _, n in seqs], [c + n for c, n in seqs], tables, block_size
     )
+    qs = [torch.randn(n, heads, d) for _, n in seqs]
+    order = layout.order
+    q = torch.cat([qs[i] for i in order])
+    k_new = torch.cat([full_k[i][seqs[i][0] :] for i in order])
+    v_new = torch.cat([full_v[i][seqs[i][0] :] for i in order])
+
+    backend = TorchPagedAttention()
+    out = backend.forward(q, k_new, v_new, kv, backend.prepare(layout.attn), scale, 0)
+
+    expected = torch.cat([dense_causal(qs[i], full_k[i], full_v[i], scale) for i in order])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    # the new tokens' K/V landed in the cache at their slots
     for (cached, new), table, k_all in zip(seqs, tables, full_k, strict=True):
-        for pos in range(cached, cached + new):
+        for pos in range(cached, cached + new):  # the new tokens' K/V landed at their slots
             slot = table[pos // block_size] * block_size + pos % block_size
-            torch.testing.assert_close(k_cache.view(-1, kv_heads, d)[slot], k_all[pos])
+            torch.testing.assert_close(flat_k[slot], k_all[pos])
+    return layout.attn
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
+    # (cached tokens, new tokens): a prefill from scratch, a chunk after cached context,
+    # and two decodes (one right after a block boundary).
+    run_against_dense([(0, 11), (9, 6), (12, 1), (7, 1)], heads, kv_heads)
+
+
+def test_many_groups_of_mixed_lengths_match_dense() -> None:
+    """Decodes of very different lengths split into several groups; prefill chunks of
+    different lengths share a group padded to the longest chunk."""
+    rng = random.Random(1)
+    decodes = [(rng.randint(0, 120), 1) for _ in range(40)]
+    prefills = [(0, 37), (0, 5), (23, 9), (60, 2), (0, 64), (3, 30)]
+    seqs = decodes[:20] + prefills + decodes[20:]
+    attn = run_against_dense(seqs, heads=4, kv_heads=2, block_size=4, seed=2)
+    decode_groups = [g for g in attn.groups if g.query_width == 1]
+    prefill_groups = [g for g in attn.groups if g.query_width > 1]
+    assert len(decode_groups) > 1 and sum(g.num_seqs for g in decode_groups) == 40
+    assert any(g.query_rows is not None for g in prefill_groups)  # padded queries exercised
+    assert sum(g.num_tokens for g in attn.groups) == attn.num_tokens
 
 
 def test_metadata_token_count_mismatch_raises() -> None:
-    k_cache, v_cache = allocate_kv_caches(1, 4, 4, 1, 8)[0]
-    meta = build_metadata([2], [2], [[0]], 4)
+    kv = allocate_kv_cache(1, 4, 4, 1, 8)[0]
+    backend = TorchPagedAttention()
+    meta = backend.prepare(build_metadata([2], [2], [[0]], 4))
     q = torch.randn(3, 2, 8)
     k = torch.randn(3, 1, 8)
-    with pytest.raises(ValueError, match="slot|tokens"):
-        TorchPagedAttention().forward(q, k, k, k_cache, v_cache, meta, 1.0)
+    with pytest.raises(ValueError, match="tokens"):
+        backend.forward(q, k, k, kv, meta, 1.0, 0)
+    with pytest.raises(ValueError, match="prepare"):  # a chunk after cached context
+        backend.forward(q[:2], k[:2], k[:2], kv, build_metadata([2], [3], [[0]], 4), 1.0, 0)
 
 
 def test_selector_cpu_and_errors() -> None:
@@ -98,18 +127,23 @@ def test_flash_matches_torch_on_gpu(decode_only: bool) -> None:
     meta = build_metadata(
         [n for _, n in seqs], [c + n for c, n in seqs], tables, block_size, device
     )
-    caches = []
-    for _ in range(2):
-        k_cache = torch.randn(num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
-        v_cache = torch.randn(num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
-        caches.append((k_cache, v_cache))
-    caches[1] = (caches[0][0].clone(), caches[0][1].clone())
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, d, dtype=dtype, device=device)
+    kv_copy = kv.clone()
     n = sum(n for _, n in seqs)
     q = torch.randn(n, heads, d, dtype=dtype, device=device)
     k = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
     v = torch.randn(n, kv_heads, d, dtype=dtype, device=device)
     flash = get_attention_backend("flash", device)
-    out_flash = flash.forward(q, k, v, *caches[0], meta, d**-0.5)
-    out_torch = TorchPagedAttention().forward(q, k, v, *caches[1], meta, d**-0.5)
+    out_flash = flash.forward(q, k, v, kv, flash.prepare(meta), d**-0.5, 0)
+    torch_backend = TorchPagedAttention()
+    out_torch = torch_backend.forward(q, k, v, kv_copy, torch_backend.prepare(meta), d**-0.5, 0)
     torch.testing.assert_close(out_flash.float(), out_torch.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(caches[0][0], caches[1][0])
+    torch.testing.assert_close(kv, kv_copy)
+
+
+def test_fresh_prefills_of_different_lengths_share_a_causal_group() -> None:
+    """Short fresh prompts are padded together and attended without a mask."""
+    attn = run_against_dense([(0, 10), (0, 9), (0, 12), (0, 7), (0, 11)], heads=4, kv_heads=2)
+    assert [(g.causal, g.query_rows is not None, g.mask) for g in attn.groups] == [
+        (True, True, None)
+    ]

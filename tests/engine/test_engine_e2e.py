@@ -220,13 +220,13 @@ def test_string_prompts_are_tokenized_and_outputs_detokenized(
 class HostStore:
     """A dict-backed secondary KV cache holding copies of device blocks by block hash."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.kv_caches = kv_caches
-        self.blocks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.blocks: dict[int, torch.Tensor] = {}
 
     def offload(self, block_hashes: list[int], block_ids: list[int]) -> None:
         for h, b in zip(block_hashes, block_ids, strict=True):
-            self.blocks[h] = [(k[b].clone(), v[b].clone()) for k, v in self.kv_caches]
+            self.blocks[h] = self.kv_cache[:, :, b].clone()
 
     def lookup(self, block_hashes: list[int]) -> int:
         n = 0
@@ -236,9 +236,7 @@ class HostStore:
 
     def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
         for h, b in zip(block_hashes, block_ids, strict=True):
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.blocks[h], strict=True):
-                k[b].copy_(hk)
-                v[b].copy_(hv)
+            self.kv_cache[:, :, b].copy_(self.blocks[h])
 
 
 def collect(core: EngineCore) -> dict[str, list]:
@@ -253,7 +251,7 @@ def test_session_kv_offload_reset_and_restore(model_dirs: dict[str, Path]) -> No
     path = model_dirs["llama"]
     config = EngineConfig(model=path, max_model_len=128, num_kv_blocks=64, block_size=BLOCK)
     core = EngineCore(config)
-    store = HostStore(core.runner.kv_caches)
+    store = HostStore(core.runner.kv_cache)
     core.kv.secondary = store
     p = prompts(6)[6]  # 24 tokens
     core.add_request(EngineRequest("a", p, GREEDY, session_id="s"))
@@ -265,9 +263,7 @@ def test_session_kv_offload_reset_and_restore(model_dirs: dict[str, Path]) -> No
     core.unpin_session_kv("s")
     store.offload(core.kv.session_block_hashes("s"), core.kv.session_block_ids("s"))
     core.reset_kv()  # a model switch: every device block dropped
-    for k, v in core.runner.kv_caches:
-        k.normal_()
-        v.normal_()
+    core.runner.kv_cache.normal_()
     assert core.session_device_tokens("s") == 0
     longer = p + first + [7, 8, 9]
     core.add_request(EngineRequest("b", longer, GREEDY, session_id="s"))

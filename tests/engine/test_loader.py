@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.attention.torch_paged import TorchPagedAttention
-from engine.loader import load_checkpoint
+from engine.models.loader import load_checkpoint
 from engine.models.registry import build_model
 from engine.models.tiny import write_random_checkpoint
 from engine.parallel_context import SINGLE, ParallelContext

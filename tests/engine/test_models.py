@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from helpers import Step, ToyBlocks, allocate_kv_caches, batch_inputs
+from helpers import Step, ToyBlocks, allocate_kv_cache, batch_inputs
 
 from engine.attention.torch_paged import TorchPagedAttention
-from engine.loader import load_checkpoint
+from engine.models.loader import load_checkpoint
 from engine.models.registry import build_model
 from engine.models.tiny import write_random_checkpoint
 from engine.parallel_context import SINGLE
@@ -82,7 +82,7 @@ def test_engine_matches_transformers(case: str, checkpoints: dict[str, Path]) ->
         config.num_key_value_heads,
         config.hidden_size // config.num_attention_heads,
     )
-    kv = allocate_kv_caches(num_layers, 32, BLOCK_SIZE, kv_heads, head_dim)
+    kv = allocate_kv_cache(num_layers, 32, BLOCK_SIZE, kv_heads, head_dim)
     blocks = ToyBlocks(32, BLOCK_SIZE, seed=3)
 
     gen = torch.Generator().manual_seed(7)
@@ -105,15 +105,12 @@ def test_engine_matches_transformers(case: str, checkpoints: dict[str, Path]) ->
     ]
     refs = {0: ref_a, 1: ref_b}
     for steps in schedule:
-        ids, positions, meta = batch_inputs(steps, blocks)
+        ids, positions, meta, rows = batch_inputs(steps, blocks)
         logits = model.compute_logits(model(ids, positions, meta, kv))
         assert logits.dtype == torch.float32 and logits.shape == (len(ids), config.vocab_size)
-        start = 0
-        for st in steps:
-            end = start + len(st.token_ids)
+        for st, row in zip(steps, rows, strict=True):
             expected = refs[st.seq][st.num_cached : st.num_cached + len(st.token_ids)]
-            torch.testing.assert_close(logits[start:end], expected, atol=ATOL, rtol=0)
-            start = end
+            torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
 
 
 def test_logits_are_not_trivial(checkpoints: dict[str, Path]) -> None:

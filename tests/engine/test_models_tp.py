@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
-from helpers import Step, ToyBlocks, allocate_kv_caches, batch_inputs
+from helpers import Step, ToyBlocks, allocate_kv_cache, batch_inputs
 
 from engine.attention.torch_paged import TorchPagedAttention
-from engine.loader import load_checkpoint
+from engine.models.loader import load_checkpoint
 from engine.models.registry import build_model
 from engine.models.tiny import write_random_checkpoint
 from engine.parallel_context import SINGLE, ParallelContext
@@ -31,7 +31,7 @@ def _logits(path: Path, parallel: ParallelContext) -> torch.Tensor:
     model = build_model(config, torch.float32, parallel, TorchPagedAttention())
     load_checkpoint(model, path)
     num_layers, kv_heads, head_dim = model.kv_cache_spec()
-    kv = allocate_kv_caches(num_layers, 16, 4, kv_heads, head_dim)
+    kv = allocate_kv_cache(num_layers, 16, 4, kv_heads, head_dim)
     blocks = ToyBlocks(16, 4)
     outs = []
     with torch.no_grad():
@@ -39,8 +39,9 @@ def _logits(path: Path, parallel: ParallelContext) -> torch.Tensor:
             [Step(0, list(range(5, 15)), 0), Step(1, list(range(20, 27)), 0)],
             [Step(0, [3], 10), Step(1, [4], 7)],
         ):
-            ids, positions, meta = batch_inputs(steps, blocks)
-            outs.append(model.compute_logits(model(ids, positions, meta, kv)))
+            ids, positions, meta, rows = batch_inputs(steps, blocks)
+            logits = model.compute_logits(model(ids, positions, meta, kv))
+            outs.extend(logits[row] for row in rows)
     return torch.cat(outs)
 
 

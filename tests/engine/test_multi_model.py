@@ -46,7 +46,7 @@ def test_a_b_a_matches_fresh_engines_at_fixed_addresses(models: dict[str, Path])
     engine = make_engine(models, staging=False)
     assert isinstance(engine, MultiModelEngineProtocol)
     weight_ptr, kv_ptr = engine.weight_region.data_ptr(), engine.kv_region.data_ptr()
-    kv_ptrs = {n: engine.rank.runners[n].kv_caches[0][0].data_ptr() for n in engine.model_names}
+    kv_ptrs = {n: engine.rank.runners[n].kv_cache.data_ptr() for n in engine.model_names}
     want = {n: fresh(models[n], requests(n, n, PROMPTS)) for n in (LLAMA, QWEN)}
     seen: list[tuple[str, Outputs]] = []
     for i, name in enumerate([LLAMA, QWEN, LLAMA, QWEN]):
@@ -58,7 +58,7 @@ def test_a_b_a_matches_fresh_engines_at_fixed_addresses(models: dict[str, Path])
         )
         assert engine.weight_region.data_ptr() == weight_ptr
         assert engine.kv_region.data_ptr() == kv_ptr
-        assert all(engine.rank.runners[n].kv_caches[0][0].data_ptr() == kv_ptrs[n] for n in kv_ptrs)
+        assert all(engine.rank.runners[n].kv_cache.data_ptr() == kv_ptrs[n] for n in kv_ptrs)
         for param in engine.rank.runners[name].model.parameters():
             offset = param.data_ptr() - weight_ptr
             assert 0 <= offset < engine.weight_region.numel()

@@ -3,6 +3,9 @@
 On one GPU, TP=1, bfloat16, a random model shaped like Llama-3.2-1B: greedy tokens of the
 engine against transformers on the same GPU and weights, then decode throughput against
 the HBM-bandwidth bound (bytes of weights + KV read per decode step / measured copy rate).
+Then the fixed-shape decode step (issue 16) captured in a CUDA graph and replayed for two
+steps, against the eager step on the same inputs, for the torch backend (and flash-attn
+when installed).
 Run: ``.venv/bin/python -m pytest -s tests/gpu/test_engine_cuda.py``. Never run yet: no
 session of this project has had a GPU.
 """
@@ -105,3 +108,78 @@ def test_decode_throughput_against_hbm_bound(model_dir: Path) -> None:
         f"({weight_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.2f} GB KV): "
         f"{bound_s / step_s:.0%} of the bound"
     )
+
+
+@pytest.fixture(scope="module")
+def small_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from engine.models.tiny import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("graph")
+    return {
+        arch: write_random_checkpoint(root / arch, arch, seed=0) for arch in ("llama", "qwen3_moe")
+    }
+
+
+@pytest.mark.parametrize("backend", ["torch", "flash"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_decode_step_captured_in_a_cuda_graph_replays_like_eager(
+    small_dirs: dict[str, Path], arch: str, backend: str
+) -> None:
+    from engine import EngineConfig, EngineCore, SamplingParams
+    from engine.attention.metadata import FixedShape
+    from engine.attention.selector import flash_available
+    from engine.interface import EngineRequest
+
+    if backend == "flash" and not flash_available("cuda"):
+        pytest.skip("flash-attn is not installed")
+    block_size = 256 if backend == "flash" else 16
+    config = EngineConfig(
+        model=small_dirs[arch],
+        device="cuda",
+        dtype="float32",
+        block_size=block_size,
+        num_kv_blocks=64,
+        max_model_len=1024,
+        attention_backend=backend,
+    )
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i, n in enumerate((5, 40, 17)):
+        core.add_request(EngineRequest(f"r{i}", [(3 * i + j) % 200 + 3 for j in range(n)], params))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+        core.step()
+    runner = core.runner
+    bucket = FixedShape(num_seqs=8, num_blocks=1024 // block_size)
+    first = core.scheduler.schedule()
+    static = runner.prepare(first, bucket)
+    kv_start = runner.kv_cache.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(2):
+            runner.forward_step(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph):
+        static_logits = runner.forward_step(static)
+    runner.kv_cache.copy_(kv_start)
+
+    out = first
+    for _ in range(2):
+        fresh = runner.prepare(out, bucket)
+        kv_before = runner.kv_cache.clone()
+        with torch.inference_mode():
+            want = runner.forward_step(fresh)
+        kv_eager = runner.kv_cache.clone()
+        runner.kv_cache.copy_(kv_before)
+        static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        n = fresh.num_samples
+        torch.testing.assert_close(static_logits[:n], want[:n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(runner.kv_cache, kv_eager, atol=1e-5, rtol=0)
+        core.scheduler.update_after_step(out)
+        for s, tok in zip(out.scheduled, static_logits[:n].argmax(-1).tolist(), strict=True):
+            s.request.output_token_ids.append(int(tok))
+        out = core.scheduler.schedule()
+    core.shutdown()

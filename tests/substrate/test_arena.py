@@ -91,32 +91,33 @@ def test_a_shard_too_big_for_the_weight_region_names_both_sizes() -> None:
         arena.check_stageable(layout, "big")
 
 
-def test_kv_reviews_for_two_shapes_share_the_base_address_and_do_not_overlap() -> None:
+def test_kv_caches_of_two_shapes_share_the_base_address_and_stay_inside_the_region() -> None:
     arena = DeviceArena("cpu", 1024, 0, 64 * 1024)
-    first = arena.kv_views(2, None, 4, 2, 8, torch.float32)
-    second = arena.kv_views(3, 5, 16, 1, 4, torch.bfloat16)
-    assert first[0][0].data_ptr() == second[0][0].data_ptr() == arena.kv_region.data_ptr()
+    first = arena.kv_cache(2, None, 4, 2, 8, torch.float32)
+    second = arena.kv_cache(3, 5, 16, 1, 4, torch.bfloat16)
+    assert first.data_ptr() == second.data_ptr() == arena.kv_region.data_ptr()
     n = arena.kv_num_blocks(2, 4, 2, 8, torch.float32)
-    assert first[0][0].shape == (n, 4, 2, 8) and first[0][0].dtype == torch.float32
     assert n == 64 * 1024 // (2 * 2 * 4 * 2 * 8 * 4)
-    assert second[2][1].shape == (5, 16, 1, 4) and second[2][1].dtype == torch.bfloat16
+    assert first.shape == (2, 2, n, 4, 2, 8) and first.dtype == torch.float32
+    assert second.shape == (3, 2, 5, 16, 1, 4) and second.dtype == torch.bfloat16
     end = arena.kv_region.data_ptr() + arena.kv_bytes
-    for caches in (first, second):
-        for i, (k, v) in enumerate(caches):
-            k.fill_(2 * i)
-            v.fill_(2 * i + 1)
-            assert v.data_ptr() + v.numel() * v.element_size() <= end
-        for i, (k, v) in enumerate(caches):
-            assert torch.all(k == 2 * i) and torch.all(v == 2 * i + 1)
+    for kv in (first, second):
+        assert kv.is_contiguous()
+        assert kv.data_ptr() + kv.numel() * kv.element_size() <= end
+        for layer in range(kv.shape[0]):
+            kv[layer, 0].fill_(2 * layer)
+            kv[layer, 1].fill_(2 * layer + 1)
+        for layer in range(kv.shape[0]):
+            assert torch.all(kv[layer, 0] == 2 * layer) and torch.all(kv[layer, 1] == 2 * layer + 1)
 
 
 def test_kv_errors_name_the_sizes() -> None:
     arena = DeviceArena("cpu", 0, 0, 8192)
     fit = arena.kv_num_blocks(2, 16, 2, 8, torch.float16)
     with pytest.raises(ValueError, match=f"at most {fit} blocks fit") as err:
-        arena.kv_views(2, fit + 1, 16, 2, 8, torch.float16)
+        arena.kv_cache(2, fit + 1, 16, 2, 8, torch.float16)
     assert "8192" in str(err.value)
     with pytest.raises(ValueError, match="holds no KV block"):
-        arena.kv_views(64, None, 16, 8, 128, torch.float16)
+        arena.kv_cache(64, None, 16, 8, 128, torch.float16)
     with pytest.raises(ValueError, match="weight region size must be >= 0"):
         DeviceArena("cpu", -1, 0, 0)

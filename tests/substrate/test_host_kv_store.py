@@ -11,12 +11,9 @@ from substrate.host_kv import HostKVStore
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
 
 
-def _caches(num_blocks: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _caches(num_blocks: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, BLOCK, HEADS, DIM)
-    return [
-        (torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(LAYERS)
-    ]
+    return torch.randn((LAYERS, 2, num_blocks, BLOCK, HEADS, DIM), generator=g)
 
 
 def _block_bytes() -> int:
@@ -31,18 +28,15 @@ def test_save_then_load_into_different_block_ids() -> None:
     assert store.used_bytes == saved.bytes and len(store) == 3
 
     arena = DeviceArena("cpu", 0, 0, 8 * _block_bytes())
-    dst = arena.kv_views(LAYERS, 8, BLOCK, HEADS, DIM, torch.float32)
-    for k, v in dst:
-        k.zero_()
-        v.zero_()
+    dst = arena.kv_cache(LAYERS, 8, BLOCK, HEADS, DIM, torch.float32)
+    dst.zero_()
     assert store.lookup("m", [11, 12, 13, 14]) == 3
     restored = store.load("m", [11, 12, 13], [0, 3, 6], dst)
     assert restored.kind == "kv_restore" and restored.bytes == saved.bytes
-    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
-        for s_id, d_id in ((5, 0), (2, 3), (7, 6)):
-            assert torch.equal(dk[d_id], sk[s_id]) and torch.equal(dv[d_id], sv[s_id])
-        for untouched in (1, 2, 4, 5, 7):
-            assert torch.count_nonzero(dk[untouched]) == 0
+    for s_id, d_id in ((5, 0), (2, 3), (7, 6)):
+        assert torch.equal(dst[:, :, d_id], src[:, :, s_id])
+    for untouched in (1, 2, 4, 5, 7):
+        assert torch.count_nonzero(dst[:, :, untouched]) == 0
     again = store.save("m", [11, 12], [0, 3], dst)
     assert again.bytes == 0 and len(store) == 3  # already stored: nothing copied
 
@@ -53,8 +47,7 @@ def test_small_chunks_give_the_same_result() -> None:
     store.save("m", list(range(6)), [5, 4, 3, 2, 1, 0], src)
     dst = _caches(6, 2)
     store.load("m", list(range(6)), list(range(6)), dst)
-    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
-        assert torch.equal(dk, sk.flip(0)) and torch.equal(dv, sv.flip(0))
+    assert torch.equal(dst, src.flip(2))
 
 
 def test_eviction_frees_payloads_and_ends_the_prefix() -> None:
@@ -78,7 +71,7 @@ def test_adapter_has_the_engines_secondary_cache_shape() -> None:
     assert cache.lookup([7, 8, 9]) == 2
     assert store.bind("other", dst).lookup([7, 8]) == 0
     cache.load([7, 8], [0, 2])
-    assert torch.equal(dst[1][0][0], src[1][0][3]) and torch.equal(dst[0][1][2], src[0][1][1])
+    assert torch.equal(dst[:, :, 0], src[:, :, 3]) and torch.equal(dst[:, :, 2], src[:, :, 1])
     records = cache.drain_records()
     assert [r.kind for r in records] == ["kv_restore"] and cache.drain_records() == []
 
@@ -92,6 +85,8 @@ def test_shape_and_argument_errors() -> None:
         store.save("m", [1], [9], src)
     assert len(store) == 0  # a failed copy leaves nothing behind
     store.save("m", [1], [0], src)
-    other = [(torch.zeros(4, BLOCK, 1, DIM), torch.zeros(4, BLOCK, 1, DIM))] * LAYERS
-    with pytest.raises(ValueError, match="the device caches need"):
+    other = torch.zeros(LAYERS, 2, 4, BLOCK, 1, DIM)
+    with pytest.raises(ValueError, match="the device cache needs"):
         store.load("m", [1], [0], other)
+    with pytest.raises(ValueError, match="a KV cache is"):
+        store.save("m", [2], [0], src[0])

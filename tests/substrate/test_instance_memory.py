@@ -40,8 +40,8 @@ def test_switch_cycle_keeps_addresses_and_outputs() -> None:
 
     assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
     torch.testing.assert_close(models["a"](ids), refs["a"](ids))
-    kv_a = mem.kv_caches("a")
-    assert kv_a[0][0].data_ptr() == mem.arena.kv_region.data_ptr()
+    kv_a = mem.kv_cache("a")
+    assert kv_a.data_ptr() == mem.arena.kv_region.data_ptr()
     assert mem.activate("a").kind == MoveKind.NONE
 
     plan = mem.stage("b")
@@ -49,12 +49,12 @@ def test_switch_cycle_keeps_addresses_and_outputs() -> None:
     assert mem.stage("b").kind == MoveKind.NONE  # already staging or staged
     assert mem.activate("b").kind == MoveKind.ACTIVATE_D2D
     torch.testing.assert_close(models["b"](ids), refs["b"](ids))
-    kv_b = mem.kv_caches("b")
-    assert kv_b[0][0].data_ptr() == mem.arena.kv_region.data_ptr() and len(kv_b) == 3
+    kv_b = mem.kv_cache("b")
+    assert kv_b.data_ptr() == mem.arena.kv_region.data_ptr() and kv_b.shape[0] == 3
 
     assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
     torch.testing.assert_close(models["a"](ids), refs["a"](ids))
-    assert mem.kv_caches("a") is kv_a
+    assert mem.kv_cache("a") is kv_a
     assert {n: [p.data_ptr() for p in m.parameters()] for n, m in models.items()} == ptrs
     assert mem.placements() == {"a": Placement.ACTIVE, "b": Placement.STAGED}
     assert mem.activate("b").kind == MoveKind.ACTIVATE_D2D  # staging still holds b
@@ -76,21 +76,16 @@ def test_kv_offload_and_restore_through_the_secondary_cache() -> None:
     )
     mem.load_model("a", lambda views: None, spec)
     mem.activate("a")
-    kv = mem.kv_caches("a")
-    for i, (k, v) in enumerate(kv):
-        k.copy_(torch.arange(k.numel(), dtype=k.dtype).view_as(k) + i)
-        v.copy_(-k)
-    before = [(k[[4, 5]].clone(), v[[4, 5]].clone()) for k, v in kv]
+    kv = mem.kv_cache("a")
+    kv.copy_(torch.arange(kv.numel(), dtype=kv.dtype).view_as(kv))
+    before = kv[:, :, [4, 5]].clone()
     record = mem.offload_kv("a", [101, 102], [4, 5], session_id="s")
     assert record.bytes == 2 * spec.block_bytes == mem.ledger.host_kv_bytes("a")
-    for k, v in kv:
-        k.zero_()
-        v.zero_()
+    kv.zero_()
     cache = mem.host_kv_cache("a")
     assert cache.lookup([101, 102, 103]) == 2
     cache.load([101, 102], [0, 9])
-    for (k, v), (bk, bv) in zip(kv, before, strict=True):
-        assert torch.equal(k[[0, 9]], bk) and torch.equal(v[[0, 9]], bv)
+    assert torch.equal(kv[:, :, [0, 9]], before)
 
 
 def test_start_up_fails_when_a_shard_does_not_fit() -> None:

@@ -62,7 +62,7 @@ def test_ledger_and_mover_agree_on_bytes_through_a_switch_cycle() -> None:
     ledger.record(staged)
     assert ledger.placement("b") is Placement.STAGED
 
-    kv = arena.kv_views(2, None, 4, 1, 8, torch.float32)
+    kv = arena.kv_cache(2, None, 4, 1, 8, torch.float32)
     block_bytes = 2 * 2 * 4 * 8 * 4
     ledger.set_kv_block_bytes("a", block_bytes)
     offload = kv_store.save("a", [1, 2, 3], [0, 1, 2], kv, session_id="s1")
