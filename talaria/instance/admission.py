@@ -61,6 +61,7 @@ class Instance:
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {
             "switches": 0,
+            "preemptions": 0,
             "admitted": 0,
             "sp_admitted": 0,
             "sp_holds": 0,
@@ -177,6 +178,7 @@ class Instance:
         pending = PendingCall(call, handle, arrived=now, continuation=continuation)
         pending.need_blocks = blocks_for(call, self.stats.block_size)
         self.calls.add(pending)
+        self.loop.split.arrive(call.call_id, call.model, now)
         self.loop.wake.set()
         return handle
 

@@ -1,11 +1,13 @@
 """The admission loop: the one task that decides what an instance's engine does next.
 
 Each turn: apply aborts and expire reservations; admit into the active model's slot (close it
-when its queue is empty or its quantum is over and another model waits; session-prefill may
-still admit continuations of a closed slot); step the engine while calls run; otherwise keep,
-reopen or switch the active model, or wait for work. Decisions are the policies'
+when its quantum is over, or earlier by the policy's closing rule, once another model waits;
+with preemption, suspend its calls in flight at the quantum; session-prefill may still admit
+continuations of a closed slot); step the engine while calls run; otherwise keep, reopen or
+switch the active model, or wait for work. Decisions are the policies'
 (``talaria.policies``), taken on the instance's read-only ``InstanceView``; the loop carries
-them out. Time comes only from the event loop.
+them out and tells ``split`` (``TimeSplit``) what the instance is doing, so each call's time
+is accounted for. Time comes only from the event loop.
 
 Who touches the engine: only this task, between awaited operations (see EngineExecutor).
 Who ends a call: ``finish`` (its terminal event; it leaves the call book) exactly once, from
@@ -21,11 +23,14 @@ import structlog
 from engine.interface import EngineRequest, EngineStats, Residency, StepResult, TokenEvent
 from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
+from talaria.instance.device import claim
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
-from talaria.policies.round_scheduler import RoundScheduler, Slot
+from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
+from talaria.policies.priority import Service, next_model, order_queue
+from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import decide_queued, hold_until
 from talaria.policies.staging import staging_target
 from talaria.policies.view import InstanceView
@@ -71,6 +76,10 @@ class AdmissionLoop:
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
+        self.split = TimeSplit(0.0)
+        executor.on_device_wait.append(lambda waiting: self.split.device_wait(self.now(), waiting))
+        if executor.device is not None:
+            executor.device_request = self._device_request
 
     def now(self) -> float:
         return self.view.now()
@@ -78,6 +87,7 @@ class AdmissionLoop:
     # the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._account()
         try:
             while True:
                 self.wake.clear()
@@ -115,26 +125,38 @@ class AdmissionLoop:
             if slot.quantum_expired(now):
                 if others:
                     slot.close(now)
+                    if self.policy.preempt and self.calls.running:
+                        await self._suspend(model)
                 else:
                     slot.opened = now  # only this model has work: the slot continues
             if slot.open:
                 await self._admit_queue(model)
-                if not self.calls.queues[model] and others:
+                if slot_closes(self.policy.slot_close, queue_empty=not self.calls.queues[model],
+                               in_flight=bool(self.calls.running), others_waiting=others > 0):
                     slot.close(now)
+        self._account()
         if not slot.open and self.policy.session_prefill:
             await self._sp_admit_queued(slot)
 
     async def _between_slots(self) -> None:
         """The engine is idle: keep, reopen or switch the active model, or wait for work."""
         active = self.active_model
-        nxt = self.rounds.next_model(active, self.calls.has_queued)
+        policy = self.policy
+        waiting = {m: self.calls.waiting(m) for m in self.rounds.order}
+        nxt = next_model(self.rounds, active, waiting, policy.model_order, self._service,
+                         policy.las_starvation_ratio)
         if nxt is None:
             await self.idle_wait(self.sessions.reservations.next_expiry())
             return
+        slot = self.slot
+        if slot is not None and slot.open and slot.model == active:
+            # Its slot is open (its closing rule keeps it) yet nothing could be admitted:
+            # wait for a change, at most until its quantum ends when another model waits.
+            await self.idle_wait(None if nxt == active else slot.ends)
+            return
         if nxt == active:
-            if self.slot is not None and self.slot.open and self.slot.model == nxt:
-                # Its slot is open yet nothing could be admitted: wait for a change.
-                await self.idle_wait(None)
+            if self.calls.suspended[nxt]:
+                await self._switch(nxt)  # its suspended calls resume
             else:
                 self._open_slot(nxt)
             return
@@ -150,8 +172,13 @@ class AdmissionLoop:
     # admission --------------------------------------------------------------------------
 
     async def _admit_queue(self, model: str) -> None:
-        """Admit queued calls of ``model`` in FIFO order while the budget allows."""
+        """Admit queued calls of ``model`` in the policy's order while the budget allows."""
         queue = self.calls.queues[model]
+        if self.policy.queue_order != "fifo" and len(queue) > 1:
+            ordered = order_queue(self.policy.queue_order, list(queue), self._service,
+                                  self.policy.las_starvation_ratio)
+            queue.clear()
+            queue.extend(ordered)
         while queue:
             pending = queue[0]
             if not await self._make_room(pending):
@@ -179,6 +206,7 @@ class AdmissionLoop:
             self.finish(pending, "error", None, error=f"rejected by the engine: {exc}")
             return
         pending.admitted = self.now()
+        self.split.admit(call.call_id, pending.admitted)
         pending.sp = sp
         pending.expected_out = self.est.expected_output(call)
         self.calls.start(pending)
@@ -263,11 +291,37 @@ class AdmissionLoop:
 
     def _open_slot(self, model: str) -> Slot:
         self.slot = Slot(model=model, opened=self.now(), quantum_s=self.policy.slot_quantum_s)
+        self._account()
         return self.slot
+
+    def _account(self) -> None:
+        """Tell the time split what the instance is doing now."""
+        slot = self.slot
+        active = slot is not None and slot.model == self.active_model
+        self.split.state(self.now(), serving(slot.model, slot.open) if active else IDLE)
+
+    def _service(self, pending: PendingCall) -> Service:
+        return self.sessions.service(pending.call.session_id, self.now() - pending.arrived)
+
+    def _device_request(self) -> tuple[float, bool]:
+        assert self.executor.device is not None
+        calls = [(self.sessions.service(p.call.session_id, 0.0).attained_s, p.admitted)
+                 for p in self.calls]
+        return claim(self.executor.device.schedule.order, calls, self.now())
+
+    async def _suspend(self, model: str) -> None:
+        """Token-level preemption: the model's calls in flight are parked, KV to host."""
+        self.split.state(self.now(), SWITCH)
+        await self.executor.suspend()
+        for pending in self.calls.suspend_running(model):
+            self.split.suspend(pending.call.call_id, self.now())
+        self.counters["preemptions"] = self.counters.get("preemptions", 0) + 1
+        self._account()
 
     async def _switch(self, model: str) -> None:
         outgoing = self.active_model
-        if outgoing is not None:
+        self.split.state(self.now(), SWITCH)
+        if outgoing is not None and outgoing != model:
             if self.policy.host_kv:
                 tokens = self.sessions.device_tokens_of(outgoing)
                 report = await self.executor.offload_kv(None)
@@ -275,7 +329,9 @@ class AdmissionLoop:
             self.sessions.switch_out(outgoing)
         report = await self.executor.activate(model)
         self.active_model = model
-        self.counters["switches"] += 1
+        for pending in self.calls.resume(model):
+            self.split.admit(pending.call.call_id, self.now())
+        self.counters["switches"] += int(outgoing != model)
         log.info(
             "switch",
             instance=self.instance_id,
@@ -330,14 +386,19 @@ class AdmissionLoop:
         reason = event.finish_reason.value if event.finish_reason is not None else "stop"
         self.finish(pending, reason, event)
         if reason != "abort":
+            now = self.now()
+            admitted = pending.admitted if pending.admitted is not None else now
             self.est.observe_output(pending.out_tokens)
-            self.sessions.on_call_end(pending.call, pending.out_tokens, self.now())
+            self.sessions.on_call_end(pending.call, pending.out_tokens, now,
+                                      waited_s=admitted - pending.arrived,
+                                      served_s=now - admitted)
 
     def finish(
         self, pending: PendingCall, reason: str, event: TokenEvent | None, error: str | None = None
     ) -> None:
         """The call's terminal event: it leaves the book and its handle ends."""
         self.calls.remove(pending.call.call_id)
+        self.split.finish(pending.call.call_id, self.now())
         pending.handle.put(terminal_event(pending, reason, event, error, self.instance_id))
 
     # housekeeping -----------------------------------------------------------------------
@@ -346,7 +407,7 @@ class AdmissionLoop:
         aborted = False
         while self.aborts:
             call_id = self.aborts.pop()
-            pending = self.calls.running.get(call_id)
+            pending = self.calls.admitted_call(call_id)
             if pending is None:
                 continue
             self.executor.abort(call_id)
