@@ -36,6 +36,7 @@ class ClusterSpec:
     block_size: int = 128  # engine KV block size; the router hashes prefixes at the same size
     max_fused_decode_steps: int = 8
     poll_interval_s: float = 1.0  # how often the router refreshes every instance's state
+    kv_tokens: int | None = None  # every engine's KV capacity per model (None: its layout's)
 
     def __post_init__(self) -> None:
         if self.servers < 1:
@@ -94,6 +95,13 @@ class Cluster:
                 out.counters[key] = out.counters.get(key, 0) + value
         return out
 
+    def call_splits(self) -> dict[str, dict[str, float]]:
+        """Each finished call's time in its instance, by category (``TimeSplit``)."""
+        out: dict[str, dict[str, float]] = {}
+        for inst in self.instances.values():
+            out.update(inst.loop.split.done)
+        return out
+
 
 def instance_ids(servers: int) -> list[str]:
     return [f"i{k}" for k in range(servers)]
@@ -109,11 +117,12 @@ async def start_cluster(
     catalog = list(models if models is not None else spec.models)
     engines: dict[str, SimEngine] = {}
     instances: dict[str, Instance] = {}
+    overrides = {"kv_tokens": spec.kv_tokens} if spec.kv_tokens is not None else {}
+    config = system.engine_config(
+        spec.server, spec.tp, block_size=spec.block_size,
+        max_fused_decode_steps=spec.max_fused_decode_steps, **overrides,
+    )
     for iid in instance_ids(spec.servers):
-        config = system.engine_config(
-            spec.server, spec.tp, block_size=spec.block_size,
-            max_fused_decode_steps=spec.max_fused_decode_steps,
-        )
         engine = SimEngine(catalog, config, clock=loop.time)
         inst = Instance(iid, engine, system.policy)
         await inst.start()

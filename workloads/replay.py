@@ -37,6 +37,7 @@ from engine.sim.model_spec import ModelSpec
 from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
+from workloads.breakdown import attach_splits
 from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
 from workloads.systems import SystemConfig
 from workloads.trace import Session
@@ -70,6 +71,11 @@ class CallRecord:
     restored_tokens: int = 0  # of those, restored from host memory
     instance_id: str | None = None
     error: str | None = None
+    # Simulation only: the call's time in its instance by category (TimeSplit), and what its
+    # KV rebuild cost: prefilling the tokens it recomputed, copying those it restored.
+    split: dict[str, float] | None = None
+    recompute_s: float = 0.0
+    restore_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -350,6 +356,7 @@ def run_sim(
                 desc=system.name,
             )
             totals = cluster.totals()
+            attach_splits(results, cluster.call_splits(), cluster.engines)
         finally:
             await cluster.stop()
         return ReplayResult(system.name, results, totals)

@@ -70,8 +70,8 @@ def _expected(first_switch_s: float) -> tuple[list[float], list[list[float]]]:
 
 def test_sct_equals_hand_computed_sum_of_calls_and_gaps() -> None:
     result = run_sim(_trace(), SYSTEMS["baseline"], SPEC)
-    # The baseline engine has no stable substrate: its one activation pays the reload.
-    scts, ttfts = _expected(COST.switch_seconds_baseline())
+    # The baseline's one activation is the substrate's copy from host.
+    scts, ttfts = _expected(COST.switch_seconds_host())
     assert result.failed_calls == 0
     got = {s.session_id: s for s in result.sessions}
     for i, want in enumerate(scts):
