@@ -54,6 +54,9 @@ class PolicyConfig:
     # soft reservations / gap prediction
     reservation_ttl_s: float = 60.0  # a reservation expires this long after its call ended
     reservation_ttl: str = "fixed"  # RESERVATION_TTLS: how that lifetime is chosen
+    # A call that does not fit waits for calls in flight instead of taking reserved KV; a
+    # reservation yields only when nothing runs (Continuum's pins and deadlock guard)
+    hard_pins: bool = False
     # a yield copies the KV to host even when that evicts other sessions' host KV (True was
     # the original behaviour; it thrashes the host store under overload)
     yield_offload_may_evict: bool = False

@@ -25,7 +25,8 @@ plane.
     wake), HiCache write-through host tier with layer-overlapped loads, flushed on every
     release; SGLang's cache-aware router.
   - ``continuum_ttl``: vLLM sleep-mode engines running Continuum: KV pinned on the device
-    after each call for the TTL of its rule, program-level FCFS with pinned sessions first.
+    after each call for the TTL of its rule (a call that does not fit waits rather than
+    evict a pin, unless nothing runs), program-level FCFS with pinned sessions first.
   - ``autellix``: vLLM sleep-mode engines running Autellix's PLAS: the session with the
     least attained service first (within a model and for the next model), anti-starvation
     promotion; locality-aware routing.
@@ -196,7 +197,7 @@ PEERS: dict[str, SystemConfig] = {
               kv_tier="hicache", **_SLEEP),
         _peer("continuum_ttl", "vllm_sleep + Continuum: KV pinned for its TTL rule, "
               "program-level FCFS", "load",
-              {"soft_reservations": True, "reservation_ttl": "continuum",
+              {"soft_reservations": True, "reservation_ttl": "continuum", "hard_pins": True,
                "queue_order": "program_fcfs"}, **_SLEEP),
         _peer("autellix", "vllm_sleep + Autellix PLAS (least attained service first, "
               "anti-starvation); locality-aware routing", "cache_aware",

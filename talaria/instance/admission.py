@@ -52,6 +52,9 @@ class Instance:
     ) -> None:
         self.instance_id = instance_id
         self.policy = policy or PolicyConfig()
+        if self.policy.preempt and not callable(getattr(engine, "suspend", None)):
+            raise ValueError(f"policy {self.policy.name!r} preempts calls in flight, which "
+                             f"{type(engine).__name__} cannot suspend")
         self.engine = engine
         self.executor = executor or EngineExecutor(engine)
         self.models = list(engine.model_names)

@@ -236,8 +236,8 @@ class AdmissionLoop:
             if self._blocks_in_use(pending.call.session_id) + pending.need_blocks <= total:
                 return True
             victims = book.yield_order(model, exclude=pending.call.session_id)
-            if not victims:
-                return False
+            if not victims or (self.policy.hard_pins and self.calls.running):
+                return False  # hard pins yield only when nothing runs (deadlock guard)
             await self.sessions.yield_reservation(victims[0])
 
     def _blocks_in_use(self, session_id: str) -> int:
