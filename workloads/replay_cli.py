@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-staging", action="store_true",
                    help="drop the staging region from every policy (servers too small to "
                    "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
+    p.add_argument("--sleep-efficiency", type=float, default=None,
+                   help="sleep/wake copy efficiency of the host link for the vLLM/SGLang peers "
+                   "(default: vLLM's measured multi-GPU 0.40-0.44; 0.85 is one GPU alone)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--live", metavar="URL", help="replay against the router at URL instead")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -176,6 +180,9 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     systems = parse_policies(args.policies)
     if args.no_staging:
         systems = [s.without_staging() for s in systems]
+    if args.sleep_efficiency is not None:
+        systems = [replace(s, sleep_wake_efficiency=args.sleep_efficiency)
+                   if s.switch == "sleep_wake" else s for s in systems]
     spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
                        block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
     for s in systems:
@@ -236,7 +243,8 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
              "servers": args.servers, "server": args.server, "tp": args.tp,
              "models": catalog, "block_size": args.block_size,
              "fused_decode_steps": args.fused_steps, "seed": args.seed,
-             "no_staging": args.no_staging, "settings": source}
+             "no_staging": args.no_staging, "sleep_efficiency": args.sleep_efficiency,
+             "settings": source}
     bench = benchmark(results, lower, best, setup, ideal=ideal,
                       settings={**{s.name: s.setting for s in systems}, "ideal": ideal_setting})
     print(format_table(bench))

@@ -9,7 +9,7 @@ import math
 
 import pytest
 from fake_engine import FakeEngine
-from instance_helpers import call, run_call, run_session
+from instance_helpers import late_continuation
 
 from talaria.clock import run_virtual
 from talaria.config import PolicyConfig, preset
@@ -21,31 +21,13 @@ from talaria.policies.round_scheduler import RoundScheduler, slot_closes
 from talaria.policies.ttl import MIN_SAMPLES, continuum_ttl
 
 
-def _late_continuation(policy: PolicyConfig):  # type: ignore[no-untyped-def]
-    """s1 decodes 5 s on model a; s2's short call ends at 2.5 and its continuation comes at
-    3.0 while s1 still runs and a call of b waits."""
-    engine = FakeEngine(["a", "b"], step_s=0.1, switch_host_s=2.0)
-
-    async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, policy)
-        await inst.start()
-        long = asyncio.ensure_future(run_call(inst, call("s1-0", "s1", "a", 100, 50)))
-        s2 = asyncio.ensure_future(run_session(inst, "s2", "a", 2, gap=0.5))
-        b1 = asyncio.ensure_future(run_call(inst, call("b1", "sb", "b", 100, 5)))
-        out = await long, await s2, await b1
-        await inst.stop()
-        return out, inst
-
-    return run_virtual(main())
-
-
 @pytest.mark.parametrize(("rule", "continuation_first", "b_first"), [
     ("empty", 11.6, 9.1),  # a's slot closed as its queue emptied: the continuation waits
     ("drained", 3.1, 9.1),  # open while s1 runs: admitted at once; b after a drains
     ("quantum", 3.1, 24.1),  # open until its quantum (opened at 2.0 + 20 s), then b
 ])
 def test_slot_closing_rule(rule: str, continuation_first: float, b_first: float) -> None:
-    (s1, s2, b1), inst = _late_continuation(
+    (s1, s2, b1), _ = late_continuation(
         preset("baseline", slot_close=rule, slot_quantum_s=20.0))
     assert s1.done == pytest.approx(7.0)
     assert s2[1].first == pytest.approx(continuation_first)
