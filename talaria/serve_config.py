@@ -27,7 +27,7 @@ host_kv_bytes = "16GiB"
 staging = true
 
 [policy]
-preset = "talaria"      # baseline | +staging | +host_kv | +sp | talaria
+preset = "talaria"      # baseline | +staging | +host_kv | talaria | -staging | -host_kv | -sp | -reservations
 slot_quantum_s = 10.0   # any PolicyConfig field overrides the preset
 ```
 

@@ -31,17 +31,17 @@ from workloads.breakdown import attach_splits
 from workloads.cluster import ClusterSpec
 from workloads.lower_bound import InstanceTarget
 from workloads.replay import ReplayResult, drive, model_limits
+from workloads.systems import ROUND_QUANTA
 from workloads.trace import Session
 
 __all__ = ["IDEAL_NAME", "ideal_schedules", "run_ideal"]
 
 IDEAL_NAME = "ideal"
-_QUANTA = (5.0, 15.0, 30.0, 60.0, 120.0)
 _PLAIN = PolicyConfig(name=IDEAL_NAME, session_prefill=False, soft_reservations=False,
                       host_kv=False, d2d_staging=False)
 
 
-def ideal_schedules(quanta: Sequence[float] = _QUANTA) -> list[DeviceSchedule]:
+def ideal_schedules(quanta: Sequence[float] = ROUND_QUANTA) -> list[DeviceSchedule]:
     """The family: step-level orders, and slot schedules at ``quanta`` (each closing rule,
     preemptive or letting calls in flight finish)."""
     out = [DeviceSchedule(order) for order in ("fair", "las", "mas")]

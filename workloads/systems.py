@@ -63,6 +63,11 @@ __all__ = [
 ]
 
 GRIDS = ("round", "preempt")
+# Quanta a round-scheduled row is tried at (with every closing rule): from a few seconds to
+# a slot that outlasts most sessions; the best of the default trace's rows lie inside.
+ROUND_QUANTA: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+# Aegaeon's quota is bounded by Q_MAX = 4 s (SOSP'25).
+PREEMPT_QUANTA: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ percentile. ``talaria replay --tune`` writes the result to ``TUNED_PATH``;
 ``talaria replay`` reads it back when it was made for the same trace and cluster
 (``setup_key``), so the benchmark does not re-run the grids.
 
-Grids: a round-scheduled row tries every closing rule at quanta from 5 s to 120 s; Aegaeon,
-whose quota the paper bounds by Q_MAX = 4 s, tries every rule at 0.5 s to 4 s; a row without
-switches has no setting.
+Grids: a round-scheduled row tries every closing rule at quanta from 5 s to 960 s
+(``workloads.systems.ROUND_QUANTA``); Aegaeon, whose quota the paper bounds by Q_MAX = 4 s,
+tries every rule at 0.5 s to 4 s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from workloads.ideal import ideal_schedules
 from workloads.replay import ReplayResult
 from workloads.report import percentile
 from workloads.sweep import Job, run_many
-from workloads.systems import SystemConfig
+from workloads.systems import PREEMPT_QUANTA, ROUND_QUANTA, SystemConfig
 from workloads.trace import Session
 
 __all__ = ["GRIDS", "TUNE_COMMAND", "TUNED_PATH", "Tuned", "apply_settings", "grid",
@@ -40,11 +40,7 @@ __all__ = ["GRIDS", "TUNE_COMMAND", "TUNED_PATH", "Tuned", "apply_settings", "gr
 
 TUNED_PATH = Path(__file__).parent / "data" / "tuned_settings.json"
 TUNE_COMMAND = "make replay ARGS=--tune"
-GRIDS: dict[str, tuple[float, ...]] = {
-    "round": (5.0, 15.0, 30.0, 60.0, 120.0),
-    "preempt": (0.5, 1.0, 2.0, 4.0),
-    "none": (),
-}
+GRIDS: dict[str, tuple[float, ...]] = {"round": ROUND_QUANTA, "preempt": PREEMPT_QUANTA}
 
 
 def grid(system: SystemConfig, quanta: Sequence[float] | None = None) -> list[dict[str, Any]]:
