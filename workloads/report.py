@@ -292,7 +292,7 @@ def format_breakdown(bench: Benchmark) -> str:
     for st, _bound in _all_rows(bench):
         if st.breakdown:
             rows.append([st.name, _fmt(st.sct_mean_s, ".1f"),
-                         *(_fmt(st.breakdown[p], ".1f") for p in PARTS)])
+                         *(_fmt(round(st.breakdown[p], 1) + 0.0, ".1f") for p in PARTS)])
     notes = [
         "mean seconds per session; own: its calls alone; queue: behind calls of its own model; "
         "slot: waiting for its model's slot; switch: model switches; recomp: KV rebuilt by "
