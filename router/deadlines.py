@@ -7,7 +7,9 @@
   there and its client gets an error event (a retry could repeat tokens already sent).
 - ``state_s``: one poll of an instance's state. Missed: the poll counts as failed.
 
-Either call deadline missed counts against the instance's health (``router.health``).
+Either call deadline missed counts against the instance's health (``router.health``). A call
+deadline of None means none: the simulated cluster runs so (its instances never hang, and a
+call may rightly wait minutes for its model's slot: that wait is what the benchmark measures).
 """
 
 from __future__ import annotations
@@ -23,23 +25,33 @@ __all__ = ["Deadlines", "DeadlineMissed", "next_event"]
 
 @dataclass(frozen=True)
 class Deadlines:
-    first_token_s: float = 300.0
-    stall_s: float = 60.0
+    first_token_s: float | None = 300.0
+    stall_s: float | None = 60.0
     state_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("first_token_s", "stall_s", "state_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is None and name != "state_s":
+                continue
+            if not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+
+    @classmethod
+    def none_on_calls(cls) -> Deadlines:
+        """No call deadlines (state polls keep theirs): for the simulated cluster."""
+        return cls(first_token_s=None, stall_s=None)
 
 
 class DeadlineMissed(InstanceUnavailable):
     """An instance did not produce a call's next event in time."""
 
 
-async def next_event(stream: AsyncIterator[CallEvent], seconds: float, what: str) -> CallEvent:
-    """The stream's next event within ``seconds``; DeadlineMissed otherwise (the wait is
-    cancelled, which closes the stream's connection)."""
+async def next_event(
+    stream: AsyncIterator[CallEvent], seconds: float | None, what: str
+) -> CallEvent:
+    """The stream's next event within ``seconds`` (None: no deadline); DeadlineMissed
+    otherwise (the wait is cancelled, which closes the stream's connection)."""
     try:
         async with asyncio.timeout(seconds):
             return await anext(stream)

@@ -1,8 +1,10 @@
-"""Instance policy configuration: one switch per Talaria mechanism.
+"""Instance policy configuration: one switch per mechanism.
 
-Every mechanism sits on top of the round scheduler (the baseline) and can be turned on or off
-alone, so each ablation is one preset or one override away. Placement switches belong to the
-router's configuration, not here.
+Every mechanism sits on top of the round scheduler and can be turned on or off alone, so
+each ablation is one preset or one override away. Talaria's own mechanisms are the ladder's
+(``LADDER``); the others (slot-closing rule, preemption, admission and model order, TTL
+rule) are what the peer systems of the benchmark are built from, on the same control plane.
+Placement switches belong to the router's configuration, not here.
 """
 
 from __future__ import annotations
@@ -10,7 +12,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-__all__ = ["LADDER", "MECHANISMS", "PolicyConfig", "PRESETS", "Rung", "preset"]
+__all__ = [
+    "LADDER", "LEAVE_ONE_OUT", "MECHANISMS", "MODEL_ORDERS", "PolicyConfig", "PRESETS",
+    "QUEUE_ORDERS", "RESERVATION_TTLS", "Rung", "SLOT_CLOSE_RULES", "preset",
+]
+
+# When an open slot closes before its quantum, once another model waits: its queue is empty;
+# its queue is empty and none of its calls is in flight; never (only at the quantum).
+SLOT_CLOSE_RULES = ("empty", "drained", "quantum")
+# Admission order within a model: arrival; program-level FCFS, sessions holding a pin first
+# (Continuum); program-level least attained service (Autellix's PLAS).
+QUEUE_ORDERS = ("fifo", "program_fcfs", "las")
+# Which model gets the next slot: round robin; the model of the waiting session with the
+# least attained service (Autellix's PLAS across the models of one server).
+MODEL_ORDERS = ("round", "las")
+# How long a soft reservation lives: reservation_ttl_s; Continuum's TTL rule.
+RESERVATION_TTLS = ("fixed", "continuum")
 
 
 @dataclass(frozen=True)
@@ -23,12 +40,23 @@ class PolicyConfig:
     d2d_staging: bool = True  # stage the next model on the device while the current runs
     # round scheduler
     slot_quantum_s: float = 30.0  # a slot admits queued calls for at most this long
+    slot_close: str = "empty"  # SLOT_CLOSE_RULES: when a slot closes before its quantum
+    preempt: bool = False  # at the quantum, suspend the model's calls in flight (Aegaeon)
+    queue_order: str = "fifo"  # QUEUE_ORDERS: admission order within a model
+    model_order: str = "round"  # MODEL_ORDERS: which model gets the next slot
+    # Autellix's anti-starvation: a session whose total wait reaches this multiple of its
+    # attained service goes first (beta; 8 in the public reproduction, the paper's is a GAP)
+    las_starvation_ratio: float = 8.0
     # session-prefill
     sp_horizon_s: float = 10.0  # consider continuations expected within this horizon
     sp_budget_s: float = 20.0  # max extra slot time SP may add to one slot
     sp_idle_margin_s: float = 1.0  # idle wait past a continuation's predicted arrival
     # soft reservations / gap prediction
     reservation_ttl_s: float = 60.0  # a reservation expires this long after its call ended
+    reservation_ttl: str = "fixed"  # RESERVATION_TTLS: how that lifetime is chosen
+    # A call that does not fit waits for calls in flight instead of taking reserved KV; a
+    # reservation yields only when nothing runs (Continuum's pins and deadlock guard)
+    hard_pins: bool = False
     # a yield copies the KV to host even when that evicts other sessions' host KV (True was
     # the original behaviour; it thrashes the host store under overload)
     yield_offload_may_evict: bool = False
@@ -52,7 +80,13 @@ class PolicyConfig:
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"PolicyConfig.{f.name} must be a bool, got {value!r}")
-        positive = ("slot_quantum_s", "reservation_ttl_s", "state_refresh_s", "session_memory_s")
+        for key, allowed in (("slot_close", SLOT_CLOSE_RULES), ("queue_order", QUEUE_ORDERS),
+                             ("model_order", MODEL_ORDERS), ("reservation_ttl", RESERVATION_TTLS)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"PolicyConfig.{key} must be one of {allowed}, got "
+                                 f"{getattr(self, key)!r}")
+        positive = ("slot_quantum_s", "reservation_ttl_s", "state_refresh_s", "session_memory_s",
+                    "las_starvation_ratio")
         for key in positive:
             if not getattr(self, key) > 0:
                 raise ValueError(f"PolicyConfig.{key} must be > 0, got {getattr(self, key)!r}")
@@ -99,27 +133,38 @@ class Rung:
 
 
 # The ablation ladder, the one definition of it: each step adds mechanisms to the previous
-# one, from the round scheduler alone to Talaria. The benchmark's systems are built from it.
+# one, from the reference's baseline (the system itself with session-prefill, host-KV
+# restoration and D2D staging off: its switch is the substrate's H2D copy and drops the
+# outgoing model's KV) to Talaria. The benchmark's systems are built from it.
 LADDER: tuple[Rung, ...] = (
-    Rung("baseline", (), "round scheduler; a switch drops the outgoing model's KV"),
+    Rung("baseline", ("soft_reservations",), "round scheduler with soft reservations; a "
+         "switch is the substrate's H2D copy and drops the outgoing model's KV"),
     Rung("+staging", ("d2d_staging",), "the next model staged on the device: D2D switches"),
     Rung("+host_kv", ("host_kv",), "outgoing KV offloaded to host, restored on return"),
-    Rung("+sp", ("session_prefill",), "session-prefill"),
-    Rung("talaria", ("soft_reservations",), "soft reservations and session-aware placement"),
+    Rung("talaria", ("session_prefill",), "session-prefill"),
 )
 MECHANISMS = ("session_prefill", "soft_reservations", "host_kv", "d2d_staging")
+# Talaria minus one mechanism each: (preset name, the mechanism turned off).
+LEAVE_ONE_OUT: tuple[tuple[str, str], ...] = (
+    ("-staging", "d2d_staging"),
+    ("-host_kv", "host_kv"),
+    ("-sp", "session_prefill"),
+    ("-reservations", "soft_reservations"),
+)
 
 
-def _ladder_presets() -> dict[str, PolicyConfig]:
+def _presets() -> dict[str, PolicyConfig]:
     on: set[str] = set()
     out: dict[str, PolicyConfig] = {}
     for rung in LADDER:
         on.update(rung.adds)
         out[rung.name] = PolicyConfig(name=rung.name, **{m: m in on for m in MECHANISMS})
+    for name, off in LEAVE_ONE_OUT:
+        out[name] = PolicyConfig(name=name, **{m: m in on and m != off for m in MECHANISMS})
     return out
 
 
-PRESETS: dict[str, PolicyConfig] = _ladder_presets()
+PRESETS: dict[str, PolicyConfig] = _presets()
 
 
 def preset(name: str, **overrides: Any) -> PolicyConfig:

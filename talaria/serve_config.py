@@ -35,7 +35,7 @@ staging = true
 restart = true          # start it again (with backoff) when its process dies
 
 [policy]
-preset = "talaria"      # baseline | +staging | +host_kv | +sp | talaria
+preset = "talaria"      # baseline | +staging | +host_kv | talaria | -staging | -host_kv | -sp | -reservations
 slot_quantum_s = 10.0   # any PolicyConfig field overrides the preset
 ```
 

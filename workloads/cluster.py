@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.sim.engine import SimEngine
 from engine.sim.model_spec import DEFAULT_CATALOG
 from router.core import RouterCore
+from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.inprocess import InProcessClient
 from router.session_inference import SessionInference
@@ -37,6 +38,7 @@ class ClusterSpec:
     block_size: int = 128  # engine KV block size; the router hashes prefixes at the same size
     max_fused_decode_steps: int = 8
     poll_interval_s: float = 1.0  # how often the router refreshes every instance's state
+    kv_tokens: int | None = None  # every engine's KV capacity per model (None: its layout's)
 
     def __post_init__(self) -> None:
         if self.servers < 1:
@@ -95,6 +97,13 @@ class Cluster:
                 out.counters[key] = out.counters.get(key, 0) + value
         return out
 
+    def call_splits(self) -> dict[str, dict[str, float]]:
+        """Each finished call's time in its instance, by category (``TimeSplit``)."""
+        out: dict[str, dict[str, float]] = {}
+        for inst in self.instances.values():
+            out.update(inst.loop.split.done)
+        return out
+
 
 def instance_ids(servers: int) -> list[str]:
     return [f"i{k}" for k in range(servers)]
@@ -110,11 +119,12 @@ async def start_cluster(
     catalog = list(models if models is not None else spec.models)
     engines: dict[str, SimEngine] = {}
     instances: dict[str, Instance] = {}
+    overrides = {"kv_tokens": spec.kv_tokens} if spec.kv_tokens is not None else {}
+    config = system.engine_config(
+        spec.server, spec.tp, block_size=spec.block_size,
+        max_fused_decode_steps=spec.max_fused_decode_steps, **overrides,
+    )
     for iid in instance_ids(spec.servers):
-        config = system.engine_config(
-            spec.server, spec.tp, block_size=spec.block_size,
-            max_fused_decode_steps=spec.max_fused_decode_steps,
-        )
         engine = SimEngine(catalog, config, clock=loop.time)
         inst = Instance(iid, engine, system.policy)
         await inst.start()
@@ -122,7 +132,8 @@ async def start_cluster(
         instances[iid] = inst
     clients = {iid: InProcessClient(iid, inst) for iid, inst in instances.items()}
     router = RouterCore(clients, system.placement, clock=loop.time, block_size=spec.block_size,
-                        inference=SessionInference(spec.block_size))
+                        inference=SessionInference(spec.block_size),
+                        deadlines=Deadlines.none_on_calls())
     poller = HealthPoller(router, spec.poll_interval_s)
     await poller.poll_once()
     cluster = Cluster(system, spec, engines, instances, router, poller)

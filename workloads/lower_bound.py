@@ -30,13 +30,13 @@ from workloads.replay import (
 )
 from workloads.trace import Session
 
-__all__ = ["run_lower_bound", "LOWER_BOUND_NAME"]
+__all__ = ["InstanceTarget", "run_lower_bound", "LOWER_BOUND_NAME"]
 
 LOWER_BOUND_NAME = "isolated"
 _BATCH = 32  # sessions simulated at once (each has its own engine and KV pool)
 
 
-class _InstanceTarget:
+class InstanceTarget:
     """Sends each session's calls straight to that session's own instance."""
 
     def __init__(self, instances: dict[str, Instance]) -> None:
@@ -78,7 +78,7 @@ def run_lower_bound(
             alone = [_at_zero(s) for s in batch]
             try:
                 return await drive(
-                    alone, _InstanceTarget(instances), seed=seed, vocab_of=vocab.__getitem__,
+                    alone, InstanceTarget(instances), seed=seed, vocab_of=vocab.__getitem__,
                     context_of=context.__getitem__, block_size=spec.block_size,
                     progress=progress, desc=LOWER_BOUND_NAME,
                 )

@@ -37,6 +37,7 @@ from engine.sim.model_spec import ModelSpec
 from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
+from workloads.breakdown import attach_splits
 from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
 from workloads.dependencies import CallBoard
 from workloads.systems import SystemConfig
@@ -72,6 +73,11 @@ class CallRecord:
     instance_id: str | None = None
     error: str | None = None
     session_id: str | None = None  # the session the router served it in (inferred when unsent)
+    # Simulation only: the call's time in its instance by category (TimeSplit), and what its
+    # KV rebuild cost: prefilling the tokens it recomputed, copying those it restored.
+    split: dict[str, float] | None = None
+    recompute_s: float = 0.0
+    restore_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -380,6 +386,7 @@ def run_sim(
                 shared_prefix_tokens=shared_prefix_tokens,
             )
             totals = cluster.totals()
+            attach_splits(results, cluster.call_splits(), cluster.engines)
         finally:
             await cluster.stop()
         return ReplayResult(system.name, results, totals)

@@ -1,10 +1,12 @@
 """``talaria replay``: the benchmark (simulated cluster) or a replay against a live router.
 
 Simulated (default): every policy of ``--policies`` replays the trace on its own simulated
-cluster under the virtual clock, plus the isolated lower bound; prints the table, writes JSON
-(``--json``) and the SCT plot (``--plot``). ``--sweep`` adds the load and slot-quantum sweeps;
-``--tune-baseline`` only the baseline's quantum grid (for the best-quantum speedups).
-Live (``--live URL``): replays the trace against a running router over HTTP.
+cluster under the virtual clock, each at its tuned slot-closing rule and quantum (cached in
+``workloads/data/tuned_settings.json`` for the trace and cluster it was tuned on; ``--tune``
+re-runs the grid and rewrites it), plus the two bounds (``ideal``, ``isolated``); prints the
+table and where each session's time went, writes JSON (``--json``) and plots (``--plot``:
+SCT distributions, and the time split as stacked bars). ``--sweep`` adds the load and
+slot-quantum sweeps. Live (``--live URL``): replays the trace against a running router.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", help="write the SCT distributions as a PNG here (and the "
                    "sweeps next to it as *_sweep.png)")
     p.add_argument("--sweep", action="store_true", help="also run the load and quantum sweeps")
-    p.add_argument("--tune-baseline", action="store_true",
-                   help="run the baseline at every sweep quantum (best-quantum speedups)")
-    p.add_argument("--quanta", default=None, help="slot quanta for the sweeps, e.g. 5,10,30")
+    p.add_argument("--tune", action="store_true",
+                   help="run every policy over its grid of slot-closing rules and quanta, "
+                   "keep each one's best and write them to --settings")
+    p.add_argument("--settings", default=None,
+                   help="tuned settings file (default: workloads/data/tuned_settings.json)")
+    p.add_argument("--quanta", default=None, help="slot quanta for the sweeps and for --tune's "
+                   "grids, e.g. 5,10,30 (default: the sweep's and each grid's own)")
     p.add_argument("--load-fractions", default=None,
                    help="Poisson rates as fractions of saturation, e.g. 0.25,0.5,1")
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
@@ -49,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-staging", action="store_true",
                    help="drop the staging region from every policy (servers too small to "
                    "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
+    p.add_argument("--sleep-efficiency", type=float, default=None,
+                   help="sleep/wake copy efficiency of the host link for the vLLM/SGLang peers "
+                   "(default: vLLM's measured multi-GPU 0.40-0.44; 0.85 is one GPU alone)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--strip-session-ids", action="store_true",
                    help="replay the first policy (default talaria) with session ids sent and "
@@ -116,7 +126,8 @@ def _run(args: argparse.Namespace) -> int:
 def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
     from workloads.live import run_live_replay
     from workloads.replay import replicate
-    from workloads.report import benchmark, format_table, plot_sct, to_json, write_json
+    from workloads.report import benchmark, format_table, to_json, write_json
+    from workloads.report_plot import plot_sct
 
     sessions = replicate(sessions, args.servers)
     result, info = run_live_replay(
@@ -142,7 +153,14 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     from workloads.assignment import assign_models
     from workloads.cluster import ClusterSpec
     from workloads.replay import replicate
-    from workloads.report import BASELINE, benchmark, format_table, plot_sct, to_json, write_json
+    from workloads.report import (
+        BASELINE,
+        benchmark,
+        format_breakdown,
+        format_table,
+        to_json,
+        write_json,
+    )
     from workloads.sweep import (
         DEFAULT_LOAD_FRACTIONS,
         DEFAULT_QUANTA,
@@ -152,13 +170,26 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         run_many,
         run_quantum_sweep,
     )
-    from workloads.sweep_report import format_sweep, plot_sweeps, regime_summary, sweep_json
+    from workloads.sweep_report import format_sweep, regime_summary, sweep_json
     from workloads.systems import ABLATIONS, check_fits, parse_policies
+    from workloads.tuning import (
+        TUNE_COMMAND,
+        TUNED_PATH,
+        apply_settings,
+        ideal_choice,
+        load_settings,
+        save_settings,
+        setup_key,
+        tune,
+    )
 
     wall = time.perf_counter()
     systems = parse_policies(args.policies)
     if args.no_staging:
         systems = [s.without_staging() for s in systems]
+    if args.sleep_efficiency is not None:
+        systems = [replace(s, sleep_wake_efficiency=args.sleep_efficiency)
+                   if s.switch == "sleep_wake" else s for s in systems]
     spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
                        block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
     for s in systems:
@@ -184,10 +215,30 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     calls = sum(s.num_calls for s in sessions)
     print(f"replay: {len(sessions)} sessions, {calls} calls on {args.servers} x {args.server} "
           f"(TP={args.tp}), models {catalog}", flush=True)
+    settings_path = Path(args.settings) if args.settings else TUNED_PATH
+    key = setup_key(sessions, spec, args.seed)
+    if args.tune:
+        tuned = tune(sessions, systems, spec, seed=args.seed, workers=args.workers,
+                     progress=progress, quanta=quanta if args.quanta else None)
+        save_settings(tuned, key, settings_path)
+        print(f"wrote the tuned settings to {settings_path}")
+        source = f"tuned now (redo: {TUNE_COMMAND})"
+    else:
+        tuned = load_settings(key, settings_path)
+        source = (f"tuned, from {settings_path} (redo: {TUNE_COMMAND})" if tuned else
+                  f"each policy's own, ideal untuned (no tuned settings for this trace and "
+                  f"cluster in {settings_path}; {TUNE_COMMAND} makes them)")
+    systems = apply_settings(systems, tuned.settings if tuned else {})
+    ideals = ideal_choice(tuned)
     jobs = [Job(s.name, tuple(sessions), s, spec, args.seed) for s in systems]
     jobs.append(Job("__lower_bound__", tuple(sessions), None, spec, args.seed))
+    for schedule in dict.fromkeys(ideals.values()):
+        jobs.append(Job(("__ideal__", schedule), tuple(sessions), None, spec, args.seed,
+                        ideal=schedule))
     done = run_many(jobs, args.workers, progress)
     lower = done.pop("__lower_bound__")
+    ideal = {key: done[("__ideal__", s)] for key, s in ideals.items()}
+    ideal_setting = {key: {"schedule": s.name} for key, s in ideals.items()}
     results = [done[s.name] for s in systems]
     extra: dict[str, Any] = {}
     best: dict[str, Any] = {}
@@ -203,39 +254,47 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         if any(s.name == BASELINE for s in systems):
             best = best_quantum(qsweep)
         extra["sweeps"] = {"load": sweep_json(lsweep), "quantum": sweep_json(qsweep)}
-    elif args.tune_baseline and any(s.name == BASELINE for s in systems):
-        qsweep = run_quantum_sweep(sessions, spec, quanta, [ABLATIONS[BASELINE]],
-                                   seed=args.seed, workers=args.workers, progress=progress)
-        best = best_quantum(qsweep)
-        extra["sweeps"] = {"quantum": sweep_json(qsweep)}
     setup = {"trace": args.trace or "default", "sessions": len(sessions), "calls": calls,
              "servers": args.servers, "server": args.server, "tp": args.tp,
              "models": catalog, "block_size": args.block_size,
              "fused_decode_steps": args.fused_steps, "seed": args.seed,
-             "no_staging": args.no_staging}
-    bench = benchmark(results, lower, best, setup)
+             "no_staging": args.no_staging, "sleep_efficiency": args.sleep_efficiency,
+             "settings": source}
+    bench = benchmark(results, lower, best, setup, ideal=ideal,
+                      settings={**{s.name: s.setting for s in systems}, "ideal": ideal_setting})
     print(format_table(bench))
+    print()
+    print(format_breakdown(bench))
+    print(f"\nsettings: {source}")
     for sweep in sweeps:
         print()
         print(format_sweep(sweep))
     if sweeps:
         print()
         print(regime_summary(sweeps[0]))
-    if best and not sweeps:
-        print(f"baseline best quantum: p50 {best['p50'][0]:g} s, p95 {best['p95'][0]:g} s")
     if args.json_path:
         write_json(to_json(bench, extra), args.json_path)
         print(f"wrote {args.json_path}")
     if args.plot:
-        if plot_sct(results, args.plot, lower):
-            print(f"wrote {args.plot}")
-            if sweeps:
-                path = Path(args.plot)
-                sweep_path = path.with_name(path.stem + "_sweep" + path.suffix)
-                plot_sweeps(sweeps, sweep_path)
-                print(f"wrote {sweep_path}")
-        else:
-            print("(plot skipped: matplotlib is not installed)", file=sys.stderr)
+        _plots(args.plot, results, [ideal["p50"], lower], bench, sweeps)
     print(f"wall {time.perf_counter() - wall:.1f} s", file=sys.stderr)
-    failed = sum(r.failed_calls for r in results) + lower.failed_calls
+    failed = sum(r.failed_calls for r in [*results, lower, *ideal.values()])
     return 1 if failed else 0
+
+
+def _plots(path_text: str, results: list[Any], bounds: list[Any], bench: Any,
+           sweeps: list[Any]) -> None:
+    from workloads.report_plot import plot_breakdown, plot_sct
+    from workloads.sweep_report import plot_sweeps
+
+    path = Path(path_text)
+    if not plot_sct(results, path, bounds):
+        print("(plots skipped: matplotlib is not installed)", file=sys.stderr)
+        return
+    split_path = path.with_name(path.stem + "_split" + path.suffix)
+    plot_breakdown(bench, split_path)
+    print(f"wrote {path} and {split_path}")
+    if sweeps:
+        sweep_path = path.with_name(path.stem + "_sweep" + path.suffix)
+        plot_sweeps(sweeps, sweep_path)
+        print(f"wrote {sweep_path}")

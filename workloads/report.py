@@ -1,12 +1,12 @@
-"""Benchmark statistics, the printed table, the JSON file and the SCT plot.
+"""Benchmark statistics, the printed tables and the JSON file (plots: ``report_plot``).
 
-Per policy: SCT p50 / p95 / mean; per-call TTFT p50 / p95; model switches; prompt tokens
-recomputed (KV an earlier call of the session had computed, prefilled again) vs restored from
-host vs served from the device prefix cache; speedups of p50 and p95 SCT against the round
-baseline (and against the baseline at its best slot quantum, when a quantum sweep ran); and
-p50 SCT over the isolated lower bound's p50. Percentiles interpolate linearly between order
-statistics. matplotlib is optional: without it the plot is skipped with a note, the table and
-the JSON are unaffected.
+Per policy: the setting it ran at; SCT p50 / p95 / mean; per-call TTFT p50 / p95; model
+switches; prompt tokens recomputed (KV an earlier call of the session had computed, prefilled
+again) vs restored from host vs served from the device prefix cache; speedups of p50 and p95
+SCT against the baseline (and against the baseline at its best slot quantum, when a quantum
+sweep ran); p50 and p95 as multiples of both bounds (``ideal``, ``isolated``); and where each
+session's time went (``workloads.breakdown``), mean per session, overall and per model.
+Percentiles interpolate linearly between order statistics.
 """
 
 from __future__ import annotations
@@ -19,20 +19,23 @@ from typing import Any
 
 import orjson
 
+from workloads.breakdown import PARTS, session_parts
 from workloads.replay import ReplayResult
 
 __all__ = [
     "PolicyStats",
     "Benchmark",
     "percentile",
+    "own_durations",
     "summarize",
     "format_table",
+    "format_breakdown",
     "to_json",
     "write_json",
-    "plot_sct",
 ]
 
 BASELINE = "baseline"
+IDEAL_ROW = "ideal"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -71,11 +74,39 @@ class PolicyStats:
     speedup_p50_best_q: float | None = None  # best-quantum baseline p50 / this p50
     speedup_p95_best_q: float | None = None
     p50_over_lower_bound: float | None = None
+    p95_over_lower_bound: float | None = None
+    p50_over_ideal: float | None = None
+    p95_over_ideal: float | None = None
     counters: dict[str, int] = field(default_factory=dict)
+    setting: dict[str, Any] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=dict)  # mean seconds per session
+    breakdown_per_model: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def summarize(result: ReplayResult) -> PolicyStats:
+OwnDurations = dict[str, dict[int, float]]  # session id -> call index -> seconds alone
+
+
+def own_durations(isolated: ReplayResult) -> OwnDurations:
+    """Each call's duration in the isolated run: what it takes with its session alone."""
+    return {s.session_id: {c.index: c.done_s - c.sent_s for c in s.calls}
+            for s in isolated.sessions}
+
+
+def _mean_parts(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {p: sum(r[p] for r in rows) / len(rows) for p in PARTS} if rows else {}
+
+
+def summarize(
+    result: ReplayResult, own: OwnDurations | None = None, setting: Mapping[str, Any] | None = None,
+    *, is_isolated: bool = False,
+) -> PolicyStats:
+    """``own``: every call's duration alone (the isolated run), for the time split."""
     scts = [s.sct_s for s in result.sessions]
+    parts = [session_parts(s.calls, None if is_isolated else (own or {}).get(s.session_id))
+             for s in result.sessions]
+    by_model: dict[str, list[dict[str, float]]] = {}
+    for s, p in zip(result.sessions, parts, strict=True):
+        by_model.setdefault(s.model, []).append(p)
     calls = result.calls
     ttfts = [c.ttft_s for c in calls if c.ttft_s is not None]
     cached = sum(c.cached_tokens for c in calls)
@@ -99,18 +130,22 @@ def summarize(result: ReplayResult) -> PolicyStats:
         tokens_device_cached=cached - restored,
         wall_s=result.wall_s,
         counters=dict(totals.counters) if totals is not None else {},
+        setting=dict(setting or {}),
+        breakdown=_mean_parts(parts),
+        breakdown_per_model={m: _mean_parts(rows) for m, rows in sorted(by_model.items())},
     )
 
 
 @dataclass
 class Benchmark:
-    """Every policy's stats, the lower bound, and (after a quantum sweep) the baseline's
+    """Every policy's stats, the two bounds, and (after a quantum sweep) the baseline's
     best quantum for p50 and for p95."""
 
     policies: dict[str, PolicyStats]
     lower_bound: PolicyStats | None = None
     best_quantum: dict[str, Any] = field(default_factory=dict)  # {"p50": (q, s), "p95": ...}
     setup: dict[str, Any] = field(default_factory=dict)
+    ideal: PolicyStats | None = None
 
     def __post_init__(self) -> None:
         self.relate()
@@ -120,7 +155,8 @@ class Benchmark:
         lb = self.lower_bound
         best50 = self.best_quantum.get("p50")
         best95 = self.best_quantum.get("p95")
-        for st in self.policies.values():
+        bounds = [b for b in (self.ideal, lb) if b is not None]
+        for st in [*self.policies.values(), *bounds]:
             if base is not None:
                 st.speedup_p50 = _ratio(base.sct_p50_s, st.sct_p50_s)
                 st.speedup_p95 = _ratio(base.sct_p95_s, st.sct_p95_s)
@@ -130,17 +166,34 @@ class Benchmark:
                 st.speedup_p95_best_q = _ratio(best95[1], st.sct_p95_s)
             if lb is not None:
                 st.p50_over_lower_bound = _ratio(st.sct_p50_s, lb.sct_p50_s)
+                st.p95_over_lower_bound = _ratio(st.sct_p95_s, lb.sct_p95_s)
+            if self.ideal is not None:
+                st.p50_over_ideal = _ratio(st.sct_p50_s, self.ideal.sct_p50_s)
+                st.p95_over_ideal = _ratio(st.sct_p95_s, self.ideal.sct_p95_s)
 
 
 def benchmark(
     results: Sequence[ReplayResult], lower_bound: ReplayResult | None = None,
     best_quantum: Mapping[str, Any] | None = None, setup: Mapping[str, Any] | None = None,
+    ideal: Mapping[str, ReplayResult] | None = None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Benchmark:
+    """``settings``: the setting each policy ran at (printed beside it; for the ideal, by
+    percentile). ``ideal``: the ideal bound's run that bounds p50 (``"p50"``) and the one
+    that bounds p95 (``"p95"``; the same run when one is best at both)."""
+    own = own_durations(lower_bound) if lower_bound is not None else None
+    settings = settings or {}
+    ideal_stats = None
+    if ideal:
+        ideal_stats = summarize(ideal["p50"], own, settings.get(IDEAL_ROW))
+        ideal_stats.name = IDEAL_ROW
+        ideal_stats.sct_p95_s = percentile([s.sct_s for s in ideal["p95"].sessions], 95)
     return Benchmark(
-        {r.policy: summarize(r) for r in results},
-        summarize(lower_bound) if lower_bound is not None else None,
+        {r.policy: summarize(r, own, settings.get(r.policy)) for r in results},
+        summarize(lower_bound, is_isolated=True) if lower_bound is not None else None,
         dict(best_quantum or {}),
         dict(setup or {}),
+        ideal_stats,
     )
 
 
@@ -159,54 +212,94 @@ def _tokens(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else str(n)
 
 
-def format_table(bench: Benchmark) -> str:
-    """The benchmark as a fixed-width text table (one row per policy, then the bound)."""
-    has_best = any(st.speedup_p50_best_q is not None for st in bench.policies.values())
-    head = ["policy", "SCT p50", "SCT p95", "mean", "TTFT p50", "TTFT p95", "switch",
-            "recomp", "restored", "dev-hit", "x p50", "x p95"]
-    if has_best:
-        head += ["x p50 bq", "x p95 bq"]
-    head += ["p50/LB", "fail"]
-    rows = [head]
+def format_setting(setting: Mapping[str, Any]) -> str:
+    """``{"slot_close": "drained", "slot_quantum_s": 30.0}`` -> ``drained/30s``; the ideal's
+    ``{"p50": {"schedule": "las"}, "p95": {"schedule": "fair"}}`` -> ``las|fair``."""
+    if "p50" in setting:
+        parts = [str(setting[k]["schedule"]) for k in ("p50", "p95")]
+        return parts[0] if parts[0] == parts[1] else "|".join(parts)
+    if "slot_close" in setting:
+        return f"{setting['slot_close']}/{setting['slot_quantum_s']:g}s"
+    return "-"
 
-    def row(st: PolicyStats, bound: bool = False) -> list[str]:
-        r = [
-            st.name, _fmt(st.sct_p50_s, ".1f"), _fmt(st.sct_p95_s, ".1f"),
-            _fmt(st.sct_mean_s, ".1f"), _fmt(st.ttft_p50_s, ".2f"), _fmt(st.ttft_p95_s, ".2f"),
-            _fmt(st.switches, "d"), _tokens(st.tokens_recomputed), _tokens(st.tokens_restored),
-            _tokens(st.tokens_device_cached),
-            "" if bound else _fmt(st.speedup_p50, ".2f"),
-            "" if bound else _fmt(st.speedup_p95, ".2f"),
-        ]
-        if has_best:
-            r += ["" if bound else _fmt(st.speedup_p50_best_q, ".2f"),
-                  "" if bound else _fmt(st.speedup_p95_best_q, ".2f")]
-        r += ["1.00" if bound else _fmt(st.p50_over_lower_bound, ".2f"), str(st.failed_calls)]
-        return r
 
-    for st in bench.policies.values():
-        rows.append(row(st))
-    if bench.lower_bound is not None:
-        rows.append(row(bench.lower_bound, bound=True))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+def _layout(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for k, r in enumerate(rows):
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells))
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def _all_rows(bench: Benchmark) -> list[tuple[PolicyStats, bool]]:
+    rows = [(st, False) for st in bench.policies.values()]
+    rows += [(b, True) for b in (bench.ideal, bench.lower_bound) if b is not None]
+    return rows
+
+
+def format_table(bench: Benchmark) -> str:
+    """The benchmark as a fixed-width text table (one row per policy, then the bounds)."""
+    has_best = any(st.speedup_p50_best_q is not None for st in bench.policies.values())
+    head = ["policy", "setting", "SCT p50", "SCT p95", "x p50", "x p95"]
+    if has_best:
+        head += ["x p50 bq", "x p95 bq"]
+    head += ["p50/ideal", "p95/ideal", "p50/iso", "p95/iso", "TTFT p50", "switch", "recomp",
+             "restored", "dev-hit", "fail"]
+    rows = [head]
+    for st, bound in _all_rows(bench):
+        r = [st.name, format_setting(st.setting) if st.setting else "", _fmt(st.sct_p50_s, ".1f"),
+             _fmt(st.sct_p95_s, ".1f"), "" if bound else _fmt(st.speedup_p50, ".2f"),
+             "" if bound else _fmt(st.speedup_p95, ".2f")]
+        if has_best:
+            r += ["" if bound else _fmt(st.speedup_p50_best_q, ".2f"),
+                  "" if bound else _fmt(st.speedup_p95_best_q, ".2f")]
+        r += [_fmt(st.p50_over_ideal, ".2f"), _fmt(st.p95_over_ideal, ".2f"),
+              _fmt(st.p50_over_lower_bound, ".2f"), _fmt(st.p95_over_lower_bound, ".2f"),
+              _fmt(st.ttft_p50_s, ".2f"), _fmt(st.switches, "d"), _tokens(st.tokens_recomputed),
+              _tokens(st.tokens_restored), _tokens(st.tokens_device_cached), str(st.failed_calls)]
+        rows.append(r)
     notes = [
-        "SCT/TTFT in seconds; switch: model switches (first loads not counted); recomp: "
+        "SCT/TTFT in seconds; setting: slot-closing rule / quantum the row ran at (empty: "
+        "close when its queue is empty; drained: and none of its calls in flight; quantum: "
+        "only at the quantum); x p50/x p95: speedup vs baseline; p50/ideal, p95/iso...: "
+        "multiples of the bounds; switch: model switches (first loads not counted); recomp: "
         "prompt tokens recomputed though an earlier call had their KV; restored: from host "
-        "KV; dev-hit: from the device prefix cache; x p50/x p95: speedup vs baseline",
+        "KV; dev-hit: from the device prefix cache",
     ]
     if has_best:
         q50, q95 = bench.best_quantum["p50"][0], bench.best_quantum["p95"][0]
         notes.append(f"bq: vs the baseline at its best slot quantum ({q50:g} s for p50, "
                      f"{q95:g} s for p95)")
+    if bench.ideal is not None:
+        notes.append("ideal: every model resident, free switches and KV, GPU steps "
+                     "time-shared between models, perfect batching within each; the best of "
+                     "its schedules per percentile (setting: the one bounding p50|p95)")
     if bench.lower_bound is not None:
-        notes.append("LB (isolated): each session alone, its model resident, no contention")
-    return "\n".join(lines + [""] + notes)
+        notes.append("isolated: each session alone, its model resident, no contention")
+    return "\n".join(_layout(rows) + [""] + notes)
+
+
+_PART_HEADS = {"own": "own", "queue": "queue", "slot_wait": "slot", "switch": "switch",
+               "recompute": "recomp", "restore": "restore", "tool_gaps": "gaps"}
+
+
+def format_breakdown(bench: Benchmark) -> str:
+    """Where each session's time went: mean seconds per session, by part, per row."""
+    rows = [["policy", "SCT mean", *(_PART_HEADS[p] for p in PARTS)]]
+    for st, _bound in _all_rows(bench):
+        if st.breakdown:
+            rows.append([st.name, _fmt(st.sct_mean_s, ".1f"),
+                         *(_fmt(round(st.breakdown[p], 1) + 0.0, ".1f") for p in PARTS)])
+    notes = [
+        "mean seconds per session; own: its calls alone; queue: behind calls of its own model; "
+        "slot: waiting for its model's slot; switch: model switches; recomp: KV rebuilt by "
+        "recompute; restore: KV restored from host; gaps: tool gaps. Each row adds up to its "
+        "SCT mean.",
+    ]
+    return "\n".join(_layout(rows) + [""] + notes)
 
 
 # --- JSON -----------------------------------------------------------------------------------
@@ -214,14 +307,16 @@ _KEYS = ("sessions", "calls", "failed_calls", "sct_p50_s", "sct_p95_s", "sct_mea
          "ttft_p50_s", "ttft_p95_s", "makespan_s", "switches", "tokens_prefilled",
          "tokens_recomputed", "tokens_restored", "tokens_device_cached", "speedup_p50",
          "speedup_p95", "speedup_p50_best_q", "speedup_p95_best_q", "p50_over_lower_bound",
-         "wall_s", "counters")
+         "p95_over_lower_bound", "p50_over_ideal", "p95_over_ideal", "wall_s", "counters",
+         "setting")
 
 
 def _stats_dict(st: PolicyStats) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for key in _KEYS:
         value = getattr(st, key)
         out[key] = None if isinstance(value, float) and not math.isfinite(value) else value
+    out["breakdown"] = {"mean": st.breakdown, "per_model": st.breakdown_per_model}
     return out
 
 
@@ -230,6 +325,7 @@ def to_json(bench: Benchmark, extra: Mapping[str, Any] | None = None) -> dict[st
         "setup": bench.setup,
         "policies": {name: _stats_dict(st) for name, st in bench.policies.items()},
         "lower_bound": _stats_dict(bench.lower_bound) if bench.lower_bound else None,
+        "ideal": _stats_dict(bench.ideal) if bench.ideal else None,
     }
     if bench.best_quantum:
         data["baseline_best_quantum"] = {
@@ -242,36 +338,3 @@ def to_json(bench: Benchmark, extra: Mapping[str, Any] | None = None) -> dict[st
 
 def write_json(data: Mapping[str, Any], path: str | Path) -> None:
     Path(path).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
-
-
-# --- plot -----------------------------------------------------------------------------------
-def plot_sct(
-    results: Sequence[ReplayResult], path: str | Path, lower_bound: ReplayResult | None = None,
-    title: str = "Session completion time",
-) -> bool:
-    """Write the SCT distributions (empirical CDFs) as a PNG; False when matplotlib is
-    missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    series = list(results) + ([lower_bound] if lower_bound is not None else [])
-    for r in series:
-        scts = sorted(s.sct_s for s in r.sessions)
-        ys = [(i + 1) / len(scts) for i in range(len(scts))]
-        style = "k--" if r is lower_bound else "-"
-        ax.step(scts, ys, style, where="post", label=r.policy)
-    ax.set_xscale("log")
-    ax.set_xlabel("SCT (s, log scale)")
-    ax.set_ylabel("share of sessions")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True

@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from talaria.instance.device import DeviceSchedule
 from workloads.cluster import ClusterSpec
 from workloads.replay import ReplayResult, run_sim
 from workloads.report import BASELINE, percentile
@@ -62,12 +63,18 @@ def quiet_logs() -> None:
 class Job:
     key: Any  # the caller's label for this run
     sessions: tuple[Session, ...]
-    system: SystemConfig | None  # None: the isolated lower bound
+    system: SystemConfig | None  # None: a bound (the isolated one, or ``ideal``'s)
     spec: ClusterSpec
     seed: int = 0
+    ideal: DeviceSchedule | None = None  # with no system: the ideal bound at this schedule
 
 
 def _run_job(job: Job, progress: bool = False) -> tuple[Any, ReplayResult]:
+    if job.system is None and job.ideal is not None:
+        from workloads.ideal import run_ideal
+
+        return job.key, run_ideal(job.sessions, job.spec, job.ideal, seed=job.seed,
+                                  progress=progress)
     if job.system is None:
         from workloads.lower_bound import run_lower_bound
 

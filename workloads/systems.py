@@ -1,32 +1,44 @@
 """Named system configurations compared by the replay benchmark.
 
-Each is a configuration of the same system: the instance's admission policy
-(:class:`~talaria.config.PolicyConfig`), what the simulated engine underneath has (stable
-substrate, staging region, host KV store) and the router's placement policy. Nothing else
-differs between two rows of the benchmark table.
+Each row is the instance's admission policy (:class:`~talaria.config.PolicyConfig`), what the
+simulated engine underneath has (memory layout, switch mechanism, staging region, host KV
+tier) and the router's placement policy; every mechanism is a switch on the same control
+plane.
 
-The ablation ladder (``baseline`` -> ``talaria``) is ``talaria.config.LADDER``; each rung
-becomes a row whose engine has what its policy uses (a staging region for D2D staging, a host
-KV store for host KV) and whose router places by session when reservations are on. The
-``baseline`` alone runs on an engine *without* the stable substrate: every switch frees,
-re-allocates, reloads and re-captures (``switch_seconds_baseline``).
+- The ablation ladder (``talaria.config.LADDER``): ``baseline`` is the reference's, the
+  Talaria system itself (stable substrate, soft reservations, session-aware placement) with
+  session-prefill, host-KV restoration and D2D staging off, so a switch is the substrate's
+  H2D copy and drops the outgoing model's KV; each rung adds one mechanism up to ``talaria``.
+- Leave-one-out rows: talaria minus one mechanism (``talaria.config.LEAVE_ONE_OUT``, and
+  ``-placement``: load-only routing). ``-sp`` is the ladder's ``+host_kv`` and is not run twice.
+- Peers, the systems a user would deploy instead (constants sourced in
+  ``engine.sim.switching`` and ``engine.sim.kv_tier``; ``talaria.policies.priority`` and
+  ``talaria.policies.ttl`` for their scheduling rules):
 
-Peers, as configurations of the same system (each on the plain engine: no stable substrate,
-no staging, no host KV; KV lives only in the engine's LRU prefix cache and is dropped by a
-switch):
+  - ``vllm_sleep``: one vLLM engine per model (each model's KV region is what its own weights
+    leave), switched on demand by sleep mode level 1: the outgoing engine sleeps (weights
+    copied to host, KV discarded), the incoming one wakes (weights copied back, CUDA graphs
+    kept), both at vLLM's measured multi-GPU efficiency of the host link; FCFS.
+  - ``vllm_sleep_lmcache``: the same with LMCache's CPU backend: KV written through to host
+    as it is computed, surviving sleep, retrieved before the forward pass.
+  - ``sglang_hicache``: SGLang engines (release/resume memory occupation: the same sleep and
+    wake), HiCache write-through host tier with layer-overlapped loads, flushed on every
+    release; SGLang's cache-aware router.
+  - ``continuum_ttl``: vLLM sleep-mode engines running Continuum: KV pinned on the device
+    after each call for the TTL of its rule (a call that does not fit waits rather than
+    evict a pin, unless nothing runs), program-level FCFS with pinned sessions first.
+  - ``autellix``: vLLM sleep-mode engines running Autellix's PLAS: the session with the
+    least attained service first (within a model and for the next model), anti-starvation
+    promotion; locality-aware routing.
+  - ``aegaeon``: token-level preemptive multi-model scheduling: short slots (its quota is at
+    most Q_MAX = 4 s) that preempt the calls in flight, their KV swapped to host and back;
+    scale-ups at the link floor plus a small fixed cost, the next model prefetched into
+    spare device memory; finished sessions' KV is not kept across a switch.
 
-- ``load_lru``: a plain engine behind a load balancer. It has no round quantum: it switches
-  on demand (a slot admits what is queued for its model when it opens; once another model
-  waits, the slot closes after ``ON_DEMAND_QUANTUM_S``). Measured: on the plain engine the
-  KV region never blocks admission, so a slot's queue empties at once and the round
-  scheduler closes it as soon as another model waits whatever the quantum: ``load_lru``
-  then behaves exactly as ``baseline`` on one instance; routing tells them apart only with
-  several instances.
-- ``cache_aware``: the same engines behind SGLang-style cache-aware routing (to the instance
-  holding the longest prefix of the prompt).
-- ``ttl_pin``: Continuum-style TTL pinning: after each call the session's KV is pinned on the
-  device for its predicted tool gap, up to a TTL (soft reservations without session-prefill,
-  staging or host KV); cache-aware routing, so a session comes back to its pins.
+The bounds are not systems: ``workloads.lower_bound`` (``isolated``) and ``workloads.ideal``.
+
+Every row of the table runs at the slot-closing rule and quantum that suit it best on the
+trace (``workloads.tuning``); ``grid`` names the settings it may take.
 """
 
 from __future__ import annotations
@@ -36,23 +48,26 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.sim.engine import SimEngineConfig
-from talaria.config import LADDER, PolicyConfig, Rung, preset
+from talaria.config import LADDER, LEAVE_ONE_OUT, PolicyConfig, Rung, preset
 
 __all__ = [
     "SystemConfig",
     "SYSTEMS",
     "ABLATIONS",
+    "LEAVE_ONE_OUT_ROWS",
     "PEERS",
     "DEFAULT_POLICIES",
-    "ON_DEMAND_QUANTUM_S",
     "system",
     "parse_policies",
     "check_fits",
 ]
 
-# Slot quantum that makes the round scheduler switch on demand: a slot admits the calls
-# queued when it opens and closes as soon as another model waits.
-ON_DEMAND_QUANTUM_S = 0.5
+GRIDS = ("round", "preempt")
+# Quanta a round-scheduled row is tried at (with every closing rule): from a few seconds to
+# a slot that outlasts most sessions; the best of the default trace's rows lie inside.
+ROUND_QUANTA: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+# Aegaeon's quota is bounded by Q_MAX = 4 s (SOSP'25).
+PREEMPT_QUANTA: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -63,9 +78,13 @@ class SystemConfig:
     description: str
     policy: PolicyConfig
     placement: str  # router placement policy: "load" | "cache_aware" | "talaria"
-    stable_substrate: bool
-    staging: bool
-    host_kv: bool  # the engine has a host KV store (sized from the server's host memory)
+    stable_substrate: bool = True  # False: one plain engine per model (its own KV region)
+    staging: bool = False
+    host_kv: bool = False  # the engine has a host KV store (sized from the host memory left)
+    switch: str = "copy"  # engine.sim.switching kind
+    kv_tier: str = "offload"  # engine.sim.kv_tier: how the host KV store fills and restores
+    sleep_wake_efficiency: float | None = None  # None: vLLM's measured multi-GPU efficiency
+    grid: str = "round"  # the settings the tuner may give it (GRIDS)
 
     def __post_init__(self) -> None:
         if self.staging and not self.stable_substrate:
@@ -77,21 +96,30 @@ class SystemConfig:
                              "has no host KV store")
         if self.placement not in ("load", "cache_aware", "talaria"):
             raise ValueError(f"system {self.name!r}: unknown placement {self.placement!r}")
+        if self.grid not in GRIDS:
+            raise ValueError(f"system {self.name!r}: unknown settings grid {self.grid!r}")
 
     def engine_config(self, server: str = "h200x8", tp: int = 8, **overrides: Any) -> SimEngineConfig:
         """The simulated engine of one instance of this system on ``server`` at ``tp``."""
-        return SimEngineConfig(
-            server=server,
-            tp=tp,
-            stable_substrate=self.stable_substrate,
-            staging=self.staging,
-            host_kv_bytes=None if self.host_kv else 0,
-            **overrides,
+        fields: dict[str, Any] = dict(
+            server=server, tp=tp, stable_substrate=self.stable_substrate, staging=self.staging,
+            host_kv_bytes=None if self.host_kv else 0, switch=self.switch,
+            kv_tier=self.kv_tier, sleep_wake_efficiency=self.sleep_wake_efficiency,
         )
+        fields.update(overrides)
+        return SimEngineConfig(**fields)
+
+    @property
+    def setting(self) -> dict[str, Any]:
+        """The settings the tuner chooses (what the table prints beside the row)."""
+        return {"slot_close": self.policy.slot_close, "slot_quantum_s": self.policy.slot_quantum_s}
+
+    def with_setting(self, **setting: Any) -> SystemConfig:
+        """The same system at another slot-closing rule and quantum."""
+        return replace(self, policy=self.policy.with_(**setting))
 
     def with_quantum(self, slot_quantum_s: float) -> SystemConfig:
-        """The same system with another slot quantum (for the quantum sweep)."""
-        return replace(self, policy=self.policy.with_(slot_quantum_s=slot_quantum_s))
+        return self.with_setting(slot_quantum_s=slot_quantum_s)
 
     def with_policy(self, **overrides: Any) -> SystemConfig:
         return replace(self, policy=self.policy.with_(**overrides))
@@ -117,50 +145,76 @@ def check_fits(system: SystemConfig, config: SimEngineConfig, models: Sequence[s
         raise ValueError(f"policy {system.name!r} does not fit: {exc}{hint}") from None
 
 
-def _ladder_system(rung: Rung, description: str) -> SystemConfig:
-    """A rung of talaria.config.LADDER as a benchmark row: its policy, and an engine that
-    has what the policy uses (no stable substrate for the baseline alone)."""
-    policy = preset(rung.name)
-    placement = "talaria" if policy.soft_reservations else "load"
-    stable = rung.name != "baseline"
-    return SystemConfig(rung.name, description, policy, placement, stable,
-                        policy.d2d_staging, policy.host_kv)
+def _talaria_row(name: str, policy: PolicyConfig, description: str,
+                 placement: str = "talaria") -> SystemConfig:
+    """Talaria's system with some mechanisms off: the engine has what the policy uses."""
+    return SystemConfig(name, description, policy, placement, staging=policy.d2d_staging,
+                        host_kv=policy.host_kv)
 
 
 def _ladder() -> dict[str, SystemConfig]:
     out: dict[str, SystemConfig] = {}
+    below: Rung | None = None
     for rung in LADDER:
-        below = list(out)[-1] if out else None
-        description = f"{below} + {rung.description}" if below else (
-            f"{rung.description}; no stable substrate (each switch reloads and re-captures), "
-            "load-only routing"
-        )
-        out[rung.name] = _ladder_system(rung, description)
+        description = (f"{below.name} + {rung.description}" if below is not None else
+                       f"the reference's baseline: {rung.description}; session-aware placement")
+        out[rung.name] = _talaria_row(rung.name, preset(rung.name), description)
+        below = rung
     return out
 
 
 ABLATIONS: dict[str, SystemConfig] = _ladder()
 
-_PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False,
-              slot_quantum_s=ON_DEMAND_QUANTUM_S)
+
+def _leave_one_out() -> dict[str, SystemConfig]:
+    out = {
+        name: _talaria_row(name, preset(name), f"talaria without {mechanism}")
+        for name, mechanism in LEAVE_ONE_OUT
+        if preset(name).with_(name="+host_kv") != ABLATIONS["+host_kv"].policy
+    }
+    out["-placement"] = _talaria_row("-placement", preset("talaria").with_(name="-placement"),
+                                     "talaria with load-only routing", placement="load")
+    return out
+
+
+LEAVE_ONE_OUT_ROWS: dict[str, SystemConfig] = _leave_one_out()
+
+# A plain engine's policy: none of Talaria's mechanisms.
+_PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False)
+_SLEEP = dict(stable_substrate=False, switch="sleep_wake")
+
+
+def _peer(name: str, description: str, placement: str, policy: dict[str, Any],
+          **engine: Any) -> SystemConfig:
+    return SystemConfig(name, description, PolicyConfig(name=name, **{**_PLAIN, **policy}),
+                        placement, **engine)
+
 
 PEERS: dict[str, SystemConfig] = {
     s.name: s
     for s in (
-        SystemConfig("load_lru", "plain engine (LRU prefix cache, on-demand switches) behind "
-                     "a load balancer", PolicyConfig(name="load_lru", **_PLAIN), "load",
-                     False, False, False),
-        SystemConfig("cache_aware", "plain engines behind cache-aware (longest prefix) "
-                     "routing, as SGLang's router", PolicyConfig(name="cache_aware", **_PLAIN),
-                     "cache_aware", False, False, False),
-        SystemConfig("ttl_pin", "plain engines + KV pinned across tool calls up to a TTL, as "
-                     "Continuum; cache-aware routing",
-                     PolicyConfig(name="ttl_pin", **{**_PLAIN, "soft_reservations": True}),
-                     "cache_aware", False, False, False),
+        _peer("vllm_sleep", "vLLM engines switched by sleep mode level 1; KV dropped on sleep",
+              "load", {}, **_SLEEP),
+        _peer("vllm_sleep_lmcache", "vllm_sleep + LMCache CPU tier (write-through, survives "
+              "sleep)", "load", {}, host_kv=True, kv_tier="lmcache", **_SLEEP),
+        _peer("sglang_hicache", "SGLang engines (release/resume) + HiCache host tier "
+              "(flushed on release); cache-aware router", "cache_aware", {}, host_kv=True,
+              kv_tier="hicache", **_SLEEP),
+        _peer("continuum_ttl", "vllm_sleep + Continuum: KV pinned for its TTL rule, "
+              "program-level FCFS", "load",
+              {"soft_reservations": True, "reservation_ttl": "continuum", "hard_pins": True,
+               "queue_order": "program_fcfs"}, **_SLEEP),
+        _peer("autellix", "vllm_sleep + Autellix PLAS (least attained service first, "
+              "anti-starvation); locality-aware routing", "cache_aware",
+              {"queue_order": "las", "model_order": "las"}, **_SLEEP),
+        _peer("aegaeon", "token-level preemptive multi-model scheduling: short slots, KV of "
+              "calls in flight swapped to host, link-floor scale-ups with prefetch", "load",
+              {"preempt": True, "d2d_staging": True, "slot_close": "quantum",
+               "slot_quantum_s": 4.0}, staging=True, switch="scale_up", grid="preempt"),
     )
 }
 
-SYSTEMS: dict[str, SystemConfig] = {**ABLATIONS, **PEERS}
+SYSTEMS: dict[str, SystemConfig] = {**ABLATIONS, **LEAVE_ONE_OUT_ROWS, **PEERS}
 DEFAULT_POLICIES: tuple[str, ...] = tuple(SYSTEMS)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.sim.kv_tier import kv_tier
+from engine.sim.switching import SWITCH_KINDS, SleepWakeRates
 from substrate.devices import server_preset
 
 # Share of the server's host memory the host stores may use (the rest: OS, the engine
@@ -29,7 +31,17 @@ class SimEngineConfig:
 
     ``host_kv_bytes``: host KV store capacity per TP rank (every rank keeps its own heads);
     0 disables host KV (offload stores nothing, nothing restores). None: what the server's
-    host memory leaves per rank after the catalog's weight shards.
+    host memory leaves per rank after the catalog's weight shards. ``kv_tier`` says how that
+    store behaves (``engine.sim.kv_tier``: offloaded on demand, or written through).
+
+    ``switch``: how a switch is priced (``engine.sim.switching``): ``copy`` (the substrate's
+    H2D or D2D copy), ``sleep_wake`` (vLLM sleep mode / SGLang memory release: sleep the
+    outgoing model, wake the incoming one; ``sleep_wake_efficiency`` None is the measured
+    multi-GPU efficiency), ``scale_up`` (Aegaeon). ``stable_substrate`` False is the memory
+    of one plain engine per model: a model's KV region is what its own weights leave.
+
+    ``kv_tokens``: the KV capacity every model gets, in tokens, instead of what the memory
+    layout leaves (an engine sharing the GPUs with other resident models, or a bound).
     """
 
     server: str = "h200x8"
@@ -42,6 +54,10 @@ class SimEngineConfig:
     host_kv_bytes: int | None = None
     max_fused_decode_steps: int = 8
     enable_prefix_caching: bool = True
+    switch: str = "copy"
+    sleep_wake_efficiency: float | None = None
+    kv_tier: str = "offload"
+    kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -52,4 +68,13 @@ class SimEngineConfig:
             raise ValueError("staging needs the stable substrate (stable_substrate=True)")
         if self.host_kv_bytes is not None and self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
+        if self.switch not in SWITCH_KINDS:
+            raise ValueError(f"unknown switch {self.switch!r}; known: {', '.join(SWITCH_KINDS)}")
+        if self.switch != "sleep_wake" and not self.stable_substrate:
+            raise ValueError(f"a {self.switch!r} switch copies into fixed addresses: it needs "
+                             "the stable substrate (or switch='sleep_wake')")
+        SleepWakeRates(efficiency=self.sleep_wake_efficiency)
+        kv_tier(self.kv_tier)
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ValueError(f"kv_tokens must hold at least one block, got {self.kv_tokens}")
         server_preset(self.server)

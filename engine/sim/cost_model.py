@@ -6,10 +6,8 @@ FLOPs count the active linear parameters, the LM head for the rows that sample, 
 over the context (QK^T and PV). Bytes count the weights a step touches (for MoE layers, the
 experts a batch of T tokens is expected to hit) and the KV cache it reads and writes.
 
-Switch times (a model becoming active on the instance):
-- baseline: an engine without a stable substrate reloads its weights at the rate vLLM's
-  sleep-mode wake measures (which includes freeing and re-allocating device memory), re-zeroes
-  its KV region and re-captures CUDA graphs;
+Switch times of the substrate (a model becoming active on the instance; other engines'
+switches are in ``engine.sim.switching``):
 - host: Talaria's substrate copies the weights into fixed addresses over the pinned host link;
 - staged: the same copy device-to-device from the staging region.
 All times are seconds; byte counts are per GPU (every rank moves its own shard in parallel).
@@ -73,21 +71,6 @@ class StepCost:
         return self.memory_s >= self.compute_s
 
 
-@dataclass(frozen=True)
-class BaselineSwitch:
-    """What a model switch costs an engine without a stable substrate."""
-
-    # vLLM sleep mode, level-1 wake of Qwen3-235B-A22B-FP8 at TP=4 on A100: 5.3-5.7 s for
-    # ~59 GB of weights per GPU, i.e. about 11 GB/s per GPU effective, including freeing and
-    # re-allocating device memory (vLLM blog "Zero-Reload Model Switching with vLLM Sleep
-    # Mode", 2025-10-26). A cold start of the same model took ~97 s.
-    reload_bytes_per_s: float = 11e9
-    # Sleep mode keeps CUDA graphs; an engine that tears down must re-capture them. vLLM v1
-    # captures 67 batch sizes by default at ~0.057 s each in published logs (vllm-project/vllm
-    # PR #22897), about 3.8 s.
-    cuda_graph_capture_s: float = 67 * 0.057
-
-
 class CostModel:
     """Step and transfer times of ``model`` on ``tp`` GPUs of ``server``."""
 
@@ -97,7 +80,6 @@ class CostModel:
         model: ModelSpec,
         tp: int = 8,
         efficiency: Efficiency | None = None,
-        baseline: BaselineSwitch | None = None,
     ) -> None:
         if not 1 <= tp <= server.num_devices:
             raise ValueError(f"tp={tp} must be between 1 and the server's {server.num_devices} GPUs")
@@ -114,7 +96,6 @@ class CostModel:
         self.model = model
         self.tp = tp
         self.eff = efficiency or Efficiency()
-        self.baseline = baseline or BaselineSwitch()
 
     @classmethod
     def from_names(
@@ -266,16 +247,6 @@ class CostModel:
     def switch_seconds_staged(self) -> float:
         """Activate from the device staging region (D2D copy)."""
         return self.weight_bytes_per_gpu() / self.device.d2d_bytes_per_s
-
-    def switch_seconds_baseline(self, kv_region_bytes_per_gpu: int | None = None) -> float:
-        """Switch in an engine without a stable substrate: reload weights at the sleep-mode
-        wake rate, zero a freshly allocated KV region (default: all KV this model can have
-        alone) and re-capture CUDA graphs."""
-        if kv_region_bytes_per_gpu is None:
-            kv_region_bytes_per_gpu = self.kv_capacity_tokens() * self.kv_bytes_per_token_per_gpu()
-        reload_s = self.weight_bytes_per_gpu() / self.baseline.reload_bytes_per_s
-        kv_init_s = kv_region_bytes_per_gpu / (self.device.hbm_bytes_per_s * self.eff.memory)
-        return reload_s + kv_init_s + self.baseline.cuda_graph_capture_s
 
     def kv_offload_seconds(self, tokens: int) -> float:
         """Copy ``tokens`` tokens of KV to pinned host memory (every rank its own heads)."""

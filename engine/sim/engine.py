@@ -13,8 +13,10 @@ Memory, per GPU (all byte counts are per TP rank, as in the cost model), is ``Si
 and session bookkeeping is ``SimSessions`` (kv.py).
 Activation of another model drops every device block of the outgoing one (pins included);
 ``offload_kv`` first keeps sessions' cached prefixes in the host KV index, from which a later
-request of the same model restores its longest prefix (charged ``kv_restore_seconds``) instead
-of prefilling it.
+request of the same model restores its longest prefix instead of prefilling it; a
+write-through tier (``config.kv_tier``) fills the index as blocks are computed instead, and
+prices its copies its own way (``HostTier``). ``suspend`` parks the unfinished requests of
+the active model (token-level preemption) until it is activated again.
 
 Simplifications, all deliberate:
 - tokens are synthetic and never EOS: a request stops at ``max_tokens`` (or the model's
@@ -43,14 +45,17 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.served_models import ServedModels, ServesModels
 from engine.sim.config import SimEngineConfig
 from engine.sim.cost_model import CostModel
+from engine.sim.host_tier import HostTier
 from engine.sim.kv import HostKVSecondary, SimSessions
-from engine.sim.memory import ACTIVATE_RELOAD, SimMemory
+from engine.sim.kv_tier import kv_tier
+from engine.sim.memory import ACTIVATE_WAKE, SimMemory
 from engine.sim.model_spec import ModelSpec
-from engine.sim.step_time import DecodeLine
+from engine.sim.parking import Parking
+from engine.sim.step_time import DecodeLine, fusable_steps
 from substrate.devices import server_preset
 from substrate.moves import MoveKind, MoveRecord
 
-__all__ = ["ACTIVATE_RELOAD", "DecodeLine", "SimEngine", "SimEngineConfig"]
+__all__ = ["ACTIVATE_WAKE", "DecodeLine", "SimEngine", "SimEngineConfig"]
 
 
 class SimEngine(ServesModels):
@@ -74,6 +79,8 @@ class SimEngine(ServesModels):
         bs = self.config.block_size
         self.memory = SimMemory(self.costs, self.config, server, clock)
         self.host_kv = self.memory.host_kv
+        self.host_tier = HostTier(self.host_kv, kv_tier(self.config.kv_tier), bs)
+        self.parking = Parking()  # requests suspended by token-level preemption
         self.served = ServedModels(
             {
                 name: ModelLimits(cost.model.max_position_embeddings, cost.model.vocab_size)
@@ -88,7 +95,7 @@ class SimEngine(ServesModels):
         self._pending: list[TokenEvent] = []
         self._decode_lines: dict[tuple[str, int], DecodeLine] = {}
         self._totals = {"prefill": 0, "decode": 0, "cached": 0, "restored": 0,
-                        "preemptions": 0, "steps": 0, "switches": 0}
+                        "preemptions": 0, "steps": 0, "switches": 0, "swapped": 0}
         self.busy_seconds = 0.0
 
     # ------------------------------------------------------------------ catalog
@@ -106,14 +113,15 @@ class SimEngine(ServesModels):
         ``context_tokens`` cached tokens; switch times as this engine would pay them."""
         cost = self.cost_model(model)
         chunk = self.config.max_num_batched_tokens
-        host_s = self.memory.switch_seconds(model, staged=False)
-        staged_s = cost.switch_seconds_staged() if self.config.staging else host_s
+        outgoing = self.served.active if self.served.active != model else None
+        host_s = self.memory.switch_seconds(model, False, outgoing)
+        staged_s = self.memory.switch_seconds(model, True, outgoing) if self.config.staging else host_s
         return {
             "prefill_tokens_per_s": chunk / cost.chunks_step_seconds([(chunk, context_tokens)]),
             "decode_step_s": cost.decode_step_seconds(1, context_tokens),
             "switch_host_s": host_s,
             "switch_staged_s": staged_s,
-            "kv_restore_bytes_per_s": cost.device.host_link_bytes_per_s,
+            "kv_restore_bytes_per_s": self.host_tier.restore_bytes_per_s(cost),
             "kv_bytes_per_token": float(cost.kv_bytes_per_token_per_gpu()),
             "kv_capacity_tokens": float(self.kv_capacity_blocks(model) * self.config.block_size),
         }
@@ -135,15 +143,19 @@ class SimEngine(ServesModels):
     def abort(self, request_id: str) -> None:
         """Abort a waiting or running request, freeing its blocks; unknown ids are ignored.
         The abort's event (no tokens) comes with the next ``step``."""
-        if self.scheduler is None:
-            return
-        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        req = None
+        if self.scheduler is not None:
+            req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            req = self.parking.abort(request_id)
         if req is not None:
             self._seeds.pop(request_id, None)
+            self.host_tier.forget(request_id)
             self._pending.append(_event(req, []))
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or (
+        """Requests still to finish, suspended ones included."""
+        return bool(self._pending) or len(self.parking) > 0 or (
             self.scheduler is not None and self.scheduler.has_unfinished()
         )
 
@@ -174,14 +186,20 @@ class SimEngine(ServesModels):
         decode_context = sum(s.num_computed_tokens for s in decodes)
         if chunks:
             fused = 1
+        else:
+            assert self.kv is not None
+            fused = fusable_steps(sched, self.kv, out, decodes, self.config.max_fused_decode_steps)
+        if chunks:
             seconds = cost.chunks_step_seconds(chunks, len(decodes), decode_context)
         else:
-            fused = self._fusable_steps(out, decodes)
             seconds = self._decode_line(len(decodes)).seconds(decode_context, fused)
         restored = self._secondary.loaded_blocks * self.config.block_size
-        if restored:
-            seconds += cost.kv_restore_seconds(restored)
+        seconds = self.host_tier.step_seconds(cost, seconds, restored)
         sched.update_after_step(out)
+        assert self.kv is not None
+        seconds += self.host_tier.write_through(
+            self.served.active or "", (s.request for s in out.scheduled), self.kv, cost
+        )
         events.extend(self._emit(out, fused))
         num_decode = out.num_decode_tokens * fused
         self._totals["prefill"] += out.num_prefill_tokens
@@ -202,35 +220,6 @@ class SimEngine(ServesModels):
         if line is None:
             line = self._decode_lines[key] = DecodeLine.of(self.costs[key[0]], num_seqs)
         return line
-
-    def _fusable_steps(self, out: SchedulerOutput, decodes: list[ScheduledRequest]) -> int:
-        """How many decode steps this decode-only step may stand for (>= 1). Extra KV blocks
-        for the fused tokens are allocated here; fusion shrinks until they fit."""
-        assert self.scheduler is not None and self.kv is not None
-        limit = self.config.max_fused_decode_steps
-        if limit == 1 or out.preempted_ids or len(decodes) != self.scheduler.num_running:
-            return 1
-        max_len = self.scheduler.max_model_len
-        for s in decodes:
-            r = s.request
-            limit = min(limit, r.params.max_tokens - r.num_output_tokens, max_len - r.num_tokens)
-        if limit <= 1:
-            return 1
-        bs = self.config.block_size
-        free = self.kv.num_free_blocks
-        while limit > 1:
-            need = sum(
-                max(0, -(-(s.num_computed_tokens + limit) // bs) - len(s.block_ids))
-                for s in decodes
-            )
-            if need <= free:
-                break
-            limit -= 1
-        if limit > 1:
-            for s in decodes:
-                allocated = self.kv.allocate_slots(s.request, limit)
-                assert allocated, "free blocks were counted before allocating"
-        return limit
 
     def _emit(self, out: SchedulerOutput, fused: int) -> list[TokenEvent]:
         """Append synthetic tokens to the requests that sampled, finish those at their length
@@ -254,20 +243,24 @@ class SimEngine(ServesModels):
             if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                 self._seeds.pop(req.request_id, None)
+                self.host_tier.forget(req.request_id)
                 self.sessions.remember(self.served.active or "", req, self.kv)
             events.append(_event(req, tokens))
         return events
 
     # --------------------------------------------------------------- switching
     def activate(self, model: str) -> MoveReport:
-        """Make ``model`` active. Requires no unfinished request; drops every device KV block
-        of the outgoing model, pins included (``offload_kv`` first to keep them); priced by
-        ``SimMemory.activate``."""
+        """Make ``model`` active. Requires no unfinished request of the outgoing model
+        (``suspend`` parks them); drops every device KV block of the outgoing one, pins
+        included (``offload_kv`` first to keep them); priced by ``SimMemory.activate``, plus
+        copying back the KV of ``model``'s suspended requests, which resume."""
         unfinished = len(self.scheduler.requests) if self.scheduler is not None else 0
         self.served.check_activation(model, unfinished)
         self.memory.poll_staging()
         if model == self.served.active:
-            return MoveReport(MoveKind.NONE, 0, 0.0)
+            return self._resume_parked(model, MoveReport(MoveKind.NONE, 0, 0.0))
+        if self.served.active is not None:
+            self.host_tier.switched_out(self.served.active)
         record = self.memory.activate(model)
         self._base_totals()
         self._secondary = HostKVSecondary(self.host_kv, model)
@@ -285,6 +278,34 @@ class SimEngine(ServesModels):
         )
         self.served.active = model
         self._totals["switches"] += 1
+        self.busy_seconds += record.seconds
+        return self._resume_parked(model, record)
+
+    def _resume_parked(self, model: str, record: MoveReport) -> MoveReport:
+        """Resume ``model``'s suspended requests (just activated): their KV copy is added
+        to the activation's time."""
+        assert self.scheduler is not None
+        swapped = self.parking.resume_all(model, self.scheduler)
+        if not swapped:
+            return record
+        self._totals["swapped"] += swapped
+        seconds = self.host_tier.restore_seconds(self.costs[model], swapped)
+        self.busy_seconds += seconds
+        kind = MoveKind.KV_RESTORE if record.kind == MoveKind.NONE else record.kind
+        return MoveRecord(kind, record.bytes, record.seconds + seconds)
+
+    def suspend(self) -> MoveReport:
+        """Token-level preemption: park every unfinished request of the active model, its
+        computed KV copied to host (charged at the host link); the requests resume, KV
+        copied back, when the model is next activated. Their events continue then."""
+        model = self.served.active
+        if model is None or self.scheduler is None or not self.scheduler.has_unfinished():
+            return MoveReport(MoveKind.NONE, 0, 0.0)
+        tokens = self.parking.park_all(model, self.scheduler)
+        cost = self.costs[model]
+        record = MoveRecord(MoveKind.KV_OFFLOAD, tokens * cost.kv_bytes_per_token_per_gpu(),
+                            self.host_tier.offload_seconds(cost, tokens))
+        self.memory.ledger.record(record)
         self.busy_seconds += record.seconds
         return record
 
@@ -307,7 +328,7 @@ class SimEngine(ServesModels):
             return MoveReport(MoveKind.KV_OFFLOAD, 0, 0.0)
         block_bytes = self.memory.ledger.kv_block_bytes(model)
         copied = self.sessions.offload(model, self.kv, session_ids, block_bytes)
-        seconds = self.costs[model].kv_offload_seconds(copied * self.config.block_size)
+        seconds = self.host_tier.offload_seconds(self.costs[model], copied * self.config.block_size)
         record = MoveRecord(MoveKind.KV_OFFLOAD, copied * block_bytes, seconds)
         self.memory.ledger.record(record)
         self.busy_seconds += seconds
@@ -355,6 +376,8 @@ class SimEngine(ServesModels):
                 "decode_tokens_total": float(t["decode"]),
                 "num_steps": float(t["steps"]),
                 "num_switches": float(t["switches"]),
+                "swapped_in_tokens": float(t["swapped"]),
+                "num_suspended": float(len(self.parking)),
                 "busy_seconds": self.busy_seconds,
                 "host_kv_used_bytes": float(self.host_kv.used_bytes),
                 "host_kv_capacity_bytes": float(self.host_kv.capacity_bytes),

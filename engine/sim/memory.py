@@ -3,11 +3,12 @@
 - stable substrate: one arena carved once: a weight region sized for the catalog's largest
   shard, a staging region of the same size when staging is on, and a fixed KV region (the
   rest of the usable HBM). A model's KV capacity is that region over its bytes per token.
-- without it (the baseline of the old table, and engines that re-allocate on a switch): the
-  KV region is whatever the model's own weights leave, and there is no staging region; a
-  switch is priced by ``CostModel.switch_seconds_baseline``.
-The host KV index holds what the host memory leaves after every model's weight shards (or
-``host_kv_bytes``). A background staging copy completes when the injected clock says so.
+- without it (one plain engine per model, as vLLM or SGLang processes that sleep and wake):
+  the KV region is whatever the model's own weights leave, and there is no staging region.
+- ``kv_tokens`` set: every model gets that many tokens of KV, whatever the layout leaves.
+A switch is priced by ``engine.sim.switching`` for the configured kind. The host KV index
+holds what the host memory leaves after every model's weight shards (or ``host_kv_bytes``).
+A background staging copy completes when the injected clock says so.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ from collections.abc import Callable, Mapping
 from engine.interface import MoveReport, Residency
 from engine.sim.config import HOST_MEMORY_USABLE_FRACTION, SimEngineConfig
 from engine.sim.cost_model import CostModel
+from engine.sim.switching import SleepWakeRates, switch_seconds
 from substrate.devices import ServerSpec
 from substrate.host_kv_index import HostKVIndex
 from substrate.ledger import Ledger, StagingState
 from substrate.moves import MoveKind, MoveRecord
 
-# Kind of an activation in an engine without the stable substrate (free, re-allocate, reload,
-# re-capture); the admission loop's rate book counts every non-D2D activation as a host one.
-ACTIVATE_RELOAD = "activate_reload"
+# Kind of an activation by sleep and wake (vLLM sleep mode, SGLang memory release); the
+# admission loop's rate book counts every non-D2D activation as a host one.
+ACTIVATE_WAKE = "activate_wake"
 
-__all__ = ["ACTIVATE_RELOAD", "SimMemory"]
+__all__ = ["ACTIVATE_WAKE", "SimMemory"]
 
 
 class SimMemory:
@@ -44,8 +46,11 @@ class SimMemory:
         self.weight_region_bytes = max(c.weight_bytes_per_gpu() for c in costs.values())
         self.staging_bytes = self.weight_region_bytes if config.staging else 0
         self.num_blocks: dict[str, int] = {}
+        self.sleep_wake = SleepWakeRates(efficiency=config.sleep_wake_efficiency)
         for name, cost in costs.items():
-            if config.stable_substrate:
+            if config.kv_tokens is not None:
+                tokens = config.kv_tokens
+            elif config.stable_substrate:
                 tokens = cost.kv_capacity_tokens(self.weight_region_bytes, self.staging_bytes)
             else:
                 tokens = cost.kv_capacity_tokens()
@@ -67,23 +72,26 @@ class SimMemory:
             self.ledger.set_kv_block_bytes(name, bs * cost.kv_bytes_per_token_per_gpu())
         self._staging_ready_at = 0.0
 
-    def switch_seconds(self, model: str, staged: bool) -> float:
-        cost = self.costs[model]
-        if not self.config.stable_substrate:
-            return cost.switch_seconds_baseline()
-        return cost.switch_seconds_staged() if staged else cost.switch_seconds_host()
+    def switch_seconds(self, model: str, staged: bool, outgoing: str | None = None) -> float:
+        """Seconds to activate ``model`` (from staging when ``staged``) after ``outgoing``."""
+        return switch_seconds(
+            self.config.switch, self.costs[model],
+            self.costs[outgoing] if outgoing is not None else None,
+            staged=staged, sleep_wake=self.sleep_wake,
+        )
 
     def activate(self, model: str) -> MoveRecord:
         """Book ``model``'s weights into the weight region: D2D when it is STAGED, H2D
-        otherwise (a staging copy still in progress does not count); without the stable
-        substrate, the reload."""
+        otherwise (a staging copy still in progress does not count); by sleep and wake
+        (the outgoing model's sleep included) for a sleep/wake engine."""
         nbytes = self.costs[model].weight_bytes_per_gpu()
-        if self.config.stable_substrate:
-            kind = self.ledger.plan_activation(model).kind
-            seconds = self.switch_seconds(model, staged=kind == MoveKind.ACTIVATE_D2D)
+        outgoing = self.ledger.active_model
+        if self.config.switch == "sleep_wake":
+            kind = ACTIVATE_WAKE
+            seconds = self.switch_seconds(model, staged=False, outgoing=outgoing)
         else:
-            kind = ACTIVATE_RELOAD
-            seconds = self.switch_seconds(model, staged=False)
+            kind = self.ledger.plan_activation(model).kind
+            seconds = self.switch_seconds(model, kind == MoveKind.ACTIVATE_D2D, outgoing)
         self.ledger.commit_activation(model)
         record = MoveRecord(kind, nbytes, seconds)
         self.ledger.record(record)

@@ -1,10 +1,13 @@
-"""Pricing runs of decode steps in closed form (the simulated engine's hot path)."""
+"""Pricing runs of decode steps in closed form (the simulated engine's hot path), and how
+many decode steps one simulated step may fuse."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from engine.kv_cache_manager import KVCacheManager
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sim.cost_model import CostModel
 
 
@@ -64,3 +67,35 @@ def _affine_sum(a: float, d: float, lo: int, hi: int) -> float:
     """Sum of ``a + d * j`` for j in [lo, hi)."""
     k = hi - lo
     return k * a + d * (lo + hi - 1) * k / 2.0 if k > 0 else 0.0
+
+
+def fusable_steps(
+    scheduler: Scheduler, kv: KVCacheManager, out: SchedulerOutput,
+    decodes: list[ScheduledRequest], max_fused: int,
+) -> int:
+    """How many decode steps a decode-only step may stand for (>= 1): at most ``max_fused``,
+    stopping at the step where the first request reaches its length limit. Extra KV blocks
+    for the fused tokens are allocated here; fusion shrinks until they fit."""
+    limit = max_fused
+    if limit == 1 or out.preempted_ids or len(decodes) != scheduler.num_running:
+        return 1
+    max_len = scheduler.max_model_len
+    for s in decodes:
+        r = s.request
+        limit = min(limit, r.params.max_tokens - r.num_output_tokens, max_len - r.num_tokens)
+    if limit <= 1:
+        return 1
+    bs = kv.block_size
+    free = kv.num_free_blocks
+    while limit > 1:
+        need = sum(
+            max(0, -(-(s.num_computed_tokens + limit) // bs) - len(s.block_ids)) for s in decodes
+        )
+        if need <= free:
+            break
+        limit -= 1
+    if limit > 1:
+        for s in decodes:
+            allocated = kv.allocate_slots(s.request, limit)
+            assert allocated, "free blocks were counted before allocating"
+    return limit

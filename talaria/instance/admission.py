@@ -52,6 +52,9 @@ class Instance:
     ) -> None:
         self.instance_id = instance_id
         self.policy = policy or PolicyConfig()
+        if self.policy.preempt and not callable(getattr(engine, "suspend", None)):
+            raise ValueError(f"policy {self.policy.name!r} preempts calls in flight, which "
+                             f"{type(engine).__name__} cannot suspend")
         self.engine = engine
         self.executor = executor or EngineExecutor(engine)
         self.models = list(engine.model_names)
@@ -61,6 +64,7 @@ class Instance:
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {
             "switches": 0,
+            "preemptions": 0,
             "admitted": 0,
             "sp_admitted": 0,
             "sp_holds": 0,
@@ -185,6 +189,7 @@ class Instance:
         pending = PendingCall(call, handle, arrived=now, continuation=continuation)
         pending.need_blocks = blocks_for(call, self.stats.block_size)
         self.calls.add(pending)
+        self.loop.split.arrive(call.call_id, call.model, now)
         self.loop.wake.set()
         return handle
 

@@ -1,9 +1,10 @@
 """Calls inside an instance: the submitter's handle, the loop's record, and the book of both.
 
 Life of a call: ``submit`` creates its ``PendingCall`` and queues it (``CallBook.add``); the
-loop admits it into the engine (``CallBook.start``: off its queue, into ``running``); it leaves
-the book exactly once (``CallBook.remove``), when its terminal event is put on its handle:
-finished, aborted, failed or refused. The handle's consumer sees events in order, the last one
+loop admits it into the engine (``CallBook.start``: off its queue, into ``running``); with
+token-level preemption it may be suspended (``suspend_running``) and resumed (``resume``)
+when its model is active again; it leaves the book exactly once (``CallBook.remove``), when
+its terminal event is put on its handle: finished, aborted, failed or refused. The handle's consumer sees events in order, the last one
 with ``finished`` set.
 """
 
@@ -97,13 +98,15 @@ class PendingCall:
 class CallBook:
     """Every call in the instance: FIFO queues per model, and the calls running in the engine.
 
-    A call is in ``by_id`` from ``add`` to ``remove``; in between it is either in its model's
-    queue (not yet admitted) or in ``running``, never both.
+    A call is in ``by_id`` from ``add`` to ``remove``; in between it is in exactly one of:
+    its model's queue (not yet admitted), ``running``, or its model's ``suspended`` list
+    (admitted, parked by the engine until its model is active again).
     """
 
     def __init__(self, models: list[str]) -> None:
         self.queues: dict[str, deque[PendingCall]] = {m: deque() for m in models}
         self.running: dict[str, PendingCall] = {}
+        self.suspended: dict[str, list[PendingCall]] = {m: [] for m in models}
         self.by_id: dict[str, PendingCall] = {}
 
     def __contains__(self, call_id: object) -> bool:
@@ -131,10 +134,34 @@ class CallBook:
             return True
         return False
 
+    def suspend_running(self, model: str) -> list[PendingCall]:
+        """Every running call (all of ``model``) is suspended now."""
+        calls = list(self.running.values())
+        self.suspended[model].extend(calls)
+        self.running.clear()
+        return calls
+
+    def resume(self, model: str) -> list[PendingCall]:
+        """``model``'s suspended calls run again."""
+        calls, self.suspended[model] = self.suspended[model], []
+        for pending in calls:
+            self.running[pending.call.call_id] = pending
+        return calls
+
+    def admitted_call(self, call_id: str) -> PendingCall | None:
+        """The running or suspended call with this id."""
+        pending = self.by_id.get(call_id)
+        return pending if pending is not None and pending.admitted is not None else None
+
     def remove(self, call_id: str) -> PendingCall | None:
         """The call leaves the instance (its terminal event is being put)."""
         pending = self.by_id.pop(call_id, None)
-        if pending is not None and self.running.pop(call_id, None) is None:
+        if pending is None or self.running.pop(call_id, None) is not None:
+            return pending
+        suspended = self.suspended[pending.call.model]
+        if pending in suspended:
+            suspended.remove(pending)
+        else:
             self.unqueue(pending)
         return pending
 
@@ -142,11 +169,16 @@ class CallBook:
         return sum(len(q) for q in self.queues.values())
 
     def has_queued(self, model: str) -> bool:
-        return bool(self.queues[model])
+        """Whether calls of ``model`` wait for its slot (queued or suspended)."""
+        return bool(self.queues[model]) or bool(self.suspended[model])
+
+    def waiting(self, model: str) -> list[PendingCall]:
+        """Calls of ``model`` waiting for its slot: suspended ones first, then the queue."""
+        return self.suspended[model] + list(self.queues[model])
 
     def others_waiting(self, model: str) -> int:
-        """Calls queued for models other than ``model``."""
-        return sum(len(q) for m, q in self.queues.items() if m != model)
+        """Calls queued or suspended for models other than ``model``."""
+        return sum(len(q) + len(self.suspended[m]) for m, q in self.queues.items() if m != model)
 
     def sessions(self) -> set[str]:
         """Sessions with a call queued or running."""

@@ -13,6 +13,12 @@ residency tells when it is ready).
 Invariant: at most one timed operation is in flight, and the cheap synchronous calls
 (``add_request``, ``abort``, ``pin_session_kv``...) are refused while one is, so the engine is
 never touched from two threads at once.
+
+Simulated engines that share one server's GPUs (several models resident at once) share a
+``device`` (``talaria.instance.device.SharedDevice``): a timed operation first waits for it,
+as ``device_request`` says (its priority, and whether it continues a call in flight), so
+operations of different models never overlap in time; ``on_device_wait`` hears when a wait
+starts and ends.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from engine.interface import (
     Residency,
     StepResult,
 )
+from talaria.instance.device import SharedDevice
 
 T = TypeVar("T")
 
@@ -45,12 +52,18 @@ class EngineExecutor:
         self,
         engine: MultiModelEngineProtocol,
         thread_init: Callable[[], None] | None = None,
+        device: SharedDevice | None = None,
     ) -> None:
         """``thread_init`` runs once on the live worker thread before its first op (e.g.
         ``torch.cuda.set_device`` for the rank's device)."""
         self.engine = engine
         self._thread_init = thread_init
         self.simulated = bool(getattr(engine, "simulated", False))
+        if device is not None and not self.simulated:
+            raise ValueError("a shared device times simulated engines only")
+        self.device = device
+        self.device_request: Callable[[], tuple[float, bool]] = lambda: (0.0, False)
+        self.on_device_wait: list[Callable[[bool], None]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._busy: str | None = None
         self.on_report: list[Callable[[str, StepResult | MoveReport, str | None], None]] = []
@@ -72,6 +85,17 @@ class EngineExecutor:
         model = self.engine.active_model
         report = await self._timed("offload_kv", lambda: self.engine.offload_kv(session_ids), _secs)
         self._report("offload_kv", report, model)
+        return report
+
+    async def suspend(self) -> MoveReport:
+        """Token-level preemption: the engine parks its unfinished requests (their KV goes
+        to host) until their model is active again. Engines that cannot raise."""
+        suspend = getattr(self.engine, "suspend", None)
+        if suspend is None:
+            raise NotImplementedError(f"{type(self.engine).__name__} cannot suspend requests")
+        model = self.engine.active_model
+        report = await self._timed("suspend", suspend, _secs)
+        self._report("suspend", report, model)
         return report
 
     async def stage(self, model: str) -> MoveReport:
@@ -143,7 +167,19 @@ class EngineExecutor:
         self._check_idle(name)
         self._busy = name
         try:
-            if self.simulated:
+            if self.simulated and self.device is not None:
+                for callback in self.on_device_wait:
+                    callback(True)
+                model = self.engine.active_model or ""
+                await self.device.acquire(model, *self.device_request())
+                try:
+                    for callback in self.on_device_wait:
+                        callback(False)
+                    result = op()
+                    await asyncio.sleep(max(0.0, seconds(result)))
+                finally:
+                    self.device.release(model)
+            elif self.simulated:
                 result = op()
                 await asyncio.sleep(max(0.0, seconds(result)))
             else:

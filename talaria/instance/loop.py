@@ -1,11 +1,13 @@
 """The admission loop: the one task that decides what an instance's engine does next.
 
 Each turn: apply aborts and expire reservations; admit into the active model's slot (close it
-when its queue is empty or its quantum is over and another model waits; session-prefill may
-still admit continuations of a closed slot); step the engine while calls run; otherwise keep,
-reopen or switch the active model, or wait for work. Decisions are the policies'
+when its quantum is over, or earlier by the policy's closing rule, once another model waits;
+with preemption, suspend its calls in flight at the quantum; session-prefill may still admit
+continuations of a closed slot); step the engine while calls run; otherwise keep, reopen or
+switch the active model, or wait for work. Decisions are the policies'
 (``talaria.policies``), taken on the instance's read-only ``InstanceView``; the loop carries
-them out. Time comes only from the event loop.
+them out and tells ``split`` (``TimeSplit``) what the instance is doing, so each call's time
+is accounted for. Time comes only from the event loop.
 
 Who touches the engine: only this task, between awaited operations (see EngineExecutor).
 Who ends a call: ``finish`` (its terminal event; it leaves the call book) exactly once, from
@@ -20,16 +22,20 @@ import asyncio
 
 import structlog
 
-from engine.interface import EngineRequest, EngineStats, Residency, StepResult, TokenEvent
+from engine.interface import EngineStats, Residency, StepResult, TokenEvent
 from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
+from talaria.instance.device import claim
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.faults import EngineFaults, FaultBudget
+from talaria.instance.intake import Intake
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
-from talaria.policies.round_scheduler import RoundScheduler, Slot
-from talaria.policies.session_prefill import decide_queued, hold_until
+from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
+from talaria.policies.priority import Service, next_model
+from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
+from talaria.policies.session_prefill import hold_until
 from talaria.policies.staging import staging_target
 from talaria.policies.view import InstanceView
 from talaria.protocol import CallUsage
@@ -41,7 +47,7 @@ __all__ = ["AdmissionLoop"]
 _IDLE_STEP_BACKOFF_S = 0.01  # wait after an engine step that ran nothing
 
 
-class AdmissionLoop:
+class AdmissionLoop(Intake):
     def __init__(
         self,
         instance_id: str,
@@ -78,6 +84,10 @@ class AdmissionLoop:
             instance_id, calls, executor, self.finish,
             FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
         )
+        self.split = TimeSplit(0.0)
+        executor.on_device_wait.append(lambda waiting: self.split.device_wait(self.now(), waiting))
+        if executor.device is not None:
+            executor.device_request = self._device_request
 
     def now(self) -> float:
         return self.view.now()
@@ -85,6 +95,7 @@ class AdmissionLoop:
     # the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._account()
         try:
             while True:
                 self.wake.clear()
@@ -141,26 +152,38 @@ class AdmissionLoop:
             if slot.quantum_expired(now):
                 if others:
                     slot.close(now)
+                    if self.policy.preempt and self.calls.running:
+                        await self._suspend(model)
                 else:
                     slot.opened = now  # only this model has work: the slot continues
             if slot.open:
                 await self._admit_queue(model)
-                if not self.calls.queues[model] and others:
+                if slot_closes(self.policy.slot_close, queue_empty=not self.calls.queues[model],
+                               in_flight=bool(self.calls.running), others_waiting=others > 0):
                     slot.close(now)
+        self._account()
         if not slot.open and self.policy.session_prefill:
             await self._sp_admit_queued(slot)
 
     async def _between_slots(self) -> None:
         """The engine is idle: keep, reopen or switch the active model, or wait for work."""
         active = self.active_model
-        nxt = self.rounds.next_model(active, self.calls.has_queued)
+        policy = self.policy
+        waiting = {m: self.calls.waiting(m) for m in self.rounds.order}
+        nxt = next_model(self.rounds, active, waiting, policy.model_order, self._service,
+                         policy.las_starvation_ratio)
         if nxt is None:
             await self.idle_wait(self.sessions.reservations.next_expiry())
             return
+        slot = self.slot
+        if slot is not None and slot.open and slot.model == active:
+            # Its slot is open (its closing rule keeps it) yet nothing could be admitted:
+            # wait for a change, at most until its quantum ends when another model waits.
+            await self.idle_wait(None if nxt == active else slot.ends)
+            return
         if nxt == active:
-            if self.slot is not None and self.slot.open and self.slot.model == nxt:
-                # Its slot is open yet nothing could be admitted: wait for a change.
-                await self.idle_wait(None)
+            if self.calls.suspended[nxt]:
+                await self._switch(nxt)  # its suspended calls resume
             else:
                 self._open_slot(nxt)
             return
@@ -172,116 +195,6 @@ class AdmissionLoop:
                 await self._hold(hold.until)
                 return
         await self._switch(nxt)
-
-    # admission --------------------------------------------------------------------------
-
-    async def _admit_queue(self, model: str) -> None:
-        """Admit queued calls of ``model`` in FIFO order while the budget allows."""
-        queue = self.calls.queues[model]
-        while queue:
-            pending = queue[0]
-            if not await self._make_room(pending):
-                break
-            if not queue or queue[0] is not pending:
-                continue  # aborted while room was being made
-            queue.popleft()
-            self._admit(pending)
-
-    def _admit(self, pending: PendingCall, sp: bool = False) -> None:
-        """Hand a call (already off its queue) to the engine, unless its client has gone. An
-        engine that refuses the call fails that call only."""
-        call = pending.call
-        if pending.handle.departed():
-            self.counters["departed"] += 1
-            self.finish(pending, "abort", None)
-            return
-        try:
-            self.executor.add_request(
-                EngineRequest(
-                    request_id=call.call_id,
-                    prompt_token_ids=list(call.prompt_token_ids),
-                    params=call.params,
-                    model=call.model,
-                    session_id=call.session_id,
-                )
-            )
-        except ValueError as exc:
-            self.finish(pending, "error", None, error=f"rejected by the engine: {exc}")
-            return
-        except Exception as exc:  # the call's own failure: it alone fails
-            log.exception("admit_failed", instance=self.instance_id, call=call.call_id)
-            self.faults.drop(call.call_id)
-            self.finish(pending, "error", None,
-                        error=f"the engine could not take the call: {type(exc).__name__}: {exc}")
-            return
-        pending.admitted = self.now()
-        pending.sp = sp
-        pending.expected_out = self.est.expected_output(call)
-        self.calls.start(pending)
-        self.counters["admitted"] += 1
-        if sp:
-            self.counters["sp_admitted"] += 1
-        self.sessions.on_admit(call.session_id)
-
-    async def _make_room(self, pending: PendingCall) -> bool:
-        """Whether ``pending`` fits the admission budget, yielding other sessions'
-        reservations (least valuable first; offloaded to host when host KV is on) if that
-        makes it fit. A call larger than the whole KV region fails."""
-        if len(self.calls.running) >= self.policy.max_running_calls:
-            return False
-        model = pending.call.model
-        total = self.stats.num_total_blocks
-        if pending.need_blocks > total > 0:
-            self.finish(
-                pending,
-                "error",
-                None,
-                error=f"call needs {pending.need_blocks} KV blocks; the instance has {total}",
-            )
-            return False
-        book = self.sessions.reservations
-        while True:
-            if self._blocks_in_use(pending.call.session_id) + pending.need_blocks <= total:
-                return True
-            victims = book.yield_order(model, exclude=pending.call.session_id)
-            if not victims:
-                return False
-            await self.sessions.yield_reservation(victims[0])
-
-    def _blocks_in_use(self, session_id: str) -> int:
-        model = self.active_model
-        book = self.sessions.reservations
-        used = sum(p.need_blocks for p in self.calls.running.values())
-        pinned = book.pinned_blocks(model) if model is not None else 0
-        own = book.get(session_id)
-        if own is not None and own.pinned:
-            pinned -= own.blocks
-        return used + pinned
-
-    # session-prefill --------------------------------------------------------------------
-
-    async def _sp_admit_queued(self, slot: Slot) -> None:
-        """Admit queued continuations of the closed slot's model when SP decides it pays."""
-        queue = self.calls.queues[slot.model]
-        for pending in list(queue):
-            if not pending.continuation or pending.call.call_id not in self.calls:
-                continue
-            decision = decide_queued(self.view, self.est, slot, pending)
-            if not decision.take:
-                continue
-            if not await self._make_room(pending):
-                break
-            if not self.calls.unqueue(pending):
-                continue  # aborted while room was being made
-            slot.sp_used_s += decision.extra_delay_s
-            self._admit(pending, sp=True)
-            log.debug(
-                "sp_admit",
-                call=pending.call.call_id,
-                benefit=decision.benefit_s,
-                cost=decision.cost_s,
-                extra=decision.extra_delay_s,
-            )
 
     async def _hold(self, until: float) -> None:
         slot = self.slot
@@ -299,11 +212,37 @@ class AdmissionLoop:
 
     def _open_slot(self, model: str) -> Slot:
         self.slot = Slot(model=model, opened=self.now(), quantum_s=self.policy.slot_quantum_s)
+        self._account()
         return self.slot
+
+    def _account(self) -> None:
+        """Tell the time split what the instance is doing now."""
+        slot = self.slot
+        active = slot is not None and slot.model == self.active_model
+        self.split.state(self.now(), serving(slot.model, slot.open) if active else IDLE)
+
+    def _service(self, pending: PendingCall) -> Service:
+        return self.sessions.service(pending.call.session_id, self.now() - pending.arrived)
+
+    def _device_request(self) -> tuple[float, bool]:
+        assert self.executor.device is not None
+        calls = [(self.sessions.service(p.call.session_id, 0.0).attained_s, p.admitted)
+                 for p in self.calls]
+        return claim(self.executor.device.schedule.order, calls, self.now())
+
+    async def _suspend(self, model: str) -> None:
+        """Token-level preemption: the model's calls in flight are parked, KV to host."""
+        self.split.state(self.now(), SWITCH)
+        await self.executor.suspend()
+        for pending in self.calls.suspend_running(model):
+            self.split.suspend(pending.call.call_id, self.now())
+        self.counters["preemptions"] = self.counters.get("preemptions", 0) + 1
+        self._account()
 
     async def _switch(self, model: str) -> None:
         outgoing = self.active_model
-        if outgoing is not None:
+        self.split.state(self.now(), SWITCH)
+        if outgoing is not None and outgoing != model:
             if self.policy.host_kv:
                 tokens = self.sessions.device_tokens_of(outgoing)
                 report = await self.executor.offload_kv(None)
@@ -312,7 +251,9 @@ class AdmissionLoop:
         report = await self.executor.activate(model)
         self.active_model = model
         self.faults.budget.progress()
-        self.counters["switches"] += 1
+        for pending in self.calls.resume(model):
+            self.split.admit(pending.call.call_id, self.now())
+        self.counters["switches"] += int(outgoing != model)
         log.info(
             "switch",
             instance=self.instance_id,
@@ -369,14 +310,19 @@ class AdmissionLoop:
         reason = event.finish_reason.value if event.finish_reason is not None else "stop"
         self.finish(pending, reason, event)
         if reason != "abort":
+            now = self.now()
+            admitted = pending.admitted if pending.admitted is not None else now
             self.est.observe_output(pending.out_tokens)
-            self.sessions.on_call_end(pending.call, pending.out_tokens, self.now())
+            self.sessions.on_call_end(pending.call, pending.out_tokens, now,
+                                      waited_s=admitted - pending.arrived,
+                                      served_s=now - admitted)
 
     def finish(
         self, pending: PendingCall, reason: str, event: TokenEvent | None, error: str | None = None
     ) -> None:
         """The call's terminal event: it leaves the book and its handle ends."""
         self.calls.remove(pending.call.call_id)
+        self.split.finish(pending.call.call_id, self.now())
         pending.handle.put(terminal_event(pending, reason, event, error, self.instance_id))
 
     # housekeeping -----------------------------------------------------------------------
@@ -385,7 +331,7 @@ class AdmissionLoop:
         aborted = False
         while self.aborts:
             call_id = self.aborts.pop()
-            pending = self.calls.running.get(call_id)
+            pending = self.calls.admitted_call(call_id)
             if pending is None:
                 continue
             self.executor.abort(call_id)

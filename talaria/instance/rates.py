@@ -67,7 +67,7 @@ class RateBook:
             rates = self.models[model]
             if result.kind == "activate_d2d":
                 rates.switch_staged_s.update(result.seconds)
-            else:
+            elif result.kind.startswith("activate"):
                 rates.switch_host_s.update(result.seconds)
         elif kind == "offload_kv" and result.bytes > 0:
             self.kv_offloaded_bytes += result.bytes

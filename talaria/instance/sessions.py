@@ -8,18 +8,24 @@ admission loop's task only.
 
 from __future__ import annotations
 
+from collections import deque
+
 import structlog
 
 from talaria.config import PolicyConfig
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.rates import RateBook
 from talaria.policies.gap_predictor import GapPredictor
+from talaria.policies.priority import Service
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
+from talaria.policies.ttl import continuum_ttl
 from talaria.protocol import CallRequest
 
 log = structlog.get_logger("talaria.sessions")
 
 __all__ = ["SessionKeeper"]
+
+QUEUE_DELAY_WINDOW = 64  # recent admission waits averaged for Continuum's queueing delay
 
 
 class SessionKeeper:
@@ -37,6 +43,7 @@ class SessionKeeper:
         self.gaps = GapPredictor(policy.default_gap_s, policy.gap_ewma_alpha)
         self.reservations = ReservationBook()
         self.kv_tokens: dict[str, tuple[int, int]] = {}  # session -> (device, host) tokens
+        self.recent_waits: deque[float] = deque(maxlen=QUEUE_DELAY_WINDOW)
         for key in ("reservations", "reservations_consumed", "reservations_expired"):
             counters.setdefault(key, 0)
         counters.setdefault("reservations_yielded", 0)
@@ -63,17 +70,38 @@ class SessionKeeper:
             self.executor.unpin_session_kv(session_id)
         self.counters["reservations_consumed"] += 1
 
-    def on_call_end(self, call: CallRequest, output_tokens: int, now: float) -> None:
-        """Learn from a finished call and reserve for the session's likely return."""
+    def service(self, session_id: str, waiting_s: float) -> Service:
+        """What the session has had so far, for priority rules; ``waiting_s``: how long its
+        current call has waited."""
+        hist = self.gaps.get(session_id)
+        res = self.reservations.get(session_id)
+        pinned = res is not None and res.pinned
+        if hist is None:
+            return Service(0.0, waiting_s, 0.0, pinned)
+        return Service(hist.attained_s, hist.waited_s + waiting_s, hist.first_arrival, pinned)
+
+    def on_call_end(
+        self, call: CallRequest, output_tokens: int, now: float, waited_s: float = 0.0,
+        served_s: float = 0.0,
+    ) -> None:
+        """Learn from a finished call (it waited ``waited_s`` for admission and ran
+        ``served_s``) and reserve for the session's likely return."""
         total = len(call.prompt_token_ids) + output_tokens
         self.gaps.on_end(
             call.session_id, total, output_tokens, now, call.expected_gap_s, call.last_call
         )
+        self.gaps.on_service(call.session_id, waited_s, served_s)
+        self.recent_waits.append(waited_s)
         self.kv_tokens[call.session_id] = self.executor.session_kv_tokens(call.session_id)
         if not self.policy.soft_reservations or call.last_call:
             return
         gap = self.gaps.predict_gap(call.session_id)
-        if gap is None or gap >= self.policy.reservation_ttl_s:
+        if gap is None:
+            return
+        ttl = self._ttl(call.model, total)
+        # A fixed TTL reserves only for returns expected within it; Continuum's rule already
+        # weighs the whole gap distribution, so its TTL stands whatever this session's gap.
+        if ttl <= 0 or (self.policy.reservation_ttl == "fixed" and gap >= ttl):
             return
         old = self.reservations.pop(call.session_id)
         if old is not None and old.pinned:
@@ -85,12 +113,22 @@ class SessionKeeper:
                 model=call.model,
                 created=now,
                 expected_return=now + gap,
-                expires=now + self.policy.reservation_ttl_s,
+                expires=now + ttl,
                 blocks=blocks,
                 pinned=True,
             )
         )
         self.counters["reservations"] += 1
+
+    def _ttl(self, model: str, prefix_tokens: int) -> float:
+        """How long a reservation made now lives: the configured TTL, or Continuum's rule
+        (its reload cost: prefilling the session's prefix at the measured rate)."""
+        if self.policy.reservation_ttl == "fixed":
+            return self.policy.reservation_ttl_s
+        waits = self.recent_waits
+        delay = sum(waits) / len(waits) if waits else 0.0
+        reload = self.rates.models[model].prefill_s(prefix_tokens)
+        return continuum_ttl(list(self.gaps.recent_gaps), reload, delay)
 
     def expire(self, now: float) -> None:
         for res in self.reservations.expired(now):

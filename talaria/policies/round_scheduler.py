@@ -1,7 +1,9 @@
-"""The round scheduler (the baseline): models with pending work take slots round-robin.
+"""The round scheduler: models with pending work take slots round-robin.
 
-A slot of model m admits m's queued calls until the queue is empty or the quantum expires;
-then it closes: calls of m arriving later wait for m's next slot, in-flight calls finish, and
+A slot of model m admits m's queued calls until its quantum expires, or earlier by its closing
+rule once another model waits (``slot_closes``: when m's queue is empty; when it is empty and
+none of m's calls is in flight; only at the quantum). Then it closes: calls of m arriving
+later wait for m's next slot, in-flight calls finish (or are suspended, with preemption), and
 the next model in round order with pending work gets the instance. If m is the only model with
 pending work its slot continues (or reopens) instead: there is nothing to switch to.
 """
@@ -11,7 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Slot", "RoundScheduler"]
+__all__ = ["Slot", "RoundScheduler", "slot_closes"]
+
+
+def slot_closes(rule: str, *, queue_empty: bool, in_flight: bool, others_waiting: bool) -> bool:
+    """Whether an open slot closes before its quantum under closing ``rule``
+    (``talaria.config.SLOT_CLOSE_RULES``). Never while no other model waits."""
+    if not others_waiting:
+        return False
+    if rule == "empty":
+        return queue_empty
+    if rule == "drained":
+        return queue_empty and not in_flight
+    if rule == "quantum":
+        return False
+    raise ValueError(f"unknown slot closing rule {rule!r}")
 
 
 @dataclass
@@ -27,8 +43,13 @@ class Slot:
     def open(self) -> bool:
         return self.closed_at is None
 
+    @property
+    def ends(self) -> float:
+        """When its quantum expires."""
+        return self.opened + self.quantum_s
+
     def quantum_expired(self, now: float) -> bool:
-        return now >= self.opened + self.quantum_s
+        return now >= self.ends
 
     def close(self, now: float) -> None:
         if self.closed_at is None:

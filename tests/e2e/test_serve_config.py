@@ -41,7 +41,7 @@ port = 9102
 kv_blocks = 64
 
 [policy]
-preset = "+sp"
+preset = "-reservations"
 slot_quantum_s = 5
 """
 
@@ -60,7 +60,8 @@ def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
     assert g0.host_kv_bytes == 512 << 20 and g0.staging is False
     assert g1.kv_blocks == 64 and g1.device == "cpu"
     policy = config.policy_config()
-    assert policy.name == "+sp" and policy.slot_quantum_s == 5 and not policy.soft_reservations
+    assert (policy.name == "-reservations" and policy.slot_quantum_s == 5
+            and not policy.soft_reservations)
     assert instance_urls(config) == {"g0": "http://127.0.0.1:9101", "g1": "http://127.0.0.1:9102"}
     again = tmp_path / "serve.json"
     again.write_bytes(config.to_json())

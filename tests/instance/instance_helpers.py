@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from fake_engine import FakeEngine
+
 from engine.sampling_params import SamplingParams
+from talaria.clock import run_virtual
+from talaria.config import PolicyConfig
 from talaria.instance.admission import Instance
 from talaria.protocol import CallEvent, CallRequest
 
@@ -93,3 +97,21 @@ async def run_session(
 
 def index(log: list[tuple[str, str]], entry: tuple[str, str]) -> int:
     return log.index(entry)
+
+
+def late_continuation(policy: PolicyConfig, engine: FakeEngine | None = None):  # type: ignore[no-untyped-def]
+    """s1 decodes 5 s on model a; s2's short call ends at 2.5 and its continuation comes at
+    3.0 while s1 still runs and a call of b waits. Returns ((s1, s2, b1), instance)."""
+    engine = engine or FakeEngine(["a", "b"], step_s=0.1, switch_host_s=2.0)
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, policy)
+        await inst.start()
+        long = asyncio.ensure_future(run_call(inst, call("s1-0", "s1", "a", 100, 50)))
+        s2 = asyncio.ensure_future(run_session(inst, "s2", "a", 2, gap=0.5))
+        b1 = asyncio.ensure_future(run_call(inst, call("b1", "sb", "b", 100, 5)))
+        out = await long, await s2, await b1
+        await inst.stop()
+        return out, inst
+
+    return run_virtual(main())

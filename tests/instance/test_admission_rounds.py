@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from fake_engine import FakeEngine
-from instance_helpers import call, run_call, run_session
+from instance_helpers import call, late_continuation, run_call, run_session
 
 from talaria.clock import run_virtual
 from talaria.config import PolicyConfig, preset
@@ -15,21 +15,9 @@ from talaria.instance.admission import Instance
 
 
 def _late_continuation(policy: PolicyConfig):  # type: ignore[no-untyped-def]
-    """s1 decodes 5 s on model a; s2's short call ends at 2.5, its continuation comes at
-    3.0 while s1 still runs (a's slot has closed: b is waiting)."""
+    """late_continuation, and its engine (a's slot closes at once under the default rule)."""
     engine = FakeEngine(["a", "b"], step_s=0.1, switch_host_s=2.0)
-
-    async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, policy)
-        await inst.start()
-        long = asyncio.ensure_future(run_call(inst, call("s1-0", "s1", "a", 100, 50)))
-        s2 = asyncio.ensure_future(run_session(inst, "s2", "a", 2, gap=0.5))
-        b1 = asyncio.ensure_future(run_call(inst, call("b1", "sb", "b", 100, 5)))
-        out = await long, await s2, await b1
-        await inst.stop()
-        return out, inst
-
-    return engine, run_virtual(main())
+    return engine, late_continuation(policy, engine)
 
 
 def test_baseline_continuation_after_slot_close_waits_for_next_slot() -> None:

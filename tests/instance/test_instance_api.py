@@ -265,7 +265,9 @@ def test_the_session_table_is_bounded_here_and_in_the_engine() -> None:
     engine = _engine()
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("baseline", max_sessions=3, state_refresh_s=0.05))
+        # No reservations: a reserved session is never forgotten (it is coming back).
+        policy = preset("baseline", soft_reservations=False, max_sessions=3, state_refresh_s=0.05)
+        inst = Instance("i", engine, policy)
         await inst.start()
         for i in range(8):
             await inst.submit(call(f"c{i}", f"s{i}", "a", 20, max_tokens=3)).collect()

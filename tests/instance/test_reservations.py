@@ -89,7 +89,7 @@ def test_no_reservation_for_a_last_call_or_when_disabled() -> None:
 
     assert run_virtual(main("talaria", last=False)) == 1
     assert run_virtual(main("talaria", last=True)) == 0
-    assert run_virtual(main("+sp", last=False)) == 0  # reservations off
+    assert run_virtual(main("-reservations", last=False)) == 0  # reservations off
 
 
 def test_gap_is_learned_per_session() -> None:

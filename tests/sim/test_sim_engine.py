@@ -17,6 +17,7 @@ from engine.served_models import ModelNotActiveError
 from engine.sim.cost_model import CostModel
 from engine.sim.engine import DecodeLine, SimEngine, SimEngineConfig
 from engine.sim.model_spec import ModelSpec
+from engine.sim.switching import SleepWakeRates
 from substrate.devices import server_preset
 
 QWEN = "qwen3-235b-a22b"
@@ -215,13 +216,14 @@ def test_without_host_kv_a_returning_session_recomputes() -> None:
     assert engine.session_kv_tokens("s")[1] == 0  # nothing on host; c2's KV is on device
 
 
-def test_baseline_switch_pays_the_baseline_reload() -> None:
-    engine = make(stable_substrate=False, staging=False)
+def test_sleep_wake_switch_sleeps_the_outgoing_model_and_wakes_the_incoming_one() -> None:
+    engine = make(stable_substrate=False, staging=False, switch="sleep_wake")
+    rates = SleepWakeRates()
     report = engine.activate(QWEN)
-    assert report.kind == "activate_reload"
-    assert report.seconds == pytest.approx(cost().switch_seconds_baseline(), rel=1e-12)
+    assert report.kind == "activate_wake"
+    assert report.seconds == pytest.approx(rates.wake_seconds(cost()), rel=1e-12)
     assert engine.activate(GLM).seconds == pytest.approx(
-        cost(GLM).switch_seconds_baseline(), rel=1e-12)
+        rates.sleep_seconds(cost()) + rates.wake_seconds(cost(GLM)), rel=1e-12)
     assert engine.residency() == {QWEN: Residency.HOST, GLM: Residency.ACTIVE}
     with pytest.raises(ValueError, match="no staging region"):
         engine.stage(QWEN)
@@ -419,8 +421,10 @@ def test_model_rates_come_from_the_cost_model() -> None:
     assert rates["switch_staged_s"] == pytest.approx(c.switch_seconds_staged())
     assert rates["kv_bytes_per_token"] == c.kv_bytes_per_token_per_gpu()
     assert rates["kv_restore_bytes_per_s"] == c.device.host_link_bytes_per_s
-    baseline = make(stable_substrate=False, staging=False).model_rates(GLM)
-    assert baseline["switch_host_s"] == pytest.approx(c.switch_seconds_baseline())
+    asleep = make(stable_substrate=False, staging=False, switch="sleep_wake")
+    asleep.activate(QWEN)
+    assert asleep.model_rates(GLM)["switch_host_s"] == pytest.approx(
+        SleepWakeRates().sleep_seconds(cost()) + SleepWakeRates().wake_seconds(c))
 
 
 def test_continuation_with_a_diverging_prompt_only_reuses_the_matching_blocks() -> None:

@@ -38,18 +38,55 @@ def test_replay_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.Captu
     assert [p["slot_quantum_s"] for p in q_points] == [10.0, 30.0]
     assert best["sct_s"] == min(p["policies"]["baseline"]["sct_p50_s"] for p in q_points)
     assert len(data["sweeps"]["load"]["points"]) == 2
+    for name in ("baseline", "talaria"):
+        st = data["policies"][name]
+        assert st["setting"] == {"slot_close": "empty", "slot_quantum_s": 30.0}  # untuned
+        assert st["p50_over_ideal"] >= 1.0 and st["p95_over_ideal"] >= 1.0
+        assert set(st["breakdown"]["mean"]) == {"own", "queue", "slot_wait", "switch",
+                                                "recompute", "restore", "tool_gaps"}
+        assert sum(st["breakdown"]["mean"].values()) == pytest.approx(st["sct_mean_s"])
+        assert set(st["breakdown"]["per_model"]) <= {"qwen3-235b-a22b", "glm-4.5-air",
+                                                     "mistral-large-2407"}
+    assert data["ideal"]["sct_p50_s"] <= data["ideal"]["sct_p95_s"]
+    assert "own" in text and "recomp" in text  # the time-split table
     assert out_png.stat().st_size > 0
     assert (tmp_path / "r_sweep.png").stat().st_size > 0
+    assert (tmp_path / "r_split.png").stat().st_size > 0
+
+
+def test_tune_writes_settings_that_the_next_replay_uses(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    settings = tmp_path / "tuned.json"
+    args = ["replay", "--policies", "baseline", "--max-sessions", "2", "--workers", "1",
+            "--no-progress", "--quanta", "10", "--settings", str(settings)]
+    assert main([*args, "--tune"]) == 0
+    tuned = orjson.loads(settings.read_bytes())
+    row = tuned["rows"]["baseline"]
+    assert [(p["slot_close"], p["slot_quantum_s"]) for p in row["grid"]] == [
+        ("empty", 10.0), ("drained", 10.0), ("quantum", 10.0)]
+    best = min(row["grid"], key=lambda p: (p["sct_p50_s"] * p["sct_p95_s"]))
+    assert row["setting"] == {"slot_close": best["slot_close"], "slot_quantum_s": 10.0}
+    assert set(tuned["ideal"]) == {"p50", "p95"}
+    capsys.readouterr()
+    out_json = tmp_path / "r.json"
+    assert main([*args, "--json", str(out_json)]) == 0
+    assert "tuned, from" in capsys.readouterr().out
+    data = orjson.loads(out_json.read_bytes())
+    assert data["policies"]["baseline"]["setting"] == row["setting"]
+    assert data["policies"]["baseline"]["sct_p50_s"] == pytest.approx(row["sct_p50_s"])
+    assert data["ideal"]["sct_p50_s"] == pytest.approx(tuned["ideal"]["p50"]["sct_s"])
+    assert data["ideal"]["sct_p95_s"] == pytest.approx(tuned["ideal"]["p95"]["sct_s"])
 
 
 def test_replay_scale_out_replicates_sessions(tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    rc = main(["replay", "--policies", "cache_aware", "--max-sessions", "2", "--servers", "2",
+    rc = main(["replay", "--policies", "sglang_hicache", "--max-sessions", "2", "--servers", "2",
                "--workers", "1", "--no-progress", "--json", str(out_json)])
     assert rc == 0
     data = orjson.loads(out_json.read_bytes())
     assert data["setup"]["servers"] == 2
-    assert data["policies"]["cache_aware"]["sessions"] == 4
+    assert data["policies"]["sglang_hicache"]["sessions"] == 4
+    assert data["ideal"]["sessions"] == 4 and data["lower_bound"]["sessions"] == 4
 
 
 def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

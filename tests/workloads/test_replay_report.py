@@ -10,7 +10,15 @@ from workloads.replay import CallRecord, ReplayResult, SessionResult
 from workloads.report import benchmark, format_table, percentile, summarize, to_json
 from workloads.sweep import LoadPoint, SweepResult, best_quantum, poisson_arrivals
 from workloads.sweep_report import format_sweep, regime_summary, sweep_json
-from workloads.systems import ABLATIONS, DEFAULT_POLICIES, PEERS, SystemConfig, parse_policies
+from workloads.systems import (
+    ABLATIONS,
+    DEFAULT_POLICIES,
+    LEAVE_ONE_OUT_ROWS,
+    PEERS,
+    SYSTEMS,
+    SystemConfig,
+    parse_policies,
+)
 from workloads.trace import Call, Session
 
 
@@ -68,14 +76,27 @@ def test_speedups_lower_bound_and_best_quantum() -> None:
 
 
 def test_policy_catalogue_is_consistent() -> None:
-    assert list(DEFAULT_POLICIES[:5]) == ["baseline", "+staging", "+host_kv", "+sp", "talaria"]
-    assert set(PEERS) == {"load_lru", "cache_aware", "ttl_pin"}
+    assert list(DEFAULT_POLICIES[:4]) == ["baseline", "+staging", "+host_kv", "talaria"]
+    assert list(LEAVE_ONE_OUT_ROWS) == ["-staging", "-host_kv", "-reservations", "-placement"]
+    assert set(PEERS) == {"vllm_sleep", "vllm_sleep_lmcache", "sglang_hicache", "continuum_ttl",
+                          "autellix", "aegaeon"}
     base = ABLATIONS["baseline"]
-    assert not base.stable_substrate and base.placement == "load"
-    assert base.engine_config().host_kv_bytes == 0
+    # the reference's baseline: the system itself on the stable substrate, reservations and
+    # session-aware placement on; staging, host KV and session-prefill off
+    assert base.stable_substrate and base.placement == "talaria" and base.switch == "copy"
+    assert base.policy.soft_reservations and not base.policy.session_prefill
+    config = base.engine_config()
+    assert config.host_kv_bytes == 0 and not config.staging
     assert ABLATIONS["talaria"].placement == "talaria"
     assert ABLATIONS["+host_kv"].engine_config().host_kv_bytes is None
-    assert PEERS["ttl_pin"].policy.soft_reservations and not PEERS["ttl_pin"].policy.host_kv
+    assert LEAVE_ONE_OUT_ROWS["-placement"].placement == "load"
+    assert LEAVE_ONE_OUT_ROWS["-placement"].policy.with_(name="talaria") == ABLATIONS["talaria"].policy
+    # no two rows are one configuration
+    configs = [(s.policy.with_(name=""), s.placement, s.engine_config()) for s in SYSTEMS.values()]
+    assert all(configs.count(c) == 1 for c in configs)
+    for name in ("vllm_sleep", "vllm_sleep_lmcache", "sglang_hicache", "continuum_ttl", "autellix"):
+        assert PEERS[name].switch == "sleep_wake" and not PEERS[name].stable_substrate
+    assert PEERS["aegaeon"].policy.preempt and PEERS["aegaeon"].switch == "scale_up"
     assert ABLATIONS["baseline"].with_quantum(7.0).policy.slot_quantum_s == 7.0
     assert [s.name for s in parse_policies("talaria, baseline")] == ["talaria", "baseline"]
     with pytest.raises(ValueError, match="unknown policy 'nope'"):

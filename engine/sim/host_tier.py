@@ -1,0 +1,79 @@
+"""The simulated engine's host KV tier at work: what restores and write-through cost a step,
+and what a switch leaves of the tier (the tier's behaviour is ``engine.sim.kv_tier``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sim.cost_model import CostModel
+from engine.sim.kv_tier import KVTier
+from substrate.host_kv_index import HostKVIndex
+
+__all__ = ["HostTier"]
+
+
+class HostTier:
+    def __init__(self, index: HostKVIndex, tier: KVTier, block_size: int) -> None:
+        self.index = index
+        self.tier = tier
+        self.block_size = block_size
+        self._written: dict[str, int] = {}  # request id -> leading blocks written through
+
+    @property
+    def enabled(self) -> bool:
+        return self.index.capacity_bytes > 0
+
+    def restore_bytes_per_s(self, cost: CostModel) -> float:
+        return self.tier.restore_bytes_per_s or cost.device.host_link_bytes_per_s
+
+    def restore_seconds(self, cost: CostModel, tokens: int) -> float:
+        """Copying ``tokens`` tokens of KV back from the host tier, alone."""
+        return tokens * cost.kv_bytes_per_token_per_gpu() / self.restore_bytes_per_s(cost)
+
+    def offload_seconds(self, cost: CostModel, tokens: int) -> float:
+        """Copying ``tokens`` tokens of KV to the host tier on demand."""
+        rate = self.tier.offload_bytes_per_s or cost.device.host_link_bytes_per_s
+        return tokens * cost.kv_bytes_per_token_per_gpu() / rate
+
+    def step_seconds(self, cost: CostModel, compute_s: float, restored_tokens: int) -> float:
+        """A step that computes for ``compute_s`` and restores ``restored_tokens`` first:
+        serial, or overlapped layer by layer when the tier loads while computing."""
+        if not restored_tokens:
+            return compute_s
+        restore_s = self.restore_seconds(cost, restored_tokens)
+        if self.tier.restore_overlaps_compute:
+            return max(compute_s, restore_s)
+        return compute_s + restore_s
+
+    def write_through(
+        self, model: str, requests: Iterable[Request], kv: KVCacheManager, cost: CostModel
+    ) -> float:
+        """Write the requests' newly computed full blocks to the host tier (write-through
+        tiers only); returns the seconds the step pays for it (0 when asynchronous)."""
+        if not self.tier.write_through or not self.enabled:
+            return 0.0
+        bs = self.block_size
+        block_bytes = bs * cost.kv_bytes_per_token_per_gpu()
+        stored = 0
+        for req in requests:
+            full = req.num_computed_tokens // bs
+            done = self._written.get(req.request_id, 0)
+            if full <= done:
+                continue
+            hashes = kv.block_hashes(req)[done:full]
+            result = self.index.insert_chain(model, hashes, block_bytes, session_id=req.session_id)
+            stored += len(result.inserted)
+            self._written[req.request_id] = full
+        if self.tier.store_bytes_per_s is None:
+            return 0.0
+        return stored * block_bytes / self.tier.store_bytes_per_s
+
+    def forget(self, request_id: str) -> None:
+        self._written.pop(request_id, None)
+
+    def switched_out(self, model: str) -> None:
+        """``model`` left the device: a tier that does not survive it forgets its KV."""
+        if not self.tier.survives_switch:
+            self.index.drop_model(model)

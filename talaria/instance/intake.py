@@ -1,0 +1,165 @@
+"""How queued calls enter an instance's engine: the admission half of the loop.
+
+Queued calls of the active model are admitted in the policy's order (FIFO, or by attained
+service) while its slot is open; after it closes, session-prefill may still admit queued
+continuations it decides pay. Every admission must fit the budget: at most
+``max_running_calls`` calls, and KV blocks (a call counts ``need_blocks``: its prompt and all
+of ``max_tokens``) within the region, yielding other sessions' reservations (least valuable
+first) to make room. A call whose client left, or that the engine refuses, fails alone.
+
+``Intake`` is a part of ``AdmissionLoop`` (a mixin): it reads the loop's books and never
+runs on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from engine.interface import EngineRequest, EngineStats
+from talaria.config import PolicyConfig
+from talaria.instance.calls import CallBook, PendingCall
+from talaria.instance.estimates import Estimator
+from talaria.instance.executor import EngineExecutor
+from talaria.instance.faults import EngineFaults
+from talaria.instance.sessions import SessionKeeper
+from talaria.instance.time_split import TimeSplit
+from talaria.policies.priority import Service, order_queue
+from talaria.policies.round_scheduler import Slot
+from talaria.policies.session_prefill import decide_queued
+from talaria.policies.view import InstanceView
+
+log = structlog.get_logger("talaria.admission")
+
+__all__ = ["Intake"]
+
+
+class Intake:
+    instance_id: str
+    view: InstanceView
+    policy: PolicyConfig
+    executor: EngineExecutor
+    calls: CallBook
+    sessions: SessionKeeper
+    est: Estimator
+    counters: dict[str, int]
+    faults: EngineFaults
+    split: TimeSplit
+    stats: EngineStats
+    active_model: str | None
+    now: Callable[[], float]
+    finish: Callable[..., None]  # AdmissionLoop.finish(pending, reason, event, error=None)
+    _service: Callable[[PendingCall], Service]
+
+    async def _admit_queue(self, model: str) -> None:
+        """Admit queued calls of ``model`` in the policy's order while the budget allows."""
+        queue = self.calls.queues[model]
+        if self.policy.queue_order != "fifo" and len(queue) > 1:
+            ordered = order_queue(self.policy.queue_order, list(queue), self._service,
+                                  self.policy.las_starvation_ratio)
+            queue.clear()
+            queue.extend(ordered)
+        while queue:
+            pending = queue[0]
+            if not await self._make_room(pending):
+                break
+            if not queue or queue[0] is not pending:
+                continue  # aborted while room was being made
+            queue.popleft()
+            self._admit(pending)
+
+    def _admit(self, pending: PendingCall, sp: bool = False) -> None:
+        """Hand a call (already off its queue) to the engine, unless its client has gone. An
+        engine that refuses the call fails that call only."""
+        call = pending.call
+        if pending.handle.departed():
+            self.counters["departed"] += 1
+            self.finish(pending, "abort", None)
+            return
+        try:
+            self.executor.add_request(
+                EngineRequest(
+                    request_id=call.call_id,
+                    prompt_token_ids=list(call.prompt_token_ids),
+                    params=call.params,
+                    model=call.model,
+                    session_id=call.session_id,
+                )
+            )
+        except ValueError as exc:
+            self.finish(pending, "error", None, error=f"rejected by the engine: {exc}")
+            return
+        except Exception as exc:  # the call's own failure: it alone fails
+            log.exception("admit_failed", instance=self.instance_id, call=call.call_id)
+            self.faults.drop(call.call_id)
+            self.finish(pending, "error", None,
+                        error=f"the engine could not take the call: {type(exc).__name__}: {exc}")
+            return
+        pending.admitted = self.now()
+        self.split.admit(call.call_id, pending.admitted)
+        pending.sp = sp
+        pending.expected_out = self.est.expected_output(call)
+        self.calls.start(pending)
+        self.counters["admitted"] += 1
+        if sp:
+            self.counters["sp_admitted"] += 1
+        self.sessions.on_admit(call.session_id)
+
+    async def _make_room(self, pending: PendingCall) -> bool:
+        """Whether ``pending`` fits the admission budget, yielding other sessions'
+        reservations (least valuable first; offloaded to host when host KV is on) if that
+        makes it fit. A call larger than the whole KV region fails."""
+        if len(self.calls.running) >= self.policy.max_running_calls:
+            return False
+        model = pending.call.model
+        total = self.stats.num_total_blocks
+        if pending.need_blocks > total > 0:
+            self.finish(
+                pending,
+                "error",
+                None,
+                error=f"call needs {pending.need_blocks} KV blocks; the instance has {total}",
+            )
+            return False
+        book = self.sessions.reservations
+        while True:
+            if self._blocks_in_use(pending.call.session_id) + pending.need_blocks <= total:
+                return True
+            victims = book.yield_order(model, exclude=pending.call.session_id)
+            if not victims or (self.policy.hard_pins and self.calls.running):
+                return False  # hard pins yield only when nothing runs (deadlock guard)
+            await self.sessions.yield_reservation(victims[0])
+
+    def _blocks_in_use(self, session_id: str) -> int:
+        model = self.active_model
+        book = self.sessions.reservations
+        used = sum(p.need_blocks for p in self.calls.running.values())
+        pinned = book.pinned_blocks(model) if model is not None else 0
+        own = book.get(session_id)
+        if own is not None and own.pinned:
+            pinned -= own.blocks
+        return used + pinned
+
+    async def _sp_admit_queued(self, slot: Slot) -> None:
+        """Admit queued continuations of the closed slot's model when SP decides it pays."""
+        queue = self.calls.queues[slot.model]
+        for pending in list(queue):
+            if not pending.continuation or pending.call.call_id not in self.calls:
+                continue
+            decision = decide_queued(self.view, self.est, slot, pending)
+            if not decision.take:
+                continue
+            if not await self._make_room(pending):
+                break
+            if not self.calls.unqueue(pending):
+                continue  # aborted while room was being made
+            slot.sp_used_s += decision.extra_delay_s
+            self._admit(pending, sp=True)
+            log.debug(
+                "sp_admit",
+                call=pending.call.call_id,
+                benefit=decision.benefit_s,
+                cost=decision.cost_s,
+                extra=decision.extra_delay_s,
+            )

@@ -1,0 +1,161 @@
+"""The control plane's switches that the peers are built from: the slot-closing rule,
+admission and model order (program FCFS, least attained service), Continuum's TTL rule, the
+per-call time split, and the shared device of the ideal bound."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from fake_engine import FakeEngine
+from instance_helpers import late_continuation
+
+from talaria.clock import run_virtual
+from talaria.config import PolicyConfig, preset
+from talaria.instance.admission import Instance
+from talaria.instance.device import DeviceSchedule, SharedDevice, claim
+from talaria.instance.time_split import DEVICE_WAIT, IDLE, SWITCH, TimeSplit, serving
+from talaria.policies.priority import Service, next_model, order_queue
+from talaria.policies.round_scheduler import RoundScheduler, slot_closes
+from talaria.policies.ttl import MIN_SAMPLES, continuum_ttl
+
+
+@pytest.mark.parametrize(("rule", "continuation_first", "b_first"), [
+    ("empty", 11.6, 9.1),  # a's slot closed as its queue emptied: the continuation waits
+    ("drained", 3.1, 9.1),  # open while s1 runs: admitted at once; b after a drains
+    ("quantum", 3.1, 24.1),  # open until its quantum (opened at 2.0 + 20 s), then b
+])
+def test_slot_closing_rule(rule: str, continuation_first: float, b_first: float) -> None:
+    (s1, s2, b1), _ = late_continuation(
+        preset("baseline", slot_close=rule, slot_quantum_s=20.0))
+    assert s1.done == pytest.approx(7.0)
+    assert s2[1].first == pytest.approx(continuation_first)
+    assert b1.first == pytest.approx(b_first)
+
+
+def test_slot_closes_only_when_another_model_waits() -> None:
+    assert slot_closes("empty", queue_empty=True, in_flight=True, others_waiting=True)
+    assert not slot_closes("drained", queue_empty=True, in_flight=True, others_waiting=True)
+    assert slot_closes("drained", queue_empty=True, in_flight=False, others_waiting=True)
+    assert not slot_closes("quantum", queue_empty=True, in_flight=False, others_waiting=True)
+    for rule in ("empty", "drained", "quantum"):
+        assert not slot_closes(rule, queue_empty=True, in_flight=False, others_waiting=False)
+    with pytest.raises(ValueError, match="rule"):
+        slot_closes("never", queue_empty=True, in_flight=False, others_waiting=True)
+
+
+def test_a_preempting_policy_needs_an_engine_that_can_suspend() -> None:
+    with pytest.raises(ValueError, match="cannot suspend"):
+        Instance("i", FakeEngine(["a"]), PolicyConfig(preempt=True))
+
+
+def test_admission_and_model_order() -> None:
+    services = {"new": Service(0.0, 1.0, 5.0), "old": Service(30.0, 2.0, 0.0),
+                "pinned": Service(10.0, 0.0, 9.0, pinned=True),
+                "starved": Service(2.0, 20.0, 3.0)}
+    calls = list(services)
+
+    def service(name: str) -> Service:
+        return services[name]
+
+    assert order_queue("fifo", calls, service, 8.0) == calls
+    assert order_queue("program_fcfs", calls, service, 8.0) == ["pinned", "old", "starved", "new"]
+    # least attained service first, but a session that waited 8x its service goes first
+    assert order_queue("las", calls, service, 8.0) == ["starved", "new", "pinned", "old"]
+    rounds = RoundScheduler(["a", "b", "c"])
+    waiting = {"a": ["old"], "b": [], "c": ["new"]}
+    assert next_model(rounds, "b", waiting, "round", service, 8.0) == "c"
+    assert next_model(rounds, "c", waiting, "round", service, 8.0) == "a"
+    assert next_model(rounds, "c", waiting, "las", service, 8.0) == "c"
+    assert next_model(rounds, "a", {"a": [], "b": [], "c": []}, "las", service, 8.0) is None
+
+
+def test_continuum_ttl_rule() -> None:
+    # cold start: exponential gaps of mean 1 s -> tau = ln(benefit)
+    assert continuum_ttl([], reload_s=5.0, queue_delay_s=2.0) == pytest.approx(math.log(7.0))
+    assert continuum_ttl([], reload_s=0.5, queue_delay_s=0.2) == 0.0  # not worth a pin
+    gaps = [0.05] * 50 + [9.0] * 10
+    assert len(gaps) >= MIN_SAMPLES
+    assert continuum_ttl(gaps, reload_s=3.0, queue_delay_s=1.0) == 0.05
+    assert continuum_ttl(gaps, reload_s=60.0, queue_delay_s=0.0) == 9.0  # worth the long gaps
+    assert continuum_ttl(gaps, reload_s=0.0, queue_delay_s=0.0) == 0.0
+    with pytest.raises(ValueError, match="eta"):
+        continuum_ttl(gaps, 1.0, 1.0, eta=2.0)
+
+
+def test_time_split_charges_each_call_by_what_the_instance_did() -> None:
+    split = TimeSplit(0.0)
+    split.arrive("a1", "a", 0.0)
+    split.arrive("b1", "b", 0.0)
+    split.state(0.0, SWITCH)
+    split.state(2.0, serving("a", True))  # a1 queued in a's open slot, b1 waits for b's
+    split.admit("a1", 3.0)
+    split.device_wait(4.0, True)
+    split.device_wait(4.5, False)
+    split.state(5.0, serving("a", False))
+    split.finish("a1", 6.0)
+    split.state(6.0, SWITCH)
+    split.state(7.0, serving("b", True))
+    split.admit("b1", 7.0)
+    split.finish("b1", 9.0)
+    assert split.done["a1"] == pytest.approx(
+        {"switch": 2.0, "queue": 1.0, "service": 2.5, "slot_wait": 0.5})
+    assert split.done["b1"] == pytest.approx(
+        {"switch": 3.0, "queue": 0.0, "service": 2.0, "slot_wait": 4.0})
+    assert IDLE != DEVICE_WAIT
+
+
+def _device_starts(schedule: DeviceSchedule) -> dict[str, float]:
+    """a1 runs 0-1 s; b1 asks at 0.1; a2 asks at 0.5 and then, continuing its call, once more
+    when its first step ends. When does each step start?"""
+    starts: dict[str, float] = {}
+
+    async def step(device: SharedDevice, model: str, name: str, at: float, seconds: float,
+                   continuing: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        if at > loop.time():
+            await asyncio.sleep(at - loop.time())
+        await device.acquire(model, 0.0, continuing)
+        starts[name] = loop.time()
+        await asyncio.sleep(seconds)
+        device.release(model)
+
+    async def a2() -> None:
+        await step(device, "a", "a2", 0.5, 1.0)
+        await step(device, "a", "a2+", 0.0, 1.0, continuing=True)
+
+    async def main() -> dict[str, float]:
+        nonlocal device
+        device = SharedDevice(["a", "b"], schedule, asyncio.get_running_loop().time)
+        await asyncio.gather(step(device, "a", "a1", 0.0, 1.0), step(device, "b", "b1", 0.1, 1.0),
+                             a2())
+        return starts
+
+    device: SharedDevice
+    return run_virtual(main())
+
+
+def test_shared_device_time_shares_models_step_by_step() -> None:
+    # b1 waits since 0.1, so a2 may not join a's turn: b1 goes when a1 ends, then a2
+    assert _device_starts(DeviceSchedule()) == pytest.approx(
+        {"a1": 0.0, "b1": 1.0, "a2": 2.0, "a2+": 3.0})
+
+
+@pytest.mark.parametrize(("preempt", "want"), [
+    (True, {"a1": 0.0, "a2": 0.5, "b1": 1.5, "a2+": 2.5}),  # at the quantum, a2 waits
+    (False, {"a1": 0.0, "a2": 0.5, "a2+": 1.5, "b1": 2.5}),  # a2's call in flight finishes
+])
+def test_shared_device_slots_keep_a_model_for_its_quantum(preempt: bool,
+                                                          want: dict[str, float]) -> None:
+    schedule = DeviceSchedule("slots", "drained", quantum_s=1.5, preempt=preempt)
+    assert _device_starts(schedule) == pytest.approx(want)
+
+
+def test_device_claims() -> None:
+    assert claim("las", [(3.0, 1.0), (1.0, None)], 2.0) == (1.0, True)
+    assert claim("mas", [(3.0, 1.0), (1.0, None)], 2.0) == (-4.0, True)
+    assert claim("fair", [(3.0, 2.0)], 2.0) == (0.0, False)
+    assert DeviceSchedule.from_dict(DeviceSchedule().to_dict()) == DeviceSchedule()
+    with pytest.raises(ValueError, match="order"):
+        DeviceSchedule("random")

@@ -1,0 +1,124 @@
+"""The simulated engine's peer mechanisms: host KV tiers (write-through LMCache with its
+store cost, HiCache's overlapped loads and flush on a switch), token-level suspend and
+resume, and an explicit KV capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.interface import EngineRequest, StepResult
+from engine.sampling_params import SamplingParams
+from engine.sim.cost_model import CostModel
+from engine.sim.engine import SimEngine, SimEngineConfig
+from engine.sim.kv_tier import KV_TIERS
+from engine.sim.model_spec import ModelSpec
+from substrate.devices import server_preset
+
+GLM, MISTRAL = "glm-4.5-air", "mistral-large-2407"
+BS = 64
+
+
+def make(**cfg: object) -> SimEngine:
+    config = SimEngineConfig(block_size=BS, staging=False, max_fused_decode_steps=1, **cfg)
+    return SimEngine([GLM, MISTRAL], config, clock=lambda: 0.0)
+
+
+def cost(model: str = GLM) -> CostModel:
+    return CostModel(server_preset("h200x8"), ModelSpec.load(model), 8)
+
+
+def prompt(n: int) -> list[int]:
+    return [(i * 13) % 9000 + 1 for i in range(n)]
+
+
+def run(engine: SimEngine, rid: str, tokens: list[int], out: int = 2, model: str = GLM,
+        session: str = "s") -> list[StepResult]:
+    engine.add_request(EngineRequest(rid, tokens, SamplingParams(max_tokens=out), model=model,
+                                     session_id=session))
+    steps = []
+    while engine.has_unfinished():
+        steps.append(engine.step())
+    return steps
+
+
+def _switch_away_and_back(engine: SimEngine) -> tuple[list[StepResult], list[int]]:
+    engine.activate(GLM)
+    first = prompt(4000)
+    run(engine, "c1", first)
+    engine.activate(MISTRAL)
+    engine.activate(GLM)
+    return run(engine, "c2", first + prompt(500)), first
+
+
+def test_lmcache_writes_through_as_it_computes_and_pays_for_the_store() -> None:
+    lmcache = make(kv_tier="lmcache")
+    lmcache.activate(GLM)
+    steps = run(lmcache, "c1", prompt(4000))
+    blocks = 4000 // BS
+    assert lmcache.host_kv.bytes_of(GLM) == blocks * BS * cost().kv_bytes_per_token_per_gpu()
+    store_s = blocks * BS * cost().kv_bytes_per_token_per_gpu() / KV_TIERS["lmcache"].store_bytes_per_s
+    assert steps[0].seconds == pytest.approx(cost().chunks_step_seconds([(4000, 0)]) + store_s)
+    # it survives sleep and wake: the returning call restores at LMCache's retrieve rate
+    asleep = make(kv_tier="lmcache", switch="sleep_wake", stable_substrate=False)
+    restored, _ = _switch_away_and_back(asleep)
+    kept = (4000 // BS) * BS
+    assert restored[0].num_prefill_tokens == 4500 - kept
+    retrieve_s = kept * cost().kv_bytes_per_token_per_gpu() / KV_TIERS["lmcache"].restore_bytes_per_s
+    assert restored[0].seconds > cost().chunks_step_seconds([(4500 - kept, kept)]) + retrieve_s
+
+
+def test_hicache_loads_overlap_compute_and_a_switch_flushes_the_tier() -> None:
+    hicache = make(kv_tier="hicache")
+    steps, _ = _switch_away_and_back(hicache)
+    assert steps[0].num_prefill_tokens == 4500  # flushed on release: nothing to restore
+    assert hicache.host_kv.bytes_of(GLM) > 0  # the new call's blocks were written through
+    # the tier's step price: the larger of compute and load, not their sum
+    tier = hicache.host_tier
+    assert tier.step_seconds(cost(), 0.5, 1000) == 0.5
+    assert tier.step_seconds(cost(), 0.001, 100_000) == pytest.approx(
+        tier.restore_seconds(cost(), 100_000))
+    offload = make(kv_tier="offload").host_tier
+    assert offload.step_seconds(cost(), 0.5, 1000) == pytest.approx(
+        0.5 + offload.restore_seconds(cost(), 1000))
+
+
+def test_suspend_parks_calls_in_flight_and_activation_resumes_them() -> None:
+    engine = make()
+    engine.activate(GLM)
+    engine.add_request(EngineRequest("long", prompt(3000), SamplingParams(max_tokens=50),
+                                     model=GLM, session_id="s"))
+    for _ in range(6):
+        engine.step()
+    computed = engine.scheduler.requests["long"].num_computed_tokens
+    report = engine.suspend()
+    assert report.seconds == pytest.approx(cost().kv_offload_seconds(computed))
+    assert engine.has_unfinished() and engine.scheduler.num_running == 0
+    engine.activate(MISTRAL)  # allowed: nothing of GLM is unfinished in the scheduler
+    engine.abort("nope")
+    back = engine.activate(GLM)
+    assert back.seconds == pytest.approx(cost().switch_seconds_host()
+                                         + cost().kv_restore_seconds(computed))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step().events
+    assert events[-1].finished and events[-1].num_output_tokens == 50
+    assert engine.stats().extra["swapped_in_tokens"] == computed
+
+
+def test_a_suspended_call_can_be_aborted() -> None:
+    engine = make()
+    engine.activate(GLM)
+    engine.add_request(EngineRequest("x", prompt(500), SamplingParams(max_tokens=20), model=GLM))
+    engine.step()
+    engine.suspend()
+    engine.abort("x")
+    result = engine.step()
+    assert [e.request_id for e in result.events] == ["x"] and result.events[0].finished
+    assert not engine.has_unfinished()
+
+
+def test_explicit_kv_capacity() -> None:
+    engine = make(kv_tokens=BS * 10)
+    assert engine.kv_capacity_blocks(GLM) == engine.kv_capacity_blocks(MISTRAL) == 10
+    with pytest.raises(ValueError, match="kv_tokens"):
+        SimEngineConfig(kv_tokens=1)
