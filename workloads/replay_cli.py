@@ -37,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true", help="also run the load and quantum sweeps")
     p.add_argument("--tune", action="store_true",
                    help="run every policy over its grid of slot-closing rules and quanta, "
-                   "keep each one's best and write them to --settings")
+                   "keep each one's best and write them to --settings (with --policies: "
+                   "only those rows; the other rows' and the ideal bound's cached settings "
+                   "for this trace and cluster are kept)")
     p.add_argument("--settings", default=None,
                    help="tuned settings file (default: workloads/data/tuned_settings.json)")
     p.add_argument("--quanta", default=None, help="slot quanta for the sweeps and for --tune's "
@@ -218,8 +220,12 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     settings_path = Path(args.settings) if args.settings else TUNED_PATH
     key = setup_key(sessions, spec, args.seed)
     if args.tune:
+        kept = load_settings(key, settings_path) if args.policies else None
         tuned = tune(sessions, systems, spec, seed=args.seed, workers=args.workers,
-                     progress=progress, quanta=quanta if args.quanta else None)
+                     progress=progress, quanta=quanta if args.quanta else None,
+                     with_ideal=kept is None or not kept.ideal)
+        if kept is not None:
+            tuned = kept.merged(tuned)
         save_settings(tuned, key, settings_path)
         print(f"wrote the tuned settings to {settings_path}")
         source = f"tuned now (redo: {TUNE_COMMAND})"

@@ -1,7 +1,7 @@
 """How queued calls enter an instance's engine: the admission half of the loop.
 
-Queued calls of the active model are admitted in the policy's order (FIFO, or by attained
-service) while its slot is open; after it closes, session-prefill may still admit queued
+Queued calls of the active model are admitted in the policy's order (FIFO, by attained
+service, or by expected remaining calls) while its slot is open; after it closes, session-prefill may still admit queued
 continuations it decides pay. Every admission must fit the budget: at most
 ``max_running_calls`` calls, and KV blocks (a call counts ``need_blocks``: its prompt and all
 of ``max_tokens``) within the region, yielding other sessions' reservations (least valuable
@@ -25,7 +25,8 @@ from talaria.instance.executor import EngineExecutor
 from talaria.instance.faults import EngineFaults
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import TimeSplit
-from talaria.policies.priority import Service, order_queue
+from talaria.policies.priority import Service, order_queue, priority_key
+from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot
 from talaria.policies.session_prefill import decide_queued
 from talaria.policies.view import InstanceView
@@ -55,8 +56,9 @@ class Intake:
     async def _admit_queue(self, model: str) -> None:
         """Admit queued calls of ``model`` in the policy's order while the budget allows."""
         queue = self.calls.queues[model]
-        if self.policy.queue_order != "fifo" and len(queue) > 1:
-            ordered = order_queue(self.policy.queue_order, list(queue), self._service,
+        order = self.policy.admission_order
+        if order != "fifo" and len(queue) > 1:
+            ordered = order_queue(order, list(queue), self._service,
                                   self.policy.las_starvation_ratio)
             queue.clear()
             queue.extend(ordered)
@@ -122,14 +124,23 @@ class Intake:
                 error=f"call needs {pending.need_blocks} KV blocks; the instance has {total}",
             )
             return False
-        book = self.sessions.reservations
         while True:
             if self._blocks_in_use(pending.call.session_id) + pending.need_blocks <= total:
                 return True
-            victims = book.yield_order(model, exclude=pending.call.session_id)
+            victims = self._yield_order(model, pending.call.session_id)
             if not victims or (self.policy.hard_pins and self.calls.running):
                 return False  # hard pins yield only when nothing runs (deadlock guard)
             await self.sessions.yield_reservation(victims[0])
+
+    def _yield_order(self, model: str, exclude: str) -> list[Reservation]:
+        """Reservations to yield, least valuable first: the latest expected return, or under
+        session priority the session that comes last (the latest return among equals)."""
+        victims = self.sessions.reservations.yield_order(model, exclude=exclude)
+        if not self.policy.session_priority or len(victims) < 2:
+            return victims
+        order, ratio = self.policy.admission_order, self.policy.las_starvation_ratio
+        return sorted(victims, reverse=True, key=lambda r: priority_key(
+            order, self.sessions.service(r.session_id, 0.0), ratio))
 
     def _blocks_in_use(self, session_id: str) -> int:
         model = self.active_model

@@ -76,6 +76,12 @@ def test_tune_writes_settings_that_the_next_replay_uses(tmp_path: Path,
     assert data["policies"]["baseline"]["sct_p50_s"] == pytest.approx(row["sct_p50_s"])
     assert data["ideal"]["sct_p50_s"] == pytest.approx(tuned["ideal"]["p50"]["sct_s"])
     assert data["ideal"]["sct_p95_s"] == pytest.approx(tuned["ideal"]["p95"]["sct_s"])
+    # tuning another row keeps the cached rows and the ideal bound's schedules
+    other = [*args[:2], "vllm_sleep", *args[3:]]
+    assert main([*other, "--tune"]) == 0
+    again = orjson.loads(settings.read_bytes())
+    assert set(again["rows"]) == {"baseline", "vllm_sleep"}
+    assert again["rows"]["baseline"] == row and again["ideal"] == tuned["ideal"]
 
 
 def test_replay_scale_out_replicates_sessions(tmp_path: Path) -> None:
