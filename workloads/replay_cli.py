@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "for this trace and cluster are kept)")
     p.add_argument("--settings", default=None,
                    help="tuned settings file (default: workloads/data/tuned_settings.json)")
+    p.add_argument("--fixed-settings", action="store_true",
+                   help="run every row at the settings in --settings even when they were "
+                   "tuned on another trace or cluster (the default trace's: fixed once, "
+                   "not tuned for this one); the ideal bound keeps their schedules too")
     p.add_argument("--quanta", default=None, help="slot quanta for the sweeps and for --tune's "
                    "grids, e.g. 5,10,30 (default: the sweep's and each grid's own)")
     p.add_argument("--load-fractions", default=None,
@@ -234,6 +238,12 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         source = (f"tuned, from {settings_path} (redo: {TUNE_COMMAND})" if tuned else
                   f"each policy's own, ideal untuned (no tuned settings for this trace and "
                   f"cluster in {settings_path}; {TUNE_COMMAND} makes them)")
+        fixed = load_settings(None, settings_path) if tuned is None and args.fixed_settings \
+            else None
+        if fixed is not None:
+            tuned = fixed
+            source = (f"fixed: tuned on another trace or cluster, from {settings_path}, "
+                      "not for this one")
     systems = apply_settings(systems, tuned.settings if tuned else {})
     ideals = ideal_choice(tuned)
     jobs = [Job(s.name, tuple(sessions), s, spec, args.seed) for s in systems]

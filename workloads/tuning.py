@@ -142,13 +142,13 @@ def save_settings(tuned: Tuned, key: str, path: Path = TUNED_PATH) -> None:
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
 
 
-def load_settings(key: str, path: Path = TUNED_PATH) -> Tuned | None:
+def load_settings(key: str | None, path: Path = TUNED_PATH) -> Tuned | None:
     """The cached settings, or None when the file is missing or was made for another trace
-    or cluster."""
+    or cluster (``key`` None: whatever trace and cluster they were made for)."""
     if not path.exists():
         return None
     data = orjson.loads(path.read_bytes())
-    if data.get("setup_key") != key:
+    if key is not None and data.get("setup_key") != key:
         return None
     return Tuned(dict(data["rows"]), dict(data.get("ideal", {})))
 
