@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from router.call_health import CallHealth, HealthRules
-from router.deadlines import DeadlineMissed, Deadlines, next_event
+from router.deadlines import DeadlineMissed, Deadlines, first_token_deadline, next_event
 from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.session_inference import SessionInference
@@ -270,7 +270,10 @@ class RouterCore:
             stream = aiter(self.clients[instance_id].submit(call))
             self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.max_tokens)
             try:
-                first = await next_event(stream, self.deadlines.first_token_s, "first token")
+                deadline = first_token_deadline(
+                    self.deadlines, self.states.get(instance_id), call.model
+                )
+                first = await next_event(stream, deadline, "first token")
             except (InstanceUnavailable, StopAsyncIteration) as exc:
                 failure = (exc if isinstance(exc, InstanceUnavailable)
                            else InstanceUnavailable("the stream ended with no event"))
