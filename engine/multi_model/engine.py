@@ -16,6 +16,7 @@ stage / offload / restore on every rank in order, and each model's core drives a
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -43,6 +44,8 @@ from engine.served_models import ServedModels, ServesModels
 from substrate.moves import MoveKind, MoveRecord
 
 log = structlog.get_logger(__name__)
+
+RESTORE_REPORTS_KEPT = 4096
 
 
 class MultiModelEngine(ServesModels):
@@ -94,7 +97,8 @@ class MultiModelEngine(ServesModels):
         self._meters = {
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
         }
-        self._restores: list[MoveReport] = []
+        # The latest restores, for a benchmark to take; bounded, as nobody takes them live.
+        self._restores: deque[MoveReport] = deque(maxlen=RESTORE_REPORTS_KEPT)
         self._carried: list[TokenEvent] = []  # switched-out cores' undelivered events
 
     # ------------------------------------------------------------------ catalog
@@ -197,8 +201,10 @@ class MultiModelEngine(ServesModels):
         return bool(self._carried) or any(core.has_unfinished() for core in self.cores.values())
 
     def take_restore_reports(self) -> list[MoveReport]:
-        """KV restores (kind "kv_restore") performed inside steps since the last call."""
-        out, self._restores = self._restores, []
+        """KV restores (kind "kv_restore") performed inside steps since the last call (at
+        most the latest ``RESTORE_REPORTS_KEPT``)."""
+        out = list(self._restores)
+        self._restores.clear()
         return out
 
     # --------------------------------------------------------------- session KV

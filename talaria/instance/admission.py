@@ -49,7 +49,10 @@ class Instance:
         policy: PolicyConfig | None = None,
         *,
         executor: EngineExecutor | None = None,
+        record_splits: bool = False,
     ) -> None:
+        """``record_splits``: keep each finished call's time split (``loop.split.done``) for
+        a benchmark to read; off live, where nothing per finished call is kept."""
         self.instance_id = instance_id
         self.policy = policy or PolicyConfig()
         if self.policy.preempt and not callable(getattr(engine, "suspend", None)):
@@ -80,7 +83,7 @@ class Instance:
         self.est = Estimator(self, self.calls, self.sessions, self.rates)
         self.loop = AdmissionLoop(
             instance_id, self, self.policy, self.executor, self.calls, self.sessions,
-            self.est, self.rates, self.counters, engine.active_model,
+            self.est, self.rates, self.counters, engine.active_model, record_splits,
         )
         self._task: asyncio.Task[None] | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None

@@ -60,6 +60,7 @@ class AdmissionLoop(Intake):
         rates: RateBook,
         counters: dict[str, int],
         active_model: str | None,
+        record_splits: bool = False,
     ) -> None:
         self.instance_id = instance_id
         self.view = view
@@ -84,7 +85,7 @@ class AdmissionLoop(Intake):
             instance_id, calls, executor, self.finish,
             FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
         )
-        self.split = TimeSplit(0.0)
+        self.split = TimeSplit(0.0, record=record_splits)
         executor.on_device_wait.append(lambda waiting: self.split.device_wait(self.now(), waiting))
         if executor.device is not None:
             executor.device_request = self._device_request
