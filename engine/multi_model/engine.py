@@ -41,6 +41,7 @@ from engine.multi_model.rank import RankModels
 from engine.multi_model.rates import ModelRateMeter
 from engine.multi_model.tp import RankBuild, TensorParallelRankModels
 from engine.served_models import ServedModels, ServesModels
+from substrate.host_kv_index import ChainLookups
 from substrate.moves import MoveKind, MoveRecord
 
 log = structlog.get_logger(__name__)
@@ -94,6 +95,7 @@ class MultiModelEngine(ServesModels):
         )
         self._sessions: dict[str, dict[str, list[int]]] = {name: {} for name in self.catalog}
         self._session_model: dict[str, str] = {}
+        self._host_chains = ChainLookups(self.rank.host_kv_index())
         self._meters = {
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
         }
@@ -219,6 +221,7 @@ class MultiModelEngine(ServesModels):
 
     def forget_session(self, session_id: str) -> None:
         model = self._session_model.pop(session_id, None)
+        self._host_chains.forget(session_id)
         if model is not None:
             self._sessions[model].pop(session_id, None)
             self.cores[model].kv.forget_session(session_id)
@@ -236,8 +239,7 @@ class MultiModelEngine(ServesModels):
         else:
             device = 0
             chain = self._sessions[model].get(session_id, [])
-        host = self.rank.host_kv_lookup(model, chain) * bs if chain else 0
-        return device, host
+        return device, self._host_chains.lookup(session_id, model, chain) * bs
 
     # -------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
@@ -310,6 +312,7 @@ class MultiModelEngine(ServesModels):
                 sessions[sid] = chain
             else:
                 del sessions[sid]
+                self._host_chains.forget(sid)
                 if self._session_model.get(sid) == model:
                     del self._session_model[sid]
 
