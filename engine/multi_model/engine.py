@@ -105,6 +105,10 @@ class MultiModelEngine(ServesModels):
 
     # ------------------------------------------------------------------ catalog
 
+    def kv_bytes_per_token(self, model: str) -> float:
+        self._check_model(model)
+        return float(self.catalog[model].kv_bytes_per_token)
+
     def residency(self) -> dict[str, Residency]:
         self._poll_staging()
         return {name: Residency(p.value) for name, p in self.rank.placements().items()}

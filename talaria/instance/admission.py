@@ -62,7 +62,11 @@ class Instance:
         self.executor = executor or EngineExecutor(engine)
         self.models = list(engine.model_names)
         self.rounds = RoundScheduler(self.models)
-        self.rates = RateBook(self.models, self.policy.rate_ewma_alpha)
+        self.rates = RateBook(
+            self.models,
+            self.policy.rate_ewma_alpha,
+            {m: engine.kv_bytes_per_token(m) for m in self.models},
+        )
         self.executor.on_report.append(self.rates.observe)
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {

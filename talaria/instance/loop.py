@@ -245,9 +245,7 @@ class AdmissionLoop(Intake):
         self.split.state(self.now(), SWITCH)
         if outgoing is not None and outgoing != model:
             if self.policy.host_kv:
-                tokens = self.sessions.device_tokens_of(outgoing)
-                report = await self.executor.offload_kv(None)
-                self.rates.observe_kv_size(report.bytes, tokens)
+                await self.executor.offload_kv(None)
             self.sessions.switch_out(outgoing)
         report = await self.executor.activate(model)
         self.active_model = model
@@ -310,6 +308,7 @@ class AdmissionLoop(Intake):
             return
         reason = event.finish_reason.value if event.finish_reason is not None else "stop"
         self.finish(pending, reason, event)
+        self.rates.observe_restored(pending.call.model, event.num_restored_tokens)
         if reason != "abort":
             now = self.now()
             admitted = pending.admitted if pending.admitted is not None else now
