@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+import structlog
+
 from engine.interface import EngineStats, MultiModelEngineProtocol, Residency
 from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, CallHandle, PendingCall
@@ -31,6 +33,8 @@ from talaria.protocol import (
     InstanceUnavailable,
     Overloaded,
 )
+
+log = structlog.get_logger("talaria.instance")
 
 __all__ = ["Instance"]
 
@@ -90,6 +94,8 @@ class Instance:
             self.est, self.rates, self.counters, engine.active_model, record_splits,
         )
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.hung = asyncio.Event()  # set by the watchdog: a live engine op has wedged
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
 
@@ -143,11 +149,31 @@ class Instance:
         self._task = self._event_loop.create_task(
             self.loop.run(), name=f"admission-{self.instance_id}"
         )
+        if not self.engine.simulated and self.policy.engine_op_timeout_s > 0:
+            self._watchdog = self._event_loop.create_task(
+                self._watch(self.policy.engine_op_timeout_s), name=f"watchdog-{self.instance_id}"
+            )
+
+    async def _watch(self, timeout_s: float) -> None:
+        """Mark the instance unhealthy (and set ``hung``) once one engine operation has run
+        for ``timeout_s``: the engine thread cannot be interrupted, so the process must go
+        (``talaria.instance_main`` exits and its supervisor restarts it)."""
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            since = self.executor.busy_since
+            if since is not None and self.now() - since > timeout_s:
+                log.error("engine_wedged", instance=self.instance_id, op=self.executor.busy,
+                          seconds=self.now() - since)
+                self.loop.healthy = False
+                self.hung.set()
+                return
 
     async def stop(self, drain: bool = True) -> None:
         """Stop taking calls; with ``drain`` serve what is queued and running first,
         otherwise abort it. Live reservations are released."""
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if not drain:
             for pending in self.calls:
                 self.abort(pending.call.call_id)
@@ -171,7 +197,7 @@ class Instance:
 
         Raises ValueError for a malformed call, Overloaded when ``max_queue_calls`` calls are
         already queued, InstanceUnavailable when the instance is stopping or failed."""
-        if self._closing or not self.healthy or self._task is None:
+        if self._closing or not self.healthy or self._task is None or self._task.done():
             raise InstanceUnavailable(f"instance {self.instance_id!r} is not accepting calls")
         if call.model not in self.calls.queues:
             raise ValueError(

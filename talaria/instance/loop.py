@@ -108,7 +108,12 @@ class AdmissionLoop(Intake):
                 except Exception as exc:
                     if not await self._recover(exc):
                         break
+        except Exception:  # a bug outside the engine (the fault path itself): end, logged
+            log.exception("admission_loop_crashed", instance=self.instance_id)
+            self.faults.fail_all("the instance's admission loop stopped")
         finally:
+            if not self.stopping:
+                self.healthy = False  # the loop ended on its own (gave up, or a bug): no calls
             if self.executor.busy is None:
                 self.sessions.release_all()
 

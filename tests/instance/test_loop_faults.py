@@ -13,7 +13,7 @@ from engine.interface import EngineRequest, MoveReport, StepResult
 from talaria.clock import run_virtual
 from talaria.config import preset
 from talaria.instance.admission import Instance
-from talaria.protocol import CallEvent
+from talaria.protocol import CallEvent, InstanceUnavailable
 
 
 @dataclass
@@ -104,3 +104,29 @@ def test_faults_in_a_row_make_the_loop_give_up_and_end_every_call() -> None:
     b_events, _, inst = run_virtual(main())
     assert b_events[-1].finish_reason == "error" and "cannot copy" in (b_events[-1].error or "")
     assert not inst.healthy and inst.counters["engine_faults"] == 3
+
+
+def test_a_loop_that_ends_on_its_own_leaves_the_instance_unhealthy_and_refusing() -> None:
+    """A bug in the fault path itself ends the loop: the instance must not keep queueing
+    calls nobody will ever serve."""
+    eng = engine(bad_steps={1})
+
+    async def main() -> tuple[bool, bool]:
+        inst = Instance("i", eng, preset("baseline"))
+
+        def broken(exc: Exception) -> float | None:
+            raise AssertionError("a bug while handling a fault")
+
+        inst.loop.faults.handle = broken  # type: ignore[method-assign]
+        await inst.start()
+        inst.submit(call("a1", "s1", "a", 20, max_tokens=3))
+        await inst.wait_until_stopped()
+        try:
+            inst.submit(call("a2", "s2", "a", 20, max_tokens=3))
+            refused = False
+        except InstanceUnavailable:
+            refused = True
+        return inst.healthy, refused
+
+    healthy, refused = run_virtual(main())
+    assert not healthy and refused
