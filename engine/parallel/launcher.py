@@ -71,12 +71,12 @@ class WorkerGroup:
         self._error: RuntimeError | None = None
         self._finalizer = weakref.finalize(self, _stop_workers, list(procs), list(conns))
 
-    # ------------------------------------------------------------------ start
-    @classmethod
-
     def new_key(self, prefix: str = "model") -> str:
         """A runner key not used before on this group (every rank holds runners by key)."""
         return f"{prefix}-{next(self._keys)}"
+
+    # ------------------------------------------------------------------ start
+    @classmethod
     def start(
         cls,
         world_size: int,
