@@ -64,6 +64,8 @@ class Intake:
     async def _admit_queue(self, model: str) -> None:
         """Admit queued calls of ``model`` in the policy's order while the budget allows."""
         queue = self.calls.queues[model]
+        if len(self.calls.running) >= self.policy.max_running_calls:
+            return  # nothing can be admitted now: no need to order the queue
         if self.policy.queue_order != "fifo" and len(queue) > 1:
             ordered = order_queue(self.policy.queue_order, list(queue), self._service,
                                   self.policy.las_starvation_ratio)

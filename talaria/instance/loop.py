@@ -27,7 +27,7 @@ from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.device import claim
 from talaria.instance.estimates import Estimator
-from talaria.instance.executor import EngineExecutor
+from talaria.instance.executor import EngineBusy, EngineExecutor
 from talaria.instance.faults import EngineFaults, FaultBudget
 from talaria.instance.intake import Intake
 from talaria.instance.rates import RateBook
@@ -45,6 +45,7 @@ log = structlog.get_logger("talaria.admission")
 __all__ = ["AdmissionLoop"]
 
 _IDLE_STEP_BACKOFF_S = 0.01  # wait after an engine step that ran nothing
+_IDLE_WARN_EVERY_S = 5.0
 
 
 class AdmissionLoop(Intake):
@@ -81,6 +82,9 @@ class AdmissionLoop(Intake):
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
+        self._stage_failed: set[str] = set()  # models whose staging failed since the switch
+        self._idle_steps = 0  # engine steps that ran nothing since the last warning
+        self._idle_warned = float("-inf")
         self.faults = EngineFaults(
             instance_id, calls, executor, self.finish,
             FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
@@ -252,6 +256,7 @@ class AdmissionLoop(Intake):
             if self.policy.host_kv:
                 await self.executor.offload_kv(None)
             self.sessions.switch_out(outgoing)
+        self._stage_failed.clear()
         report = await self.executor.activate(model)
         self.active_model = model
         self.faults.budget.progress()
@@ -275,9 +280,19 @@ class AdmissionLoop(Intake):
             return
         self.residency = self.executor.residency()
         target = staging_target(self.view)
-        if target is None:
+        if target is None or target in self._stage_failed:
             return
-        await self.executor.stage(target)
+        try:
+            await self.executor.stage(target)
+        except EngineBusy:
+            raise
+        except Exception:
+            # A background copy that fails costs its D2D switch, not the calls running on
+            # the active model: no fault; not tried again until the next switch.
+            log.exception("staging_failed", instance=self.instance_id, model=target)
+            self._stage_failed.add(target)
+            self.counters["staging_failures"] = self.counters.get("staging_failures", 0) + 1
+            return
         self.counters["stages"] += 1
         self.residency = self.executor.residency()
 
@@ -296,8 +311,13 @@ class AdmissionLoop(Intake):
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:
             self.refresh_engine_view(all_sessions=True)
         if not result.events and (result.num_steps == 0 or result.seconds <= 0):
-            # Nothing could run (e.g. the engine waits for memory): do not spin.
-            log.warning("idle_step", instance=self.instance_id, running=len(self.calls.running))
+            # Nothing could run (e.g. the engine waits for memory): do not spin, and say so
+            # at most every _IDLE_WARN_EVERY_S.
+            self._idle_steps += 1
+            if self.now() - self._idle_warned >= _IDLE_WARN_EVERY_S:
+                log.warning("idle_steps", instance=self.instance_id, steps=self._idle_steps,
+                            running=len(self.calls.running))
+                self._idle_warned, self._idle_steps = self.now(), 0
             await self.idle_wait(self.now() + _IDLE_STEP_BACKOFF_S)
 
     def _deliver(self, pending: PendingCall, event: TokenEvent) -> None:

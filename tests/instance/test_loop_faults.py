@@ -130,3 +130,36 @@ def test_a_loop_that_ends_on_its_own_leaves_the_instance_unhealthy_and_refusing(
 
     healthy, refused = run_virtual(main())
     assert not healthy and refused
+
+
+class StagingFails(FaultyEngine):
+    """Its background copy into the staging region always fails."""
+
+    def stage(self, model: str) -> MoveReport:
+        self.log.append(("stage_failed", model))
+        raise RuntimeError(f"cannot stage {model}: out of pinned memory")
+
+
+def test_a_failed_staging_copy_fails_no_call_and_is_not_retried_every_step() -> None:
+    eng = StagingFails(["a", "b"], num_blocks=200, step_s=0.1, initial_model="a")
+
+    async def main() -> tuple[list[CallEvent], Instance]:
+        inst = Instance("i", eng, preset("talaria"))
+        await inst.start()
+        a = inst.submit(call("a1", "s1", "a", 20, max_tokens=20))
+        inst.submit(call("b1", "s2", "b", 20, max_tokens=3))  # makes b the model to stage
+        events = await a.collect()
+        await inst.stop()
+        return events, inst
+
+    events, inst = run_virtual(main())
+    assert events[-1].finish_reason == "length" and events[-1].error is None
+    assert inst.healthy and inst.counters.get("engine_faults", 0) == 0
+    tried: set[str] = set()  # a model's staging is tried once between two switches
+    for kind, model in eng.log:
+        if kind == "activate":
+            tried.clear()
+        elif kind == "stage_failed":
+            assert model not in tried, eng.log
+            tried.add(model)
+    assert inst.counters["staging_failures"] >= 1
