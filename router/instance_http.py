@@ -7,6 +7,12 @@ the instance is unreachable; 5xx, timeouts and lines that are not a well-formed 
 it is unavailable.
 ``POST /internal/v1/calls/{id}/abort``, ``GET /internal/v1/state``, ``GET /health``. Every
 request carries ``Authorization: Bearer <key>`` when the client has the instances' key.
+
+Two connection pools per instance: a call's stream holds its connection for the call's whole
+life (queued on the instance included), so call streams get a pool without a limit (the
+instance's own queue and running caps bound them, and it answers 429 beyond), and the control
+requests (state, abort, health) get a small pool of their own, so a poll or an abort never
+waits behind open streams for a connection and misses its deadline.
 """
 
 from __future__ import annotations
@@ -29,47 +35,66 @@ from talaria.protocol import (
 
 
 class HttpInstanceClient:
-    """An :class:`~talaria.protocol.InstanceClient` over aiohttp. The ClientSession is
-    created on first use inside the running loop (or passed in, then not closed here)."""
+    """An :class:`~talaria.protocol.InstanceClient` over aiohttp. Its two ClientSessions (call
+    streams; control requests) are created on first use inside the running loop."""
 
     def __init__(
         self,
         instance_id: str,
         base_url: str,
-        session: aiohttp.ClientSession | None = None,
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 10.0,
         key: str | None = None,
+        control_connections: int = 8,
     ) -> None:
+        if control_connections < 1:
+            raise ValueError(f"control_connections must be >= 1, got {control_connections}")
         self.instance_id = instance_id
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.base_url = base_url.rstrip("/")
-        self._session = session
-        self._owns_session = session is None
+        self._streams: aiohttp.ClientSession | None = None
+        self._control: aiohttp.ClientSession | None = None
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._control_connections = control_connections
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-            self._owns_session = True
-        return self._session
+    def _stream_http(self) -> aiohttp.ClientSession:
+        """The pool for call streams: no connection limit."""
+        if self._streams is None or self._streams.closed:
+            self._streams = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._streams
+
+    def _control_http(self) -> aiohttp.ClientSession:
+        """The pool for state, abort and health: small, and never shared with a stream."""
+        if self._control is None or self._control.closed:
+            self._control = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._control_connections)
+            )
+        return self._control
 
     async def close(self) -> None:
-        if self._owns_session and self._session is not None and not self._session.closed:
-            await self._session.close()
+        for session in (self._streams, self._control):
+            if session is not None and not session.closed:
+                await session.close()
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         url = f"{self.base_url}/internal/v1/calls"
-        # No total timeout: a long call streams for as long as it decodes.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
+        # No total timeout: a long call streams for as long as it decodes. ``connect`` bounds
+        # getting a connection (a pool wait included), ``sock_connect`` opening one.
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self._connect_timeout_s, sock_connect=self._connect_timeout_s
+        )
         try:
-            response = await self._http().post(
+            response = await self._stream_http().post(
                 url, data=orjson.dumps(call.to_dict()),
                 headers={**self._headers, "Content-Type": "application/json"}, timeout=timeout,
             )
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
             raise InstanceUnreachable(f"{self.instance_id}: cannot reach {url}: {exc!r}") from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise InstanceUnavailable(
+                f"{self.instance_id}: no connection to {url} within {self._connect_timeout_s:g} s"
+            ) from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: no answer from {url}: {exc!r}") from exc
         async with response:
@@ -116,7 +141,7 @@ class HttpInstanceClient:
         url = f"{self.base_url}/internal/v1/calls/{call_id}/abort"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().post(url, headers=self._headers, timeout=timeout) as response:
+            async with self._control_http().post(url, headers=self._headers, timeout=timeout) as response:
                 await response.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: abort failed: {exc!r}") from exc
@@ -125,7 +150,7 @@ class HttpInstanceClient:
         url = f"{self.base_url}/internal/v1/state"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().get(url, headers=self._headers, timeout=timeout) as response:
+            async with self._control_http().get(url, headers=self._headers, timeout=timeout) as response:
                 if response.status != 200:
                     raise InstanceUnavailable(f"{self.instance_id}: state HTTP {response.status}")
                 data = orjson.loads(await response.read())
@@ -139,7 +164,7 @@ class HttpInstanceClient:
     async def health(self) -> bool:
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().get(
+            async with self._control_http().get(
                 f"{self.base_url}/health", headers=self._headers, timeout=timeout
             ) as response:
                 return response.status == 200

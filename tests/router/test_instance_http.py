@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import orjson
@@ -9,7 +10,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.core import CallRejected
+from router.core import CallRejected, RouterCore
+from router.deadlines import Deadlines
 from router.instance_http import HttpInstanceClient
 from talaria.protocol import (
     CallEvent,
@@ -132,3 +134,61 @@ async def test_unreachable_instance() -> None:
         await client.state()
     assert not await client.health()
     await client.close()
+
+
+def held_streams_app(release: asyncio.Event, opened: list[str]) -> web.Application:
+    """An instance whose calls send one token, then hold their stream open until ``release``."""
+
+    async def calls(request: web.Request) -> web.StreamResponse:
+        call = CallRequest.from_dict(orjson.loads(await request.read()))
+        opened.append(call.call_id)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await resp.write(to_json(CallEvent(call.call_id, [7])) + b"\n")
+        await release.wait()
+        await resp.write(to_json(CallEvent(call.call_id, [8], finished=True, finish_reason="stop")) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def state(request: web.Request) -> web.Response:
+        return web.Response(body=to_json(InstanceState("i0")), content_type="application/json")
+
+    async def abort(request: web.Request) -> web.Response:
+        return web.json_response({"aborted": True})
+
+    app = web.Application()
+    app.router.add_post("/internal/v1/calls", calls)
+    app.router.add_get("/internal/v1/state", state)
+    app.router.add_post("/internal/v1/calls/{call_id}/abort", abort)
+    app.router.add_get("/health", lambda _r: web.json_response({"status": "ok"}))  # type: ignore[arg-type, return-value]
+    return app
+
+
+async def test_polls_and_aborts_do_not_wait_behind_many_open_streams() -> None:
+    """More open call streams than aiohttp's default pool (100): every call reaches the
+    instance, and its state poll, an abort and a health check still answer in time."""
+    release = asyncio.Event()
+    opened: list[str] = []
+    n = 130
+    async with TestServer(held_streams_app(release, opened)) as server:
+        client = HttpInstanceClient("i0", str(server.make_url("/")))
+        core = RouterCore({"i0": client}, "load", refresh_after_call=False,
+                          deadlines=Deadlines(state_s=2.0))
+        streams = [core.submit(CallRequest(f"c{i}", f"s{i}", "m", [1, 2, 3], SamplingParams(max_tokens=2)))
+                   for i in range(n)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+        for _ in range(500):
+            if len(opened) == n:
+                break
+            await asyncio.sleep(0.01)
+        assert len(opened) == n  # none waits for a connection in the router
+        await asyncio.wait_for(asyncio.gather(*firsts), 10)
+        assert await core.refresh("i0") and "i0" in core.healthy
+        async with asyncio.timeout(2.0):
+            await client.abort("c0")
+            assert await client.health()
+        release.set()
+        for stream in streams:
+            assert [e.token_ids async for e in stream] == [[8]]
+        await core.close()
+        await client.close()
