@@ -138,6 +138,9 @@ class RouterCore:
         except Exception as exc:  # any failure to report in time counts as down
             self.mark_down(instance_id, f"state poll failed: {exc!r}")
             return False
+        if state.instance_id != instance_id:  # a misconfigured address: not the polled one
+            self.mark_down(instance_id, f"its state is instance {state.instance_id!r}'s")
+            return False
         self.update_state(state)
         return state.healthy
 

@@ -192,3 +192,74 @@ async def test_polls_and_aborts_do_not_wait_behind_many_open_streams() -> None:
             assert [e.token_ids async for e in stream] == [[8]]
         await core.close()
         await client.close()
+
+
+def state_dict(**changes: object) -> dict:
+    st = InstanceState("i0", active_model="m", sessions={"s": SessionKV("s", "m", device_tokens=5)})
+    st.models["m"] = ModelState("m", residency=Residency.ACTIVE, wait_s=1.5, prefill_tokens_per_s=900.0)
+    data = orjson.loads(to_json(st))
+    data.update(changes)
+    return data
+
+
+def test_a_state_with_fields_this_router_does_not_know_parses() -> None:
+    """Version skew: a newer instance's extra fields (and residencies) are ignored, an older
+    one's missing fields take their defaults."""
+    data = state_dict(future_field=[1, 2], now=12.5)
+    data["models"]["m"]["speculative"] = True
+    data["models"]["n"] = {"name": "n", "residency": "hibernating"}
+    data["sessions"]["s"]["priority"] = "high"
+    del data["switches"]
+    st = InstanceState.from_dict(data)
+    assert st.instance_id == "i0" and st.now == 12.5 and st.switches == 0
+    assert st.models["m"].wait_s == 1.5 and st.models["m"].residency == Residency.ACTIVE
+    assert st.models["n"].residency == Residency.ABSENT
+    assert st.sessions["s"] == SessionKV("s", "m", device_tokens=5)
+    assert InstanceState.from_dict(orjson.loads(to_json(st))) == st
+
+
+@pytest.mark.parametrize(
+    "where, field, value",
+    [
+        ("models", "wait_s", "1.5"),
+        ("models", "prefill_tokens_per_s", -3.0),
+        ("models", "queued_calls", True),
+        ("models", "residency", 3),
+        ("sessions", "device_tokens", 2.5),
+        ("sessions", "reserved_until", "soon"),
+        ("state", "free_kv_blocks", None),
+        ("state", "healthy", "yes"),
+        ("state", "models", []),
+        ("state", "instance_id", 7),
+    ],
+)
+def test_a_wrongly_typed_state_field_is_refused(where: str, field: str, value: object) -> None:
+    data = state_dict()
+    target = {"models": data["models"]["m"], "sessions": data["sessions"]["s"], "state": data}[where]
+    target[field] = value
+    with pytest.raises(ValueError, match=field):
+        InstanceState.from_dict(data)
+
+
+async def test_a_bad_state_is_a_failed_poll_and_a_state_naming_another_instance_too() -> None:
+    report: dict = {"state": state_dict()}
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response(report["state"])
+
+    app = web.Application()
+    app.router.add_get("/internal/v1/state", state)
+    async with TestServer(app) as server:
+        client = HttpInstanceClient("i0", str(server.make_url("/")))
+        core = RouterCore({"i0": client}, "load", refresh_after_call=False)
+        assert await core.refresh("i0")
+        report["state"] = state_dict(models={"m": {"name": "m", "residency": "active", "wait_s": "x"}})
+        with pytest.raises(InstanceUnavailable, match="wait_s"):
+            await client.state()
+        assert not await core.refresh("i0") and "i0" not in core.healthy
+        report["state"] = state_dict(instance_id="i1")
+        assert not await core.refresh("i0") and "i0" not in core.healthy
+        assert set(core.states) == {"i0"} and core.states["i0"].models["m"].wait_s == 1.5
+        report["state"] = state_dict()
+        assert await core.refresh("i0") and "i0" in core.healthy
+        await client.close()
