@@ -35,6 +35,7 @@ from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.session_inference import SessionInference
 from router.sessions import SessionRecord, SessionTable
+from router.state_polls import StatePolls
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -76,6 +77,7 @@ class RouterCore:
         clock: Callable[[], float] | None = None,
         block_size: int = 16,
         refresh_after_call: bool = True,
+        refresh_interval_s: float = 0.05,
         deadlines: Deadlines | None = None,
         health_rules: HealthRules | None = None,
         inference: SessionInference | None = None,
@@ -97,6 +99,7 @@ class RouterCore:
         # instance is healthy (better a suspect instance than a 503).
         self.suspect: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._polls = StatePolls(self._poll_state, refresh_interval_s)
 
     def now(self) -> float:
         return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
@@ -131,7 +134,11 @@ class RouterCore:
             self.context.prefix_index.drop_instance(instance_id)
 
     async def refresh(self, instance_id: str) -> bool:
-        """Fetch one instance's state; marks it up or down. Returns whether it is healthy."""
+        """Fetch one instance's state (or join the poll of it in flight: ``router.state_polls``);
+        marks it up or down. Returns whether it is healthy."""
+        return await self._polls.poll(instance_id)
+
+    async def _poll_state(self, instance_id: str) -> bool:
         try:
             async with asyncio.timeout(self.deadlines.state_s):
                 state = await self.clients[instance_id].state()
@@ -168,6 +175,7 @@ class RouterCore:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._polls.close()
 
     # ---- placement and forwarding -----------------------------------------------------------
 
@@ -371,7 +379,7 @@ class RouterCore:
             else:
                 self.inference.forget(call.session_id)
         if instance_id is not None and self.refresh_after_call:
-            self._background(self.refresh(instance_id))
+            self._polls.after_call(instance_id)
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` beside the call (kept until done; cancelled by ``close``)."""
