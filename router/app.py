@@ -204,8 +204,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     parsed = anthropic_schema.parse_count_tokens(await _json_body(request))
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
-    ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
-                          request.app[LIMITS_KEY])
+    with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
+        ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
+                              request.app[LIMITS_KEY])
     return _json({"input_tokens": len(ids)})
 
 
@@ -310,7 +311,7 @@ async def _tokenize(
 ) -> list[int]:
     """Token ids of the request's prompt, its size checked first (``router.limits``)."""
     param = "messages" if body.kind == "chat" else "prompt"
-    size = prompt_bytes(body.messages, body.prompt) + len(prefill.encode())
+    size = prompt_bytes(body.messages, body.prompt, body.tools.tools) + len(prefill.encode())
     check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
