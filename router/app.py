@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +133,7 @@ def create_app(
             name: ModelTokenizer.load(name, path, config.max_model_lens.get(name) or config.max_model_len)
             for name, path in config.models.items()
         }
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-hash")
     core = RouterCore(
         clients,
         config.policy,
@@ -141,6 +143,7 @@ def create_app(
         block_size=config.block_size,
         inference=SessionInference(config.block_size) if config.infer_sessions else None,
         deadlines=config.deadlines,
+        hash_executor=hasher,
     )
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -158,6 +161,7 @@ def create_app(
 
     async def close(_app: web.Application) -> None:
         await core.close()
+        hasher.shutdown(wait=False)
         for client in owned:
             await client.close()
 

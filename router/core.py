@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from concurrent.futures import Executor
 from typing import Any
 
 import structlog
@@ -33,6 +34,7 @@ from router.call_health import CallHealth, HealthRules
 from router.deadlines import DeadlineMissed, Deadlines, first_token_deadline, next_event
 from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
+from router.prefix_chain import ChainSample, KnownChains, PromptHashes
 from router.session_inference import SessionInference
 from router.sessions import SessionRecord, SessionTable
 from router.state_polls import StatePolls
@@ -81,6 +83,8 @@ class RouterCore:
         deadlines: Deadlines | None = None,
         health_rules: HealthRules | None = None,
         inference: SessionInference | None = None,
+        hash_executor: Executor | None = None,
+        known_chain_blocks: int = 1 << 22,
     ) -> None:
         self.clients: dict[str, InstanceClient] = dict(clients)
         self.context = context if context is not None else PlacementContext()
@@ -93,6 +97,8 @@ class RouterCore:
         self.call_health = CallHealth(health_rules if health_rules is not None else HealthRules())
         self._clock = clock
         self.inference = inference
+        self.chains = KnownChains(block_size, known_chain_blocks)
+        self.hash_executor = hash_executor  # None: prompts are hashed on the event loop
         self.states: dict[str, InstanceState] = {}
         self.healthy: set[str] = set(self.clients)  # optimistic until a poll or call says no
         # Answer their polls but cool down after failed calls: placed on only when no
@@ -205,7 +211,8 @@ class RouterCore:
         Raises before the first event: :class:`NoHealthyInstance`, :class:`Overloaded`,
         :class:`CallRejected`."""
         start = self.now()
-        hashes = block_hashes(call.prompt_token_ids, self.block_size)
+        prompt = await self._hash_prompt(call)
+        hashes = prompt.hashes
         if not call.session_id:
             self._name_session(call, hashes)
         session = self.sessions.start_call(
@@ -252,8 +259,17 @@ class RouterCore:
             raise
         finally:
             await self._finish(
-                call, instance_id, stream, start, hashes, outputs, outcome, pcall, prefilling
+                call, instance_id, stream, start, prompt, outputs, outcome, pcall, prefilling
             )
+
+    async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
+        """The prompt's block hashes, reusing its session's known chain (``router.prefix_chain``);
+        on ``hash_executor`` when there is one, so a long prompt does not hold the loop."""
+        if self.hash_executor is None:
+            return self.chains.hash_prompt(call.session_id, call.prompt_token_ids)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.hash_executor, self.chains.hash_prompt, call.session_id, call.prompt_token_ids
+        )
 
     def _name_session(self, call: CallRequest, hashes: list[int]) -> None:
         if self.inference is not None:
@@ -348,7 +364,7 @@ class RouterCore:
 
     async def _finish(
         self, call: CallRequest, instance_id: str | None, stream: AsyncIterator[CallEvent] | None,
-        start: float, hashes: list[int], outputs: list[int], outcome: str, pcall: PlacementCall,
+        start: float, prompt: PromptHashes, outputs: list[int], outcome: str, pcall: PlacementCall,
         prefilling: bool,
     ) -> None:
         now = self.now()
@@ -360,19 +376,23 @@ class RouterCore:
             self.metrics.call_time.observe(now - start, model=call.model)
         self.metrics.requests.inc(model=call.model, instance=instance_id or "none", outcome=outcome)
         kv_tokens = len(call.prompt_token_ids) + len(outputs)
-        kv_hashes: list[int] = []
+        hashes = prompt.hashes
+        tail = call.prompt_token_ids[len(hashes) * self.block_size:] + outputs
+        more: list[int] = []
         if instance_id is not None:
-            full = len(hashes) * self.block_size
-            tail = call.prompt_token_ids[full:] + outputs
             more = block_hashes(tail, self.block_size, parent=hashes[-1] if hashes else None)
-            kv_hashes = hashes + more
             self.context.prefix_index.insert(instance_id, call.model, more)
+        kv = ChainSample.of(hashes + more, marks=(len(hashes) - 1,))
         before = self.sessions.get(call.session_id)
         record = self.sessions.end_call(
-            call.session_id, instance_id, now, kv_hashes, kv_tokens, last_call=call.last_call
+            call.session_id, instance_id, now, kv, kv_tokens, last_call=call.last_call
         )
         if record is not None and before is not None and call.session_id not in self.sessions:
             self._observe_sct(record)
+        if call.session_id not in self.sessions:
+            self.chains.forget(call.session_id)
+        elif instance_id is not None:
+            self.chains.remember(call.session_id, prompt, tail, more)
         if self.inference is not None:
             if call.session_id in self.sessions:
                 self.inference.record_answer(call.session_id, outputs)

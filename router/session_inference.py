@@ -22,11 +22,13 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.placement import common_prefix_len
 
 __all__ = ["SessionInference"]
+
+ANSWER_TOKENS_KEPT = 64  # of a session's latest answer: all the tie-break between sessions reads
 
 
 @dataclass
@@ -38,7 +40,7 @@ class _Anchor:
     last_hash: int | None  # hash of the prompt's last full block (None: shorter than a block)
     tail: tuple[int, ...]  # the prompt's tokens after its full blocks
     seen: int = 0  # when its latest prompt was assigned (a counter: later is larger)
-    answer: list[int] = field(default_factory=list)  # the output of its latest call
+    answer: tuple[int, ...] = ()  # the first tokens of its latest call's output
 
 
 class SessionInference:
@@ -81,14 +83,16 @@ class SessionInference:
                 candidates.append(self._anchors[sid])
         if not candidates:
             return None
-        best = max(candidates, key=lambda a: (common_prefix_len(prompt[a.prompt_len:], a.answer), a.seen))
+        best = max(candidates, key=lambda a: (
+            common_prefix_len(prompt[a.prompt_len:a.prompt_len + len(a.answer)], a.answer), a.seen))
         return best.session_id
 
     def record_answer(self, session_id: str, answer: Sequence[int]) -> None:
-        """The output of the session's latest call (it breaks ties between sessions)."""
+        """The output of the session's latest call (its first ``ANSWER_TOKENS_KEPT`` tokens
+        break ties between sessions)."""
         anchor = self._anchors.get(session_id)
         if anchor is not None:
-            anchor.answer = list(answer)
+            anchor.answer = tuple(answer[:ANSWER_TOKENS_KEPT])
 
     def forget(self, session_id: str) -> None:
         anchor = self._anchors.pop(session_id, None)

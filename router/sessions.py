@@ -13,6 +13,8 @@ import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from router.prefix_chain import ChainSample
+
 
 @dataclass
 class SessionRecord:
@@ -22,7 +24,7 @@ class SessionRecord:
     instance_id: str | None = None  # where its last call ran
     prompt_tokens: int = 0  # of its last call
     kv_tokens: int = 0  # prompt + output of its last finished call
-    block_hashes: list[int] = field(default_factory=list)  # of prompt + output, full blocks
+    kv: ChainSample = field(default_factory=lambda: ChainSample.of(()))  # prompt + output, sampled
     last_finish: float | None = None
     last_seen: float = 0.0
     calls: int = 0
@@ -98,7 +100,7 @@ class SessionTable:
         session_id: str,
         instance_id: str | None,
         now: float,
-        kv_block_hashes: list[int],
+        kv: ChainSample,
         kv_tokens: int,
         last_call: bool = False,
     ) -> SessionRecord | None:
@@ -113,7 +115,7 @@ class SessionTable:
         self._sessions.move_to_end(session_id)
         if instance_id is not None:
             record.instance_id = instance_id
-            record.block_hashes = kv_block_hashes
+            record.kv = kv
             record.kv_tokens = kv_tokens
         if last_call and record.active_calls == 0:
             del self._sessions[session_id]

@@ -12,6 +12,7 @@ from test_api import chat_body, reply, serve
 from router.anthropic_schema import metadata_session_id
 from router.app import CORE_KEY
 from router.core import RouterCore
+from router.prefix_chain import ChainSample
 from router.session_identity import SessionHeaders, SessionIdentity, resolve_session
 from router.session_inference import SessionInference
 from router.tokenization import ModelTokenizer
@@ -96,7 +97,7 @@ async def test_a_subagent_goes_where_its_parent_kv_is_on_host() -> None:
         a, b = FakeInstance("a", [5, 6]), FakeInstance("b", [5, 6])
         core = RouterCore({"a": a, "b": b}, "talaria", refresh_after_call=False, block_size=16)
         core.sessions.start_call("p", "m", 0.0, len(prompt))
-        core.sessions.end_call("p", "b", 1.0, block_hashes(prompt, 16), len(prompt))
+        core.sessions.end_call("p", "b", 1.0, ChainSample.of(block_hashes(prompt, 16)), len(prompt))
         for iid in ("a", "b"):
             core.update_state(InstanceState(iid, block_size=16))
         core.states["b"].sessions["p"] = SessionKV("p", "m", host_tokens=len(prompt))

@@ -9,6 +9,7 @@ from router_fakes import FakeInstance
 
 from router.core import RouterCore
 from router.health import HealthPoller
+from router.prefix_chain import ChainSample
 from router.sessions import SessionTable
 from talaria.protocol import InstanceState
 
@@ -26,7 +27,7 @@ async def test_poll_marks_down_and_up_and_cleans_sessions() -> None:
     await poller.poll_once()
     assert core.healthy == {"b"}
     core.sessions.start_call("s", "m", 0.0, 10)
-    core.sessions.end_call("s", "b", 1.0, [], 10)
+    core.sessions.end_call("s", "b", 1.0, ChainSample.of([]), 10)
     now[0] = 20.0
     await poller.poll_once()
     assert "s" not in core.sessions
