@@ -141,7 +141,8 @@ def create_app(
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
-        inference=SessionInference(config.block_size) if config.infer_sessions else None,
+        inference=(SessionInference(config.block_size, config.limits.max_sessions)
+                   if config.infer_sessions else None),
         deadlines=config.deadlines,
         hash_executor=hasher,
     )

@@ -1,7 +1,7 @@
 """The router's books on sessions, kept together: the session table (``router.sessions``), the
 sessions inferred from prompts (``router.session_inference``) and the chains known for reuse
 (``router.prefix_chain``). A session leaves all three at once, however it goes (its last
-call, idle past the TTL), and its SCT is observed then.
+call, idle past the TTL, evicted from a full table), and its SCT is observed then.
 
 A call is named here when it names no session: the session its prompt continues when
 inference is on, else a session of one (``anon-<call id>``, ended with the call).
@@ -41,6 +41,7 @@ class SessionBooks:
         on_end: Callable[[SessionRecord], None],
     ) -> None:
         self.table = table
+        table.on_evict = self._dropped
         self.inference = inference
         self.block_size = block_size
         self.chains = KnownChains(block_size, known_chain_blocks)

@@ -4,13 +4,15 @@ Times are the caller's clock (the event loop's ``loop.time()``, virtual in simul
 A session record lives while calls are in flight and ``ttl_s`` after its last finish;
 ``cleanup`` drops the stale ones (and a session whose client said ``last_call`` goes when
 that call ends). The table holds at most ``max_sessions``: a new session beyond that evicts
-the least recently seen idle one.
+the least recently seen idle one, and ``on_evict`` hears of it (its owner forgets what else
+it kept of the session).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.prefix_chain import ChainSample
@@ -48,6 +50,7 @@ class SessionTable:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self.evicted = 0
+        self.on_evict: Callable[[SessionRecord], None] | None = None
         self._sessions: OrderedDict[str, SessionRecord] = OrderedDict()  # least recent first
 
     def __len__(self) -> int:
@@ -94,6 +97,8 @@ class SessionTable:
                 return
             del self._sessions[victim.session_id]
             self.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
 
     def end_call(
         self,

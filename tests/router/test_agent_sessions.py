@@ -12,9 +12,11 @@ from test_api import chat_body, reply, serve
 from router.anthropic_schema import metadata_session_id
 from router.app import CORE_KEY
 from router.core import RouterCore
+from router.limits import RouterLimits
 from router.prefix_chain import ChainSample
 from router.session_identity import SessionHeaders, SessionIdentity, resolve_session
 from router.session_inference import SessionInference
+from router.sessions import SessionTable
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallRequest, InstanceState, SamplingParams, SessionKV
 from talaria.protocol.errors import ApiError
@@ -152,3 +154,24 @@ async def test_inferred_sessions_over_http(tokenizer: ModelTokenizer) -> None:
     async with serve(tokenizer, {"a": a}, infer_sessions=False) as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.headers["X-Session-ID"].startswith("anon-") and a.calls[-1].last_call
+
+
+async def test_a_session_evicted_from_a_full_table_leaves_inference_and_counts_its_sct() -> None:
+    a = FakeInstance("a", [5, 6])
+    core = RouterCore({"a": a}, "talaria", refresh_after_call=False, block_size=4,
+                      sessions=SessionTable(max_sessions=2), inference=SessionInference(4))
+    named = []
+    for k in range(3):
+        call = CallRequest(f"c{k}", "", "m", [k + 1] * 9, SamplingParams(max_tokens=2))
+        [e async for e in core.submit(call)]
+        named.append(call.session_id)
+    assert named[0] not in core.sessions and named[0] not in core.inference
+    assert len(core.inference) == 2 and core.metrics.sct.count(model="m") == 1
+    await core.close()
+
+
+async def test_inference_holds_as_many_sessions_as_the_table(tokenizer: ModelTokenizer) -> None:
+    async with serve(tokenizer, {"a": FakeInstance("a", reply(tokenizer))},
+                     limits=RouterLimits(max_sessions=5)) as client:
+        core = client.server.app[CORE_KEY]
+        assert core.inference.max_sessions == core.sessions.max_sessions == 5
