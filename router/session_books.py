@@ -4,7 +4,10 @@ sessions inferred from prompts (``router.session_inference``) and the chains kno
 call, idle past the TTL, evicted from a full table), and its SCT is observed then.
 
 A call is named here when it names no session: the session its prompt continues when
-inference is on, else a session of one (``anon-<call id>``, ended with the call).
+inference is on, else a session of one (``anon-<call id>``, ended with the call). An
+inferred session's first call is tentative: it goes to the instance as its session's last
+call (no soft reservation, no KV pinned for a return that one-shot calls never make) until a
+second call continues it; the router keeps the session all the same, so that call can.
 """
 
 from __future__ import annotations
@@ -49,9 +52,7 @@ class SessionBooks:
 
     def start(self, call: CallRequest, prompt: PromptHashes, now: float) -> SessionCall:
         """Name the call's session if it names none, and record the call's arrival."""
-        if not call.session_id:
-            self._name(call, prompt.hashes)
-        ends_session = call.last_call
+        ends_session = self._name(call, prompt.hashes) if not call.session_id else call.last_call
         record = self.table.start_call(
             call.session_id, call.model, now, len(call.prompt_token_ids), call.expected_gap_s
         )
@@ -101,11 +102,17 @@ class SessionBooks:
         if self.inference is not None:
             self.inference.forget(session_id)
 
-    def _name(self, call: CallRequest, hashes: list[int]) -> None:
-        if self.inference is not None:
-            call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes)
-        else:
+    def _name(self, call: CallRequest, hashes: list[int]) -> bool:
+        """Name the call's session; returns whether the session ends with this call here
+        (``call.last_call`` is what the instance is told)."""
+        if self.inference is None:
             call.session_id, call.last_call = f"anon-{call.call_id}", True
+            return True
+        ends_session = call.last_call
+        call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes)
+        if self.inference.calls(call.session_id) == 1:
+            call.last_call = True  # tentative until a second call continues it
+        return ends_session
 
     def _parent(self, call: CallRequest, record: SessionRecord) -> SessionRecord | None:
         """The parent's record for a subagent's first call (placement reads it as the call's

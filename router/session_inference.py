@@ -40,6 +40,7 @@ class _Anchor:
     last_hash: int | None  # hash of the prompt's last full block (None: shorter than a block)
     tail: tuple[int, ...]  # the prompt's tokens after its full blocks
     seen: int = 0  # when its latest prompt was assigned (a counter: later is larger)
+    calls: int = 1  # prompts assigned to the session so far
     answer: tuple[int, ...] = ()  # the first tokens of its latest call's output
 
 
@@ -68,8 +69,13 @@ class SessionInference:
         """The session this prompt continues (a new one if none); it becomes the session's
         latest prompt. ``hashes``: ``block_hashes(prompt, block_size)``."""
         session_id = self.match(model, prompt, hashes) or f"{self.prefix}{next(self._ids)}"
-        self._set_anchor(session_id, model, prompt, hashes)
+        self._set_anchor(session_id, model, prompt, hashes, self.calls(session_id) + 1)
         return session_id
+
+    def calls(self, session_id: str) -> int:
+        """How many prompts the session has been assigned (0: unknown)."""
+        anchor = self._anchors.get(session_id)
+        return anchor.calls if anchor is not None else 0
 
     def match(self, model: str, prompt: Sequence[int], hashes: Sequence[int]) -> str | None:
         candidates: list[_Anchor] = []
@@ -108,13 +114,15 @@ class SessionInference:
         start = anchor.full_blocks * self.block_size
         return len(prompt) >= anchor.prompt_len and tuple(prompt[start:anchor.prompt_len]) == anchor.tail
 
-    def _set_anchor(self, session_id: str, model: str, prompt: Sequence[int], hashes: Sequence[int]) -> None:
+    def _set_anchor(
+        self, session_id: str, model: str, prompt: Sequence[int], hashes: Sequence[int], calls: int
+    ) -> None:
         self.forget(session_id)
         full = len(prompt) // self.block_size
         if len(hashes) < full:
             raise ValueError(f"{len(hashes)} block hashes for a prompt of {full} full blocks")
         anchor = _Anchor(session_id, model, len(prompt), full, hashes[full - 1] if full else None,
-                         tuple(prompt[full * self.block_size:]), next(self._seen))
+                         tuple(prompt[full * self.block_size:]), next(self._seen), calls)
         self._anchors[session_id] = anchor
         key, index = self._key(anchor)
         index.setdefault(key, set()).add(session_id)

@@ -150,7 +150,7 @@ async def test_inferred_sessions_over_http(tokenizer: ModelTokenizer) -> None:
             messages = messages + [data["choices"][0]["message"], {"role": "user", "content": f"result {turn}"}]
         other = await client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": "hi"}]))
         assert ids == [ids[0]] * 3 and other.headers["X-Session-ID"] != ids[0]
-    assert all(not c.last_call for c in a.calls)
+    assert [c.last_call for c in a.calls] == [True, False, False, True]  # first calls: tentative
     async with serve(tokenizer, {"a": a}, infer_sessions=False) as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.headers["X-Session-ID"].startswith("anon-") and a.calls[-1].last_call
@@ -175,3 +175,24 @@ async def test_inference_holds_as_many_sessions_as_the_table(tokenizer: ModelTok
                      limits=RouterLimits(max_sessions=5)) as client:
         core = client.server.app[CORE_KEY]
         assert core.inference.max_sessions == core.sessions.max_sessions == 5
+
+
+async def test_an_inferred_session_is_tentative_until_a_second_call_continues_it() -> None:
+    """Its first call reaches the instance as a last call (no reservation for a one-shot
+    call); the router keeps the session, so the continuation joins it and is not last."""
+    a = FakeInstance("a", [5, 6])
+    core = RouterCore({"a": a}, "talaria", refresh_after_call=False, block_size=4,
+                      inference=SessionInference(4))
+    prompts = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 9, 5, 6, 7], [1, 2, 3, 4, 9, 5, 6, 7, 5, 6, 8],
+               [40, 41, 42, 43, 44]]
+    for k, prompt in enumerate(prompts):
+        [e async for e in core.submit(CallRequest(f"c{k}", "", "m", prompt, SamplingParams(max_tokens=2)))]
+    sent = [(c.session_id, c.last_call) for c in a.calls]
+    first = sent[0][0]
+    assert sent[:3] == [(first, True), (first, False), (first, False)]
+    assert sent[3][0] != first and sent[3][1]
+    assert first in core.sessions and sent[3][0] in core.sessions
+    ended = CallRequest("c9", "", "m", prompts[2] + [5, 6, 1], SamplingParams(max_tokens=2), last_call=True)
+    [e async for e in core.submit(ended)]
+    assert ended.session_id == first and first not in core.sessions and first not in core.inference
+    await core.close()
