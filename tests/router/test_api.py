@@ -303,3 +303,24 @@ async def test_concurrent_sessions_all_complete(tokenizer: ModelTokenizer) -> No
             "s0": 3, "s1": 3, "s2": 3, "s3": 3}
     assert texts == [REPLY_TEXT] * 12
     assert len(a.calls) + len(b.calls) == 12
+
+
+async def test_a_streamed_call_does_not_start_a_task_per_event(tokenizer: ModelTokenizer) -> None:
+    """Noticing a client that leaves takes one watcher per call, not a task per event."""
+    a = FakeInstance("a", list(reply(tokenizer)) * 40)
+    loop = asyncio.get_running_loop()
+    created: list[str] = []
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+        created.append(getattr(coro, "__qualname__", ""))
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    async with serve(tokenizer, {"a": a}) as client:
+        loop.set_task_factory(counting)
+        try:
+            events = await sse(await client.post(
+                "/v1/chat/completions", json=chat_body(stream=True, max_tokens=200)))
+        finally:
+            loop.set_task_factory(None)
+    streamed = sum(1 for e in events if e != "[DONE]")
+    assert streamed > 100 and len(created) < 20, (streamed, created[:10])
