@@ -62,7 +62,7 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import next_or_gone, read_body
+from talaria.protocol.http import bearer_matches, next_or_gone, read_body
 
 log = structlog.get_logger(__name__)
 
@@ -182,13 +182,16 @@ def create_app(
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     key = request.app[CONFIG_KEY].api_key
-    if key and request.path.startswith("/v1/"):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients may send x-api-key instead
-            token = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise unauthorized()
+    if key and request.path.startswith("/v1/") and not _key_matches(request, key):
+        raise unauthorized()
     return await handler(request)
+
+
+def _key_matches(request: web.Request, key: str) -> bool:
+    """``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (Anthropic's clients send
+    that instead), compared in constant time."""
+    other = request.headers.get("x-api-key", "").strip()
+    return bearer_matches(request, key) or hmac.compare_digest(other.encode(), key.encode())
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
