@@ -72,7 +72,7 @@ class RouterConfig:
     models: dict[str, str]  # catalog name -> model directory (tokenizer, config.json)
     instances: dict[str, str]  # instance id -> base URL of its internal API
     policy: str = "talaria"  # "load" | "cache_aware" | "talaria"
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, /v1/* and /metrics need "Authorization: Bearer <key>"
     max_body_bytes: int = 32 * 1024 * 1024
     poll_interval_s: float | None = 1.0  # None: no background poller
     max_model_len: int | None = None  # caps every model's context length when set
@@ -182,9 +182,15 @@ def create_app(
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     key = request.app[CONFIG_KEY].api_key
-    if key and request.path.startswith("/v1/") and not _key_matches(request, key):
+    if key and _protected(request.path) and not _key_matches(request, key):
         raise unauthorized()
     return await handler(request)
+
+
+def _protected(path: str) -> bool:
+    """The API and /metrics (instance states, session counts) need the key; the probes
+    (/, /health, /live) do not."""
+    return path.startswith("/v1/") or path == "/metrics"
 
 
 def _key_matches(request: web.Request, key: str) -> bool:

@@ -240,6 +240,9 @@ async def test_api_key(tokenizer: ModelTokenizer) -> None:
                                  headers={"Authorization": "Bearer sekret"})
         assert resp.status == 200
         assert (await client.get("/health")).status == 200  # health needs no key
+        assert (await client.get("/metrics")).status == 401  # metrics show states and sessions
+        metrics = await client.get("/metrics", headers={"Authorization": "Bearer sekret"})
+        assert metrics.status == 200 and "talaria" in await metrics.text()
 
 
 async def test_models_health_metrics(tokenizer: ModelTokenizer) -> None:
