@@ -53,9 +53,7 @@ class SessionBooks:
     def start(self, call: CallRequest, prompt: PromptHashes, now: float) -> SessionCall:
         """Name the call's session if it names none, and record the call's arrival."""
         ends_session = self._name(call, prompt.hashes) if not call.session_id else call.last_call
-        record = self.table.start_call(
-            call.session_id, call.model, now, len(call.prompt_token_ids), call.expected_gap_s
-        )
+        record = self.table.start_call(call.session_id, call.model, now, len(call.prompt_token_ids))
         return SessionCall(record, self._parent(call, record), prompt, ends_session)
 
     def end(

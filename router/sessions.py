@@ -10,8 +10,7 @@ it kept of the session).
 
 from __future__ import annotations
 
-import statistics
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,14 +30,6 @@ class SessionRecord:
     last_seen: float = 0.0
     calls: int = 0
     active_calls: int = 0
-    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    expected_gap_hint: float | None = None
-
-    def predicted_gap(self) -> float | None:
-        """The client's hint if it sent one, else the median of the observed tool gaps."""
-        if self.expected_gap_hint is not None:
-            return self.expected_gap_hint
-        return statistics.median(self.gaps) if self.gaps else None
 
 
 class SessionTable:
@@ -68,23 +59,19 @@ class SessionTable:
         model: str,
         now: float,
         prompt_tokens: int,
-        expected_gap_s: float | None = None,
     ) -> SessionRecord:
-        """Record a call's arrival (its gap since the previous finish) and return the
-        record as it was before this call's placement."""
+        """Record a call's arrival and return the record as it was before this call's
+        placement."""
         record = self._sessions.get(session_id)
         if record is None or record.model != model:
             if record is None:
                 self._make_room()
             record = SessionRecord(session_id=session_id, model=model, started_at=now)
             self._sessions[session_id] = record
-        elif record.last_finish is not None and record.active_calls == 0:
-            record.gaps.append(max(0.0, now - record.last_finish))
         record.calls += 1
         record.active_calls += 1
         record.prompt_tokens = prompt_tokens
         record.last_seen = now
-        record.expected_gap_hint = expected_gap_s
         self._sessions.move_to_end(session_id)
         return record
 

@@ -149,14 +149,15 @@ async def test_state_refreshed_after_call() -> None:
     await core.close()
 
 
-async def test_injected_clock_drives_gaps() -> None:
+async def test_injected_clock_times_the_session() -> None:
     now = [100.0]
     core = RouterCore({"a": FakeInstance("a", REPLY)}, "talaria", clock=lambda: now[0],
                       refresh_after_call=False)
     await drain(core, request())
     now[0] = 103.0
-    await drain(core, request())
-    assert list(core.sessions.get("s").gaps) == [3.0]
+    await drain(core, request(last=True))
+    assert core.metrics.sct.count(model="m") == 1
+    assert core.metrics.sct.series[(("model", "m"),)][1] == [3.0]  # first call sent -> last done
 
 
 class DuckInstance:
