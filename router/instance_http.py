@@ -17,6 +17,7 @@ waits behind open streams for a connection and misses its deadline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,9 +47,12 @@ class HttpInstanceClient:
         request_timeout_s: float = 10.0,
         key: str | None = None,
         control_connections: int = 8,
+        max_event_bytes: int = 16 << 20,
     ) -> None:
         if control_connections < 1:
             raise ValueError(f"control_connections must be >= 1, got {control_connections}")
+        if max_event_bytes < 1024:
+            raise ValueError(f"max_event_bytes must be >= 1024, got {max_event_bytes}")
         self.instance_id = instance_id
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.base_url = base_url.rstrip("/")
@@ -57,6 +61,7 @@ class HttpInstanceClient:
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
         self._control_connections = control_connections
+        self._max_event_bytes = max_event_bytes
 
     def _stream_http(self) -> aiohttp.ClientSession:
         """The pool for call streams: no connection limit."""
@@ -103,12 +108,18 @@ class HttpInstanceClient:
             buffer = bytearray()  # split lines by hand: an event may exceed readline's limit
             try:
                 async for chunk in response.content.iter_any():
+                    searched = len(buffer)
                     buffer += chunk
-                    while (end := buffer.find(b"\n")) >= 0:
+                    while (end := buffer.find(b"\n", searched)) >= 0:
                         line = bytes(buffer[:end]).strip()
                         del buffer[: end + 1]
+                        searched = 0
                         if line:
                             yield self._event(line)
+                    if len(buffer) > self._max_event_bytes:
+                        raise InstanceUnavailable(
+                            f"{self.instance_id}: an event longer than {self._max_event_bytes} bytes"
+                        )
                 if bytes(buffer).strip():
                     yield self._event(bytes(buffer))
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
@@ -131,8 +142,7 @@ class HttpInstanceClient:
         message = error.get("message") if isinstance(error, dict) else error
         message = str(message or response.reason or response.status)
         if response.status == 429:
-            retry = body.get("retry_after_s") or response.headers.get("Retry-After") or 1.0
-            raise Overloaded(f"{self.instance_id}: {message}", float(retry))
+            raise Overloaded(f"{self.instance_id}: {message}", _retry_after(body, response))
         if 400 <= response.status < 500:
             raise CallRejected(response.status, f"{self.instance_id}: {message}")
         raise InstanceUnavailable(f"{self.instance_id}: HTTP {response.status}: {message}")
@@ -178,3 +188,23 @@ async def _json(response: aiohttp.ClientResponse) -> dict[str, Any]:
     except (orjson.JSONDecodeError, aiohttp.ClientError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _retry_after(body: dict[str, Any], response: aiohttp.ClientResponse) -> float:
+    """Seconds to wait from a 429: the body's ``retry_after_s``, else the ``Retry-After``
+    header (seconds), else 1; a value that is not a finite number >= 0 is skipped."""
+    for value in (body.get("retry_after_s"), response.headers.get("Retry-After")):
+        seconds = _seconds(value)
+        if seconds is not None:
+            return seconds
+    return 1.0
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None

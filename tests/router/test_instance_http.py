@@ -41,12 +41,21 @@ def fake_instance_app(mode: dict[str, str], model: str = "m") -> web.Application
         if mode["calls"] == "overloaded":
             return web.json_response({"error": "queue full", "retry_after_s": 4.0}, status=429,
                                      headers={"Retry-After": "4"})
+        if mode["calls"] == "bad retry":  # neither says a number of seconds: 1 s
+            return web.json_response({"error": "queue full", "retry_after_s": "soon"}, status=429,
+                                     headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})
+        if mode["calls"] == "header retry":
+            return web.json_response({"error": "queue full", "retry_after_s": True}, status=429,
+                                     headers={"Retry-After": "inf"} if mode.get("inf") else {"Retry-After": "7"})
         if mode["calls"] == "bad":
             return web.json_response({"error": {"message": "model not here", "type": "x"}}, status=404)
         if mode["calls"] == "crash":
             return web.json_response({"error": {"message": "boom", "type": "x"}}, status=500)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
+        if mode["calls"] == "endless":  # a line that never ends
+            await resp.write(b'{"call_id": "' + b"x" * (2 << 20))
+            await asyncio.sleep(3600)
         if mode["calls"] == "big":  # one event far above aiohttp's readline limit
             event = CallEvent(call.call_id, list(range(40_000)), finished=True, finish_reason="length")
             await resp.write(to_json(event))  # and no trailing newline
@@ -263,3 +272,33 @@ async def test_a_bad_state_is_a_failed_poll_and_a_state_naming_another_instance_
         report["state"] = state_dict()
         assert await core.refresh("i0") and "i0" in core.healthy
         await client.close()
+
+
+
+async def test_bad_retry_hints_and_an_endless_event_fail_cleanly() -> None:
+    mode = {"calls": "bad retry"}
+    async with TestServer(fake_instance_app(mode)) as server:
+        client = HttpInstanceClient("i0", str(server.make_url("/")), max_event_bytes=1 << 20)
+        with pytest.raises(Overloaded) as info:
+            [e async for e in client.submit(call())]
+        assert info.value.retry_after_s == 1.0
+        mode["calls"] = "header retry"
+        with pytest.raises(Overloaded) as info:
+            [e async for e in client.submit(call())]
+        assert info.value.retry_after_s == 7.0
+        mode["inf"] = "yes"
+        with pytest.raises(Overloaded) as info:
+            [e async for e in client.submit(call())]
+        assert info.value.retry_after_s == 1.0
+        mode["calls"] = "endless"
+        with pytest.raises(InstanceUnavailable, match="longer than"):
+            await asyncio.wait_for(anext(client.submit(call())), 30)
+        await client.close()
+
+
+def test_an_overloaded_answer_clamps_its_retry_after() -> None:
+    from talaria.protocol.errors import MAX_RETRY_AFTER_S, overloaded
+
+    assert overloaded("busy", float("inf")).headers["Retry-After"] == str(int(MAX_RETRY_AFTER_S))
+    assert overloaded("busy", float("nan")).headers["Retry-After"] == "1"
+    assert overloaded("busy", 2.5).headers["Retry-After"] == "3"
