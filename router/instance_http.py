@@ -9,10 +9,11 @@ it is unavailable.
 request carries ``Authorization: Bearer <key>`` when the client has the instances' key.
 
 Two connection pools per instance: a call's stream holds its connection for the call's whole
-life (queued on the instance included), so call streams get a pool without a limit (the
-instance's own queue and running caps bound them, and it answers 429 beyond), and the control
-requests (state, abort, health) get a small pool of their own, so a poll or an abort never
-waits behind open streams for a connection and misses its deadline.
+life (queued on the instance included), so call streams, and the aborts of calls, get a pool
+without a limit (the instance's own queue and running caps bound the streams, and it answers
+429 beyond); the state poll and the health check, which decide whether the instance is up,
+get a small pool of their own, so they never wait behind streams or a burst of aborts for a
+connection and miss their deadline.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from talaria.protocol import (
 
 
 class HttpInstanceClient:
-    """An :class:`~talaria.protocol.InstanceClient` over aiohttp. Its two ClientSessions (call
-    streams; control requests) are created on first use inside the running loop."""
+    """An :class:`~talaria.protocol.InstanceClient` over aiohttp. Its two ClientSessions (calls
+    and aborts; state and health) are created on first use inside the running loop."""
 
     def __init__(
         self,
@@ -46,7 +47,7 @@ class HttpInstanceClient:
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 10.0,
         key: str | None = None,
-        control_connections: int = 8,
+        control_connections: int = 4,
         max_event_bytes: int = 16 << 20,
     ) -> None:
         if control_connections < 1:
@@ -64,13 +65,13 @@ class HttpInstanceClient:
         self._max_event_bytes = max_event_bytes
 
     def _stream_http(self) -> aiohttp.ClientSession:
-        """The pool for call streams: no connection limit."""
+        """The pool for call streams and aborts: no connection limit."""
         if self._streams is None or self._streams.closed:
             self._streams = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._streams
 
     def _control_http(self) -> aiohttp.ClientSession:
-        """The pool for state, abort and health: small, and never shared with a stream."""
+        """The pool for state and health: small, and shared with nothing else."""
         if self._control is None or self._control.closed:
             self._control = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._control_connections)
@@ -151,7 +152,7 @@ class HttpInstanceClient:
         url = f"{self.base_url}/internal/v1/calls/{call_id}/abort"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._control_http().post(url, headers=self._headers, timeout=timeout) as response:
+            async with self._stream_http().post(url, headers=self._headers, timeout=timeout) as response:
                 await response.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: abort failed: {exc!r}") from exc
