@@ -97,6 +97,13 @@ def call() -> CallRequest:
                        expected_gap_s=1.5)
 
 
+async def retry_after(client: HttpInstanceClient) -> float:
+    """The retry hint of the Overloaded a call to ``client`` must raise."""
+    with pytest.raises(Overloaded) as info:
+        [e async for e in client.submit(call())]
+    return info.value.retry_after_s
+
+
 async def test_stream_state_abort_health() -> None:
     mode = {"calls": "ok"}
     app = fake_instance_app(mode)
@@ -119,9 +126,7 @@ async def test_stream_state_abort_health() -> None:
         assert len(events) == 1 and events[0].token_ids == list(range(40_000))
 
         mode["calls"] = "overloaded"
-        with pytest.raises(Overloaded) as info:
-            [e async for e in client.submit(call())]
-        assert info.value.retry_after_s == 4.0
+        assert await retry_after(client) == 4.0
         mode["calls"] = "bad"
         with pytest.raises(CallRejected) as rejected:
             [e async for e in client.submit(call())]
@@ -279,17 +284,11 @@ async def test_bad_retry_hints_and_an_endless_event_fail_cleanly() -> None:
     mode = {"calls": "bad retry"}
     async with TestServer(fake_instance_app(mode)) as server:
         client = HttpInstanceClient("i0", str(server.make_url("/")), max_event_bytes=1 << 20)
-        with pytest.raises(Overloaded) as info:
-            [e async for e in client.submit(call())]
-        assert info.value.retry_after_s == 1.0
+        assert await retry_after(client) == 1.0
         mode["calls"] = "header retry"
-        with pytest.raises(Overloaded) as info:
-            [e async for e in client.submit(call())]
-        assert info.value.retry_after_s == 7.0
+        assert await retry_after(client) == 7.0
         mode["inf"] = "yes"
-        with pytest.raises(Overloaded) as info:
-            [e async for e in client.submit(call())]
-        assert info.value.retry_after_s == 1.0
+        assert await retry_after(client) == 1.0
         mode["calls"] = "endless"
         with pytest.raises(InstanceUnavailable, match="longer than"):
             await asyncio.wait_for(anext(client.submit(call())), 30)
