@@ -7,8 +7,9 @@ virtual clock) call :meth:`RouterCore.submit` alike. Time comes from the injecte
 Sessions (:mod:`router.session_books`): a call sent without a session id (``session_id == ""``)
 gets one before it is placed: the session its prompt continues when inference is on
 (:mod:`router.session_inference`), else a session of one (``anon-<call id>``, ended with the
-call); ``call.session_id`` is updated in place so the caller can answer with it. A session's first call that names a
-parent (a subagent) is placed as its parent's continuation would be, where the parent's KV is.
+call); ``call.session_id`` is updated in place so the caller can answer with it. A session's
+first call that names a parent (a subagent) is placed as its parent's continuation would be,
+where the parent's KV is.
 
 Failure rules: a call that fails before its first event (:class:`InstanceUnavailable`: the
 instance is unreachable, answers an error, breaks the stream, or misses the first-token
