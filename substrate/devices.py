@@ -46,7 +46,8 @@ class DeviceSpec:
     # Achieved rates of the attention kernel and the KV moves, where they were measured
     # (a calibrated server); None: the peaks above at the cost model's efficiencies.
     attention_flops: float | None = None  # QK^T and PV FLOPs in the attention kernel
-    attention_scores_per_s: float | None = None  # (query, key, head) scores' softmax work
+    attention_scores_per_s: float | None = None  # prefill (query, key, head) scores' softmax
+    decode_scores_per_s: float | None = None  # the same for decodes (one query per sequence)
     kv_read_bytes_per_s: float | None = None  # attention reading the KV context
     kv_offload_bytes_per_s: float | None = None  # device KV blocks -> host KV store
     kv_restore_bytes_per_s: float | None = None  # host KV store -> device KV blocks
@@ -76,8 +77,8 @@ class DeviceSpec:
         return self.kv_restore_bytes_per_s or self.host_link_bytes_per_s
 
 
-_MEASURED_RATES = ("attention_flops", "attention_scores_per_s", "kv_read_bytes_per_s",
-                   "kv_offload_bytes_per_s", "kv_restore_bytes_per_s")
+_MEASURED_RATES = ("attention_flops", "attention_scores_per_s", "decode_scores_per_s",
+                   "kv_read_bytes_per_s", "kv_offload_bytes_per_s", "kv_restore_bytes_per_s")
 
 
 @dataclass(frozen=True)

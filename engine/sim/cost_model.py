@@ -13,8 +13,10 @@ their neutral defaults, so the presets price exactly the roofline above:
 - ``Efficiency.overlap``: how much of the smaller of compute and memory hides behind the
   larger (1: the roofline's max; a CPU's matrix products overlap little, so nearer the sum);
 - the attention kernel's own rates (``DeviceSpec.attention_flops``, ``kv_read_bytes_per_s``,
-  and ``attention_scores_per_s`` for the softmax work per (query, key, head) score, which
-  fused GPU kernels hide behind their matrix products);
+  and the work per (query, key, head) score beyond its products, for prefill chunks
+  (``attention_scores_per_s``: the softmax, which fused GPU kernels hide behind their
+  matrix products) and for decodes (``decode_scores_per_s``: one query per sequence leaves
+  a tiled kernel's per-tile work unshared));
 - host overheads that grow with the work: per layer (launching its ops), per MoE layer, per
   scheduled sequence (bookkeeping, sampling), per step at TP > 1 (sending it to the ranks);
 - ``moe_dense_max_tokens``: an engine that runs every expert on batches up to that size.
@@ -208,19 +210,24 @@ class CostModel:
         return 2.0 * params * tokens + 2.0 * m.vocab_size * m.hidden_size * logit_rows
 
     def _step(
-        self, tokens: int, attention_pairs: float, kv_read_tokens: int, logit_rows: int
+        self, tokens: int, attention_pairs: float, kv_read_tokens: int, logit_rows: int,
+        decode_pairs: float = 0.0,
     ) -> StepCost:
         """One forward pass over ``tokens`` new tokens. ``attention_pairs`` is the number of
-        (query, key) pairs attention scores; ``kv_read_tokens`` the KV tokens it reads."""
+        (query, key) pairs attention scores, ``decode_pairs`` of them the decodes' (one query
+        per sequence); ``kv_read_tokens`` the KV tokens it reads."""
         if tokens <= 0:
             return StepCost(0.0, 0.0, 0.0, 0.0)
         m, tp, dev, eff = self.model, self.tp, self.device, self.eff
         flop_rate = dev.bf16_flops * eff.compute
         hbm_rate = dev.hbm_bytes_per_s * eff.memory
-        scores = m.num_layers * m.num_attention_heads * attention_pairs / tp
+        per_pair = m.num_layers * m.num_attention_heads / tp
+        scores, decode_scores = per_pair * attention_pairs, per_pair * decode_pairs
         linear_s = self._linear_flops(tokens, logit_rows) / tp / flop_rate
         attention_s = 4.0 * m.head_dim * scores / (dev.attention_flops or flop_rate)
-        scores_s = scores / dev.attention_scores_per_s if dev.attention_scores_per_s else 0.0
+        scores_s = (
+            (scores - decode_scores) / dev.attention_scores_per_s if dev.attention_scores_per_s else 0.0
+        ) + (decode_scores / dev.decode_scores_per_s if dev.decode_scores_per_s else 0.0)
         weight_bytes = (
             m.always_active_linear_params
             + self._experts_touched_fraction(tokens) * m.routed_expert_params
@@ -299,7 +306,7 @@ class CostModel:
         if decode_context and not decode_seqs:
             raise ValueError("decode_context given without decode sequences")
         tokens = decode_seqs
-        pairs = float(decode_context + decode_seqs)
+        decode_pairs = pairs = float(decode_context + decode_seqs)
         kv_read = decode_context
         rows = decode_seqs
         for new, ctx in prefill_chunks:
@@ -310,7 +317,7 @@ class CostModel:
             pairs += new * ctx + new * (new + 1) / 2.0
             kv_read += ctx
             rows += 1
-        return self._step(tokens, pairs, kv_read, rows)
+        return self._step(tokens, pairs, kv_read, rows, decode_pairs)
 
     # --- moving bytes -----------------------------------------------------------------------
     def switch_seconds_host(self) -> float:
