@@ -50,6 +50,7 @@ __all__ = [
     "CallOutcome",
     "Target",
     "SessionTokens",
+    "StandInOutputs",
     "next_prompt",
     "drive",
     "run_sim",

@@ -150,7 +150,7 @@ def _weight_copies(nbytes: int) -> dict[str, float]:
             for kind in ("activate_h2d", "activate_d2d")}
 
 
-def _engine_overheads(server: ServerSpec, log: Callable[[str], None]) -> dict[str, float]:
+def _engine_overheads(server: ServerSpec, log: Callable[[str], None], repeats: int = 10) -> dict[str, float]:
     """Host overheads as the residuals of decode steps of tiny-shape checkpoints against the
     cost model's physics (every overhead term still 0 in ``server``)."""
     from engine.models.tiny import write_random_checkpoint
@@ -167,7 +167,7 @@ def _engine_overheads(server: ServerSpec, log: Callable[[str], None]) -> dict[st
                 tps = (1, 2) if arch == "llama" and layers == OVERHEAD_LAYERS[0] else (1,)
                 for tp in tps:
                     points = [one, many] if arch == "llama" else [one]
-                    for m in measure_steps(path, points, tp=tp, repeats=10):
+                    for m in measure_steps(path, points, tp=tp, repeats=repeats):
                         key = (arch, layers, m.point.tokens, tp)
                         residual[key] = m.seconds - _physics_seconds(server, spec, tp, m)
     lo, hi = OVERHEAD_LAYERS
