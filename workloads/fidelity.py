@@ -45,8 +45,8 @@ MODEL_MAP = {"qwen3-235b-a22b": "tiny-qwen3-moe", "glm-4.5-air": "tiny-qwen3",
 @dataclass(frozen=True)
 class ReplaySetup:
     sessions: int = 8
-    max_calls: int = 12  # per session
-    token_scale: float = 0.05
+    max_calls: int = 10  # per session
+    token_scale: float = 0.04
     time_scale: float = 0.1
     vocab: int = 256  # prompt ids are drawn from [1, vocab)
     kv_blocks: int = 512  # per model, on both sides

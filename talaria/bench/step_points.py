@@ -5,11 +5,12 @@ engine's own ``StepResult.seconds`` (schedule, forward, sampling, bookkeeping: w
 simulated engine's step stands for), and what each step ran is read from the scheduler's
 output, so a prediction prices exactly the work that was timed:
 - ``prefill`` (chunk N after C cached tokens): a request of C random tokens is prefilled and
-  finished first, then one of those C tokens plus N more, whose prefill after the cached
-  prefix is the timed step; fresh random tokens at every repeat, so nothing else is cached.
+  finished first, then ones of those C tokens plus N fresh ones, whose prefill after the
+  cached prefix is the timed step (fresh tokens at every repeat, so only the C are cached).
 - ``decode`` (B sequences at context C): one request of C random tokens is prefilled, then B-1
   more with the same prompt join it from the prefix cache; once all B decode, steps after
   ``WARMUP_STEPS`` are timed (the first ones gather the contexts into the decode buffers).
+Points of the same context share its prompt, so its prefill is paid once per engine.
 A point's time is the fastest of its timed steps (its median is kept too): on a machine
 shared with other work, a step only ever gets slower (a thread descheduled in the middle of
 it), so the fastest is the closest to what this machine does alone, and it is the statistic
@@ -19,7 +20,7 @@ the calibration's micro-benchmarks use as well.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,19 +115,36 @@ def measure_steps(
         core.shutdown()
         raise ValueError(f"a point needs {widest} tokens; {model_dir} holds {core.max_model_len}")
     recorder = _ShapeRecorder(core)
-    prompts = torch.Generator().manual_seed(seed)
-    vocab = core.vocab_size
+    prompts = _Prompts(seed, core.vocab_size)
     try:
+        core.add_request(EngineRequest("warm-up", prompts.fresh(BLOCK_SIZE),
+                                       SamplingParams(max_tokens=2, **_GREEDY)))
+        _drain(core)
         out = []
         for point in points:
-            def fresh(n: int) -> list[int]:
-                return torch.randint(3, vocab, (n,), generator=prompts).tolist()
-
             run = _prefill if point.kind == "prefill" else _decode
-            out.append(run(core, recorder, point, repeats, fresh))
+            out.append(run(core, recorder, point, repeats, prompts))
         return out
     finally:
         core.shutdown()
+
+
+class _Prompts:
+    """Random prompts: fresh ones, and one per context length that points share (its KV
+    stays in the prefix cache between them, so a long context is prefilled once)."""
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self._contexts: dict[int, list[int]] = {}
+
+    def fresh(self, n: int) -> list[int]:
+        return torch.randint(3, self.vocab, (n,), generator=self.generator).tolist()
+
+    def context(self, n: int) -> list[int]:
+        if n not in self._contexts:
+            self._contexts[n] = self.fresh(n)
+        return self._contexts[n]
 
 
 class _ShapeRecorder:
@@ -155,26 +173,29 @@ def _drain(core: EngineCore) -> None:
 
 
 def _prefill(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: int,
-             fresh: Callable[[int], list[int]]) -> MeasuredStep:
+             prompts: _Prompts) -> MeasuredStep:
+    """The chunk after a cached context: the context is prefilled (once, shared) and each
+    repeat adds fresh tokens after it. Chunks of 1024 tokens and more are timed at most
+    twice (each is a long step, and a long step's best is a steady figure)."""
+    context = prompts.context(point.context) if point.context else []
+    if context:
+        core.add_request(EngineRequest(f"context-{point.context}", context,
+                                       SamplingParams(max_tokens=1, **_GREEDY)))
+        _drain(core)
     timed: list[tuple[float, StepShape]] = []
-    for r in range(repeats + 1):  # the first is a warm-up
-        prompt = fresh(point.context + point.tokens)
-        if point.context:
-            cached = EngineRequest(f"ctx-{r}", prompt[: point.context],
-                                   SamplingParams(max_tokens=1, **_GREEDY))
-            core.add_request(cached)
-            _drain(core)
+    for r in range(min(repeats, 2) if point.tokens >= 1024 else repeats):
+        prompt = context + prompts.fresh(point.tokens)
         core.add_request(EngineRequest(f"chunk-{r}", prompt, SamplingParams(max_tokens=1, **_GREEDY)))
         step = core.step()
-        if r and step.num_prefill_tokens:
+        if step.num_prefill_tokens:
             timed.append((step.seconds, rec.last))
         _drain(core)
     return _fastest(point, timed)
 
 
 def _decode(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: int,
-            fresh: Callable[[int], list[int]]) -> MeasuredStep:
-    prompt = fresh(point.context)
+            prompts: _Prompts) -> MeasuredStep:
+    prompt = prompts.context(point.context)
     params = SamplingParams(max_tokens=repeats + WARMUP_STEPS + SPARE_TOKENS, **_GREEDY)
     core.add_request(EngineRequest("lead", prompt, params))
     lead = core.scheduler.requests["lead"]
