@@ -112,7 +112,8 @@ class StepCost:
 
     @property
     def seconds(self) -> float:
-        return combine(self.compute_s, self.memory_s, self.overlap) + self.allreduce_s + self.overhead_s
+        both = combine(self.compute_s, self.memory_s, self.overlap)
+        return both + self.allreduce_s + self.overhead_s
 
     @property
     def memory_bound(self) -> bool:
@@ -221,13 +222,13 @@ class CostModel:
         m, tp, dev, eff = self.model, self.tp, self.device, self.eff
         flop_rate = dev.bf16_flops * eff.compute
         hbm_rate = dev.hbm_bytes_per_s * eff.memory
-        per_pair = m.num_layers * m.num_attention_heads / tp
-        scores, decode_scores = per_pair * attention_pairs, per_pair * decode_pairs
+        scores = m.num_layers * m.num_attention_heads * attention_pairs / tp
+        decode_scores = m.num_layers * m.num_attention_heads * decode_pairs / tp
         linear_s = self._linear_flops(tokens, logit_rows) / tp / flop_rate
         attention_s = 4.0 * m.head_dim * scores / (dev.attention_flops or flop_rate)
-        scores_s = (
-            (scores - decode_scores) / dev.attention_scores_per_s if dev.attention_scores_per_s else 0.0
-        ) + (decode_scores / dev.decode_scores_per_s if dev.decode_scores_per_s else 0.0)
+        prefill_rate, decode_rate = dev.attention_scores_per_s, dev.decode_scores_per_s
+        scores_s = ((scores - decode_scores) / prefill_rate if prefill_rate else 0.0) + (
+            decode_scores / decode_rate if decode_rate else 0.0)
         weight_bytes = (
             m.always_active_linear_params
             + self._experts_touched_fraction(tokens) * m.routed_expert_params

@@ -239,7 +239,8 @@ def hf_config_spec(cfg: dict, name: str, source: str) -> ModelSpec:
     experts, per_tok, expert_size, sparse = 0, 0, 0, 0
     if arch == "MixtralForCausalLM":
         experts = int(cfg["num_local_experts"])
-        per_tok, expert_size, sparse = int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]), layers
+        per_tok, expert_size = int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"])
+        sparse = layers
     elif arch == "Qwen3MoeForCausalLM":
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         per_tok, expert_size = int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])

@@ -120,7 +120,8 @@ def calibrate(
     finally:
         torch.set_num_threads(saved)
     info = {"threads_per_rank": threads, "seconds": round(time.perf_counter() - start, 1),
-            "load_average": list(os.getloadavg()), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "load_average": list(os.getloadavg()),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
             "catalog": {n: str(p) for n, p in catalog.items()}}
     return server, info
 
@@ -150,7 +151,9 @@ def _weight_copies(nbytes: int) -> dict[str, float]:
             for kind in ("activate_h2d", "activate_d2d")}
 
 
-def _engine_overheads(server: ServerSpec, log: Callable[[str], None], repeats: int = 10) -> dict[str, float]:
+def _engine_overheads(
+    server: ServerSpec, log: Callable[[str], None], repeats: int = 10
+) -> dict[str, float]:
     """Host overheads as the residuals of decode steps of tiny-shape checkpoints against the
     cost model's physics (every overhead term still 0 in ``server``)."""
     from engine.models.tiny import write_random_checkpoint
@@ -171,11 +174,13 @@ def _engine_overheads(server: ServerSpec, log: Callable[[str], None], repeats: i
                         key = (arch, layers, m.point.tokens, tp)
                         residual[key] = m.seconds - _physics_seconds(server, spec, tp, m)
     lo, hi = OVERHEAD_LAYERS
-    per_seq = (residual["llama", lo, OVERHEAD_BATCH, 1] - residual["llama", lo, 1, 1]) / (OVERHEAD_BATCH - 1)
-    per_layer = (residual["llama", hi, 1, 1] - residual["llama", lo, 1, 1]) / (hi - lo)
-    per_moe_layer = (residual["qwen3_moe", hi, 1, 1] - residual["qwen3_moe", lo, 1, 1]) / (hi - lo) - per_layer
-    per_step = residual["llama", lo, 1, 1] - lo * per_layer - per_seq
-    per_tp_step = residual["llama", lo, 1, 2] - residual["llama", lo, 1, 1]
+    base = residual["llama", lo, 1, 1]
+    per_seq = (residual["llama", lo, OVERHEAD_BATCH, 1] - base) / (OVERHEAD_BATCH - 1)
+    per_layer = (residual["llama", hi, 1, 1] - base) / (hi - lo)
+    moe_lo, moe_hi = residual["qwen3_moe", lo, 1, 1], residual["qwen3_moe", hi, 1, 1]
+    per_moe_layer = (moe_hi - moe_lo) / (hi - lo) - per_layer
+    per_step = base - lo * per_layer - per_seq
+    per_tp_step = residual["llama", lo, 1, 2] - base
     out = {"step_overhead_s": per_step, "layer_overhead_s": per_layer,
            "moe_layer_overhead_s": per_moe_layer, "seq_overhead_s": per_seq,
            "tp_step_overhead_s": per_tp_step}
@@ -189,7 +194,9 @@ def _physics_seconds(server: ServerSpec, spec: ModelSpec, tp: int, m: MeasuredSt
     return combine(cost.compute_s, cost.memory_s, cost.overlap) + cost.allreduce_s
 
 
-def calibrate_here(threads: int = 1, log: Callable[[str], None] = print) -> tuple[ServerSpec, dict[str, Any]]:
+def calibrate_here(
+    threads: int = 1, log: Callable[[str], None] = print
+) -> tuple[ServerSpec, dict[str, Any]]:
     """:func:`calibrate` on the small tiny catalog (what ``talaria fidelity`` replays),
     kernels at its layer shapes and the tiny catalog's."""
     from talaria.paths import ensure_tiny_models

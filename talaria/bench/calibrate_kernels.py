@@ -84,7 +84,9 @@ class StreamResult:
     bytes: int
 
 
-def weight_stream(shapes: LayerShapes, total_bytes: int, rows: tuple[int, ...] = (1, 16)) -> StreamResult:
+def weight_stream(
+    shapes: LayerShapes, total_bytes: int, rows: tuple[int, ...] = (1, 16)
+) -> StreamResult:
     """Distinct layers of ``total_bytes`` of weights (far more than the caches hold), run
     as a decode step runs them: the bandwidth of one-row products, and the time at more rows
     (the calibration fits how compute and memory overlap from it)."""

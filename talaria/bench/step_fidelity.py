@@ -24,7 +24,8 @@ from talaria.bench.step_points import MeasuredStep, StepPoint, measure_steps
 
 __all__ = ["Case", "PointResult", "default_cases", "run_cases", "summarize", "format_table"]
 
-PREFILL: tuple[tuple[int, int], ...] = ((16, 0), (64, 0), (256, 0), (1024, 0), (2048, 0), (256, 2048))
+PREFILL: tuple[tuple[int, int], ...] = (
+    (16, 0), (64, 0), (256, 0), (1024, 0), (2048, 0), (256, 2048))
 DECODE_BATCHES = (1, 8, 64)
 DECODE_CONTEXTS = (64, 512, 4000)
 SMALL_DECODE_TOKENS = 40_000
@@ -42,7 +43,9 @@ class Case:
         return f"{self.size} {self.model} TP={self.tp}"
 
 
-def _grid(max_decode_tokens: int, prefill: Sequence[tuple[int, int]] = PREFILL) -> tuple[StepPoint, ...]:
+def _grid(
+    max_decode_tokens: int, prefill: Sequence[tuple[int, int]] = PREFILL
+) -> tuple[StepPoint, ...]:
     points = [StepPoint("prefill", n, c) for n, c in prefill]
     points += [StepPoint("decode", b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES
                if b * c <= max_decode_tokens]
@@ -155,7 +158,8 @@ def format_table(results: Sequence[PointResult], worst: int = 8) -> str:
         lines.append(f"{name:28s} {s['num_points']:6d} {s['median_rel_err']:12.0%} "
                      f"{s['p90_rel_err']:10.0%} {s['median_signed_err']:+13.0%}")
     lines.append("")
-    lines.append(f"worst {worst} points (predicted vs measured; the prediction's largest terms, ms):")
+    lines.append(f"worst {worst} points (predicted vs measured; the prediction's largest "
+                 "terms, ms):")
     for r in sorted(results, key=lambda r: -abs(r.rel_err))[:worst]:
         terms = sorted(r.terms().items(), key=lambda kv: -kv[1])[:3]
         parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in terms)

@@ -185,7 +185,8 @@ def _prefill(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: i
     timed: list[tuple[float, StepShape]] = []
     for r in range(min(repeats, 2) if point.tokens >= 1024 else repeats):
         prompt = context + prompts.fresh(point.tokens)
-        core.add_request(EngineRequest(f"chunk-{r}", prompt, SamplingParams(max_tokens=1, **_GREEDY)))
+        params = SamplingParams(max_tokens=1, **_GREEDY)
+        core.add_request(EngineRequest(f"chunk-{r}", prompt, params))
         step = core.step()
         if step.num_prefill_tokens:
             timed.append((step.seconds, rec.last))
