@@ -155,6 +155,10 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
         """Each model's prompt limits (the checks ``add_request`` applies)."""
         ...
 
+    def kv_bytes_per_token(self, model: str) -> float:
+        """Bytes of KV one token of ``model`` takes on this rank (all layers, K and V)."""
+        ...
+
     def activate(self, model: str) -> MoveReport: ...
 
     def stage(self, model: str) -> MoveReport:

@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +62,7 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import next_or_gone, read_body
+from talaria.protocol.http import bearer_matches, next_or_gone, read_body
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +72,7 @@ class RouterConfig:
     models: dict[str, str]  # catalog name -> model directory (tokenizer, config.json)
     instances: dict[str, str]  # instance id -> base URL of its internal API
     policy: str = "talaria"  # "load" | "cache_aware" | "talaria"
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, /v1/* and /metrics need "Authorization: Bearer <key>"
     max_body_bytes: int = 32 * 1024 * 1024
     poll_interval_s: float | None = 1.0  # None: no background poller
     max_model_len: int | None = None  # caps every model's context length when set
@@ -132,6 +133,7 @@ def create_app(
             name: ModelTokenizer.load(name, path, config.max_model_lens.get(name) or config.max_model_len)
             for name, path in config.models.items()
         }
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-hash")
     core = RouterCore(
         clients,
         config.policy,
@@ -139,8 +141,10 @@ def create_app(
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
-        inference=SessionInference(config.block_size) if config.infer_sessions else None,
+        inference=(SessionInference(config.block_size, config.limits.max_sessions)
+                   if config.infer_sessions else None),
         deadlines=config.deadlines,
+        hash_executor=hasher,
     )
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -158,6 +162,7 @@ def create_app(
 
     async def close(_app: web.Application) -> None:
         await core.close()
+        hasher.shutdown(wait=False)
         for client in owned:
             await client.close()
 
@@ -177,13 +182,22 @@ def create_app(
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     key = request.app[CONFIG_KEY].api_key
-    if key and request.path.startswith("/v1/"):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients may send x-api-key instead
-            token = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise unauthorized()
+    if key and _protected(request.path) and not _key_matches(request, key):
+        raise unauthorized()
     return await handler(request)
+
+
+def _protected(path: str) -> bool:
+    """The API and /metrics (instance states, session counts) need the key; the probes
+    (/, /health, /live) do not."""
+    return path.startswith("/v1/") or path == "/metrics"
+
+
+def _key_matches(request: web.Request, key: str) -> bool:
+    """``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (Anthropic's clients send
+    that instead), compared in constant time."""
+    other = request.headers.get("x-api-key", "").strip()
+    return bearer_matches(request, key) or hmac.compare_digest(other.encode(), key.encode())
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -204,8 +218,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     parsed = anthropic_schema.parse_count_tokens(await _json_body(request))
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
-    ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
-                          request.app[LIMITS_KEY])
+    with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
+        ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
+                              request.app[LIMITS_KEY])
     return _json({"input_tokens": len(ids)})
 
 
@@ -310,7 +325,7 @@ async def _tokenize(
 ) -> list[int]:
     """Token ids of the request's prompt, its size checked first (``router.limits``)."""
     param = "messages" if body.kind == "chat" else "prompt"
-    size = prompt_bytes(body.messages, body.prompt) + len(prefill.encode())
+    size = prompt_bytes(body.messages, body.prompt, body.tools.tools) + len(prefill.encode())
     check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:

@@ -4,11 +4,12 @@ Nothing here is HTTP: the aiohttp layer (router.app) and the replay driver (in-p
 virtual clock) call :meth:`RouterCore.submit` alike. Time comes from the injected clock
 (default: the running loop's ``loop.time()``).
 
-Sessions: a call sent without a session id (``session_id == ""``) gets one here, before it
-is placed: the session its prompt continues when inference is on (:mod:`router.session_inference`),
-else a session of one (``anon-<call id>``, ended with the call); ``call.session_id`` is
-updated in place so the caller can answer with it. A session's first call that names a
-parent (a subagent) is placed as its parent's continuation would be, where the parent's KV is.
+Sessions (:mod:`router.session_books`): a call sent without a session id (``session_id == ""``)
+gets one before it is placed: the session its prompt continues when inference is on
+(:mod:`router.session_inference`), else a session of one (``anon-<call id>``, ended with the
+call); ``call.session_id`` is updated in place so the caller can answer with it. A session's
+first call that names a parent (a subagent) is placed as its parent's continuation would be,
+where the parent's KV is.
 
 Failure rules: a call that fails before its first event (:class:`InstanceUnavailable`: the
 instance is unreachable, answers an error, breaks the stream, or misses the first-token
@@ -25,16 +26,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from concurrent.futures import Executor
 from typing import Any
 
 import structlog
 
 from router.call_health import CallHealth, HealthRules
-from router.deadlines import DeadlineMissed, Deadlines, next_event
+from router.deadlines import DeadlineMissed, Deadlines, first_token_deadline, next_event
 from router.metrics import RouterMetrics
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
+from router.prefix_chain import PromptHashes
+from router.session_books import SessionBooks, SessionCall
 from router.session_inference import SessionInference
 from router.sessions import SessionRecord, SessionTable
+from router.state_polls import StatePolls
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -76,27 +81,36 @@ class RouterCore:
         clock: Callable[[], float] | None = None,
         block_size: int = 16,
         refresh_after_call: bool = True,
+        refresh_interval_s: float = 0.05,
         deadlines: Deadlines | None = None,
         health_rules: HealthRules | None = None,
         inference: SessionInference | None = None,
+        hash_executor: Executor | None = None,
+        known_chain_blocks: int = 1 << 22,
     ) -> None:
         self.clients: dict[str, InstanceClient] = dict(clients)
         self.context = context if context is not None else PlacementContext()
         self.policy: PlacementPolicy = make_policy(policy, self.context) if isinstance(policy, str) else policy
-        self.sessions = sessions if sessions is not None else SessionTable()
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.block_size = block_size
         self.refresh_after_call = refresh_after_call
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.call_health = CallHealth(health_rules if health_rules is not None else HealthRules())
         self._clock = clock
+        self.books = SessionBooks(
+            sessions if sessions is not None else SessionTable(), inference, block_size,
+            known_chain_blocks, self._observe_sct,
+        )
+        self.sessions = self.books.table
         self.inference = inference
+        self.hash_executor = hash_executor  # None: prompts are hashed on the event loop
         self.states: dict[str, InstanceState] = {}
         self.healthy: set[str] = set(self.clients)  # optimistic until a poll or call says no
         # Answer their polls but cool down after failed calls: placed on only when no
         # instance is healthy (better a suspect instance than a 503).
         self.suspect: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._polls = StatePolls(self._poll_state, refresh_interval_s)
 
     def now(self) -> float:
         return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
@@ -131,12 +145,19 @@ class RouterCore:
             self.context.prefix_index.drop_instance(instance_id)
 
     async def refresh(self, instance_id: str) -> bool:
-        """Fetch one instance's state; marks it up or down. Returns whether it is healthy."""
+        """Fetch one instance's state (or join the poll of it in flight: ``router.state_polls``);
+        marks it up or down. Returns whether it is healthy."""
+        return await self._polls.poll(instance_id)
+
+    async def _poll_state(self, instance_id: str) -> bool:
         try:
             async with asyncio.timeout(self.deadlines.state_s):
                 state = await self.clients[instance_id].state()
         except Exception as exc:  # any failure to report in time counts as down
             self.mark_down(instance_id, f"state poll failed: {exc!r}")
+            return False
+        if state.instance_id != instance_id:  # a misconfigured address: not the polled one
+            self.mark_down(instance_id, f"its state is instance {state.instance_id!r}'s")
             return False
         self.update_state(state)
         return state.healthy
@@ -154,17 +175,13 @@ class RouterCore:
             self.mark_down(instance_id, f"call failed ({kind}): {exc}")
 
     def cleanup_sessions(self) -> int:
-        dropped = self.sessions.cleanup(self.now())
-        for record in dropped:
-            self._observe_sct(record)
-            if self.inference is not None:
-                self.inference.forget(record.session_id)
-        return len(dropped)
+        return self.books.cleanup(self.now())
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._polls.close()
 
     # ---- placement and forwarding -----------------------------------------------------------
 
@@ -194,16 +211,10 @@ class RouterCore:
         Raises before the first event: :class:`NoHealthyInstance`, :class:`Overloaded`,
         :class:`CallRejected`."""
         start = self.now()
-        hashes = block_hashes(call.prompt_token_ids, self.block_size)
-        if not call.session_id:
-            self._name_session(call, hashes)
-        session = self.sessions.start_call(
-            call.session_id, call.model, start, len(call.prompt_token_ids), call.expected_gap_s
-        )
-        previous = session.instance_id
-        parent = self._parent(call, session)
-        pcall = self.placement_call(call, hashes, parent.instance_id if parent else None)
-        ranked = self.policy.choose(pcall, parent or session, self.states, self.candidates())
+        books = self.books.start(call, await self._hash_prompt(call), start)
+        previous, parent = books.record.instance_id, books.parent
+        pcall = self.placement_call(call, books.prompt.hashes, parent.instance_id if parent else None)
+        ranked = self.policy.choose(pcall, parent or books.record, self.states, self.candidates())
         instance_id: str | None = None
         stream: AsyncIterator[CallEvent] | None = None
         first: CallEvent | None = None
@@ -240,23 +251,17 @@ class RouterCore:
                 outcome = "aborted"
             raise
         finally:
-            await self._finish(
-                call, instance_id, stream, start, hashes, outputs, outcome, pcall, prefilling
-            )
+            await self._finish(call, books, instance_id, stream, start, outputs, outcome, pcall, prefilling)
 
-    def _name_session(self, call: CallRequest, hashes: list[int]) -> None:
-        if self.inference is not None:
-            call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes)
-        else:
-            call.session_id, call.last_call = f"anon-{call.call_id}", True
-
-    def _parent(self, call: CallRequest, session: SessionRecord) -> SessionRecord | None:
-        """The parent's record for a subagent's first call (placement reads it as the call's
-        session: the parent's instance and KV); None otherwise."""
-        if session.calls != 1 or not call.parent_session_id or call.parent_session_id == call.session_id:
-            return None
-        parent = self.sessions.get(call.parent_session_id)
-        return parent if parent is not None and parent.model == call.model else None
+    async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
+        """The prompt's block hashes, reusing its session's known chain (``router.prefix_chain``);
+        on ``hash_executor`` when there is one, so a long prompt does not hold the loop."""
+        hash_prompt = self.books.chains.hash_prompt
+        if self.hash_executor is None:
+            return hash_prompt(call.session_id, call.prompt_token_ids)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.hash_executor, hash_prompt, call.session_id, call.prompt_token_ids
+        )
 
     async def _open(
         self, call: CallRequest, ranked: list[str], pcall: PlacementCall
@@ -270,7 +275,10 @@ class RouterCore:
             stream = aiter(self.clients[instance_id].submit(call))
             self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.max_tokens)
             try:
-                first = await next_event(stream, self.deadlines.first_token_s, "first token")
+                deadline = first_token_deadline(
+                    self.deadlines, self.states.get(instance_id), call.model
+                )
+                first = await next_event(stream, deadline, "first token")
             except (InstanceUnavailable, StopAsyncIteration) as exc:
                 failure = (exc if isinstance(exc, InstanceUnavailable)
                            else InstanceUnavailable("the stream ended with no event"))
@@ -333,9 +341,9 @@ class RouterCore:
             self.metrics.cached_tokens.inc(usage.cached_tokens, model=call.model)
 
     async def _finish(
-        self, call: CallRequest, instance_id: str | None, stream: AsyncIterator[CallEvent] | None,
-        start: float, hashes: list[int], outputs: list[int], outcome: str, pcall: PlacementCall,
-        prefilling: bool,
+        self, call: CallRequest, books: SessionCall, instance_id: str | None,
+        stream: AsyncIterator[CallEvent] | None, start: float, outputs: list[int], outcome: str,
+        pcall: PlacementCall, prefilling: bool,
     ) -> None:
         now = self.now()
         if instance_id is not None and stream is not None:
@@ -345,27 +353,11 @@ class RouterCore:
             await _close(stream)
             self.metrics.call_time.observe(now - start, model=call.model)
         self.metrics.requests.inc(model=call.model, instance=instance_id or "none", outcome=outcome)
-        kv_tokens = len(call.prompt_token_ids) + len(outputs)
-        kv_hashes: list[int] = []
+        more = self.books.end(call, books, instance_id, now, outputs)
         if instance_id is not None:
-            full = len(hashes) * self.block_size
-            tail = call.prompt_token_ids[full:] + outputs
-            more = block_hashes(tail, self.block_size, parent=hashes[-1] if hashes else None)
-            kv_hashes = hashes + more
             self.context.prefix_index.insert(instance_id, call.model, more)
-        before = self.sessions.get(call.session_id)
-        record = self.sessions.end_call(
-            call.session_id, instance_id, now, kv_hashes, kv_tokens, last_call=call.last_call
-        )
-        if record is not None and before is not None and call.session_id not in self.sessions:
-            self._observe_sct(record)
-        if self.inference is not None:
-            if call.session_id in self.sessions:
-                self.inference.record_answer(call.session_id, outputs)
-            else:
-                self.inference.forget(call.session_id)
         if instance_id is not None and self.refresh_after_call:
-            self._background(self.refresh(instance_id))
+            self._polls.after_call(instance_id)
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` beside the call (kept until done; cancelled by ``close``)."""

@@ -2,6 +2,7 @@
 by its own task, under the state deadline, so a hung ``/state`` delays nobody else's; a poll
 that fails marks the instance down, one that answers healthy marks it up unless its calls
 put it in a cooldown (``router.call_health``). Stale sessions are dropped by one more task.
+An unexpected error in one round of a task is logged, and the task goes on.
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ class HealthPoller:
 
     async def _poll_forever(self, instance_id: str) -> None:
         while True:
-            await self.core.refresh(instance_id)
+            try:
+                await self.core.refresh(instance_id)
+            except Exception:  # a bug in one poll must not end every poll for good
+                log.exception("router.poll_failed", instance=instance_id)
             await asyncio.sleep(self.interval_s)
 
     async def _clean_forever(self) -> None:
         while True:
-            self.core.cleanup_sessions()
+            try:
+                self.core.cleanup_sessions()
+            except Exception:
+                log.exception("router.session_cleanup_failed")
             self.polls += 1
             await asyncio.sleep(self.interval_s)
 

@@ -7,10 +7,18 @@ the instance is unreachable; 5xx, timeouts and lines that are not a well-formed 
 it is unavailable.
 ``POST /internal/v1/calls/{id}/abort``, ``GET /internal/v1/state``, ``GET /health``. Every
 request carries ``Authorization: Bearer <key>`` when the client has the instances' key.
+
+Two connection pools per instance: a call's stream holds its connection for the call's whole
+life (queued on the instance included), so call streams, and the aborts of calls, get a pool
+without a limit (the instance's own queue and running caps bound the streams, and it answers
+429 beyond); the state poll and the health check, which decide whether the instance is up,
+get a small pool of their own, so they never wait behind streams or a burst of aborts for a
+connection and miss their deadline.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,47 +37,70 @@ from talaria.protocol import (
 
 
 class HttpInstanceClient:
-    """An :class:`~talaria.protocol.InstanceClient` over aiohttp. The ClientSession is
-    created on first use inside the running loop (or passed in, then not closed here)."""
+    """An :class:`~talaria.protocol.InstanceClient` over aiohttp. Its two ClientSessions (calls
+    and aborts; state and health) are created on first use inside the running loop."""
 
     def __init__(
         self,
         instance_id: str,
         base_url: str,
-        session: aiohttp.ClientSession | None = None,
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 10.0,
         key: str | None = None,
+        control_connections: int = 4,
+        max_event_bytes: int = 16 << 20,
     ) -> None:
+        if control_connections < 1:
+            raise ValueError(f"control_connections must be >= 1, got {control_connections}")
+        if max_event_bytes < 1024:
+            raise ValueError(f"max_event_bytes must be >= 1024, got {max_event_bytes}")
         self.instance_id = instance_id
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.base_url = base_url.rstrip("/")
-        self._session = session
-        self._owns_session = session is None
+        self._streams: aiohttp.ClientSession | None = None
+        self._control: aiohttp.ClientSession | None = None
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._control_connections = control_connections
+        self._max_event_bytes = max_event_bytes
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-            self._owns_session = True
-        return self._session
+    def _stream_http(self) -> aiohttp.ClientSession:
+        """The pool for call streams and aborts: no connection limit."""
+        if self._streams is None or self._streams.closed:
+            self._streams = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._streams
+
+    def _control_http(self) -> aiohttp.ClientSession:
+        """The pool for state and health: small, and shared with nothing else."""
+        if self._control is None or self._control.closed:
+            self._control = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._control_connections)
+            )
+        return self._control
 
     async def close(self) -> None:
-        if self._owns_session and self._session is not None and not self._session.closed:
-            await self._session.close()
+        for session in (self._streams, self._control):
+            if session is not None and not session.closed:
+                await session.close()
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         url = f"{self.base_url}/internal/v1/calls"
-        # No total timeout: a long call streams for as long as it decodes.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
+        # No total timeout: a long call streams for as long as it decodes. ``connect`` bounds
+        # getting a connection (a pool wait included), ``sock_connect`` opening one.
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self._connect_timeout_s, sock_connect=self._connect_timeout_s
+        )
         try:
-            response = await self._http().post(
+            response = await self._stream_http().post(
                 url, data=orjson.dumps(call.to_dict()),
                 headers={**self._headers, "Content-Type": "application/json"}, timeout=timeout,
             )
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
             raise InstanceUnreachable(f"{self.instance_id}: cannot reach {url}: {exc!r}") from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise InstanceUnavailable(
+                f"{self.instance_id}: no connection to {url} within {self._connect_timeout_s:g} s"
+            ) from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: no answer from {url}: {exc!r}") from exc
         async with response:
@@ -78,12 +109,18 @@ class HttpInstanceClient:
             buffer = bytearray()  # split lines by hand: an event may exceed readline's limit
             try:
                 async for chunk in response.content.iter_any():
+                    searched = len(buffer)
                     buffer += chunk
-                    while (end := buffer.find(b"\n")) >= 0:
+                    while (end := buffer.find(b"\n", searched)) >= 0:
                         line = bytes(buffer[:end]).strip()
                         del buffer[: end + 1]
+                        searched = 0
                         if line:
                             yield self._event(line)
+                    if len(buffer) > self._max_event_bytes:
+                        raise InstanceUnavailable(
+                            f"{self.instance_id}: an event longer than {self._max_event_bytes} bytes"
+                        )
                 if bytes(buffer).strip():
                     yield self._event(bytes(buffer))
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
@@ -106,8 +143,7 @@ class HttpInstanceClient:
         message = error.get("message") if isinstance(error, dict) else error
         message = str(message or response.reason or response.status)
         if response.status == 429:
-            retry = body.get("retry_after_s") or response.headers.get("Retry-After") or 1.0
-            raise Overloaded(f"{self.instance_id}: {message}", float(retry))
+            raise Overloaded(f"{self.instance_id}: {message}", _retry_after(body, response))
         if 400 <= response.status < 500:
             raise CallRejected(response.status, f"{self.instance_id}: {message}")
         raise InstanceUnavailable(f"{self.instance_id}: HTTP {response.status}: {message}")
@@ -116,7 +152,7 @@ class HttpInstanceClient:
         url = f"{self.base_url}/internal/v1/calls/{call_id}/abort"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().post(url, headers=self._headers, timeout=timeout) as response:
+            async with self._stream_http().post(url, headers=self._headers, timeout=timeout) as response:
                 await response.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: abort failed: {exc!r}") from exc
@@ -125,7 +161,7 @@ class HttpInstanceClient:
         url = f"{self.base_url}/internal/v1/state"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().get(url, headers=self._headers, timeout=timeout) as response:
+            async with self._control_http().get(url, headers=self._headers, timeout=timeout) as response:
                 if response.status != 200:
                     raise InstanceUnavailable(f"{self.instance_id}: state HTTP {response.status}")
                 data = orjson.loads(await response.read())
@@ -139,7 +175,7 @@ class HttpInstanceClient:
     async def health(self) -> bool:
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
-            async with self._http().get(
+            async with self._control_http().get(
                 f"{self.base_url}/health", headers=self._headers, timeout=timeout
             ) as response:
                 return response.status == 200
@@ -153,3 +189,23 @@ async def _json(response: aiohttp.ClientResponse) -> dict[str, Any]:
     except (orjson.JSONDecodeError, aiohttp.ClientError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _retry_after(body: dict[str, Any], response: aiohttp.ClientResponse) -> float:
+    """Seconds to wait from a 429: the body's ``retry_after_s``, else the ``Retry-After``
+    header (seconds), else 1; a value that is not a finite number >= 0 is skipped."""
+    for value in (body.get("retry_after_s"), response.headers.get("Retry-After")):
+        seconds = _seconds(value)
+        if seconds is not None:
+            return seconds
+    return 1.0
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None

@@ -7,7 +7,7 @@
   longer than ``context length x max_prompt_bytes_per_token`` bytes can fit, so none is
   tokenized just to be refused;
 - at most ``max_inflight_calls`` calls are in the router at once (tokenizing, waiting or
-  streaming): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
+  streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
 - the session table holds at most ``max_sessions`` (least recently seen idle ones go first);
 - a request body must arrive within ``body_timeout_s`` (408).
 """
@@ -66,19 +66,26 @@ def check_session_id(value: Any, max_chars: int, param: str = "session_id") -> s
         raise bad_request(str(exc), param) from None
 
 
-def prompt_bytes(messages: list[dict[str, Any]] | None, prompt: Any) -> int:
-    """UTF-8 bytes of the text a request asks to tokenize, at least (the strings of its
-    messages or its prompt; 0 for token ids): the template only adds to it."""
-    return _text_bytes(messages if messages is not None else prompt)
+def prompt_bytes(
+    messages: list[dict[str, Any]] | None, prompt: Any, tools: list[dict[str, Any]] | None = None
+) -> int:
+    """UTF-8 bytes of the text a request asks to tokenize, at least: the strings of its
+    messages or its prompt (0 for token ids), and the names and strings of the tool schemas
+    offered (both APIs' tools, as the chat template renders them); the template only adds
+    to it."""
+    return _text_bytes(messages if messages is not None else prompt) + _text_bytes(tools, keys=True)
 
 
-def _text_bytes(value: Any) -> int:
+def _text_bytes(value: Any, keys: bool = False) -> int:
+    """Bytes of the strings in ``value`` (and of its objects' keys when ``keys``: a tool
+    schema is rendered as JSON, property names included)."""
     if isinstance(value, str):
         return len(value.encode())
     if isinstance(value, dict):
-        return sum(_text_bytes(v) for v in value.values())
+        named = sum(len(str(k).encode()) for k in value) if keys else 0
+        return named + sum(_text_bytes(v, keys) for v in value.values())
     if isinstance(value, list):
-        return sum(_text_bytes(v) for v in value)
+        return sum(_text_bytes(v, keys) for v in value)
     return 0
 
 

@@ -159,9 +159,9 @@ class _Base:
         kv = state.sessions.get(owner) if state is not None else None
         if kv is not None and kv.model == call.model:
             reported = max(kv.device_tokens, kv.host_tokens)
-            if session is not None and session.block_hashes:
+            if session is not None and session.kv.blocks:
                 # The session's KV only helps as far as this prompt still extends it.
-                reported = min(reported, common_prefix_len(session.block_hashes, call.block_hashes) * call.block_size)
+                reported = min(reported, session.kv.shared_blocks(call.block_hashes) * call.block_size)
             device = max(device, min(kv.device_tokens, reported))
             host = max(0, min(kv.host_tokens, reported) - device)  # a host copy starts at token 0
         limit = max(0, call.prompt_len - 1)  # at least one token is always prefilled

@@ -22,11 +22,13 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.placement import common_prefix_len
 
 __all__ = ["SessionInference"]
+
+ANSWER_TOKENS_KEPT = 64  # of a session's latest answer: all the tie-break between sessions reads
 
 
 @dataclass
@@ -38,7 +40,8 @@ class _Anchor:
     last_hash: int | None  # hash of the prompt's last full block (None: shorter than a block)
     tail: tuple[int, ...]  # the prompt's tokens after its full blocks
     seen: int = 0  # when its latest prompt was assigned (a counter: later is larger)
-    answer: list[int] = field(default_factory=list)  # the output of its latest call
+    calls: int = 1  # prompts assigned to the session so far
+    answer: tuple[int, ...] = ()  # the first tokens of its latest call's output
 
 
 class SessionInference:
@@ -66,8 +69,13 @@ class SessionInference:
         """The session this prompt continues (a new one if none); it becomes the session's
         latest prompt. ``hashes``: ``block_hashes(prompt, block_size)``."""
         session_id = self.match(model, prompt, hashes) or f"{self.prefix}{next(self._ids)}"
-        self._set_anchor(session_id, model, prompt, hashes)
+        self._set_anchor(session_id, model, prompt, hashes, self.calls(session_id) + 1)
         return session_id
+
+    def calls(self, session_id: str) -> int:
+        """How many prompts the session has been assigned (0: unknown)."""
+        anchor = self._anchors.get(session_id)
+        return anchor.calls if anchor is not None else 0
 
     def match(self, model: str, prompt: Sequence[int], hashes: Sequence[int]) -> str | None:
         candidates: list[_Anchor] = []
@@ -81,14 +89,16 @@ class SessionInference:
                 candidates.append(self._anchors[sid])
         if not candidates:
             return None
-        best = max(candidates, key=lambda a: (common_prefix_len(prompt[a.prompt_len:], a.answer), a.seen))
+        best = max(candidates, key=lambda a: (
+            common_prefix_len(prompt[a.prompt_len:a.prompt_len + len(a.answer)], a.answer), a.seen))
         return best.session_id
 
     def record_answer(self, session_id: str, answer: Sequence[int]) -> None:
-        """The output of the session's latest call (it breaks ties between sessions)."""
+        """The output of the session's latest call (its first ``ANSWER_TOKENS_KEPT`` tokens
+        break ties between sessions)."""
         anchor = self._anchors.get(session_id)
         if anchor is not None:
-            anchor.answer = list(answer)
+            anchor.answer = tuple(answer[:ANSWER_TOKENS_KEPT])
 
     def forget(self, session_id: str) -> None:
         anchor = self._anchors.pop(session_id, None)
@@ -104,13 +114,15 @@ class SessionInference:
         start = anchor.full_blocks * self.block_size
         return len(prompt) >= anchor.prompt_len and tuple(prompt[start:anchor.prompt_len]) == anchor.tail
 
-    def _set_anchor(self, session_id: str, model: str, prompt: Sequence[int], hashes: Sequence[int]) -> None:
+    def _set_anchor(
+        self, session_id: str, model: str, prompt: Sequence[int], hashes: Sequence[int], calls: int
+    ) -> None:
         self.forget(session_id)
         full = len(prompt) // self.block_size
         if len(hashes) < full:
             raise ValueError(f"{len(hashes)} block hashes for a prompt of {full} full blocks")
         anchor = _Anchor(session_id, model, len(prompt), full, hashes[full - 1] if full else None,
-                         tuple(prompt[full * self.block_size:]), next(self._seen))
+                         tuple(prompt[full * self.block_size:]), next(self._seen), calls)
         self._anchors[session_id] = anchor
         key, index = self._key(anchor)
         index.setdefault(key, set()).add(session_id)

@@ -4,14 +4,17 @@ Times are the caller's clock (the event loop's ``loop.time()``, virtual in simul
 A session record lives while calls are in flight and ``ttl_s`` after its last finish;
 ``cleanup`` drops the stale ones (and a session whose client said ``last_call`` goes when
 that call ends). The table holds at most ``max_sessions``: a new session beyond that evicts
-the least recently seen idle one.
+the least recently seen idle one, and ``on_evict`` hears of it (its owner forgets what else
+it kept of the session).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from router.prefix_chain import ChainSample
 
 
 @dataclass
@@ -22,19 +25,11 @@ class SessionRecord:
     instance_id: str | None = None  # where its last call ran
     prompt_tokens: int = 0  # of its last call
     kv_tokens: int = 0  # prompt + output of its last finished call
-    block_hashes: list[int] = field(default_factory=list)  # of prompt + output, full blocks
+    kv: ChainSample = field(default_factory=lambda: ChainSample.of(()))  # prompt + output, sampled
     last_finish: float | None = None
     last_seen: float = 0.0
     calls: int = 0
     active_calls: int = 0
-    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    expected_gap_hint: float | None = None
-
-    def predicted_gap(self) -> float | None:
-        """The client's hint if it sent one, else the median of the observed tool gaps."""
-        if self.expected_gap_hint is not None:
-            return self.expected_gap_hint
-        return statistics.median(self.gaps) if self.gaps else None
 
 
 class SessionTable:
@@ -46,6 +41,7 @@ class SessionTable:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self.evicted = 0
+        self.on_evict: Callable[[SessionRecord], None] | None = None
         self._sessions: OrderedDict[str, SessionRecord] = OrderedDict()  # least recent first
 
     def __len__(self) -> int:
@@ -63,23 +59,19 @@ class SessionTable:
         model: str,
         now: float,
         prompt_tokens: int,
-        expected_gap_s: float | None = None,
     ) -> SessionRecord:
-        """Record a call's arrival (its gap since the previous finish) and return the
-        record as it was before this call's placement."""
+        """Record a call's arrival and return the record as it was before this call's
+        placement."""
         record = self._sessions.get(session_id)
         if record is None or record.model != model:
             if record is None:
                 self._make_room()
             record = SessionRecord(session_id=session_id, model=model, started_at=now)
             self._sessions[session_id] = record
-        elif record.last_finish is not None and record.active_calls == 0:
-            record.gaps.append(max(0.0, now - record.last_finish))
         record.calls += 1
         record.active_calls += 1
         record.prompt_tokens = prompt_tokens
         record.last_seen = now
-        record.expected_gap_hint = expected_gap_s
         self._sessions.move_to_end(session_id)
         return record
 
@@ -92,13 +84,15 @@ class SessionTable:
                 return
             del self._sessions[victim.session_id]
             self.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
 
     def end_call(
         self,
         session_id: str,
         instance_id: str | None,
         now: float,
-        kv_block_hashes: list[int],
+        kv: ChainSample,
         kv_tokens: int,
         last_call: bool = False,
     ) -> SessionRecord | None:
@@ -113,7 +107,7 @@ class SessionTable:
         self._sessions.move_to_end(session_id)
         if instance_id is not None:
             record.instance_id = instance_id
-            record.block_hashes = kv_block_hashes
+            record.kv = kv
             record.kv_tokens = kv_tokens
         if last_call and record.active_calls == 0:
             del self._sessions[session_id]

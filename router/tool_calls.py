@@ -173,7 +173,8 @@ class HermesToolParser:
 
     def __init__(self, forced_prefix: str = "") -> None:
         self._pending = ""  # content not yet released (TEXT state)
-        self._body: str | None = None  # text inside an open call (CALL state), else None
+        self._body: list[str] | None = None  # text inside an open call (CALL state), else None
+        self._body_tail = ""  # its last len(HERMES_CLOSE) - 1 characters, where a close may start
         self._space_before_call = ""  # whitespace cut before the open call
         self._after_call = False  # a call just closed: drop leading whitespace
         if forced_prefix:
@@ -181,18 +182,18 @@ class HermesToolParser:
 
     def feed(self, text: str) -> ToolOutput:
         out = ToolOutput()
+        incoming = ""  # text for the open call's body
         if self._body is not None:
-            self._body += text
+            incoming = text
         else:
             self._pending += text
         while True:
             if self._body is not None:
-                end = self._body.find(HERMES_CLOSE)
-                if end < 0:
+                closed = self._extend_body(incoming)
+                if closed is None:
                     return out
-                rest = self._body[end + len(HERMES_CLOSE):]
-                self._close_call(self._body[:end], out, closed=True)
-                self._pending = rest
+                body, self._pending = closed
+                self._close_call(body, out, closed=True)
                 continue
             if self._after_call:
                 self._pending = self._pending.lstrip()
@@ -205,7 +206,8 @@ class HermesToolParser:
                 kept = before.rstrip()
                 out.add_text(kept)
                 self._space_before_call = before[len(kept):]
-                self._body = self._pending[start + len(HERMES_OPEN):]
+                self._body, self._body_tail = [], ""
+                incoming = self._pending[start + len(HERMES_OPEN):]
                 self._pending = ""
                 continue
             hold = _held_tail(self._pending, HERMES_OPEN)
@@ -216,11 +218,26 @@ class HermesToolParser:
     def finish(self) -> ToolOutput:
         out = ToolOutput()
         if self._body is not None:
-            self._close_call(self._body, out, closed=False)
+            self._close_call("".join(self._body), out, closed=False)
         elif not (self._after_call and not self._pending.strip()):
             out.add_text(self._pending)
         self._pending = ""
         return out
+
+    def _extend_body(self, text: str) -> tuple[str, str] | None:
+        """Add ``text`` to the open call's body; (body, text after the close) once the close
+        tag has arrived, else None. Only the new text and the few characters before it are
+        searched, and the body is joined once: linear in the body's length."""
+        assert self._body is not None
+        window = self._body_tail + text
+        end = window.find(HERMES_CLOSE)
+        if end < 0:
+            self._body.append(text)
+            self._body_tail = window[-(len(HERMES_CLOSE) - 1):]
+            return None
+        before = "".join(self._body)
+        body = before[: len(before) - len(self._body_tail)] + window[:end]
+        return body, window[end + len(HERMES_CLOSE):]
 
     def _close_call(self, body: str, out: ToolOutput, closed: bool) -> None:
         call = _hermes_call(body)

@@ -188,3 +188,26 @@ class HostKVIndex:
     def _add_bytes(self, model: str, delta: int) -> None:
         self.used_bytes += delta
         self._model_bytes[model] = self._model_bytes.get(model, 0) + delta
+
+
+class ChainLookups:
+    """``HostKVIndex.lookup`` (read-only) for chains asked about again and again, such as
+    every session's at each state refresh: an answer is recomputed only when the index's
+    content changed (its ``version``) or the chain did (a chain of chained hashes is named by
+    its length and last hash). One entry per key (a session id) until ``forget``."""
+
+    def __init__(self, index: HostKVIndex) -> None:
+        self.index = index
+        self._answers: dict[str, tuple[tuple[int, str, int, int | None], int]] = {}
+
+    def lookup(self, key: str, model: str, chain: Sequence[int]) -> int:
+        tag = (self.index.version, model, len(chain), chain[-1] if chain else None)
+        known = self._answers.get(key)
+        if known is not None and known[0] == tag:
+            return known[1]
+        n = self.index.lookup(model, chain, touch=False) if chain else 0
+        self._answers[key] = (tag, n)
+        return n
+
+    def forget(self, key: str) -> None:
+        self._answers.pop(key, None)

@@ -74,6 +74,10 @@ class PolicyConfig:
     # progress stop the loop (the instance reports unhealthy and is restarted)
     max_engine_faults: int = 5
     engine_fault_backoff_s: float = 0.1  # wait after a fault, doubling while they repeat
+    # a live engine operation (a step, a switch) still running after this long has wedged
+    # the engine (a hung collective, a driver fault): the instance is unhealthy and its
+    # process exits to be restarted; 0 disables the watchdog
+    engine_op_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -91,7 +95,7 @@ class PolicyConfig:
             if not getattr(self, key) > 0:
                 raise ValueError(f"PolicyConfig.{key} must be > 0, got {getattr(self, key)!r}")
         non_negative = ("sp_horizon_s", "sp_budget_s", "sp_idle_margin_s", "default_gap_s",
-                        "engine_fault_backoff_s")
+                        "engine_fault_backoff_s", "engine_op_timeout_s")
         for key in non_negative:
             if not getattr(self, key) >= 0:
                 raise ValueError(f"PolicyConfig.{key} must be >= 0, got {getattr(self, key)!r}")

@@ -5,8 +5,9 @@ engine starts its own tensor-parallel workers (if any) and stops them when it is
 When the process is ready it writes ``ready_file`` (JSON: id, pid, url) atomically, so the
 parent learns the port it got (port 0 picks a free one). SIGINT / SIGTERM drain and stop.
 Every route of its API needs ``[router].instance_key`` (``talaria serve`` generates it). When
-the admission loop gives up (engine faults in a row) the process exits with status 1, so its
-supervisor starts a fresh one.
+the admission loop gives up (engine faults in a row) the process exits with status 1, and
+when an engine operation wedges (the instance's watchdog, ``engine_op_timeout_s``) it exits
+at once with status 1; either way its supervisor starts a fresh one.
 """
 
 from __future__ import annotations
@@ -135,9 +136,15 @@ async def _serve(
             _write_atomic(ready_file, {"id": entry.id, "pid": os.getpid(), "url": url})
         stopped = asyncio.ensure_future(stop.wait())
         loop_ended = asyncio.ensure_future(instance.wait_until_stopped())
-        await asyncio.wait({stopped, loop_ended}, return_when=asyncio.FIRST_COMPLETED)
+        hung = asyncio.ensure_future(instance.hung.wait())
+        await asyncio.wait({stopped, loop_ended, hung}, return_when=asyncio.FIRST_COMPLETED)
+        if instance.hung.is_set():
+            # The engine thread is stuck in an operation nothing can interrupt, and shutting
+            # down would wait for it: leave now, so the supervisor starts a fresh process.
+            log.error("instance.engine_wedged_exit", instance=entry.id)
+            os._exit(1)
         failed = not stop.is_set()
-        for task in (stopped, loop_ended):
+        for task in (stopped, loop_ended, hung):
             task.cancel()
         if failed:
             log.error("instance.loop_failed", instance=entry.id)

@@ -93,17 +93,31 @@ class Supervisor(Generic[S]):
             code = child.exit_code()
             if child.id in self._due:
                 if now >= self._due[child.id]:
-                    del self._due[child.id]
-                    self.children[i] = self.spawn(child.id)
-                    self._started[child.id] = now
-                    self.restarts[child.id] += 1
-                    self._announce.add(child.id)
+                    self._restart(i, child, now)
             elif code is not None and child.id not in self._gone:
                 self._schedule(child, code, now)
             elif child.id in self._announce and child.ready_file.is_file():
                 self._announce.discard(child.id)
                 print(f"INSTANCE {child.id} {child.pid} {child.url}", flush=True)
                 log.info("supervisor.instance_restarted", instance=child.id, pid=child.pid)
+
+    def _restart(self, i: int, child: S, now: float) -> None:
+        """Start the instance again; a start that fails (no file descriptors or memory left,
+        a missing interpreter) is retried after the next backoff, like a young death."""
+        del self._due[child.id]
+        try:
+            self.children[i] = self.spawn(child.id)
+        except Exception as exc:
+            self._young_deaths[child.id] += 1
+            delay = self.policy.delay(self._young_deaths[child.id])
+            self._due[child.id] = now + delay
+            log.exception("supervisor.restart_failed", instance=child.id, retry_in_s=delay)
+            print(f"talaria serve: instance {child.id} could not be started ({exc}); trying "
+                  f"again in {delay:g} s", file=sys.stderr, flush=True)
+            return
+        self._started[child.id] = now
+        self.restarts[child.id] += 1
+        self._announce.add(child.id)
 
     def _schedule(self, child: S, code: int, now: float) -> None:
         lived = now - self._started.get(child.id, now)

@@ -154,7 +154,7 @@ async def start_cluster(
     config = spec.engine_config(system)
     for iid in instance_ids(spec.servers):
         engine = SimEngine(catalog, config, clock=loop.time)
-        inst = Instance(iid, engine, system.policy)
+        inst = Instance(iid, engine, system.policy, record_splits=True)
         await inst.start()
         engines[iid] = engine
         instances[iid] = inst

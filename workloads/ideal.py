@@ -82,7 +82,7 @@ def run_ideal(
             engine = SimEngine([s.model], config, clock=loop.time)
             engine.activate(s.model)  # resident from the start
             inst = Instance(f"ideal-{s.session_id}", engine, _PLAIN,
-                            executor=EngineExecutor(engine, device=device))
+                            executor=EngineExecutor(engine, device=device), record_splits=True)
             await inst.start()
             instances[s.session_id] = inst
         try:

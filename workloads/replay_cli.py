@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sleep-efficiency", type=float, default=None,
                    help="sleep/wake copy efficiency of the host link for the vLLM/SGLang peers "
                    "(default: vLLM's measured multi-GPU 0.40-0.44; 0.85 is one GPU alone)")
+    p.add_argument("--aegaeon-fixed-s", type=float, default=None,
+                   help="Aegaeon's fixed cost per switch beyond the weight copy (default 0.15 s, "
+                   "an assumption inside the paper's 'sub-second'): its sensitivity")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--strip-session-ids", action="store_true",
                    help="replay the first policy (default talaria) with session ids sent and "
@@ -171,12 +174,13 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         run_quantum_sweep,
     )
     from workloads.sweep_report import format_sweep, regime_summary, sweep_json
-    from workloads.systems import ABLATIONS, check_fits, parse_policies
+    from workloads.systems import ABLATIONS, PLACEMENT_ROW, check_fits, parse_policies
     from workloads.tuning import (
         TUNE_COMMAND,
         TUNED_PATH,
         apply_settings,
-        ideal_choice,
+        best_ideal,
+        ideal_candidates,
         load_settings,
         save_settings,
         setup_key,
@@ -185,11 +189,18 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
 
     wall = time.perf_counter()
     systems = parse_policies(args.policies)
+    if args.policies is None and args.servers == 1:
+        # One server is one instance: placement has nothing to choose, so this row would
+        # equal talaria by construction. It is in the table at --servers > 1.
+        systems = [s for s in systems if s.name != PLACEMENT_ROW]
     if args.no_staging:
         systems = [s.without_staging() for s in systems]
     if args.sleep_efficiency is not None:
         systems = [replace(s, sleep_wake_efficiency=args.sleep_efficiency)
                    if s.switch == "sleep_wake" else s for s in systems]
+    if args.aegaeon_fixed_s is not None:
+        systems = [replace(s, scale_up_fixed_s=args.aegaeon_fixed_s)
+                   if s.switch == "scale_up" else s for s in systems]
     spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
                        block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
     for s in systems:
@@ -229,16 +240,18 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
                   f"each policy's own, ideal untuned (no tuned settings for this trace and "
                   f"cluster in {settings_path}; {TUNE_COMMAND} makes them)")
     systems = apply_settings(systems, tuned.settings if tuned else {})
-    ideals = ideal_choice(tuned)
+    candidates, family = ideal_candidates(tuned)
     jobs = [Job(s.name, tuple(sessions), s, spec, args.seed) for s in systems]
     jobs.append(Job("__lower_bound__", tuple(sessions), None, spec, args.seed))
-    for schedule in dict.fromkeys(ideals.values()):
+    for schedule in candidates:
         jobs.append(Job(("__ideal__", schedule), tuple(sessions), None, spec, args.seed,
                         ideal=schedule))
     done = run_many(jobs, args.workers, progress)
     lower = done.pop("__lower_bound__")
+    ideals = best_ideal({s: done[("__ideal__", s)] for s in candidates})
     ideal = {key: done[("__ideal__", s)] for key, s in ideals.items()}
-    ideal_setting = {key: {"schedule": s.name} for key, s in ideals.items()}
+    ideal_setting: dict[str, Any] = {key: {"schedule": s.name} for key, s in ideals.items()}
+    ideal_setting["family"] = family
     results = [done[s.name] for s in systems]
     extra: dict[str, Any] = {}
     best: dict[str, Any] = {}
@@ -259,6 +272,7 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
              "models": catalog, "block_size": args.block_size,
              "fused_decode_steps": args.fused_steps, "seed": args.seed,
              "no_staging": args.no_staging, "sleep_efficiency": args.sleep_efficiency,
+             "aegaeon_fixed_s": args.aegaeon_fixed_s,
              "settings": source}
     bench = benchmark(results, lower, best, setup, ideal=ideal,
                       settings={**{s.name: s.setting for s in systems}, "ideal": ideal_setting})

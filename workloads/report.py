@@ -274,12 +274,34 @@ def format_table(bench: Benchmark) -> str:
         notes.append(f"bq: vs the baseline at its best slot quantum ({q50:g} s for p50, "
                      f"{q95:g} s for p95)")
     if bench.ideal is not None:
+        family = (bench.ideal.setting or {}).get("family")
+        of = f" of {family}" if family else ""
         notes.append("ideal: every model resident, free switches and KV, GPU steps "
-                     "time-shared between models, perfect batching within each; the best of "
-                     "its schedules per percentile (setting: the one bounding p50|p95)")
+                     "time-shared between models, perfect batching within each; the best "
+                     f"of its schedules{of} per percentile (setting: the one bounding "
+                     "p50|p95): an estimate of the capacity bound from a finite family of "
+                     "schedules, not a proof")
     if bench.lower_bound is not None:
         notes.append("isolated: each session alone, its model resident, no contention")
+    below = below_bounds(bench)
+    if below:
+        notes.append("!! below a bound (the bound is then not one; see workloads/ideal.py): "
+                     + "; ".join(below))
     return "\n".join(_layout(rows) + [""] + notes)
+
+
+def below_bounds(bench: Benchmark) -> list[str]:
+    """Rows whose p50 or p95 beats ``ideal`` or ``isolated`` (more than rounding)."""
+    out = []
+    for st in bench.policies.values():
+        for bound in (bench.ideal, bench.lower_bound):
+            if bound is None:
+                continue
+            for q, mine, theirs in (("p50", st.sct_p50_s, bound.sct_p50_s),
+                                    ("p95", st.sct_p95_s, bound.sct_p95_s)):
+                if mine < theirs * (1 - 1e-6):
+                    out.append(f"{st.name} {q} {mine:.1f} < {bound.name} {theirs:.1f}")
+    return out
 
 
 _PART_HEADS = {"own": "own", "queue": "queue", "slot_wait": "slot", "switch": "switch",

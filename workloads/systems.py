@@ -32,8 +32,9 @@ plane.
     promotion; locality-aware routing.
   - ``aegaeon``: token-level preemptive multi-model scheduling: short slots (its quota is at
     most Q_MAX = 4 s) that preempt the calls in flight, their KV swapped to host and back;
-    scale-ups at the link floor plus a small fixed cost, the next model prefetched into
-    spare device memory; finished sessions' KV is not kept across a switch.
+    scale-ups at the link floor plus a small fixed cost; finished sessions' KV is not kept
+    across a switch. Its optional prefetch of the next model is off: on this server the
+    memory it needs comes out of KV, and it measured worse with it (see the row).
 
 The bounds are not systems: ``workloads.lower_bound`` (``isolated``) and ``workloads.ideal``.
 
@@ -51,6 +52,7 @@ from engine.sim.engine import SimEngineConfig
 from talaria.config import LADDER, LEAVE_ONE_OUT, PolicyConfig, Rung, preset
 
 __all__ = [
+    "PLACEMENT_ROW",
     "SystemConfig",
     "SYSTEMS",
     "ABLATIONS",
@@ -84,6 +86,7 @@ class SystemConfig:
     switch: str = "copy"  # engine.sim.switching kind
     kv_tier: str = "offload"  # engine.sim.kv_tier: how the host KV store fills and restores
     sleep_wake_efficiency: float | None = None  # None: vLLM's measured multi-GPU efficiency
+    scale_up_fixed_s: float | None = None  # None: engine.sim.switching.AEGAEON_FIXED_S
     grid: str = "round"  # the settings the tuner may give it (GRIDS)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,8 @@ class SystemConfig:
             host_kv_bytes=None if self.host_kv else 0, switch=self.switch,
             kv_tier=self.kv_tier, sleep_wake_efficiency=self.sleep_wake_efficiency,
         )
+        if self.scale_up_fixed_s is not None:
+            fields["scale_up_fixed_s"] = self.scale_up_fixed_s
         fields.update(overrides)
         return SimEngineConfig(**fields)
 
@@ -166,13 +171,16 @@ def _ladder() -> dict[str, SystemConfig]:
 ABLATIONS: dict[str, SystemConfig] = _ladder()
 
 
+PLACEMENT_ROW = "-placement"  # placement matters only with several instances
+
+
 def _leave_one_out() -> dict[str, SystemConfig]:
     out = {
         name: _talaria_row(name, preset(name), f"talaria without {mechanism}")
         for name, mechanism in LEAVE_ONE_OUT
         if preset(name).with_(name="+host_kv") != ABLATIONS["+host_kv"].policy
     }
-    out["-placement"] = _talaria_row("-placement", preset("talaria").with_(name="-placement"),
+    out[PLACEMENT_ROW] = _talaria_row(PLACEMENT_ROW, preset("talaria").with_(name=PLACEMENT_ROW),
                                      "talaria with load-only routing", placement="load")
     return out
 
@@ -207,10 +215,14 @@ PEERS: dict[str, SystemConfig] = {
         _peer("autellix", "vllm_sleep + Autellix PLAS (least attained service first, "
               "anti-starvation); locality-aware routing", "cache_aware",
               {"queue_order": "las", "model_order": "las"}, **_SLEEP),
+        # Without its optional prefetch of the next model: prefetch needs spare device memory
+        # the size of a shard (58.8 GB per GPU for Qwen3-235B here), which this server can
+        # only take from KV; measured on the default trace at its 4 s quota, with prefetch
+        # 1266/2124 s p50/p95, without 1058/1869 s, so its best setting leaves it off.
         _peer("aegaeon", "token-level preemptive multi-model scheduling: short slots, KV of "
-              "calls in flight swapped to host, link-floor scale-ups with prefetch", "load",
-              {"preempt": True, "d2d_staging": True, "slot_close": "quantum",
-               "slot_quantum_s": 4.0}, staging=True, switch="scale_up", grid="preempt"),
+              "calls in flight swapped to host, link-floor scale-ups", "load",
+              {"preempt": True, "slot_close": "quantum", "slot_quantum_s": 4.0},
+              switch="scale_up", grid="preempt"),
     )
 }
 

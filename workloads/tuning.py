@@ -36,7 +36,7 @@ from workloads.systems import PREEMPT_QUANTA, ROUND_QUANTA, SystemConfig
 from workloads.trace import Session
 
 __all__ = ["GRIDS", "TUNE_COMMAND", "TUNED_PATH", "Tuned", "apply_settings", "grid",
-           "ideal_choice", "load_settings", "save_settings", "setup_key", "tune"]
+           "best_ideal", "ideal_candidates", "load_settings", "save_settings", "setup_key", "tune"]
 
 TUNED_PATH = Path(__file__).parent / "data" / "tuned_settings.json"
 TUNE_COMMAND = "make replay ARGS=--tune"
@@ -117,13 +117,28 @@ def _percentiles(scts: Sequence[float]) -> dict[str, float]:
     return {"sct_p50_s": percentile(scts, 50), "sct_p95_s": percentile(scts, 95)}
 
 
-def ideal_choice(tuned: Tuned | None) -> dict[str, DeviceSchedule]:
-    """The ideal schedules to run, by the percentile they bound ("p50", "p95"): the tuned
-    best of each (one schedule when both agree), or taking turns when nothing is tuned."""
+# Run when nothing is tuned for a trace: the step-level orders and short preemptive slots
+# (the members that bound the default trace's p50 and p95), not one schedule alone.
+UNTUNED_IDEAL: tuple[DeviceSchedule, ...] = (
+    DeviceSchedule("fair"), DeviceSchedule("las"), DeviceSchedule("mas"),
+    DeviceSchedule("slots", "drained", 5.0, True), DeviceSchedule("slots", "drained", 30.0, True),
+)
+
+
+def ideal_candidates(tuned: Tuned | None) -> tuple[list[DeviceSchedule], int]:
+    """The ideal schedules to run now, and the size of the family they were chosen from:
+    the tuned best for p50 and for p95 (one when both agree) out of the whole family, or,
+    untuned, ``UNTUNED_IDEAL``. ``best_ideal`` then takes the best run per percentile."""
     if tuned is None or not tuned.ideal:
-        return {"p50": DeviceSchedule(), "p95": DeviceSchedule()}
-    return {key: DeviceSchedule.from_dict(choice["schedule"])
-            for key, choice in tuned.ideal.items()}
+        return list(UNTUNED_IDEAL), len(UNTUNED_IDEAL)
+    chosen = [DeviceSchedule.from_dict(c["schedule"]) for c in tuned.ideal.values()]
+    return list(dict.fromkeys(chosen)), len(ideal_schedules())
+
+
+def best_ideal(runs: dict[DeviceSchedule, ReplayResult]) -> dict[str, DeviceSchedule]:
+    """Of the ideal runs, the schedule with the lowest p50 and the one with the lowest p95."""
+    return {key: min(runs, key=lambda s: (percentile(_scts(runs[s]), q), s.name))
+            for key, q in (("p50", 50.0), ("p95", 95.0))}
 
 
 def save_settings(tuned: Tuned, key: str, path: Path = TUNED_PATH) -> None:

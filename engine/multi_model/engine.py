@@ -16,6 +16,7 @@ stage / offload / restore on every rank in order, and each model's core drives a
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,9 +41,12 @@ from engine.multi_model.rank import RankModels
 from engine.multi_model.rates import ModelRateMeter
 from engine.multi_model.tp import RankBuild, TensorParallelRankModels
 from engine.served_models import ServedModels, ServesModels
+from substrate.host_kv_index import ChainLookups
 from substrate.moves import MoveKind, MoveRecord
 
 log = structlog.get_logger(__name__)
+
+RESTORE_REPORTS_KEPT = 4096
 
 
 class MultiModelEngine(ServesModels):
@@ -91,13 +95,19 @@ class MultiModelEngine(ServesModels):
         )
         self._sessions: dict[str, dict[str, list[int]]] = {name: {} for name in self.catalog}
         self._session_model: dict[str, str] = {}
+        self._host_chains = ChainLookups(self.rank.host_kv_index())
         self._meters = {
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
         }
-        self._restores: list[MoveReport] = []
+        # The latest restores, for a benchmark to take; bounded, as nobody takes them live.
+        self._restores: deque[MoveReport] = deque(maxlen=RESTORE_REPORTS_KEPT)
         self._carried: list[TokenEvent] = []  # switched-out cores' undelivered events
 
     # ------------------------------------------------------------------ catalog
+
+    def kv_bytes_per_token(self, model: str) -> float:
+        self._check_model(model)
+        return float(self.catalog[model].kv_bytes_per_token)
 
     def residency(self) -> dict[str, Residency]:
         self._poll_staging()
@@ -197,8 +207,10 @@ class MultiModelEngine(ServesModels):
         return bool(self._carried) or any(core.has_unfinished() for core in self.cores.values())
 
     def take_restore_reports(self) -> list[MoveReport]:
-        """KV restores (kind "kv_restore") performed inside steps since the last call."""
-        out, self._restores = self._restores, []
+        """KV restores (kind "kv_restore") performed inside steps since the last call (at
+        most the latest ``RESTORE_REPORTS_KEPT``)."""
+        out = list(self._restores)
+        self._restores.clear()
         return out
 
     # --------------------------------------------------------------- session KV
@@ -213,6 +225,7 @@ class MultiModelEngine(ServesModels):
 
     def forget_session(self, session_id: str) -> None:
         model = self._session_model.pop(session_id, None)
+        self._host_chains.forget(session_id)
         if model is not None:
             self._sessions[model].pop(session_id, None)
             self.cores[model].kv.forget_session(session_id)
@@ -230,8 +243,7 @@ class MultiModelEngine(ServesModels):
         else:
             device = 0
             chain = self._sessions[model].get(session_id, [])
-        host = self.rank.host_kv_lookup(model, chain) * bs if chain else 0
-        return device, host
+        return device, self._host_chains.lookup(session_id, model, chain) * bs
 
     # -------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
@@ -304,6 +316,7 @@ class MultiModelEngine(ServesModels):
                 sessions[sid] = chain
             else:
                 del sessions[sid]
+                self._host_chains.forget(sid)
                 if self._session_model.get(sid) == model:
                     del self._session_model[sid]
 

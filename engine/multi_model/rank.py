@@ -20,6 +20,7 @@ from engine.attention.selector import get_attention_backend
 from engine.model_runner import ModelRunner
 from engine.multi_model.catalog import CatalogEntry, build_meta_model, checkpoint_fill
 from engine.parallel_context import SINGLE, ParallelContext
+from substrate.host_kv_index import HostKVIndex
 from substrate.instance_memory import InstanceMemory, KVSpec
 from substrate.layout import align_up
 from substrate.ledger import Placement, StagingState
@@ -122,6 +123,10 @@ class RankModels:
         return self.memory.host_kv.lookup(name, block_hashes, touch=touch)
 
     # ------------------------------------------------------------------ queries
+    def host_kv_index(self) -> HostKVIndex:
+        """This rank's host KV index (every rank's holds the same blocks)."""
+        return self.memory.host_kv.index
+
     def host_kv_usage(self) -> tuple[int, int]:
         """(bytes used, capacity) of the host KV store."""
         return self.memory.host_kv.used_bytes, self.memory.host_kv.capacity_bytes

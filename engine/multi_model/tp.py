@@ -32,6 +32,7 @@ from engine.parallel.sharding import check_shardable
 from engine.parallel.tp_runner import TensorParallelRunner
 from engine.parallel.worker import RankContext, call_state_method
 from engine.parallel_context import ParallelContext
+from substrate.host_kv_index import HostKVIndex
 from substrate.ledger import Placement
 from substrate.moves import MoveRecord, PlannedMove
 
@@ -189,6 +190,10 @@ class TensorParallelRankModels:
     def restore_kv(self, name: str, block_hashes: list[int], block_ids: list[int]) -> MoveRecord:
         record = combine_records(self._all("restore_kv", name, block_hashes, block_ids))
         return _required(record, "restore_kv")
+
+    def host_kv_index(self) -> HostKVIndex:
+        """Rank 0's host KV index (every rank's holds the same blocks)."""
+        return self.local.host_kv_index()
 
     def host_kv_lookup(self, name: str, block_hashes: list[int], touch: bool = False) -> int:
         """Read-only lookups answer from rank 0; a touching one runs on every rank (it

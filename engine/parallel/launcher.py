@@ -17,6 +17,7 @@ a shutdown command, then terminate, then kill; no process is left behind.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import pickle
 import threading
@@ -66,8 +67,13 @@ class WorkerGroup:
         self.address = address
         self.port = port
         self._store = store
+        self._keys = itertools.count()
         self._error: RuntimeError | None = None
         self._finalizer = weakref.finalize(self, _stop_workers, list(procs), list(conns))
+
+    def new_key(self, prefix: str = "model") -> str:
+        """A runner key not used before on this group (every rank holds runners by key)."""
+        return f"{prefix}-{next(self._keys)}"
 
     # ------------------------------------------------------------------ start
     @classmethod

@@ -9,7 +9,6 @@ blocks, its own KV heads).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ from engine.parallel.launcher import WorkerGroup
 from engine.parallel.sharding import check_shardable
 from engine.parallel.worker import drop_runner, load_runner
 from engine.scheduler import SchedulerOutput
-
-_keys = itertools.count()
 
 
 class TensorParallelRunner:
@@ -51,7 +48,7 @@ class TensorParallelRunner:
         """Load ``config.model`` on every rank of ``group`` (each its own slice)."""
         hf_config = _hf_config(config.model)
         check_shardable(hf_config, group.world_size)
-        key = key if key is not None else f"model-{next(_keys)}"
+        key = key if key is not None else group.new_key()
         group.run_on_all_ranks(
             load_runner, key, replace(config), local_kwargs={"kv_cache": kv_cache}
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sim.kv_tier import kv_tier
-from engine.sim.switching import SWITCH_KINDS, SleepWakeRates
+from engine.sim.switching import AEGAEON_FIXED_S, SWITCH_KINDS, SleepWakeRates
 from substrate.devices import server_preset
 
 # Share of the server's host memory the host stores may use (the rest: OS, the engine
@@ -37,7 +37,8 @@ class SimEngineConfig:
     ``switch``: how a switch is priced (``engine.sim.switching``): ``copy`` (the substrate's
     H2D or D2D copy), ``sleep_wake`` (vLLM sleep mode / SGLang memory release: sleep the
     outgoing model, wake the incoming one; ``sleep_wake_efficiency`` None is the measured
-    multi-GPU efficiency), ``scale_up`` (Aegaeon). ``stable_substrate`` False is the memory
+    multi-GPU efficiency), ``scale_up`` (Aegaeon: the copy plus ``scale_up_fixed_s``, an
+    assumption inside the paper's "sub-second"). ``stable_substrate`` False is the memory
     of one plain engine per model: a model's KV region is what its own weights leave.
 
     ``kv_tokens``: the KV capacity every model gets, in tokens, instead of what the memory
@@ -56,6 +57,7 @@ class SimEngineConfig:
     enable_prefix_caching: bool = True
     switch: str = "copy"
     sleep_wake_efficiency: float | None = None
+    scale_up_fixed_s: float = AEGAEON_FIXED_S
     kv_tier: str = "offload"
     kv_tokens: int | None = None
 
@@ -74,6 +76,8 @@ class SimEngineConfig:
             raise ValueError(f"a {self.switch!r} switch copies into fixed addresses: it needs "
                              "the stable substrate (or switch='sleep_wake')")
         SleepWakeRates(efficiency=self.sleep_wake_efficiency)
+        if not self.scale_up_fixed_s >= 0:
+            raise ValueError(f"scale_up_fixed_s must be >= 0, got {self.scale_up_fixed_s}")
         kv_tier(self.kv_tier)
         if self.kv_tokens is not None and self.kv_tokens < self.block_size:
             raise ValueError(f"kv_tokens must hold at least one block, got {self.kv_tokens}")

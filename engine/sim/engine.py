@@ -103,6 +103,9 @@ class SimEngine(ServesModels):
     def cost_model(self, model: str) -> CostModel:
         return self.costs[self._check_model(model)]
 
+    def kv_bytes_per_token(self, model: str) -> float:
+        return float(self.cost_model(model).kv_bytes_per_token_per_gpu())
+
     def kv_capacity_blocks(self, model: str) -> int:
         """Device KV blocks ``model`` gets while active."""
         return self.memory.num_blocks[self._check_model(model)]

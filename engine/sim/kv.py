@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from substrate.host_kv_index import HostKVIndex
+from substrate.host_kv_index import ChainLookups, HostKVIndex
 
 __all__ = ["HostKVSecondary", "SessionRecord", "SimSessions"]
 
@@ -57,9 +57,7 @@ class SimSessions:
         self.host_kv = host_kv
         self.block_size = block_size
         self.records: dict[str, SessionRecord] = {}
-        # session -> (host index version, its record, host tokens): lookups walk a whole
-        # chain, and the admission loop asks for every session every refresh
-        self._host_tokens: dict[str, tuple[int, SessionRecord, int]] = {}
+        self._host = ChainLookups(host_kv)  # the loop asks for every session every refresh
 
     def remember(self, model: str, req: Request, kv: KVCacheManager) -> None:
         """``req`` (of ``model``) finished: its chain is the session's prefix now."""
@@ -120,13 +118,8 @@ class SimSessions:
         device = 0
         if sess.model == active and kv is not None:
             device = len(kv.session_block_ids(session_id)) * bs
-        cached = self._host_tokens.get(session_id)
-        if cached is not None and cached[0] == self.host_kv.version and cached[1] is sess:
-            return (device, cached[2])
-        host = self.host_kv.lookup(sess.model, sess.block_hashes, touch=False) * bs
-        self._host_tokens[session_id] = (self.host_kv.version, sess, host)
-        return (device, host)
+        return (device, self._host.lookup(session_id, sess.model, sess.block_hashes) * bs)
 
     def forget(self, session_id: str) -> None:
         self.records.pop(session_id, None)
-        self._host_tokens.pop(session_id, None)
+        self._host.forget(session_id)

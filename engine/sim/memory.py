@@ -78,6 +78,7 @@ class SimMemory:
             self.config.switch, self.costs[model],
             self.costs[outgoing] if outgoing is not None else None,
             staged=staged, sleep_wake=self.sleep_wake,
+            scale_up_fixed_s=self.config.scale_up_fixed_s,
         )
 
     def activate(self, model: str) -> MoveRecord:

@@ -84,13 +84,15 @@ def switch_seconds(
     *,
     staged: bool,
     sleep_wake: SleepWakeRates,
+    scale_up_fixed_s: float = AEGAEON_FIXED_S,
 ) -> float:
-    """Seconds to make ``incoming`` active after ``outgoing`` (None: nothing was active)."""
+    """Seconds to make ``incoming`` active after ``outgoing`` (None: nothing was active);
+    ``scale_up_fixed_s``: Aegaeon's cost beyond the weight copy (``AEGAEON_FIXED_S``)."""
     if kind == "copy":
         return incoming.switch_seconds_staged() if staged else incoming.switch_seconds_host()
     if kind == "scale_up":
         copy = incoming.switch_seconds_staged() if staged else incoming.switch_seconds_host()
-        return copy + AEGAEON_FIXED_S
+        return copy + scale_up_fixed_s
     if kind == "sleep_wake":
         sleep = sleep_wake.sleep_seconds(outgoing) if outgoing is not None else 0.0
         return sleep + sleep_wake.wake_seconds(incoming)

@@ -1,10 +1,10 @@
 """TP=N against TP=1 step times on this machine, with the time spent in collectives.
 
 ``bench_tp`` runs the same batch (prefill, then decode steps) at TP=1 and TP=N and times
-each step. For the TP=N run it wraps ``ParallelContext.all_reduce`` / ``all_gather_last_dim``
-with timers on every rank (patched in for the run, removed after), so the per-layer cost of
-the collectives is visible: on rank 0 a collective's time includes waiting for the slowest
-rank. Print-free: the caller formats the dict.
+each step. For the TP=N run it turns on every rank's collective timer
+(``ParallelContext.timer``) for the run, so the per-layer cost of the collectives is visible:
+on rank 0 a collective's time includes waiting for the slowest rank. Print-free: the caller
+formats the dict.
 """
 
 from __future__ import annotations
@@ -19,52 +19,23 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.interface import EngineRequest
 from engine.parallel.worker import RankContext
-from engine.parallel_context import ParallelContext
 from engine.sampling_params import SamplingParams
 
-_TIMES: dict[str, list[float]] = {}
-_ORIGINAL: dict[str, Any] = {}
-_TIMED = ("all_reduce", "all_gather_last_dim")
 
-
-def install_collective_timers(ctx: RankContext) -> None:
-    """Wrap this process's ParallelContext collectives with timers (an op for every rank)."""
-    for name in _TIMED:
-        if name in _ORIGINAL:
-            continue
-        original = getattr(ParallelContext, name)
-        _ORIGINAL[name] = original
-        _TIMES[name] = [0.0, 0.0]
-
-        def timed(self: ParallelContext, tensor: torch.Tensor, _f: Any = original, _n: str = name):
-            if self.world_size == 1:
-                return _f(self, tensor)
-            start = time.perf_counter()
-            out = _f(self, tensor)
-            if tensor.device.type == "cuda":
-                torch.cuda.synchronize(tensor.device)
-            acc = _TIMES[_n]
-            acc[0] += 1
-            acc[1] += time.perf_counter() - start
-            return out
-
-        setattr(ParallelContext, name, timed)
+def start_collective_timers(ctx: RankContext) -> None:
+    """Time this rank's collectives from now on (``ParallelContext.timer``)."""
+    ctx.parallel.timer.enabled = True
+    ctx.parallel.timer.read(reset=True)
 
 
 def read_collective_timers(ctx: RankContext, reset: bool = False) -> dict[str, list[float]]:
-    """{collective: [calls, seconds]} since install (or the last reset)."""
-    out = {k: list(v) for k, v in _TIMES.items()}
-    if reset:
-        for v in _TIMES.values():
-            v[0] = v[1] = 0.0
-    return out
+    """{collective: [calls, seconds]} since they were started (or the last reset)."""
+    return ctx.parallel.timer.read(reset)
 
 
-def remove_collective_timers(ctx: RankContext) -> None:
-    for name, original in _ORIGINAL.items():
-        setattr(ParallelContext, name, original)
-    _ORIGINAL.clear()
-    _TIMES.clear()
+def stop_collective_timers(ctx: RankContext) -> None:
+    ctx.parallel.timer.enabled = False
+    ctx.parallel.timer.read(reset=True)
 
 
 def set_num_threads(ctx: RankContext, n: int) -> None:
@@ -96,7 +67,7 @@ def _run(
     try:
         if group is not None:
             group.run_on_all_ranks(set_num_threads, per_rank)
-            group.run_on_all_ranks(install_collective_timers)
+            group.run_on_all_ranks(start_collective_timers)
         params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
         vocab = core.vocab_size
@@ -120,7 +91,7 @@ def _run(
         num_layers = int(core.runner.hf_config.num_hidden_layers)
     finally:
         if group is not None and group.is_alive:
-            group.run_on_all_ranks(remove_collective_timers)
+            group.run_on_all_ranks(stop_collective_timers)
         core.shutdown()
         torch.set_num_threads(saved)
     return {

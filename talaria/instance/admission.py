@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+import structlog
+
 from engine.interface import EngineStats, MultiModelEngineProtocol, Residency
 from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, CallHandle, PendingCall
@@ -32,6 +34,8 @@ from talaria.protocol import (
     Overloaded,
 )
 
+log = structlog.get_logger("talaria.instance")
+
 __all__ = ["Instance"]
 
 
@@ -49,7 +53,10 @@ class Instance:
         policy: PolicyConfig | None = None,
         *,
         executor: EngineExecutor | None = None,
+        record_splits: bool = False,
     ) -> None:
+        """``record_splits``: keep each finished call's time split (``loop.split.done``) for
+        a benchmark to read; off live, where nothing per finished call is kept."""
         self.instance_id = instance_id
         self.policy = policy or PolicyConfig()
         if self.policy.preempt and not callable(getattr(engine, "suspend", None)):
@@ -59,7 +66,11 @@ class Instance:
         self.executor = executor or EngineExecutor(engine)
         self.models = list(engine.model_names)
         self.rounds = RoundScheduler(self.models)
-        self.rates = RateBook(self.models, self.policy.rate_ewma_alpha)
+        self.rates = RateBook(
+            self.models,
+            self.policy.rate_ewma_alpha,
+            {m: engine.kv_bytes_per_token(m) for m in self.models},
+        )
         self.executor.on_report.append(self.rates.observe)
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {
@@ -80,9 +91,11 @@ class Instance:
         self.est = Estimator(self, self.calls, self.sessions, self.rates)
         self.loop = AdmissionLoop(
             instance_id, self, self.policy, self.executor, self.calls, self.sessions,
-            self.est, self.rates, self.counters, engine.active_model,
+            self.est, self.rates, self.counters, engine.active_model, record_splits,
         )
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.hung = asyncio.Event()  # set by the watchdog: a live engine op has wedged
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
 
@@ -136,11 +149,31 @@ class Instance:
         self._task = self._event_loop.create_task(
             self.loop.run(), name=f"admission-{self.instance_id}"
         )
+        if not self.engine.simulated and self.policy.engine_op_timeout_s > 0:
+            self._watchdog = self._event_loop.create_task(
+                self._watch(self.policy.engine_op_timeout_s), name=f"watchdog-{self.instance_id}"
+            )
+
+    async def _watch(self, timeout_s: float) -> None:
+        """Mark the instance unhealthy (and set ``hung``) once one engine operation has run
+        for ``timeout_s``: the engine thread cannot be interrupted, so the process must go
+        (``talaria.instance_main`` exits and its supervisor restarts it)."""
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            since = self.executor.busy_since
+            if since is not None and self.now() - since > timeout_s:
+                log.error("engine_wedged", instance=self.instance_id, op=self.executor.busy,
+                          seconds=self.now() - since)
+                self.loop.healthy = False
+                self.hung.set()
+                return
 
     async def stop(self, drain: bool = True) -> None:
         """Stop taking calls; with ``drain`` serve what is queued and running first,
         otherwise abort it. Live reservations are released."""
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if not drain:
             for pending in self.calls:
                 self.abort(pending.call.call_id)
@@ -164,7 +197,7 @@ class Instance:
 
         Raises ValueError for a malformed call, Overloaded when ``max_queue_calls`` calls are
         already queued, InstanceUnavailable when the instance is stopping or failed."""
-        if self._closing or not self.healthy or self._task is None:
+        if self._closing or not self.healthy or self._task is None or self._task.done():
             raise InstanceUnavailable(f"instance {self.instance_id!r} is not accepting calls")
         if call.model not in self.calls.queues:
             raise ValueError(

@@ -141,5 +141,5 @@ class Estimator:
         hist = self.sessions.gaps.get(session_id)
         tokens = hist.last_tokens if hist is not None else 0
         if self.view.policy.host_kv:
-            return self.rates.restore_s(tokens)
+            return self.rates.restore_s(model, tokens)
         return self.rates.models[model].prefill_s(tokens)

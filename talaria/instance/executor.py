@@ -66,6 +66,7 @@ class EngineExecutor:
         self.on_device_wait: list[Callable[[bool], None]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._busy: str | None = None
+        self.busy_since: float | None = None  # loop time the operation in flight started
         self.on_report: list[Callable[[str, StepResult | MoveReport, str | None], None]] = []
 
     # timed operations -------------------------------------------------------------------
@@ -164,10 +165,26 @@ class EngineExecutor:
     # internals --------------------------------------------------------------------------
 
     async def _timed(self, name: str, op: Callable[[], T], seconds: Callable[[T], float]) -> T:
+        """Run ``op``: live on the engine thread, which stays busy until ``op`` returns even
+        if the awaiting task is cancelled meanwhile (nothing else may touch the engine until
+        then); in simulation, then sleep the seconds it reports on the loop's clock."""
         self._check_idle(name)
+        loop = asyncio.get_running_loop()
         self._busy = name
+        self.busy_since = loop.time()
+        if not self.simulated:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="engine", initializer=self._thread_init
+                )
+            job = self._pool.submit(op)
+            # Registered before wrap_future's own callback, so the engine is idle again
+            # before the awaiting task resumes; if that task is cancelled, only when the
+            # thread is really done.
+            job.add_done_callback(lambda _job: loop.call_soon_threadsafe(self._idle))
+            return await asyncio.wrap_future(job, loop=loop)
         try:
-            if self.simulated and self.device is not None:
+            if self.device is not None:
                 for callback in self.on_device_wait:
                     callback(True)
                 model = self.engine.active_model or ""
@@ -179,18 +196,16 @@ class EngineExecutor:
                     await asyncio.sleep(max(0.0, seconds(result)))
                 finally:
                     self.device.release(model)
-            elif self.simulated:
+            else:
                 result = op()
                 await asyncio.sleep(max(0.0, seconds(result)))
-            else:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix="engine", initializer=self._thread_init
-                    )
-                result = await asyncio.get_running_loop().run_in_executor(self._pool, op)
         finally:
-            self._busy = None
+            self._idle()
         return result
+
+    def _idle(self) -> None:
+        self._busy = None
+        self.busy_since = None
 
     def _check_idle(self, name: str) -> None:
         if self._busy is not None:

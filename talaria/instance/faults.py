@@ -77,9 +77,13 @@ class EngineFaults:
         if backoff is None:
             log.error("admission_loop_gave_up", instance=self.instance_id,
                       faults=self.budget.consecutive)
-            for pending in self.calls:
-                self.finish(pending, "error", None, error=f"the instance failed: {error}")
+            self.fail_all(f"the instance failed: {error}")
         return backoff
+
+    def fail_all(self, error: str) -> None:
+        """End every call the instance still has (the loop is ending)."""
+        for pending in self.calls:
+            self.finish(pending, "error", None, error=error)
 
     def drop(self, call_id: str) -> None:
         """Take a call out of the engine (a failure to is logged: the engine is suspect)."""

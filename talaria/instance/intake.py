@@ -13,6 +13,7 @@ runs on its own.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import structlog
@@ -32,7 +33,15 @@ from talaria.policies.view import InstanceView
 
 log = structlog.get_logger("talaria.admission")
 
-__all__ = ["Intake"]
+__all__ = ["Intake", "Room"]
+
+
+class Room(enum.Enum):
+    """Whether a queued call fits the admission budget now."""
+
+    FITS = "fits"
+    WAIT = "wait"  # not now: running calls or pinned reservations hold the room
+    FAILED = "failed"  # never: it is larger than the KV region, and has been failed
 
 
 class Intake:
@@ -55,6 +64,8 @@ class Intake:
     async def _admit_queue(self, model: str) -> None:
         """Admit queued calls of ``model`` in the policy's order while the budget allows."""
         queue = self.calls.queues[model]
+        if len(self.calls.running) >= self.policy.max_running_calls:
+            return  # nothing can be admitted now: no need to order the queue
         if self.policy.queue_order != "fifo" and len(queue) > 1:
             ordered = order_queue(self.policy.queue_order, list(queue), self._service,
                                   self.policy.las_starvation_ratio)
@@ -62,7 +73,10 @@ class Intake:
             queue.extend(ordered)
         while queue:
             pending = queue[0]
-            if not await self._make_room(pending):
+            room = await self._make_room(pending)
+            if room is Room.FAILED:
+                continue  # it can never fit and has failed: the next call may
+            if room is Room.WAIT:
                 break
             if not queue or queue[0] is not pending:
                 continue  # aborted while room was being made
@@ -106,12 +120,12 @@ class Intake:
             self.counters["sp_admitted"] += 1
         self.sessions.on_admit(call.session_id)
 
-    async def _make_room(self, pending: PendingCall) -> bool:
+    async def _make_room(self, pending: PendingCall) -> Room:
         """Whether ``pending`` fits the admission budget, yielding other sessions'
         reservations (least valuable first; offloaded to host when host KV is on) if that
-        makes it fit. A call larger than the whole KV region fails."""
+        makes it fit. A call larger than the whole KV region fails (and leaves its queue)."""
         if len(self.calls.running) >= self.policy.max_running_calls:
-            return False
+            return Room.WAIT
         model = pending.call.model
         total = self.stats.num_total_blocks
         if pending.need_blocks > total > 0:
@@ -121,14 +135,14 @@ class Intake:
                 None,
                 error=f"call needs {pending.need_blocks} KV blocks; the instance has {total}",
             )
-            return False
+            return Room.FAILED
         book = self.sessions.reservations
         while True:
             if self._blocks_in_use(pending.call.session_id) + pending.need_blocks <= total:
-                return True
+                return Room.FITS
             victims = book.yield_order(model, exclude=pending.call.session_id)
             if not victims or (self.policy.hard_pins and self.calls.running):
-                return False  # hard pins yield only when nothing runs (deadlock guard)
+                return Room.WAIT  # hard pins yield only when nothing runs (deadlock guard)
             await self.sessions.yield_reservation(victims[0])
 
     def _blocks_in_use(self, session_id: str) -> int:
@@ -150,7 +164,10 @@ class Intake:
             decision = decide_queued(self.view, self.est, slot, pending)
             if not decision.take:
                 continue
-            if not await self._make_room(pending):
+            room = await self._make_room(pending)
+            if room is Room.FAILED:
+                continue
+            if room is Room.WAIT:
                 break
             if not self.calls.unqueue(pending):
                 continue  # aborted while room was being made

@@ -27,7 +27,7 @@ from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.device import claim
 from talaria.instance.estimates import Estimator
-from talaria.instance.executor import EngineExecutor
+from talaria.instance.executor import EngineBusy, EngineExecutor
 from talaria.instance.faults import EngineFaults, FaultBudget
 from talaria.instance.intake import Intake
 from talaria.instance.rates import RateBook
@@ -45,6 +45,7 @@ log = structlog.get_logger("talaria.admission")
 __all__ = ["AdmissionLoop"]
 
 _IDLE_STEP_BACKOFF_S = 0.01  # wait after an engine step that ran nothing
+_IDLE_WARN_EVERY_S = 5.0
 
 
 class AdmissionLoop(Intake):
@@ -60,6 +61,7 @@ class AdmissionLoop(Intake):
         rates: RateBook,
         counters: dict[str, int],
         active_model: str | None,
+        record_splits: bool = False,
     ) -> None:
         self.instance_id = instance_id
         self.view = view
@@ -80,11 +82,14 @@ class AdmissionLoop(Intake):
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
+        self._stage_failed: set[str] = set()  # models whose staging failed since the switch
+        self._idle_steps = 0  # engine steps that ran nothing since the last warning
+        self._idle_warned = float("-inf")
         self.faults = EngineFaults(
             instance_id, calls, executor, self.finish,
             FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
         )
-        self.split = TimeSplit(0.0)
+        self.split = TimeSplit(0.0, record=record_splits)
         executor.on_device_wait.append(lambda waiting: self.split.device_wait(self.now(), waiting))
         if executor.device is not None:
             executor.device_request = self._device_request
@@ -107,7 +112,12 @@ class AdmissionLoop(Intake):
                 except Exception as exc:
                     if not await self._recover(exc):
                         break
+        except Exception:  # a bug outside the engine (the fault path itself): end, logged
+            log.exception("admission_loop_crashed", instance=self.instance_id)
+            self.faults.fail_all("the instance's admission loop stopped")
         finally:
+            if not self.stopping:
+                self.healthy = False  # the loop ended on its own (gave up, or a bug): no calls
             if self.executor.busy is None:
                 self.sessions.release_all()
 
@@ -244,10 +254,9 @@ class AdmissionLoop(Intake):
         self.split.state(self.now(), SWITCH)
         if outgoing is not None and outgoing != model:
             if self.policy.host_kv:
-                tokens = self.sessions.device_tokens_of(outgoing)
-                report = await self.executor.offload_kv(None)
-                self.rates.observe_kv_size(report.bytes, tokens)
+                await self.executor.offload_kv(None)
             self.sessions.switch_out(outgoing)
+        self._stage_failed.clear()
         report = await self.executor.activate(model)
         self.active_model = model
         self.faults.budget.progress()
@@ -271,9 +280,19 @@ class AdmissionLoop(Intake):
             return
         self.residency = self.executor.residency()
         target = staging_target(self.view)
-        if target is None:
+        if target is None or target in self._stage_failed:
             return
-        await self.executor.stage(target)
+        try:
+            await self.executor.stage(target)
+        except EngineBusy:
+            raise
+        except Exception:
+            # A background copy that fails costs its D2D switch, not the calls running on
+            # the active model: no fault; not tried again until the next switch.
+            log.exception("staging_failed", instance=self.instance_id, model=target)
+            self._stage_failed.add(target)
+            self.counters["staging_failures"] = self.counters.get("staging_failures", 0) + 1
+            return
         self.counters["stages"] += 1
         self.residency = self.executor.residency()
 
@@ -292,8 +311,13 @@ class AdmissionLoop(Intake):
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:
             self.refresh_engine_view(all_sessions=True)
         if not result.events and (result.num_steps == 0 or result.seconds <= 0):
-            # Nothing could run (e.g. the engine waits for memory): do not spin.
-            log.warning("idle_step", instance=self.instance_id, running=len(self.calls.running))
+            # Nothing could run (e.g. the engine waits for memory): do not spin, and say so
+            # at most every _IDLE_WARN_EVERY_S.
+            self._idle_steps += 1
+            if self.now() - self._idle_warned >= _IDLE_WARN_EVERY_S:
+                log.warning("idle_steps", instance=self.instance_id, steps=self._idle_steps,
+                            running=len(self.calls.running))
+                self._idle_warned, self._idle_steps = self.now(), 0
             await self.idle_wait(self.now() + _IDLE_STEP_BACKOFF_S)
 
     def _deliver(self, pending: PendingCall, event: TokenEvent) -> None:
@@ -309,6 +333,7 @@ class AdmissionLoop(Intake):
             return
         reason = event.finish_reason.value if event.finish_reason is not None else "stop"
         self.finish(pending, reason, event)
+        self.rates.observe_restored(pending.call.model, event.num_restored_tokens)
         if reason != "abort":
             now = self.now()
             admitted = pending.admitted if pending.admitted is not None else now

@@ -47,16 +47,20 @@ class ModelRates:
 
 
 class RateBook:
-    """Per-model EWMAs of step and switch times, plus the host-KV link rate."""
+    """Per-model EWMAs of step and switch times, the host-KV link rate, and each model's KV
+    bytes per token (a fact of the model on this rank, given by the engine, not learned)."""
 
-    def __init__(self, models: list[str], alpha: float) -> None:
+    def __init__(
+        self, models: list[str], alpha: float, kv_bytes_per_token: dict[str, float]
+    ) -> None:
         self.alpha = alpha
         self.models = {
             m: ModelRates(Ewma(alpha), Ewma(alpha), Ewma(alpha), Ewma(alpha)) for m in models
         }
+        self.kv_bytes_per_token = {m: float(kv_bytes_per_token[m]) for m in models}
         self.kv_offload_bytes_per_s = Ewma(alpha)
-        self.kv_bytes_per_token = Ewma(alpha)
         self.kv_offloaded_bytes = 0
+        self.kv_restored_bytes = 0.0
 
     def observe(self, kind: str, result: StepResult | MoveReport, model: str | None) -> None:
         if isinstance(result, StepResult):
@@ -74,16 +78,16 @@ class RateBook:
             if result.seconds > 0:
                 self.kv_offload_bytes_per_s.update(result.bytes_per_s)
 
-    def observe_kv_size(self, num_bytes: int, tokens: int) -> None:
-        if num_bytes > 0 and tokens > 0:
-            self.kv_bytes_per_token.update(num_bytes / tokens)
+    def observe_restored(self, model: str, tokens: int) -> None:
+        """A call of ``model`` had ``tokens`` of its prompt restored from the host store."""
+        self.kv_restored_bytes += tokens * self.kv_bytes_per_token[model]
 
-    def restore_s(self, tokens: int) -> float:
-        """Estimated seconds to restore ``tokens`` of KV from the host store."""
+    def restore_s(self, model: str, tokens: int) -> float:
+        """Estimated seconds to restore ``tokens`` of ``model``'s KV from the host store."""
         bps = self.kv_offload_bytes_per_s.value
         if bps <= 0:
             return 0.0
-        return tokens * self.kv_bytes_per_token.value / bps
+        return tokens * self.kv_bytes_per_token[model] / bps
 
     @staticmethod
     def _observe_step(rates: ModelRates, step: StepResult) -> None:

@@ -143,8 +143,7 @@ class SessionKeeper:
         into a full store would evict KV needed sooner), so the session restores instead of
         recomputing; otherwise the blocks are only unpinned."""
         if self.policy.host_kv and self._offload_pays(res.session_id):
-            report = await self.executor.offload_kv([res.session_id])
-            self.rates.observe_kv_size(report.bytes, self.kv_tokens.get(res.session_id, (0, 0))[0])
+            await self.executor.offload_kv([res.session_id])
         elif self.policy.host_kv:
             self.counters["reservations_yielded_dropped"] += 1
         self.reservations.pop(res.session_id)
@@ -157,8 +156,10 @@ class SessionKeeper:
     def _offload_pays(self, session_id: str) -> bool:
         extra = self.executor.stats().extra
         device, host = self.executor.session_kv_tokens(session_id)
+        model = self.model_of(session_id)
+        per_token = self.rates.kv_bytes_per_token[model] if model is not None else 0.0
         return yield_offload_pays(
-            max(0, device - host) * self.rates.kv_bytes_per_token.value,
+            max(0, device - host) * per_token,
             extra.get("host_kv_used_bytes"),
             extra.get("host_kv_capacity_bytes"),
             may_evict=self.policy.yield_offload_may_evict,

@@ -70,7 +70,7 @@ def build_state(inst: ReportSource) -> InstanceState:
             switch_host_s=rates.switch_host_s.value,
             switch_staged_s=rates.switch_staged_s.value,
             kv_restore_bytes_per_s=inst.rates.kv_offload_bytes_per_s.value,
-            kv_bytes_per_token=int(round(inst.rates.kv_bytes_per_token.value)),
+            kv_bytes_per_token=int(round(inst.rates.kv_bytes_per_token[name])),
         )
     sessions: dict[str, SessionKV] = {}
     book = inst.sessions.reservations
@@ -100,8 +100,6 @@ def build_state(inst: ReportSource) -> InstanceState:
         reserved_kv_blocks=book.pinned_blocks(model) if model is not None else 0,
         block_size=inst.stats.block_size,
         switches=inst.counters["switches"],
-        kv_restored_bytes=int(
-            inst.stats.restored_tokens_total * inst.rates.kv_bytes_per_token.value
-        ),
+        kv_restored_bytes=int(inst.rates.kv_restored_bytes),
         kv_offloaded_bytes=inst.rates.kv_offloaded_bytes,
     )

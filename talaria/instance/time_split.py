@@ -44,7 +44,11 @@ class _Call:
 
 
 class TimeSplit:
-    def __init__(self, now: float) -> None:
+    """``record``: keep each finished call's split in ``done`` (the benchmark reads them);
+    a live instance leaves it off, so it keeps nothing per finished call."""
+
+    def __init__(self, now: float, record: bool = False) -> None:
+        self.record = record
         self._key: StateKey = IDLE
         self._since = now
         self._cumulative: dict[StateKey, float] = {}
@@ -84,8 +88,9 @@ class TimeSplit:
         if call is None:
             return
         self._advance(now)
-        self._charge(call)
-        self.done[call_id] = call.split
+        if self.record:
+            self._charge(call)
+            self.done[call_id] = call.split
 
     def _phase(self, call_id: str, now: float, running: bool) -> None:
         call = self._calls.get(call_id)

@@ -89,9 +89,14 @@ def unknown_model(model: str, known: list[str]) -> ApiError:
     )
 
 
+MAX_RETRY_AFTER_S = 3600.0
+
+
 def overloaded(message: str, retry_after_s: float) -> ApiError:
-    """429 with ``Retry-After`` (whole seconds) and ``retry_after_s`` in the body."""
-    seconds = max(1.0, float(retry_after_s))
+    """429 with ``Retry-After`` (whole seconds) and ``retry_after_s`` in the body, clamped
+    to [1, ``MAX_RETRY_AFTER_S``] (not a number: 1)."""
+    seconds = float(retry_after_s)
+    seconds = 1.0 if math.isnan(seconds) else min(MAX_RETRY_AFTER_S, max(1.0, seconds))
     return ApiError(
         429,
         message,

@@ -54,19 +54,56 @@ def client_gone(request: web.Request) -> bool:
 
 async def next_or_gone(events: AsyncIterator[T], request: web.Request, poll_s: float) -> T | None:
     """The next item of ``events``, or None once the client of ``request`` has gone away
-    (checked every ``poll_s`` while waiting). The wait for the item is cancelled only when
-    the client is gone, so an async generator's ``finally`` runs then (and aborts its call)."""
-    task = asyncio.ensure_future(anext(events))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if client_gone(request):
-                task.cancel()
-                await asyncio.wait({task})
+    (checked every ``poll_s`` by one watcher per request, not a task per item). The wait for
+    the item is cancelled only when the client is gone, so an async generator's ``finally``
+    runs then (and aborts its call)."""
+    watch = request.get(_WATCH_KEY)
+    if watch is None:
+        watch = request[_WATCH_KEY] = _ClientWatch(request, poll_s)
+    return await watch.next(events)
+
+
+class _ClientWatch:
+    """Watches one request's client while its handler runs: one task, waking every
+    ``poll_s``; when the client has gone it ends the wait in progress (through that wait's
+    timeout scope, which tells the cancellation it causes from any other) and every later one."""
+
+    def __init__(self, request: web.Request, poll_s: float) -> None:
+        self._request = request
+        self._poll_s = poll_s
+        self._scope: asyncio.Timeout | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.gone = False
+
+    async def next(self, events: AsyncIterator[T]) -> T | None:
+        if self.gone:
+            return None
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._watch())
+            self._request.task.add_done_callback(lambda _handler: self._stop())
+        try:
+            async with asyncio.timeout(None) as scope:
+                self._scope = scope
+                try:
+                    return await anext(events)
+                finally:
+                    self._scope = None
+        except TimeoutError:
+            if self.gone:
                 return None
-    except asyncio.CancelledError:
-        task.cancel()
-        await asyncio.wait({task})  # let the generator finish before anyone closes it
-        raise
+            raise
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not client_gone(self._request):
+            await asyncio.sleep(self._poll_s)
+        self.gone = True
+        if self._scope is not None:
+            self._scope.reschedule(loop.time())
+
+    def _stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+_WATCH_KEY = web.RequestKey("talaria_client_watch", _ClientWatch)

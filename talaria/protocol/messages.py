@@ -8,7 +8,7 @@ inside a simulation.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -210,14 +210,113 @@ class InstanceState:
     kv_offloaded_bytes: int = 0
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> InstanceState:
-        data = dict(data)
-        data["models"] = {
-            k: ModelState(**{**v, "residency": Residency(v["residency"])})
-            for k, v in (data.get("models") or {}).items()
+    def from_dict(cls, data: Any) -> InstanceState:
+        """Parse an instance's report: known fields checked by type and range (a wrong one is
+        a ValueError, so a failed poll, never a bad value in placement later); fields this
+        side does not know are ignored (a newer instance may add some); absent ones take
+        their defaults (an older instance may lack some)."""
+        data = _object(data, "the state")
+        out = cls(instance_id=printable_id(data.get("instance_id"), "instance_id"))
+        _read_fields(out, data, _STATE_READERS, "")
+        active = data.get("active_model")
+        out.active_model = None if active is None else printable_id(active, "active_model")
+        out.models = {
+            printable_id(k, "models key"): _model_state(k, v)
+            for k, v in _object(_or_empty(data.get("models")), "models").items()
         }
-        data["sessions"] = {k: SessionKV(**v) for k, v in (data.get("sessions") or {}).items()}
-        return cls(**data)
+        out.sessions = {
+            printable_id(k, "sessions key"): _session_kv(k, v)
+            for k, v in _object(_or_empty(data.get("sessions")), "sessions").items()
+        }
+        return out
+
+
+def _object(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _or_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
+def _count(name: str, value: Any) -> int:
+    return integer(value, name, lo=0)
+
+
+def _rate(name: str, value: Any) -> float:
+    return number(value, name, lo=0.0)
+
+
+def _optional_number(name: str, value: Any) -> float | None:
+    return None if value is None else number(value, name)
+
+
+_Reader = Callable[[str, Any], Any]
+
+
+def _read_fields(out: Any, data: dict[str, Any], readers: dict[str, _Reader], where: str) -> None:
+    """Set each field of ``out`` that ``data`` has, read by its reader."""
+    for name, read in readers.items():
+        if name in data:
+            setattr(out, name, read(f"{where}{name}", data[name]))
+
+
+_STATE_READERS: dict[str, _Reader] = {
+    "now": lambda n, v: number(v, n),
+    "healthy": lambda n, v: boolean(v, n),
+    "total_kv_blocks": _count,
+    "free_kv_blocks": _count,
+    "reserved_kv_blocks": _count,
+    "block_size": lambda n, v: integer(v, n, lo=1),
+    "switches": _count,
+    "kv_restored_bytes": _count,
+    "kv_offloaded_bytes": _count,
+}
+_MODEL_READERS: dict[str, _Reader] = {
+    "queued_calls": _count,
+    "queued_tokens": _count,
+    "running_calls": _count,
+    "running_tokens": _count,
+    "wait_s": lambda n, v: number(v, n),
+    "prefill_tokens_per_s": _rate,
+    "decode_step_s": _rate,
+    "switch_host_s": _rate,
+    "switch_staged_s": _rate,
+    "kv_restore_bytes_per_s": _rate,
+    "kv_bytes_per_token": _count,
+}
+_SESSION_READERS: dict[str, _Reader] = {
+    "device_tokens": _count,
+    "host_tokens": _count,
+    "reserved_until": _optional_number,
+    "expected_return": _optional_number,
+}
+_RESIDENCIES = {r.value: r for r in Residency}
+
+
+def _model_state(key: str, value: Any) -> ModelState:
+    where = f"models[{key!r}]"
+    data = _object(value, where)
+    residency = data.get("residency", Residency.ABSENT.value)
+    if not isinstance(residency, str):
+        raise ValueError(f"{where}.residency must be a string")
+    # A residency this side does not know (a newer instance's) counts as absent: no call of
+    # the model is placed there on its strength.
+    out = ModelState(name=printable_id(data.get("name", key), f"{where}.name"),
+                     residency=_RESIDENCIES.get(residency, Residency.ABSENT))
+    _read_fields(out, data, _MODEL_READERS, f"{where}.")
+    return out
+
+
+def _session_kv(key: str, value: Any) -> SessionKV:
+    where = f"sessions[{key!r}]"
+    data = _object(value, where)
+    out = SessionKV(session_id=printable_id(data.get("session_id", key), f"{where}.session_id"),
+                    model=printable_id(data.get("model"), f"{where}.model"))
+    _read_fields(out, data, _SESSION_READERS, f"{where}.")
+    return out
 
 
 def to_json(obj: Any) -> bytes:

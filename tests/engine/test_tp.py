@@ -329,3 +329,21 @@ def test_failed_op_breaks_group_and_stops_workers() -> None:
     with pytest.raises(RuntimeError, match="zero_kv failed"):  # the group stays broken
         group.run_on_all_ranks(describe)
     group.shutdown()
+
+
+def test_bench_tp_counts_every_collective_of_a_decode_step_on_every_rank(
+    model_dirs: dict[str, Path],
+) -> None:
+    """Per decode step: two all-reduces per layer (attention and MLP outputs), one for the
+    vocab-parallel embedding and one gather of the LM head's logits: the timers see them all
+    on both ranks, and they are off outside the benchmark."""
+    from engine.parallel_context import SINGLE
+    from talaria.bench.tensor_parallel import bench_tp
+
+    result = bench_tp(model_dirs["llama"], steps=2, batch=2, prompt_len=16, num_threads=2)
+    layers = result["num_layers"]
+    assert [c["rank"] for c in result["collectives"]] == [0, 1]
+    for rank in result["collectives"]:
+        assert rank["collectives_per_step"] == 2 * layers + 2
+        assert set(rank["by_kind_ms_per_step"]) == {"all_reduce", "all_gather_last_dim"}
+    assert not SINGLE.timer.enabled and SINGLE.timer.totals == {}

@@ -63,7 +63,7 @@ class FakeEngine(ServesModels):
     switch_staged_s: float = 0.2
     stage_s: float = 1.0
     offload_s_per_token: float = 0.0
-    kv_bytes_per_token: int = 100
+    kv_token_bytes: int = 100  # KV bytes per token, every model
     host_kv_capacity_bytes: int | None = None  # reported in stats().extra when set
     initial_model: str | None = None
     max_model_len: int = 1 << 20
@@ -153,7 +153,7 @@ class FakeEngine(ServesModels):
         cached = sum(self._blocks(s.device) for s in self._active_kv() if not s.pinned)
         extra: dict[str, float] = {}
         if self.host_kv_capacity_bytes is not None:
-            used = sum(kv.host for kv in self._kv.values()) * self.kv_bytes_per_token
+            used = sum(kv.host for kv in self._kv.values()) * self.kv_token_bytes
             extra = {
                 "host_kv_used_bytes": float(used),
                 "host_kv_capacity_bytes": float(self.host_kv_capacity_bytes),
@@ -169,6 +169,10 @@ class FakeEngine(ServesModels):
             restored_tokens_total=self.restored_tokens,
             extra=extra,
         )
+
+    def kv_bytes_per_token(self, model: str) -> float:
+        self.served.check_model(model)
+        return float(self.kv_token_bytes)
 
     def activate(self, model: str) -> MoveReport:
         self.served.check_activation(model, len(self._reqs))
@@ -214,7 +218,7 @@ class FakeEngine(ServesModels):
             self.log.append(("offload", sid))
         self.offloaded_tokens += tokens
         return MoveReport(
-            "kv_offload", tokens * self.kv_bytes_per_token, tokens * self.offload_s_per_token
+            "kv_offload", tokens * self.kv_token_bytes, tokens * self.offload_s_per_token
         )
 
     def pin_session_kv(self, session_id: str) -> int:

@@ -10,6 +10,7 @@ from fake_engine import FakeEngine
 
 from engine.interface import EngineRequest
 from engine.sampling_params import SamplingParams
+from talaria.protocol import CallRequest
 from talaria.clock import run_live, run_virtual
 from talaria.instance.executor import EngineBusy, EngineExecutor
 
@@ -106,3 +107,64 @@ def test_reports_reach_listeners() -> None:
 
     run_virtual(main())
     assert seen == [("activate", "b"), ("offload_kv", "b"), ("step", "b")]
+
+
+class SlowStepEngine(FakeEngine):
+    """A live engine whose step takes ``hold`` to be set (it blocks its thread)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.simulated = False
+        self.hold = threading.Event()
+
+    def step(self):  # type: ignore[no-untyped-def]
+        self.hold.wait(5.0)
+        return super().step()
+
+
+def test_a_live_op_keeps_the_engine_busy_until_its_thread_is_done_even_if_cancelled() -> None:
+    engine = SlowStepEngine(["a"], initial_model="a")
+
+    async def main() -> tuple[str | None, str | None, str | None]:
+        ex = EngineExecutor(engine)
+        task = asyncio.ensure_future(ex.step())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        during = ex.busy  # cancelled, but the engine thread still runs the step
+        with pytest.raises(EngineBusy):
+            ex.stats()
+        engine.hold.set()
+        for _ in range(100):
+            if ex.busy is None:
+                break
+            await asyncio.sleep(0.01)
+        after = ex.busy
+        ex.close()
+        return during, after, ex.busy
+
+    during, after, _ = run_live(main())
+    assert during == "step" and after is None
+
+
+def test_the_watchdog_marks_an_instance_with_a_wedged_engine_unhealthy() -> None:
+    from talaria.config import preset
+    from talaria.instance.admission import Instance
+    from talaria.protocol import InstanceUnavailable
+
+    engine = SlowStepEngine(["a"], initial_model="a")
+
+    async def main() -> tuple[bool, bool]:
+        inst = Instance("i", engine, preset("baseline", engine_op_timeout_s=0.2))
+        await inst.start()
+        inst.submit(CallRequest("c", "s", "a", list(range(10)), SamplingParams(max_tokens=2)))
+        await asyncio.wait_for(inst.hung.wait(), timeout=5.0)
+        with pytest.raises(InstanceUnavailable):
+            inst.submit(CallRequest("d", "t", "a", [1, 2], SamplingParams(max_tokens=2)))
+        healthy = inst.healthy
+        engine.hold.set()  # let the thread go, so the test can stop the instance
+        await inst.stop(drain=False)
+        return inst.hung.is_set(), healthy
+
+    hung, healthy = run_live(main())
+    assert hung and not healthy

@@ -37,7 +37,7 @@ def test_returning_session_restores_instead_of_recomputing(policy_name: str) -> 
         assert usage.restored_tokens == 105 and usage.cached_tokens == 105
         assert engine.restored_tokens == 105
         assert engine.prefilled_tokens == 100 + 50 + 20
-        assert away.kv_offloaded_bytes == 105 * engine.kv_bytes_per_token
+        assert away.kv_offloaded_bytes == 105 * engine.kv_token_bytes
     else:
         kv = away.sessions.get("s")  # listed only for its reservation: no KV anywhere
         assert kv is None or (kv.device_tokens, kv.host_tokens) == (0, 0)

@@ -281,3 +281,23 @@ def test_the_session_table_is_bounded_here_and_in_the_engine() -> None:
     forgotten = {sid for kind, sid in engine.log if kind == "forget"}
     assert {f"s{i}" for i in range(5)} <= forgotten  # the least recently seen went first
     assert not forgotten & {"s-last"}
+
+
+def test_a_call_too_big_for_the_kv_region_fails_alone_and_the_next_one_runs() -> None:
+    """20 blocks of 16 tokens: a 400-token call can never fit; the call queued behind it
+    must not wait for an unrelated wake-up."""
+    engine = _engine()
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("baseline"))
+        await inst.start()
+        big = inst.submit(call("big", "s0", "a", 400, max_tokens=4))
+        small = inst.submit(call("small", "s1", "a", 20, max_tokens=4))
+        events = await asyncio.wait_for(small.collect(), timeout=60.0)
+        failed = await big.collect()
+        await inst.stop()
+        return failed, events
+
+    failed, events = run_virtual(main())
+    assert failed[-1].finish_reason == "error" and "KV blocks" in (failed[-1].error or "")
+    assert events[-1].finished and events[-1].finish_reason == "length"

@@ -13,7 +13,7 @@ from engine.interface import EngineRequest, MoveReport, StepResult
 from talaria.clock import run_virtual
 from talaria.config import preset
 from talaria.instance.admission import Instance
-from talaria.protocol import CallEvent
+from talaria.protocol import CallEvent, InstanceUnavailable
 
 
 @dataclass
@@ -104,3 +104,62 @@ def test_faults_in_a_row_make_the_loop_give_up_and_end_every_call() -> None:
     b_events, _, inst = run_virtual(main())
     assert b_events[-1].finish_reason == "error" and "cannot copy" in (b_events[-1].error or "")
     assert not inst.healthy and inst.counters["engine_faults"] == 3
+
+
+def test_a_loop_that_ends_on_its_own_leaves_the_instance_unhealthy_and_refusing() -> None:
+    """A bug in the fault path itself ends the loop: the instance must not keep queueing
+    calls nobody will ever serve."""
+    eng = engine(bad_steps={1})
+
+    async def main() -> tuple[bool, bool]:
+        inst = Instance("i", eng, preset("baseline"))
+
+        def broken(exc: Exception) -> float | None:
+            raise AssertionError("a bug while handling a fault")
+
+        inst.loop.faults.handle = broken  # type: ignore[method-assign]
+        await inst.start()
+        inst.submit(call("a1", "s1", "a", 20, max_tokens=3))
+        await inst.wait_until_stopped()
+        try:
+            inst.submit(call("a2", "s2", "a", 20, max_tokens=3))
+            refused = False
+        except InstanceUnavailable:
+            refused = True
+        return inst.healthy, refused
+
+    healthy, refused = run_virtual(main())
+    assert not healthy and refused
+
+
+class StagingFails(FaultyEngine):
+    """Its background copy into the staging region always fails."""
+
+    def stage(self, model: str) -> MoveReport:
+        self.log.append(("stage_failed", model))
+        raise RuntimeError(f"cannot stage {model}: out of pinned memory")
+
+
+def test_a_failed_staging_copy_fails_no_call_and_is_not_retried_every_step() -> None:
+    eng = StagingFails(["a", "b"], num_blocks=200, step_s=0.1, initial_model="a")
+
+    async def main() -> tuple[list[CallEvent], Instance]:
+        inst = Instance("i", eng, preset("talaria"))
+        await inst.start()
+        a = inst.submit(call("a1", "s1", "a", 20, max_tokens=20))
+        inst.submit(call("b1", "s2", "b", 20, max_tokens=3))  # makes b the model to stage
+        events = await a.collect()
+        await inst.stop()
+        return events, inst
+
+    events, inst = run_virtual(main())
+    assert events[-1].finish_reason == "length" and events[-1].error is None
+    assert inst.healthy and inst.counters.get("engine_faults", 0) == 0
+    tried: set[str] = set()  # a model's staging is tried once between two switches
+    for kind, model in eng.log:
+        if kind == "activate":
+            tried.clear()
+        elif kind == "stage_failed":
+            assert model not in tried, eng.log
+            tried.add(model)
+    assert inst.counters["staging_failures"] >= 1

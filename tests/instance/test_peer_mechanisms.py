@@ -85,7 +85,7 @@ def test_continuum_ttl_rule() -> None:
 
 
 def test_time_split_charges_each_call_by_what_the_instance_did() -> None:
-    split = TimeSplit(0.0)
+    split = TimeSplit(0.0, record=True)
     split.arrive("a1", "a", 0.0)
     split.arrive("b1", "b", 0.0)
     split.state(0.0, SWITCH)
@@ -104,6 +104,15 @@ def test_time_split_charges_each_call_by_what_the_instance_did() -> None:
     assert split.done["b1"] == pytest.approx(
         {"switch": 3.0, "queue": 0.0, "service": 2.0, "slot_wait": 4.0})
     assert IDLE != DEVICE_WAIT
+
+
+def test_a_live_time_split_keeps_nothing_per_finished_call() -> None:
+    split = TimeSplit(0.0)
+    for k in range(100):
+        split.arrive(f"c{k}", "a", float(k))
+        split.admit(f"c{k}", float(k))
+        split.finish(f"c{k}", k + 0.5)
+    assert split.done == {} and not split._calls
 
 
 def _device_starts(schedule: DeviceSchedule) -> dict[str, float]:

@@ -84,7 +84,7 @@ def test_reservation_book_yield_order_and_expiry() -> None:
 
 
 def test_rates_learn_from_reported_seconds() -> None:
-    rates = RateBook(["a"], alpha=0.5)
+    rates = RateBook(["a", "b"], alpha=0.5, kv_bytes_per_token={"a": 100.0, "b": 300.0})
     rates.observe("step", StepResult([], 0.1, num_prefill_tokens=0, num_decode_tokens=4), "a")
     rates.observe("step", StepResult([], 0.3, num_prefill_tokens=1000, num_decode_tokens=4), "a")
     m = rates.models["a"]
@@ -99,9 +99,12 @@ def test_rates_learn_from_reported_seconds() -> None:
     rates.observe("activate", MoveReport("activate_d2d", 10**9, 0.5), "a")
     assert m.switch_s(staged=False) == 4.0 and m.switch_s(staged=True) == 0.5
     rates.observe("offload_kv", MoveReport("kv_offload", 2000, 0.001), "a")
-    rates.observe_kv_size(2000, 20)
-    assert rates.restore_s(1000) == pytest.approx(1000 * 100 / 2e6)
-    assert RateBook(["a"], 0.5).restore_s(1000) == 0.0  # unknown: free
+    assert rates.restore_s("a", 1000) == pytest.approx(1000 * 100 / 2e6)
+    assert rates.restore_s("b", 1000) == pytest.approx(1000 * 300 / 2e6)  # each model its own
+    assert RateBook(["a"], 0.5, {"a": 100.0}).restore_s("a", 1000) == 0.0  # no rate yet: free
+    rates.observe_restored("b", 10)
+    rates.observe_restored("a", 10)
+    assert rates.kv_restored_bytes == 4000
 
 
 def test_yield_offload_needs_free_host_room_unless_eviction_is_allowed() -> None:

@@ -12,8 +12,11 @@ from test_api import chat_body, reply, serve
 from router.anthropic_schema import metadata_session_id
 from router.app import CORE_KEY
 from router.core import RouterCore
+from router.limits import RouterLimits
+from router.prefix_chain import ChainSample
 from router.session_identity import SessionHeaders, SessionIdentity, resolve_session
 from router.session_inference import SessionInference
+from router.sessions import SessionTable
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallRequest, InstanceState, SamplingParams, SessionKV
 from talaria.protocol.errors import ApiError
@@ -96,7 +99,7 @@ async def test_a_subagent_goes_where_its_parent_kv_is_on_host() -> None:
         a, b = FakeInstance("a", [5, 6]), FakeInstance("b", [5, 6])
         core = RouterCore({"a": a, "b": b}, "talaria", refresh_after_call=False, block_size=16)
         core.sessions.start_call("p", "m", 0.0, len(prompt))
-        core.sessions.end_call("p", "b", 1.0, block_hashes(prompt, 16), len(prompt))
+        core.sessions.end_call("p", "b", 1.0, ChainSample.of(block_hashes(prompt, 16)), len(prompt))
         for iid in ("a", "b"):
             core.update_state(InstanceState(iid, block_size=16))
         core.states["b"].sessions["p"] = SessionKV("p", "m", host_tokens=len(prompt))
@@ -147,7 +150,49 @@ async def test_inferred_sessions_over_http(tokenizer: ModelTokenizer) -> None:
             messages = messages + [data["choices"][0]["message"], {"role": "user", "content": f"result {turn}"}]
         other = await client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": "hi"}]))
         assert ids == [ids[0]] * 3 and other.headers["X-Session-ID"] != ids[0]
-    assert all(not c.last_call for c in a.calls)
+    assert [c.last_call for c in a.calls] == [True, False, False, True]  # first calls: tentative
     async with serve(tokenizer, {"a": a}, infer_sessions=False) as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.headers["X-Session-ID"].startswith("anon-") and a.calls[-1].last_call
+
+
+async def test_a_session_evicted_from_a_full_table_leaves_inference_and_counts_its_sct() -> None:
+    a = FakeInstance("a", [5, 6])
+    core = RouterCore({"a": a}, "talaria", refresh_after_call=False, block_size=4,
+                      sessions=SessionTable(max_sessions=2), inference=SessionInference(4))
+    named = []
+    for k in range(3):
+        call = CallRequest(f"c{k}", "", "m", [k + 1] * 9, SamplingParams(max_tokens=2))
+        [e async for e in core.submit(call)]
+        named.append(call.session_id)
+    assert named[0] not in core.sessions and named[0] not in core.inference
+    assert len(core.inference) == 2 and core.metrics.sct.count(model="m") == 1
+    await core.close()
+
+
+async def test_inference_holds_as_many_sessions_as_the_table(tokenizer: ModelTokenizer) -> None:
+    async with serve(tokenizer, {"a": FakeInstance("a", reply(tokenizer))},
+                     limits=RouterLimits(max_sessions=5)) as client:
+        core = client.server.app[CORE_KEY]
+        assert core.inference.max_sessions == core.sessions.max_sessions == 5
+
+
+async def test_an_inferred_session_is_tentative_until_a_second_call_continues_it() -> None:
+    """Its first call reaches the instance as a last call (no reservation for a one-shot
+    call); the router keeps the session, so the continuation joins it and is not last."""
+    a = FakeInstance("a", [5, 6])
+    core = RouterCore({"a": a}, "talaria", refresh_after_call=False, block_size=4,
+                      inference=SessionInference(4))
+    prompts = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 9, 5, 6, 7], [1, 2, 3, 4, 9, 5, 6, 7, 5, 6, 8],
+               [40, 41, 42, 43, 44]]
+    for k, prompt in enumerate(prompts):
+        [e async for e in core.submit(CallRequest(f"c{k}", "", "m", prompt, SamplingParams(max_tokens=2)))]
+    sent = [(c.session_id, c.last_call) for c in a.calls]
+    first = sent[0][0]
+    assert sent[:3] == [(first, True), (first, False), (first, False)]
+    assert sent[3][0] != first and sent[3][1]
+    assert first in core.sessions and sent[3][0] in core.sessions
+    ended = CallRequest("c9", "", "m", prompts[2] + [5, 6, 1], SamplingParams(max_tokens=2), last_call=True)
+    [e async for e in core.submit(ended)]
+    assert ended.session_id == first and first not in core.sessions and first not in core.inference
+    await core.close()

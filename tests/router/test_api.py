@@ -59,7 +59,7 @@ async def test_chat_non_streaming_with_usage(tokenizer: ModelTokenizer) -> None:
     assert data["choices"][0]["finish_reason"] == "stop"
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
     assert a.calls[0].prompt_token_ids == prompt_ids
-    assert a.calls[0].session_id == "inferred-0" and not a.calls[0].last_call  # inferred, see below
+    assert a.calls[0].session_id == "inferred-0" and a.calls[0].last_call  # inferred: tentative, see below
     usage = data["usage"]
     assert usage["prompt_tokens"] == len(prompt_ids)
     assert usage["completion_tokens"] == len(reply(tokenizer))
@@ -241,6 +241,9 @@ async def test_api_key(tokenizer: ModelTokenizer) -> None:
                                  headers={"Authorization": "Bearer sekret"})
         assert resp.status == 200
         assert (await client.get("/health")).status == 200  # health needs no key
+        assert (await client.get("/metrics")).status == 401  # metrics show states and sessions
+        metrics = await client.get("/metrics", headers={"Authorization": "Bearer sekret"})
+        assert metrics.status == 200 and "talaria" in await metrics.text()
 
 
 async def test_models_health_metrics(tokenizer: ModelTokenizer) -> None:
@@ -304,3 +307,24 @@ async def test_concurrent_sessions_all_complete(tokenizer: ModelTokenizer) -> No
             "s0": 3, "s1": 3, "s2": 3, "s3": 3}
     assert texts == [REPLY_TEXT] * 12
     assert len(a.calls) + len(b.calls) == 12
+
+
+async def test_a_streamed_call_does_not_start_a_task_per_event(tokenizer: ModelTokenizer) -> None:
+    """Noticing a client that leaves takes one watcher per call, not a task per event."""
+    a = FakeInstance("a", list(reply(tokenizer)) * 40)
+    loop = asyncio.get_running_loop()
+    created: list[str] = []
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+        created.append(getattr(coro, "__qualname__", ""))
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    async with serve(tokenizer, {"a": a}) as client:
+        loop.set_task_factory(counting)
+        try:
+            events = await sse(await client.post(
+                "/v1/chat/completions", json=chat_body(stream=True, max_tokens=200)))
+        finally:
+            loop.set_task_factory(None)
+    streamed = sum(1 for e in events if e != "[DONE]")
+    assert streamed > 100 and len(created) < 20, (streamed, created[:10])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import pytest
 from router_fakes import FakeInstance, model_state
@@ -41,7 +42,7 @@ async def test_streams_events_tagged_with_instance_and_updates_books() -> None:
     assert events[-1].finished and events[-1].usage.cached_tokens == 7
     rec = core.sessions.get("s")
     assert rec is not None and rec.instance_id == "a" and rec.kv_tokens == 45
-    assert len(rec.block_hashes) == 45 // 16
+    assert rec.kv.blocks == 45 // 16
     assert core.context.outstanding_tokens["a"] == 0
     assert core.metrics.requests.get(model="m", instance="a", outcome="ok") == 1
     assert core.metrics.completion_tokens.get(model="m") == 5
@@ -148,14 +149,15 @@ async def test_state_refreshed_after_call() -> None:
     await core.close()
 
 
-async def test_injected_clock_drives_gaps() -> None:
+async def test_injected_clock_times_the_session() -> None:
     now = [100.0]
     core = RouterCore({"a": FakeInstance("a", REPLY)}, "talaria", clock=lambda: now[0],
                       refresh_after_call=False)
     await drain(core, request())
     now[0] = 103.0
-    await drain(core, request())
-    assert list(core.sessions.get("s").gaps) == [3.0]
+    await drain(core, request(last=True))
+    assert core.metrics.sct.count(model="m") == 1
+    assert core.metrics.sct.series[(("model", "m"),)][1] == [3.0]  # first call sent -> last done
 
 
 class DuckInstance:
@@ -196,4 +198,68 @@ async def test_in_process_client_adapts_an_instance_object() -> None:
         await drain(core, bad)
     with pytest.raises(TypeError, match="no stream"):
         InProcessClient("e", object())
+    await core.close()
+
+
+class CountedState(FakeInstance):
+    """Counts its state polls, how many ran at once, and what each one saw; a poll waits
+    for ``gate`` while it is cleared."""
+
+    def __init__(self, instance_id: str, seen: Callable[[], int]) -> None:
+        super().__init__(instance_id, REPLY)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.seen = seen
+        self.saw: list[int] = []
+        self.running = 0
+        self.most_at_once = 0
+
+    async def state(self) -> InstanceState:
+        self.saw.append(self.seen())
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            await self.gate.wait()
+            return await super().state()
+        finally:
+            self.running -= 1
+
+
+async def settle(core: RouterCore) -> None:
+    for _ in range(1000):
+        if core._polls.idle:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the state polls never settled")
+
+
+async def test_a_burst_of_call_ends_costs_one_or_two_polls_and_the_last_sees_them_all() -> None:
+    core: RouterCore
+    a = CountedState("a", lambda: int(core.metrics.requests.get(model="m", instance="a", outcome="ok")))
+    core = RouterCore({"a": a}, "load")
+    await asyncio.gather(*(drain(core, request(session=f"s{i}")) for i in range(20)))
+    await settle(core)
+    assert 1 <= len(a.saw) <= 2 and a.saw[-1] == 20
+    await drain(core, request(session="late"))
+    await settle(core)
+    assert a.saw[-1] == 21
+    await core.close()
+
+
+async def test_polls_of_one_instance_join_the_one_in_flight() -> None:
+    a = CountedState("a", lambda: 0)
+    core = RouterCore({"a": a}, "load")
+    a.gate.clear()
+    polls = [asyncio.ensure_future(core.refresh("a")) for _ in range(5)]
+    for _ in range(100):
+        if len(a.saw):
+            break
+        await asyncio.sleep(0)
+    await drain(core, request())  # ends while the poll is in flight: one more poll after it
+    await asyncio.sleep(0.1)
+    assert len(a.saw) == 1
+    a.gate.set()
+    assert await asyncio.gather(*polls) == [True] * 5
+    await settle(core)
+    assert len(a.saw) == 2 and a.most_at_once == 1
     await core.close()

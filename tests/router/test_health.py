@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from router_fakes import FakeInstance
 
 from router.core import RouterCore
 from router.health import HealthPoller
+from router.prefix_chain import ChainSample
 from router.sessions import SessionTable
 from talaria.protocol import InstanceState
 
@@ -26,7 +28,7 @@ async def test_poll_marks_down_and_up_and_cleans_sessions() -> None:
     await poller.poll_once()
     assert core.healthy == {"b"}
     core.sessions.start_call("s", "m", 0.0, 10)
-    core.sessions.end_call("s", "b", 1.0, [], 10)
+    core.sessions.end_call("s", "b", 1.0, ChainSample.of([]), 10)
     now[0] = 20.0
     await poller.poll_once()
     assert "s" not in core.sessions
@@ -50,3 +52,37 @@ async def test_poller_context_runs_in_background() -> None:
     assert poller.polls == polls  # stopped
     with pytest.raises(ValueError, match="interval"):
         HealthPoller(poller.core, 0)
+
+
+async def test_an_unexpected_error_in_one_round_does_not_stop_the_polls() -> None:
+    a = FakeInstance("a", [1])
+    core = RouterCore({"a": a}, "load")
+    poller = HealthPoller(core, interval_s=0.01)
+    failures = {"update": 2, "cleanup": 2}
+    update, cleanup = core.update_state, core.cleanup_sessions
+
+    def flaky_update(state: InstanceState) -> None:
+        if failures["update"]:
+            failures["update"] -= 1
+            raise RuntimeError("a bug in applying a state")
+        update(state)
+
+    def flaky_cleanup() -> int:
+        if failures["cleanup"]:
+            failures["cleanup"] -= 1
+            raise RuntimeError("a bug in cleaning sessions")
+        return cleanup()
+
+    core.update_state = flaky_update  # type: ignore[method-assign]
+    core.cleanup_sessions = flaky_cleanup  # type: ignore[method-assign]
+    run = asyncio.ensure_future(poller.run())
+    for _ in range(500):
+        if a.state_polls >= 5 and poller.polls >= 5:
+            break
+        await asyncio.sleep(0.01)
+    assert not run.done() and a.state_polls >= 5 and poller.polls >= 5
+    assert failures == {"update": 0, "cleanup": 0} and "a" in core.states
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    await core.close()

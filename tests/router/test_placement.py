@@ -13,6 +13,7 @@ from router.placement import (
     Talaria,
     make_policy,
 )
+from router.prefix_chain import ChainSample
 from router.sessions import SessionTable
 from talaria.protocol import InstanceState, Residency, SessionKV
 from talaria.protocol.text import block_hashes
@@ -178,9 +179,12 @@ def test_reported_session_kv_counts_only_as_far_as_the_prompt_extends_it() -> No
     sessions = SessionTable()
     record = sessions.start_call("s1", "m", 0.0, 4096)
     c = call()
-    record.block_hashes = c.block_hashes[:10] + [12345] * 200  # diverged after block 10
+    diverged = c.block_hashes[:10] + [12345] * 200  # diverged after block 10
+    record.kv = ChainSample.of(diverged, marks=(9,))  # where its prompt ended: sampled
     policy = Talaria()
     assert policy.local_tokens("a", c, record, states) == (160, 0)
-    record.block_hashes = list(c.block_hashes)  # the new prompt extends the session's KV
+    record.kv = ChainSample.of(diverged)  # unsampled: the nearest sample below counts
+    assert 0 < policy.local_tokens("a", c, record, states)[0] <= 160
+    record.kv = ChainSample.of(c.block_hashes)  # the new prompt extends the session's KV
     assert policy.local_tokens("a", c, record, states) == (4000, 0)
     assert policy.local_tokens("a", c, None, states) == (4000, 0)

@@ -23,7 +23,7 @@ from router.core import RouterCore
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
 from router.tokenization import ModelTokenizer
-from talaria.protocol import CallEvent, CallRequest, InstanceState, SamplingParams, to_json
+from talaria.protocol import CallEvent, CallRequest, InstanceState, ModelState, SamplingParams, to_json
 
 REPLY = [10, 11, 12, 13, 14]
 
@@ -286,3 +286,38 @@ async def test_with_no_healthy_instance_calls_go_to_one_cooling_down() -> None:
     await core.refresh("b")  # b is gone
     events = [e async for e in core.submit(request(2))]
     assert events[-1].finished and events[-1].instance_id == "a"  # better than a 503
+
+
+class Slow(FakeInstance):
+    """Answers a call's first event only after ``delay_s`` (a call waiting its turn)."""
+
+    def __init__(self, instance_id: str, delay_s: float, wait_s: float) -> None:
+        state = InstanceState(instance_id=instance_id,
+                              models={"m": ModelState(name="m", wait_s=wait_s)})
+        super().__init__(instance_id, REPLY, state=state)
+        self.delay_s = delay_s
+        self.received: list[str] = []
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        self.received.append(call.call_id)
+        await asyncio.sleep(self.delay_s)
+        async for event in super().submit(call):
+            yield event
+
+
+@pytest.mark.parametrize(("reported_wait_s", "cut"), [(0.0, True), (0.5, False)])
+async def test_the_first_token_deadline_counts_the_wait_the_instance_reported(
+    reported_wait_s: float, cut: bool
+) -> None:
+    """0.4 s to a first token against a 0.2 s deadline: cut (and retried elsewhere) when the
+    instance said the model was ready, kept when it said the call would wait 0.5 s."""
+    slow, spare = Slow("a", 0.4, reported_wait_s), FakeInstance("b", REPLY)
+    core = RouterCore({"a": slow, "b": spare}, "load", deadlines=fast(), refresh_after_call=False)
+    await core.refresh("a")
+    await core.refresh("b")
+    core.policy.choose = lambda *args: ["a", "b"]  # type: ignore[method-assign]
+    events = [e async for e in core.submit(request(0))]
+    assert slow.received == ["c0"]
+    assert events[-1].finished and events[-1].error is None
+    assert events[-1].instance_id == ("b" if cut else "a")
+    assert slow.aborted == (["c0"] if cut else [])

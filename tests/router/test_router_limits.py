@@ -16,6 +16,7 @@ from router_fakes import FakeInstance
 from test_api import chat_body, reply, serve
 
 from router.app import CORE_KEY
+from router.prefix_chain import ChainSample
 from router.sessions import SessionTable
 from router.tokenization import ModelTokenizer
 
@@ -31,9 +32,11 @@ class CountingTokenizer:
         self.inner = inner
         self.slow_over = slow_over
         self.encoded: list[int] = []
+        self.threads: list[str] = []  # the thread of each encode (its tokenizer lane)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encoded.append(len(text))
+        self.threads.append(threading.current_thread().name)
         if len(text) > self.slow_over:
             assert LARGE_ENCODE_GATE.wait(30)
         return self.inner.encode(text, add_special_tokens=add_special_tokens)
@@ -49,6 +52,7 @@ class CountingTokenizer:
     def __deepcopy__(self, memo: dict[int, Any]) -> CountingTokenizer:
         twin = CountingTokenizer(copy.deepcopy(self.inner, memo), self.slow_over)
         twin.encoded = self.encoded  # one count for both lanes
+        twin.threads = self.threads
         return twin
 
 
@@ -101,6 +105,54 @@ async def test_a_huge_prompt_is_refused_before_it_is_tokenized(model_dir: Path) 
     assert counting.encoded == []  # neither was tokenized
 
 
+def big_tools(description_bytes: int) -> list[dict[str, Any]]:
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}}
+    return [{"type": "function", "function": {"name": "read", "description": "d" * description_bytes,
+                                              "parameters": schema}}]
+
+
+async def test_tool_schemas_count_in_the_prompt_size(model_dir: Path) -> None:
+    """Small messages, huge tools: refused before tokenizing (both APIs), and tools under the
+    bound but over the small lane's size are tokenized in the large lane."""
+    base = ModelTokenizer.load("tiny", model_dir)
+    counting = CountingTokenizer(base.tokenizer)
+    tok = ModelTokenizer("tiny", counting, base.context_len, large_prompt_bytes=1000)
+    a = FakeInstance("a", reply(base))
+    too_big = base.context_len * 32 + 1
+    async with serve(tok, {"a": a}, tool_formats={"tiny": "hermes"}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(tools=big_tools(too_big)))
+        assert resp.status == 400 and "bytes" in (await resp.json())["error"]["message"]
+        anthropic = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                     "tools": [{"name": "read", "description": "d" * too_big,
+                                "input_schema": {"type": "object"}}]}
+        resp = await client.post("/v1/messages", json=anthropic)
+        assert resp.status == 400 and "bytes" in (await resp.json())["error"]["message"]
+        assert counting.encoded == []
+        resp = await client.post("/v1/chat/completions", json=chat_body(tools=big_tools(3000)))
+        assert resp.status == 200, await resp.text()
+    assert counting.threads == ["tokenize-large-tiny_0"]
+
+
+async def test_token_counts_take_a_place_under_the_in_flight_cap(tokenizer: ModelTokenizer) -> None:
+    from router.limits import RouterLimits
+
+    hold = asyncio.Event()
+    a = FakeInstance("a", reply(tokenizer), hold=hold)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello world"}]}
+    async with serve(tokenizer, {"a": a}, limits=RouterLimits(max_inflight_calls=1)) as client:
+        held = asyncio.ensure_future(client.post("/v1/chat/completions", json=chat_body()))
+        for _ in range(200):
+            if a.calls:
+                break
+            await asyncio.sleep(0.01)
+        resp = await client.post("/v1/messages/count_tokens", json=body)
+        assert resp.status == 429
+        hold.set()
+        assert (await held).status == 200
+        resp = await client.post("/v1/messages/count_tokens", json=body)
+        assert resp.status == 200 and (await resp.json())["input_tokens"] > 0
+
+
 async def test_a_large_prompt_does_not_hold_up_a_small_one(model_dir: Path) -> None:
     base = ModelTokenizer.load("tiny", model_dir)
     tok = ModelTokenizer("tiny", CountingTokenizer(base.tokenizer, slow_over=2000),
@@ -146,10 +198,10 @@ def test_the_session_table_evicts_the_least_recently_seen_idle_session() -> None
     table = SessionTable(ttl_s=1000.0, max_sessions=3)
     for i, sid in enumerate(["a", "b", "c"]):
         table.start_call(sid, "m", float(i), 10)
-    table.end_call("a", "i", 3.0, [], 10)
-    table.end_call("b", "i", 4.0, [], 10)
+    table.end_call("a", "i", 3.0, ChainSample.of([]), 10)
+    table.end_call("b", "i", 4.0, ChainSample.of([]), 10)
     table.start_call("a", "m", 5.0, 12)  # a is seen again: b is now the least recent idle
-    table.end_call("a", "i", 6.0, [], 12)
+    table.end_call("a", "i", 6.0, ChainSample.of([]), 12)
     table.start_call("d", "m", 7.0, 10)
     assert [s for s in "abcd" if s in table] == ["a", "c", "d"] and table.evicted == 1
     table.start_call("e", "m", 8.0, 10)  # c and d are busy: a (idle) goes

@@ -124,3 +124,10 @@ def test_tiny_template_renders_tools_and_tool_turns(tiny_tokenizer: ModelTokeniz
     plain = tiny_tokenizer.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_long_call_fed_a_character_at_a_time_is_the_same_call() -> None:
+    text = '<tool_call>{"name": "write", "arguments": {"text": "' + "x</tool_cal" * 400 + '"}}</tool_call> ok'
+    whole = _feed(text)
+    assert [c.name for c in whole.calls] == ["write"] and whole.text == "ok"
+    assert _feed(text, list(range(len(text)))).items == whole.items

@@ -61,5 +61,7 @@ def test_scale_up_is_the_copy_plus_a_fixed_cost() -> None:
         copy = switch_seconds("copy", qwen, None, staged=staged, sleep_wake=rates)
         assert switch_seconds("scale_up", qwen, None, staged=staged, sleep_wake=rates) == (
             pytest.approx(copy + AEGAEON_FIXED_S))
+        assert switch_seconds("scale_up", qwen, None, staged=staged, sleep_wake=rates,
+                              scale_up_fixed_s=1.0) == pytest.approx(copy + 1.0)
     with pytest.raises(ValueError, match="unknown switch"):
         switch_seconds("teleport", qwen, None, staged=False, sleep_wake=rates)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from substrate.host_kv_index import HostKVEntry, HostKVIndex
+from substrate.host_kv_index import ChainLookups, HostKVEntry, HostKVIndex
 
 
 def test_lookup_stops_at_the_first_missing_block() -> None:
@@ -119,3 +119,20 @@ def test_index_and_ledger_import_without_torch() -> None:
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_chain_lookups_answer_again_only_when_the_index_or_the_chain_changed() -> None:
+    index = HostKVIndex(capacity_bytes=10 * 100)
+    index.insert_chain("m", [1, 2, 3], 100)
+    lookups = ChainLookups(index)
+    calls = []
+    real = index.lookup
+    index.lookup = lambda *a, **k: calls.append(a) or real(*a, **k)  # type: ignore[method-assign]
+    assert lookups.lookup("s", "m", [1, 2, 3, 4]) == 3
+    assert lookups.lookup("s", "m", [1, 2, 3, 4]) == 3 and len(calls) == 1  # cached
+    assert lookups.lookup("s", "m", [1, 2, 3, 4, 5]) == 3 and len(calls) == 2  # chain grew
+    index.insert_chain("m", [1, 2, 3, 4], 100)
+    assert lookups.lookup("s", "m", [1, 2, 3, 4, 5]) == 4 and len(calls) == 3  # index changed
+    assert lookups.lookup("s", "other", [1, 2, 3, 4, 5]) == 0  # another model's blocks
+    lookups.forget("s")
+    assert lookups.lookup("s", "m", []) == 0

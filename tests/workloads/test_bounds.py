@@ -91,6 +91,10 @@ def test_each_sessions_time_split_adds_up_to_its_sct() -> None:
         for session in result.sessions:
             parts = session_parts(session.calls, own.get(session.session_id))
             assert set(parts) == set(PARTS)
+            # queue and slot_wait are residuals, so the sum below holds by construction; what
+            # can fail is a negative residual: the instance accounting more time than the
+            # call took, or a call's own compute and KV rebuild exceeding its service.
+            assert all(v >= -1e-6 * session.sct_s for v in parts.values()), parts
             assert sum(parts.values()) == pytest.approx(session.sct_s, rel=0.01)
             assert parts["own"] == pytest.approx(sum(own[session.session_id].values()))
             assert parts["tool_gaps"] == pytest.approx(
@@ -105,3 +109,15 @@ def test_each_sessions_time_split_adds_up_to_its_sct() -> None:
     switched = summarize(runs[0], own).breakdown
     assert switched["switch"] > 0 and switched["recompute"] > 0  # baseline drops KV
     assert summarize(runs[2], own).breakdown["restore"] > 0  # LMCache restores it
+
+
+def test_the_report_flags_a_row_below_a_bound() -> None:
+    from workloads.report import Benchmark, PolicyStats, below_bounds, format_table
+
+    def stats(name: str, p50: float, p95: float) -> PolicyStats:
+        return PolicyStats(name, 1, 1, 0, p50, p95, p50, 0.0, 0.0, p95, 0, 0, 0, 0, 0, 0.0)
+
+    bench = Benchmark({"good": stats("good", 300.0, 800.0), "odd": stats("odd", 250.0, 800.0)},
+                      stats("isolated", 175.0, 541.0), {}, {}, stats("ideal", 276.0, 702.0))
+    assert below_bounds(bench) == ["odd p50 250.0 < ideal 276.0"]
+    assert "!! below a bound" in format_table(bench)
