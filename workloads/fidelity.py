@@ -44,7 +44,7 @@ MODEL_MAP = {"qwen3-235b-a22b": "tiny-qwen3-moe", "glm-4.5-air": "tiny-qwen3",
 
 @dataclass(frozen=True)
 class ReplaySetup:
-    sessions: int = 8
+    sessions: int = 16
     max_calls: int = 10  # per session
     token_scale: float = 0.04
     time_scale: float = 0.1

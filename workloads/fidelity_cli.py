@@ -24,6 +24,8 @@ from typing import Any
 
 import orjson
 
+from workloads.fidelity import ReplaySetup
+
 __all__ = ["register", "run_fidelity_command"]
 
 
@@ -37,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per step-time point")
     p.add_argument("--policies", default="baseline,+host_kv,talaria")
+    p.add_argument("--sessions", type=int, default=ReplaySetup.sessions,
+                   help=f"sessions of the replay (default {ReplaySetup.sessions})")
     p.add_argument("--skip-steps", action="store_true", help="no step-time comparison")
     p.add_argument("--skip-replay", action="store_true", help="no replay comparison")
     p.set_defaults(func=run_fidelity_command)
@@ -71,7 +75,8 @@ def run_fidelity_command(args: argparse.Namespace) -> int:
             out["step_time"] = _step_time(spec_path, args.repeats)
             out["load_average"]["after_step_time"] = _load()
         if not args.skip_replay:
-            out["replay"] = _replay(spec_path, args.policies.split(","), args.threads)
+            out["replay"] = _replay(spec_path, args.policies.split(","), args.threads,
+                                    args.sessions)
             out["load_average"]["after_replay"] = _load()
     finally:
         torch.set_num_threads(saved_threads)
@@ -96,18 +101,19 @@ def _step_time(spec_path: Path, repeats: int) -> dict[str, Any]:
     return summarize(results)
 
 
-def _replay(spec_path: Path, policies: list[str], threads: int) -> dict[str, dict[str, float]]:
+def _replay(
+    spec_path: Path, policies: list[str], threads: int, num_sessions: int
+) -> dict[str, dict[str, float]]:
     from engine.sim.model_spec import ModelSpec
     from talaria.paths import ensure_tiny_models
     from workloads.fidelity import (
-        ReplaySetup,
         compare,
         fidelity_trace,
         format_replay_table,
         replay_pair,
     )
 
-    setup = ReplaySetup()
+    setup = ReplaySetup(sessions=num_sessions)
     models = ensure_tiny_models("small")
     catalog = {name: ModelSpec.from_hf_config(path, name) for name, path in models.items()}
     sessions = fidelity_trace(setup, catalog)

@@ -18,7 +18,9 @@ few constants and nothing per data point (``talaria.bench.calibrate_kernels``):
 - the live engine's host overheads: decode steps of tiny-shape checkpoints of 1 and 4
   layers (dense and MoE), of 1 and 32 sequences, at TP=1 and TP=2, less what the cost model
   with the rates above predicts for them: per step, per layer, per MoE layer, per sequence,
-  per TP step.
+  per TP step, and the all-reduce latency inside a TP step (from the TP=2 cost per layer):
+  measured on this 2-core machine it is several times the isolated ping's, as a collective
+  there also waits for the slower rank (the driver's Python shares the cores with rank 1).
 The GPU presets are untouched: a CPU says nothing about an H200's constants.
 """
 
@@ -167,10 +169,10 @@ def _engine_overheads(
                 path = write_random_checkpoint(Path(tmp) / f"{arch}-{layers}", arch, size="tiny",
                                                num_hidden_layers=layers)
                 spec = ModelSpec.from_hf_config(path)
-                tps = (1, 2) if arch == "llama" and layers == OVERHEAD_LAYERS[0] else (1,)
-                for tp in tps:
-                    points = [one, many] if arch == "llama" else [one]
-                    for m in measure_steps(path, points, tp=tp, repeats=repeats):
+                for tp in (1, 2) if arch == "llama" else (1,):
+                    points = [one, many] if arch == "llama" and tp == 1 else [one]
+                    # TP steps vary far more (two processes on the cores): more repeats
+                    for m in measure_steps(path, points, tp=tp, repeats=repeats * tp):
                         key = (arch, layers, m.point.tokens, tp)
                         residual[key] = m.seconds - _physics_seconds(server, spec, tp, m)
     lo, hi = OVERHEAD_LAYERS
@@ -180,11 +182,20 @@ def _engine_overheads(
     moe_lo, moe_hi = residual["qwen3_moe", lo, 1, 1], residual["qwen3_moe", hi, 1, 1]
     per_moe_layer = (moe_hi - moe_lo) / (hi - lo) - per_layer
     per_step = base - lo * per_layer - per_seq
-    per_tp_step = residual["llama", lo, 1, 2] - base
+    # What a TP=2 layer costs beyond its two collectives priced at the isolated latency: a
+    # collective inside a step also waits for the slower rank, so it is priced at the
+    # latency seen there (one constant for all collectives, from 1 and 4 layers).
+    tp_extra_per_layer = ((residual["llama", hi, 1, 2] - residual["llama", lo, 1, 2])
+                          - (residual["llama", hi, 1, 1] - base)) / (hi - lo)
+    in_step_extra = max(0.0, tp_extra_per_layer / 2)
+    isolated = dict(server.efficiency)["allreduce_latency_s"]
+    collectives = 2 * lo + 2  # the cost model's count per step (CostModel.step_cost)
+    per_tp_step = residual["llama", lo, 1, 2] - base - collectives * in_step_extra
     out = {"step_overhead_s": per_step, "layer_overhead_s": per_layer,
            "moe_layer_overhead_s": per_moe_layer, "seq_overhead_s": per_seq,
-           "tp_step_overhead_s": per_tp_step}
-    log("  engine overheads: " + ", ".join(f"{n[:-2]} {v * 1e6:.0f} us" for n, v in out.items()))
+           "tp_step_overhead_s": per_tp_step, "allreduce_latency_s": isolated + in_step_extra}
+    log("  engine overheads: " + ", ".join(f"{n[:-2]} {v * 1e6:.0f} us" for n, v in out.items())
+        + f" (in a step; alone {isolated * 1e6:.0f} us)")
     return {name: max(0.0, value) for name, value in out.items()}
 
 

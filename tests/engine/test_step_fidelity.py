@@ -101,8 +101,10 @@ def test_overlap_is_read_off_the_streamed_layers() -> None:
 def test_the_engine_overheads_fit_into_a_spec_the_cost_model_loads() -> None:
     overheads = _engine_overheads(SERVER, log=lambda _line: None, repeats=2)
     assert set(overheads) == {"step_overhead_s", "layer_overhead_s", "moe_layer_overhead_s",
-                              "seq_overhead_s", "tp_step_overhead_s"}
+                              "seq_overhead_s", "tp_step_overhead_s", "allreduce_latency_s"}
     assert all(v >= 0 for v in overheads.values())
+    # the latency inside a step: never below the isolated ping's it starts from
+    assert overheads["allreduce_latency_s"] >= dict(SERVER.efficiency)["allreduce_latency_s"]
     efficiency = tuple(sorted({**dict(SERVER.efficiency), **overheads}.items()))
     server = dataclasses.replace(SERVER, efficiency=efficiency)
     loaded = server_from_dict(calibration_dict(server, {"threads_per_rank": 1}))
