@@ -9,7 +9,7 @@ TRACE ?=
 SERVERS ?= 1
 ARGS ?=
 
-.PHONY: venv test test-fast bench replay demo serve models lint clean
+.PHONY: venv test test-fast bench replay calibrate fidelity demo serve models lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,15 @@ bench: $(STAMP)
 
 replay: $(STAMP)
 	$(VENV)/bin/talaria replay $(if $(TRACE),--trace $(TRACE)) --servers $(SERVERS) $(ARGS)
+
+# This machine as a server spec the simulator loads (--server cpu_server.json).
+calibrate: $(STAMP)
+	$(VENV)/bin/talaria calibrate $(ARGS)
+
+# The simulator against the live engine here: step-time error and live vs simulated replay;
+# prints both tables, writes fidelity.json (calibrates first unless cpu_server.json exists).
+fidelity: $(STAMP)
+	$(VENV)/bin/talaria fidelity $(ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/talaria demo $(ARGS)

@@ -264,12 +264,15 @@ def _is_number(value: Any) -> bool:
 # ---- responses -----------------------------------------------------------------------------
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               restored_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.restored_tokens`` (an extension) says how many
+    of the cached prompt tokens were restored from the host KV store."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens, "restored_tokens": restored_tokens},
     }
 
 

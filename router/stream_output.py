@@ -109,7 +109,8 @@ class OutputAssembler:
         stopped_here = self._stop.stopped  # cut at the router: count the tokens received
         completion = reported.completion_tokens if reported and not stopped_here else len(self.token_ids)
         cached = reported.cached_tokens if reported else 0
-        return schema.usage_dict(prompt, completion, cached)
+        restored = reported.restored_tokens if reported else 0
+        return schema.usage_dict(prompt, completion, cached, restored)
 
     def chat_logprobs(self, piece: Piece | None = None) -> dict[str, Any] | None:
         if not self._want_logprobs:

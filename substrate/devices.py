@@ -6,11 +6,22 @@ live arena is sized from the real device, not from here.
 Every constant names its source. Capacities are the datasheet figures in decimal units (the
 driver exposes slightly more on both parts; taking the datasheet figure is the conservative
 choice). Rates are per GPU and per direction unless a comment says otherwise.
+
+A server can also be a measured one: ``talaria calibrate`` writes this machine (its CPU cores
+as the devices) as a JSON file that :func:`resolve_server` loads wherever a preset name is
+accepted (``--server path.json``). Its rates are achieved rates, so its ``efficiency``
+overrides set the cost model's efficiency factors to 1 and give its measured overheads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
 
 GB = 1_000_000_000
 TB = 1_000 * GB
@@ -32,6 +43,14 @@ class DeviceSpec:
     nvlink_bytes_per_s: float  # per direction, to the NVSwitch fabric
     host_link_bytes_per_s: float  # pinned host<->device copy, measured (not the PCIe peak)
     d2d_bytes_per_s: float  # device-to-device copy within one GPU's HBM
+    # Achieved rates of the attention kernel and the KV moves, where they were measured
+    # (a calibrated server); None: the peaks above at the cost model's efficiencies.
+    attention_flops: float | None = None  # QK^T and PV FLOPs in the attention kernel
+    attention_scores_per_s: float | None = None  # prefill (query, key, head) scores' softmax
+    decode_scores_per_s: float | None = None  # the same for decodes (one query per sequence)
+    kv_read_bytes_per_s: float | None = None  # attention reading the KV context
+    kv_offload_bytes_per_s: float | None = None  # device KV blocks -> host KV store
+    kv_restore_bytes_per_s: float | None = None  # host KV store -> device KV blocks
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -44,6 +63,22 @@ class DeviceSpec:
         ):
             if getattr(self, field_name) <= 0:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field_name} must be positive")
+        for field_name in _MEASURED_RATES:
+            value = getattr(self, field_name)
+            if value is not None and not value > 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {field_name} must be positive")
+
+    @property
+    def kv_offload_rate(self) -> float:
+        return self.kv_offload_bytes_per_s or self.host_link_bytes_per_s
+
+    @property
+    def kv_restore_rate(self) -> float:
+        return self.kv_restore_bytes_per_s or self.host_link_bytes_per_s
+
+
+_MEASURED_RATES = ("attention_flops", "attention_scores_per_s", "decode_scores_per_s",
+                   "kv_read_bytes_per_s", "kv_offload_bytes_per_s", "kv_restore_bytes_per_s")
 
 
 @dataclass(frozen=True)
@@ -54,6 +89,8 @@ class ServerSpec:
     device: DeviceSpec
     num_devices: int = 8
     host_memory_bytes: int = 2 * TB
+    # (field, value) overrides of engine.sim.cost_model.Efficiency (a measured server's).
+    efficiency: tuple[tuple[str, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
@@ -103,9 +140,65 @@ DEFAULT_SERVER = "h200x8"
 
 
 def server_preset(name: str = DEFAULT_SERVER) -> ServerSpec:
-    """The named server preset; a clear error lists the known names."""
+    """The named server preset, or the server of a JSON file (a name ending in ``.json``,
+    as ``talaria calibrate`` writes); a clear error lists the known names."""
+    if name.endswith(".json"):
+        return load_server(name)
     try:
         return SERVERS[name]
     except KeyError:
         known = ", ".join(sorted(SERVERS))
-        raise ValueError(f"unknown server preset {name!r}; known presets: {known}") from None
+        raise ValueError(f"unknown server preset {name!r}; known presets: {known}, or a "
+                         "server JSON file (talaria calibrate)") from None
+
+
+_SERVER_KEYS = {"name", "device", "num_devices", "host_memory_bytes", "efficiency"}
+
+
+def server_to_dict(server: ServerSpec) -> dict[str, Any]:
+    """The JSON form :func:`server_from_dict` reads (``calibration`` may be added beside it:
+    how the numbers were measured, kept for people and ignored when loading)."""
+    return {
+        "name": server.name,
+        "device": dataclasses.asdict(server.device),
+        "num_devices": server.num_devices,
+        "host_memory_bytes": server.host_memory_bytes,
+        "efficiency": dict(server.efficiency),
+    }
+
+
+def server_from_dict(data: Mapping[str, Any]) -> ServerSpec:
+    unknown = sorted(set(data) - _SERVER_KEYS - {"calibration"})
+    missing = sorted({"name", "device"} - set(data))
+    if unknown or missing:
+        raise ValueError(f"server spec: unknown keys {unknown}, missing keys {missing}")
+    device_fields = {f.name for f in dataclasses.fields(DeviceSpec)}
+    device = dict(data["device"])
+    if set(device) - device_fields:
+        raise ValueError(f"server spec device: unknown keys {sorted(set(device) - device_fields)}")
+    efficiency = data.get("efficiency", {})
+    if not isinstance(efficiency, Mapping) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in efficiency.values()
+    ):
+        raise ValueError(f"server spec efficiency must map names to numbers, got {efficiency!r}")
+    try:
+        return ServerSpec(
+            name=str(data["name"]),
+            device=DeviceSpec(**device),
+            num_devices=int(data.get("num_devices", 1)),
+            host_memory_bytes=int(data.get("host_memory_bytes", TB)),
+            efficiency=tuple(sorted((str(k), float(v)) for k, v in efficiency.items())),
+        )
+    except TypeError as exc:
+        raise ValueError(f"server spec: {exc}") from None
+
+
+def load_server(path: str | Path) -> ServerSpec:
+    """Read a server spec JSON file; errors name the file."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"server spec file {str(file)!r} does not exist")
+    try:
+        return server_from_dict(orjson.loads(file.read_bytes()))
+    except (ValueError, orjson.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: {exc}") from None

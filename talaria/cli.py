@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+CPU_SPEC_PATH = "cpu_server.json"  # where `talaria calibrate` writes this machine's spec
+
 
 def _cmd_make_models(args: argparse.Namespace) -> int:
     from engine.models.tiny import make_tiny_models
@@ -28,6 +30,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(size=args.size, max_tokens=args.max_tokens)
     return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from talaria.bench.calibrate import run_calibrate_command
+
+    return run_calibrate_command(args.out, args.threads)
 
 
 def _router_app(config: Any, urls: dict[str, str]) -> Any:
@@ -77,11 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=24)
     p.set_defaults(func=_cmd_demo)
 
+    p = sub.add_parser("calibrate", help="measure this machine as a server spec the simulator "
+                       "loads (--server path.json)")
+    p.add_argument("--out", default=CPU_SPEC_PATH, help=f"default {CPU_SPEC_PATH}")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.set_defaults(func=_cmd_calibrate)
+
     from talaria.serve_cli import add_serve_commands
+    from workloads.fidelity_cli import register as add_fidelity_command
     from workloads.replay_cli import register as add_replay_command
 
     add_serve_commands(sub, _router_app)
     add_replay_command(sub)
+    add_fidelity_command(sub)
     return parser
 
 

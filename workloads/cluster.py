@@ -14,8 +14,9 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.sim.config import SimEngineConfig
 from engine.sim.engine import SimEngine
-from engine.sim.model_spec import DEFAULT_CATALOG
+from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec
 from router.core import RouterCore
 from router.deadlines import Deadlines
 from router.health import HealthPoller
@@ -39,6 +40,14 @@ class ClusterSpec:
     max_fused_decode_steps: int = 8
     poll_interval_s: float = 1.0  # how often the router refreshes every instance's state
     kv_tokens: int | None = None  # every engine's KV capacity per model (None: its layout's)
+    # Specs of catalog models that are not bundled (e.g. read from a checkpoint's
+    # config.json), found by name; the others are loaded by name.
+    model_specs: tuple[ModelSpec, ...] = ()
+    # Host KV store of an instance whose system has one (None: what host memory leaves).
+    host_kv_bytes: int | None = None
+    # The engine's step budget (None: SimEngineConfig's defaults).
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.servers < 1:
@@ -47,6 +56,29 @@ class ClusterSpec:
             raise ValueError("the cluster needs at least one model")
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
+        extra = {m.name for m in self.model_specs} - set(self.models)
+        if extra:
+            raise ValueError(f"model_specs name models the catalog does not serve: {sorted(extra)}")
+
+    def catalog(self, models: Sequence[str] | None = None) -> dict[str, ModelSpec]:
+        """Name -> spec of ``models`` (default: the cluster's catalog)."""
+        given = {m.name: m for m in self.model_specs}
+        return {name: given.get(name) or ModelSpec.load(name)
+                for name in (models if models is not None else self.models)}
+
+    def engine_config(self, system: SystemConfig) -> SimEngineConfig:
+        """The simulated engine of one instance of ``system`` on this cluster."""
+        overrides: dict[str, int] = {}
+        if self.kv_tokens is not None:
+            overrides["kv_tokens"] = self.kv_tokens
+        if self.host_kv_bytes is not None and system.host_kv:
+            overrides["host_kv_bytes"] = self.host_kv_bytes
+        for key in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, key) is not None:
+                overrides[key] = getattr(self, key)
+        return system.engine_config(self.server, self.tp, block_size=self.block_size,
+                                    max_fused_decode_steps=self.max_fused_decode_steps,
+                                    **overrides)
 
 
 @dataclass
@@ -116,14 +148,10 @@ async def start_cluster(
     running loop. ``models`` overrides ``spec.models`` (the catalog every instance serves)."""
     spec = spec or ClusterSpec()
     loop = asyncio.get_running_loop()
-    catalog = list(models if models is not None else spec.models)
+    catalog = spec.catalog(models)
     engines: dict[str, SimEngine] = {}
     instances: dict[str, Instance] = {}
-    overrides = {"kv_tokens": spec.kv_tokens} if spec.kv_tokens is not None else {}
-    config = system.engine_config(
-        spec.server, spec.tp, block_size=spec.block_size,
-        max_fused_decode_steps=spec.max_fused_decode_steps, **overrides,
-    )
+    config = spec.engine_config(system)
     for iid in instance_ids(spec.servers):
         engine = SimEngine(catalog, config, clock=loop.time)
         inst = Instance(iid, engine, system.policy, record_splits=True)

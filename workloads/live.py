@@ -142,8 +142,10 @@ class LiveTarget:
         if error is not None:
             return CallOutcome(first, loop.time(), [], error=error), RETRY_WAIT_S
         n_out = int(usage["completion_tokens"]) if usage else 0
-        cached = int((usage or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0))
-        return CallOutcome(first, loop.time(), tokens.take(n_out), cached_tokens=cached), None
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        return CallOutcome(first, loop.time(), tokens.take(n_out),
+                           cached_tokens=int(details.get("cached_tokens", 0)),
+                           restored_tokens=int(details.get("restored_tokens", 0))), None
 
 
 def scale_sessions(

@@ -28,7 +28,7 @@ import random
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,6 +50,7 @@ __all__ = [
     "CallOutcome",
     "Target",
     "SessionTokens",
+    "StandInOutputs",
     "next_prompt",
     "drive",
     "run_sim",
@@ -324,6 +325,19 @@ class SimTarget:
         return CallOutcome(None, loop.time(), [], error="overloaded on every retry")
 
 
+class StandInOutputs:
+    """A target whose outputs come back as stand-in ids from the session's generator, as a
+    live target's do (its HTTP answer is text): the same prompts as a live replay."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
+        outcome = await self.target.call(request, tokens)
+        outcome.output_token_ids = tokens.take(len(outcome.output_token_ids))
+        return outcome
+
+
 async def collect_outcome(
     events: AsyncIterator[CallEvent], instance_id: str | None = None
 ) -> CallOutcome:
@@ -349,9 +363,11 @@ async def collect_outcome(
     return CallOutcome(first, loop.time(), out, error="stream ended without a finish")
 
 
-def model_limits(models: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
-    """(vocab size, context length) of each catalog model."""
-    specs = {m: ModelSpec.load(m) for m in models}
+def model_limits(
+    models: Sequence[str] | Mapping[str, ModelSpec],
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(vocab size, context length) of each catalog model (bundled names, or their specs)."""
+    specs = dict(models) if isinstance(models, Mapping) else {m: ModelSpec.load(m) for m in models}
     return ({m: s.vocab_size for m, s in specs.items()},
             {m: s.max_position_embeddings for m, s in specs.items()})
 
@@ -365,25 +381,36 @@ def run_sim(
     progress: bool = False,
     send_session_ids: bool = True,
     shared_prefix_tokens: int = 0,
+    time_scale: float = 1.0,
+    vocab_size: int | None = None,
+    output_kv_reusable: bool = True,
 ) -> ReplayResult:
     """Replay ``sessions`` on a simulated cluster of ``system`` under a fresh virtual loop
-    (``send_session_ids``, ``shared_prefix_tokens``: see :func:`drive`)."""
+    (``send_session_ids``, ``shared_prefix_tokens``, ``time_scale``: see :func:`drive`).
+    ``vocab_size``: prompt ids from ``[0, vocab_size)`` rather than each model's vocabulary;
+    ``output_kv_reusable`` False: the next prompt continues with stand-in ids for each
+    output, as a live replay's does (the output's KV is then not reused)."""
     spec = spec or ClusterSpec()
     unknown = sorted({s.model for s in sessions} - set(spec.models))
     if unknown:
         raise ValueError(f"trace sessions use model(s) {unknown} that the cluster does not "
                          f"serve ({list(spec.models)}); assign catalog models first")
-    vocab, context = model_limits(spec.models)
+    vocab, context = model_limits(spec.catalog())
     wall = time.perf_counter()
 
     async def main() -> ReplayResult:
         cluster = await start_cluster(system, spec)
+        target: Target = SimTarget(cluster.router)
+        if not output_kv_reusable:
+            target = StandInOutputs(target)
         try:
             results = await drive(
-                sessions, SimTarget(cluster.router), seed=seed, vocab_of=vocab.__getitem__,
+                sessions, target, seed=seed,
+                vocab_of=vocab.__getitem__ if vocab_size is None else lambda _m: vocab_size,
                 context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
                 desc=system.name, send_session_ids=send_session_ids,
-                shared_prefix_tokens=shared_prefix_tokens,
+                shared_prefix_tokens=shared_prefix_tokens, time_scale=time_scale,
+                output_kv_reusable=output_kv_reusable,
             )
             totals = cluster.totals()
             attach_splits(results, cluster.call_splits(), cluster.engines)

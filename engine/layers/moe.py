@@ -30,6 +30,9 @@ from torch import nn
 from engine.layers.linear import ReplicatedLinear, copy_checked, divide
 from engine.parallel_context import ParallelContext
 
+# Batches of up to this many tokens take the dense path (every expert on every token).
+DENSE_MAX_TOKENS = 64
+
 
 class SparseMoE(nn.Module):
     def __init__(
@@ -41,7 +44,7 @@ class SparseMoE(nn.Module):
         renormalize: bool,
         parallel: ParallelContext,
         dtype: torch.dtype,
-        dense_max_tokens: int = 64,
+        dense_max_tokens: int = DENSE_MAX_TOKENS,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:

@@ -1,10 +1,25 @@
 """Step and transfer times of a real server, for the simulated engine.
 
-A step is a roofline: ``max(FLOPs / effective FLOP rate, bytes / effective HBM rate)`` per GPU,
-plus the tensor-parallel all-reduces (two per layer) and a fixed per-step engine overhead.
-FLOPs count the active linear parameters, the LM head for the rows that sample, and attention
-over the context (QK^T and PV). Bytes count the weights a step touches (for MoE layers, the
-experts a batch of T tokens is expected to hit) and the KV cache it reads and writes.
+A step is a roofline: ``max(compute, memory)`` per GPU, where compute is the FLOPs over the
+effective FLOP rate and memory the bytes over the effective HBM rate, plus the tensor-parallel
+collectives (two all-reduces per layer, the vocab-parallel embedding's all-reduce and the
+logits' all-gather) and a fixed per-step engine overhead. FLOPs count the active linear
+parameters, the LM head for the rows that sample, and attention over the context (QK^T and
+PV). Bytes count the weights a step touches (for MoE layers, the experts a batch of T tokens
+is expected to hit) and the KV cache it reads and writes.
+
+Terms a measured server (``talaria calibrate``: a CPU) needs and the GPU presets leave at
+their neutral defaults, so the presets price exactly the roofline above:
+- ``Efficiency.overlap``: how much of the smaller of compute and memory hides behind the
+  larger (1: the roofline's max; a CPU's matrix products overlap little, so nearer the sum);
+- the attention kernel's own rates (``DeviceSpec.attention_flops``, ``kv_read_bytes_per_s``,
+  and the work per (query, key, head) score beyond its products, for prefill chunks
+  (``attention_scores_per_s``: the softmax, which fused GPU kernels hide behind their
+  matrix products) and for decodes (``decode_scores_per_s``: one query per sequence leaves
+  a tiled kernel's per-tile work unshared));
+- host overheads that grow with the work: per layer (launching its ops), per MoE layer, per
+  scheduled sequence (bookkeeping, sampling), per step at TP > 1 (sending it to the ranks);
+- ``moe_dense_max_tokens``: an engine that runs every expert on batches up to that size.
 
 Switch times of the substrate (a model becoming active on the instance; other engines'
 switches are in ``engine.sim.switching``):
@@ -17,12 +32,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.sim.model_spec import ModelSpec
 from substrate.devices import ServerSpec, server_preset
-
-ACTIVATION_DTYPE_BYTES = 2  # bf16 activations travel in the TP all-reduces
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,37 @@ class Efficiency:
     # vLLM's default gpu_memory_utilization is 0.9: the other 10% of HBM is left for the CUDA
     # context, NCCL buffers, activations and CUDA graphs (vLLM EngineArgs documentation).
     memory_reserve_fraction: float = 0.10
+    # Terms of a measured server (see the module doc); neutral for the GPU presets, whose
+    # per-step overhead above stands for the whole host side of a step.
+    overlap: float = 1.0
+    layer_overhead_s: float = 0.0
+    moe_layer_overhead_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    tp_step_overhead_s: float = 0.0
+    moe_dense_max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "memory", "nvlink"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Efficiency.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"Efficiency.overlap must be in [0, 1], got {self.overlap!r}")
+        for name in ("allreduce_latency_s", "step_overhead_s", "layer_overhead_s",
+                     "moe_layer_overhead_s", "seq_overhead_s", "tp_step_overhead_s",
+                     "moe_dense_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Efficiency.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of_server(cls, server: ServerSpec) -> Efficiency:
+        """The defaults with the server's own overrides (a measured server's)."""
+        known = {f.name: f.type for f in fields(cls)}
+        values: dict[str, float | int] = {}
+        for name, value in server.efficiency:
+            if name not in known:
+                raise ValueError(f"server {server.name!r}: unknown efficiency field {name!r}")
+            values[name] = int(value) if known[name] == "int" else value
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -61,14 +105,25 @@ class StepCost:
     memory_s: float
     allreduce_s: float
     overhead_s: float
+    overlap: float = 1.0  # Efficiency.overlap
+    # compute_s and memory_s by part: linear layers and LM head, attention's products and
+    # its softmax work; weights and KV read
+    parts: tuple[tuple[str, float], ...] = ()
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.allreduce_s + self.overhead_s
+        both = combine(self.compute_s, self.memory_s, self.overlap)
+        return both + self.allreduce_s + self.overhead_s
 
     @property
     def memory_bound(self) -> bool:
         return self.memory_s >= self.compute_s
+
+
+def combine(compute_s: float, memory_s: float, overlap: float) -> float:
+    """Compute and memory time of one step with ``overlap`` of the smaller hidden: the
+    larger plus what is not hidden of the smaller (= overlap * max + (1 - overlap) * sum)."""
+    return max(compute_s, memory_s) + (1.0 - overlap) * min(compute_s, memory_s)
 
 
 class CostModel:
@@ -95,7 +150,7 @@ class CostModel:
         self.device = server.device
         self.model = model
         self.tp = tp
-        self.eff = efficiency or Efficiency()
+        self.eff = efficiency or Efficiency.of_server(server)
 
     @classmethod
     def from_names(
@@ -140,46 +195,72 @@ class CostModel:
     # --- compute ----------------------------------------------------------------------------
     def _experts_touched_fraction(self, num_tokens: int) -> float:
         """Expected share of a MoE layer's routed experts that ``num_tokens`` tokens hit under
-        uniform routing: 1 - (1 - k/E)^T."""
+        uniform routing: 1 - (1 - k/E)^T; all of them where the engine runs every expert."""
         m = self.model
         if m.num_moe_layers == 0 or num_tokens <= 0:
             return 0.0
+        if num_tokens <= self.eff.moe_dense_max_tokens:
+            return 1.0
         return 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** num_tokens
 
+    def _linear_flops(self, tokens: int, logit_rows: int) -> float:
+        m = self.model
+        params = m.active_linear_params
+        if m.num_moe_layers and tokens <= self.eff.moe_dense_max_tokens:
+            params += m.num_moe_layers * (m.num_experts - m.num_experts_per_tok) * m.expert_params
+        return 2.0 * params * tokens + 2.0 * m.vocab_size * m.hidden_size * logit_rows
+
     def _step(
-        self, tokens: int, attention_pairs: float, kv_read_tokens: int, logit_rows: int
+        self, tokens: int, attention_pairs: float, kv_read_tokens: int, logit_rows: int,
+        decode_pairs: float = 0.0,
     ) -> StepCost:
         """One forward pass over ``tokens`` new tokens. ``attention_pairs`` is the number of
-        (query, key) pairs attention scores; ``kv_read_tokens`` the KV tokens it reads."""
+        (query, key) pairs attention scores, ``decode_pairs`` of them the decodes' (one query
+        per sequence); ``kv_read_tokens`` the KV tokens it reads."""
         if tokens <= 0:
             return StepCost(0.0, 0.0, 0.0, 0.0)
-        m, tp = self.model, self.tp
-        flops = (
-            2.0 * m.active_linear_params * tokens
-            + 2.0 * m.vocab_size * m.hidden_size * logit_rows
-            + 4.0 * m.num_layers * m.num_attention_heads * m.head_dim * attention_pairs
-        ) / tp
+        m, tp, dev, eff = self.model, self.tp, self.device, self.eff
+        flop_rate = dev.bf16_flops * eff.compute
+        hbm_rate = dev.hbm_bytes_per_s * eff.memory
+        scores = m.num_layers * m.num_attention_heads * attention_pairs / tp
+        decode_scores = m.num_layers * m.num_attention_heads * decode_pairs / tp
+        linear_s = self._linear_flops(tokens, logit_rows) / tp / flop_rate
+        attention_s = 4.0 * m.head_dim * scores / (dev.attention_flops or flop_rate)
+        prefill_rate, decode_rate = dev.attention_scores_per_s, dev.decode_scores_per_s
+        scores_s = ((scores - decode_scores) / prefill_rate if prefill_rate else 0.0) + (
+            decode_scores / decode_rate if decode_rate else 0.0)
         weight_bytes = (
             m.always_active_linear_params
             + self._experts_touched_fraction(tokens) * m.routed_expert_params
         ) * m.weight_dtype_bytes + m.vocab_size * m.hidden_size * max(2, m.weight_dtype_bytes)
         kv_bytes = (kv_read_tokens + tokens) * self.kv_bytes_per_token_per_gpu()
-        bytes_per_gpu = weight_bytes / tp + kv_bytes
-        return StepCost(
-            compute_s=flops / (self.device.bf16_flops * self.eff.compute),
-            memory_s=bytes_per_gpu / (self.device.hbm_bytes_per_s * self.eff.memory),
-            allreduce_s=self._allreduce_seconds(tokens),
-            overhead_s=self.eff.step_overhead_s,
+        weights_s = weight_bytes / tp / hbm_rate
+        kv_s = kv_bytes / (dev.kv_read_bytes_per_s or hbm_rate)
+        overhead_s = (
+            eff.step_overhead_s
+            + m.num_layers * eff.layer_overhead_s
+            + m.num_moe_layers * eff.moe_layer_overhead_s
+            + logit_rows * eff.seq_overhead_s
+            + (eff.tp_step_overhead_s if tp > 1 else 0.0)
         )
+        return StepCost(linear_s + attention_s + scores_s, weights_s + kv_s,
+                        self._collective_seconds(tokens, logit_rows), overhead_s, eff.overlap,
+                        (("linear", linear_s), ("attention", attention_s), ("scores", scores_s),
+                         ("weights", weights_s), ("kv", kv_s)))
 
-    def _allreduce_seconds(self, tokens: int) -> float:
-        """Two ring all-reduces per layer (after attention, after the MLP/MoE)."""
+    def _collective_seconds(self, tokens: int, logit_rows: int) -> float:
+        """Two ring all-reduces per layer (after attention, after the MLP/MoE), one for the
+        vocab-parallel embedding, and the all-gather of the logits of the sampling rows."""
         tp = self.tp
         if tp == 1:
             return 0.0
-        size = tokens * self.model.hidden_size * ACTIVATION_DTYPE_BYTES
-        one = 2.0 * (tp - 1) / tp * size / (self.device.nvlink_bytes_per_s * self.eff.nvlink)
-        return 2 * self.model.num_layers * (one + self.eff.allreduce_latency_s)
+        m = self.model
+        rate = self.device.nvlink_bytes_per_s * self.eff.nvlink
+        act = m.activation_dtype_bytes
+        reduce_one = 2.0 * (tp - 1) / tp * tokens * m.hidden_size * act / rate
+        gather = (tp - 1) / tp * logit_rows * m.vocab_size * act / rate
+        latency = self.eff.allreduce_latency_s
+        return (2 * m.num_layers + 1) * (reduce_one + latency) + gather + latency
 
     def prefill_seconds(self, num_tokens: int, context_tokens: int = 0) -> float:
         """Prefill ``num_tokens`` new tokens of one sequence after ``context_tokens`` cached
@@ -226,7 +307,7 @@ class CostModel:
         if decode_context and not decode_seqs:
             raise ValueError("decode_context given without decode sequences")
         tokens = decode_seqs
-        pairs = float(decode_context + decode_seqs)
+        decode_pairs = pairs = float(decode_context + decode_seqs)
         kv_read = decode_context
         rows = decode_seqs
         for new, ctx in prefill_chunks:
@@ -237,7 +318,7 @@ class CostModel:
             pairs += new * ctx + new * (new + 1) / 2.0
             kv_read += ctx
             rows += 1
-        return self._step(tokens, pairs, kv_read, rows)
+        return self._step(tokens, pairs, kv_read, rows, decode_pairs)
 
     # --- moving bytes -----------------------------------------------------------------------
     def switch_seconds_host(self) -> float:
@@ -251,12 +332,12 @@ class CostModel:
     def kv_offload_seconds(self, tokens: int) -> float:
         """Copy ``tokens`` tokens of KV to pinned host memory (every rank its own heads)."""
         _check_non_negative(tokens=tokens)
-        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.host_link_bytes_per_s
+        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.kv_offload_rate
 
     def kv_restore_seconds(self, tokens: int) -> float:
         """Copy ``tokens`` tokens of KV back from pinned host memory."""
         _check_non_negative(tokens=tokens)
-        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.host_link_bytes_per_s
+        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.kv_restore_rate
 
 
 def _check_non_negative(**values: int) -> None:

@@ -42,7 +42,7 @@ from engine.interface import (
 )
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.served_models import ServedModels, ServesModels
 from engine.sim.config import SimEngineConfig
 from engine.sim.cost_model import CostModel
@@ -52,7 +52,7 @@ from engine.sim.kv_tier import kv_tier
 from engine.sim.memory import ACTIVATE_WAKE, SimMemory
 from engine.sim.model_spec import ModelSpec
 from engine.sim.parking import Parking
-from engine.sim.step_time import DecodeLine, fusable_steps
+from engine.sim.step_time import DecodeLine, fusable_steps, split_scheduled
 from substrate.devices import server_preset
 from substrate.moves import MoveKind, MoveRecord
 
@@ -180,13 +180,7 @@ class SimEngine(ServesModels):
             seconds = cost.eff.step_overhead_s if sched.has_unfinished() else 0.0
             self.busy_seconds += seconds
             return StepResult(events=events, seconds=seconds, num_steps=0)
-        chunks: list[tuple[int, int]] = []
-        decodes: list[ScheduledRequest] = []
-        for s in out.scheduled:
-            if s.samples and s.num_new_tokens == 1 and s.request.num_output_tokens > 0:
-                decodes.append(s)
-            else:
-                chunks.append((s.num_new_tokens, s.num_computed_tokens))
+        chunks, decodes = split_scheduled(out)
         decode_context = sum(s.num_computed_tokens for s in decodes)
         if chunks:
             fused = 1

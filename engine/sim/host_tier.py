@@ -26,7 +26,7 @@ class HostTier:
         return self.index.capacity_bytes > 0
 
     def restore_bytes_per_s(self, cost: CostModel) -> float:
-        return self.tier.restore_bytes_per_s or cost.device.host_link_bytes_per_s
+        return self.tier.restore_bytes_per_s or cost.device.kv_restore_rate
 
     def restore_seconds(self, cost: CostModel, tokens: int) -> float:
         """Copying ``tokens`` tokens of KV back from the host tier, alone."""
@@ -34,7 +34,7 @@ class HostTier:
 
     def offload_seconds(self, cost: CostModel, tokens: int) -> float:
         """Copying ``tokens`` tokens of KV to the host tier on demand."""
-        rate = self.tier.offload_bytes_per_s or cost.device.host_link_bytes_per_s
+        rate = self.tier.offload_bytes_per_s or cost.device.kv_offload_rate
         return tokens * cost.kv_bytes_per_token_per_gpu() / rate
 
     def step_seconds(self, cost: CostModel, compute_s: float, restored_tokens: int) -> float:

@@ -63,6 +63,9 @@ class ModelSpec:
     kv_dtype: str = "bfloat16"
     reported_total_params: int = 0
     reported_active_params: int = 0
+    # The dtype activations travel in (the TP all-reduces): bf16 for the bf16 and FP8
+    # checkpoints served on GPUs, the checkpoint's own dtype for an fp32 model on a CPU.
+    activation_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
@@ -77,7 +80,7 @@ class ModelSpec:
             0 < self.num_experts_per_tok <= self.num_experts
         ):
             raise ValueError(f"model {self.name!r}: MoE layers need 0 < experts_per_tok <= experts")
-        for dtype in (self.weight_dtype, self.kv_dtype):
+        for dtype in (self.weight_dtype, self.kv_dtype, self.activation_dtype):
             if dtype not in DTYPE_BYTES:
                 raise ValueError(f"model {self.name!r}: unknown dtype {dtype!r}")
 
@@ -88,6 +91,18 @@ class ModelSpec:
         if not path.is_file():
             raise ValueError(f"unknown model {name!r}; bundled models: {', '.join(catalog())}")
         return cls.from_dict(orjson.loads(path.read_bytes()))
+
+    @classmethod
+    def from_hf_config(cls, model_dir: str | Path, name: str | None = None) -> ModelSpec:
+        """The spec of a Hugging Face checkpoint directory, read from its ``config.json``
+        (Llama, Qwen2, Qwen3 dense; Qwen3-MoE, Mixtral), served in its own dtype: weights, KV
+        and activations all of ``torch_dtype`` (``dtype``), float32 when it names none.
+        ``name`` defaults to the directory's name."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{str(model_dir)!r} is not a model directory (no config.json)")
+        return hf_config_spec(orjson.loads(path.read_bytes()), name or Path(model_dir).name,
+                              str(model_dir))
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelSpec:
@@ -180,6 +195,10 @@ class ModelSpec:
         return DTYPE_BYTES[self.kv_dtype]
 
     @property
+    def activation_dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.activation_dtype]
+
+    @property
     def embedding_bytes(self) -> int:
         """Embeddings and LM head stay bf16 in the FP8 checkpoints, so never under 2 bytes."""
         return self.embedding_params * max(2, self.weight_dtype_bytes)
@@ -201,3 +220,55 @@ def catalog() -> list[str]:
 
 
 DEFAULT_CATALOG: tuple[str, ...] = ("qwen3-235b-a22b", "glm-4.5-air", "mistral-large-2407")
+
+
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def hf_config_spec(cfg: dict, name: str, source: str) -> ModelSpec:
+    """A ``ModelSpec`` from a parsed Hugging Face ``config.json`` (see
+    :meth:`ModelSpec.from_hf_config`)."""
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch not in _MOE_ARCHITECTURES + _DENSE_ARCHITECTURES:
+        known = ", ".join(_DENSE_ARCHITECTURES + _MOE_ARCHITECTURES)
+        raise ValueError(f"model {name!r}: architecture {arch!r} is not one of {known}")
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    experts, per_tok, expert_size, sparse = 0, 0, 0, 0
+    if arch == "MixtralForCausalLM":
+        experts = int(cfg["num_local_experts"])
+        per_tok, expert_size = int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"])
+        sparse = layers
+    elif arch == "Qwen3MoeForCausalLM":
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        per_tok, expert_size = int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense_only = set(cfg.get("mlp_only_layers") or [])
+        sparse = sum(1 for i in range(layers)
+                     if experts > 0 and i not in dense_only and (i + 1) % step == 0)
+    return ModelSpec(
+        name=name,
+        hf_repo="",
+        source=f"config.json of {source}",
+        architecture=arch,
+        num_layers=layers,
+        hidden_size=int(cfg["hidden_size"]),
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        num_dense_layers=layers - sparse,
+        dense_intermediate_size=int(cfg.get("intermediate_size") or 0),
+        num_experts=experts,
+        num_experts_per_tok=per_tok,
+        moe_intermediate_size=expert_size,
+        num_shared_experts=0,
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        weight_dtype=dtype,
+        kv_dtype=dtype,
+        activation_dtype=dtype,
+    )

@@ -18,7 +18,8 @@ class DecodeLine:
     The cost model's compute and memory times of such a step are each affine in C (attention
     pairs and KV bytes read grow linearly; weights, LM head, all-reduces and overhead do
     not), so two evaluations give both lines exactly and any run of consecutive decode steps
-    is priced without calling the cost model again.
+    is priced without calling the cost model again. A step costs
+    ``overlap * max(c, m) + (1 - overlap) * (c + m)`` (``engine.sim.cost_model.combine``).
     """
 
     num_seqs: int
@@ -27,6 +28,7 @@ class DecodeLine:
     memory0: float
     memory_per_token: float
     fixed: float  # all-reduces + per-step overhead
+    overlap: float = 1.0
 
     _PROBE = 1 << 20  # context tokens at the second evaluation
 
@@ -41,12 +43,14 @@ class DecodeLine:
             a.memory_s,
             (b.memory_s - a.memory_s) / cls._PROBE,
             a.allreduce_s + a.overhead_s,
+            a.overlap,
         )
 
     def seconds(self, context: int, num_steps: int = 1) -> float:
         """``num_steps`` consecutive decode steps, the first over ``context`` tokens, each
         next one over ``num_seqs`` more: the sum of max(compute, memory), split exactly at
-        the one step where the two lines may cross."""
+        the one step where the two lines may cross (and of compute + memory, as far as they
+        do not overlap)."""
         n = num_steps
         if n < 1:
             return 0.0
@@ -60,13 +64,28 @@ class DecodeLine:
             cross = min(n, max(0, math.ceil(-diff0 / ddiff)))
             compute_first = ddiff < 0  # compute is the larger before the crossing
         first, then = ((c0, dc), (m0, dm)) if compute_first else ((m0, dm), (c0, dc))
-        return _affine_sum(*first, 0, cross) + _affine_sum(*then, cross, n) + n * self.fixed
+        larger = _affine_sum(*first, 0, cross) + _affine_sum(*then, cross, n)
+        both = _affine_sum(c0 + m0, dc + dm, 0, n)
+        return self.overlap * larger + (1.0 - self.overlap) * both + n * self.fixed
 
 
 def _affine_sum(a: float, d: float, lo: int, hi: int) -> float:
     """Sum of ``a + d * j`` for j in [lo, hi)."""
     k = hi - lo
     return k * a + d * (lo + hi - 1) * k / 2.0 if k > 0 else 0.0
+
+
+def split_scheduled(out: SchedulerOutput) -> tuple[list[tuple[int, int]], list[ScheduledRequest]]:
+    """A step's work as the cost model prices it: prefill chunks as ``(new_tokens,
+    cached_context)`` and the decodes (one new token of a request that has output)."""
+    chunks: list[tuple[int, int]] = []
+    decodes: list[ScheduledRequest] = []
+    for s in out.scheduled:
+        if s.samples and s.num_new_tokens == 1 and s.request.num_output_tokens > 0:
+            decodes.append(s)
+        else:
+            chunks.append((s.num_new_tokens, s.num_computed_tokens))
+    return chunks, decodes
 
 
 def fusable_steps(

@@ -69,6 +69,7 @@ class FakeInstance:
         fail_after: int | None = None,
         overloaded: bool = False,
         cached_tokens: int = 0,
+        restored_tokens: int = 0,
         state: InstanceState | None = None,
         hold: asyncio.Event | None = None,
     ) -> None:
@@ -78,6 +79,7 @@ class FakeInstance:
         self.fail_after = fail_after
         self.overloaded = overloaded
         self.cached_tokens = cached_tokens
+        self.restored_tokens = restored_tokens
         self.state_obj = state or InstanceState(instance_id=instance_id)
         self.hold = hold  # when set, the stream waits on it after the first token
         self.calls: list[CallRequest] = []
@@ -104,7 +106,8 @@ class FakeInstance:
                 logprobs=[-0.25],
                 finished=last,
                 finish_reason=("length" if len(tokens) == call.params.max_tokens else "stop") if last else None,
-                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens) if last else None,
+                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens,
+                                self.restored_tokens) if last else None,
             )
 
     async def abort(self, call_id: str) -> None:
@@ -148,5 +151,6 @@ class ScriptedInstance(FakeInstance):
             yield CallEvent(
                 call_id=call.call_id, token_ids=[token], finished=last,
                 finish_reason=("length" if len(tokens) == call.params.max_tokens else "stop") if last else None,
-                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens) if last else None,
+                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens,
+                                self.restored_tokens) if last else None,
             )

@@ -49,7 +49,7 @@ async def sse(resp: Any) -> list[Any]:
 
 
 async def test_chat_non_streaming_with_usage(tokenizer: ModelTokenizer) -> None:
-    a = FakeInstance("a", reply(tokenizer), cached_tokens=4)
+    a = FakeInstance("a", reply(tokenizer), cached_tokens=4, restored_tokens=3)
     async with serve(tokenizer, {"a": a}) as client:
         resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=100))
         assert resp.status == 200, await resp.text()
@@ -64,7 +64,8 @@ async def test_chat_non_streaming_with_usage(tokenizer: ModelTokenizer) -> None:
     assert usage["prompt_tokens"] == len(prompt_ids)
     assert usage["completion_tokens"] == len(reply(tokenizer))
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+    # restored_tokens: the extension saying how many cached tokens came back from host KV
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4, "restored_tokens": 3}
 
 
 async def test_chat_streaming_with_usage(tokenizer: ModelTokenizer) -> None:

@@ -15,7 +15,8 @@ from workloads import live
 from workloads.live import LiveTarget
 from workloads.replay import SessionTokens
 
-USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2,
+         "prompt_tokens_details": {"cached_tokens": 2, "restored_tokens": 1}}
 
 
 def router(script: list[str]) -> web.Application:
@@ -71,6 +72,8 @@ async def test_failures_an_agent_would_retry_are_re_sent_and_counted(
     outcome, retries = await send(["502", "503", "error", "drop", "429", "ok"])
     assert outcome.error is None and len(outcome.output_token_ids) == 2  # type: ignore[attr-defined]
     assert retries == 5
+    # the usage's host-restored tokens reach the replay's records, as the simulator's do
+    assert (outcome.cached_tokens, outcome.restored_tokens) == (2, 1)  # type: ignore[attr-defined]
 
 
 async def test_a_client_error_is_final() -> None:
