@@ -2,7 +2,8 @@
 
 - stable substrate: one arena carved once: a weight region sized for the catalog's largest
   shard, a staging region of the same size when staging is on (or of the second largest
-  shard's: ``staging_region``), and a fixed KV region (the rest of the usable HBM). A model's KV capacity is that region over its bytes per token.
+  shard's: ``staging_region``), and a fixed KV region (the rest of the usable HBM). A
+  model's KV capacity is that region over its bytes per token.
 - without it (one plain engine per model, as vLLM or SGLang processes that sleep and wake):
   the KV region is whatever the model's own weights leave, and there is no staging region.
 - ``kv_tokens`` set: every model gets that many tokens of KV, whatever the layout leaves.

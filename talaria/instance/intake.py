@@ -1,11 +1,11 @@
 """How queued calls enter an instance's engine: the admission half of the loop.
 
 Queued calls of the active model are admitted in the policy's order (FIFO, by attained
-service, or by expected remaining calls) while its slot is open; after it closes, session-prefill may still admit queued
-continuations it decides pay. Every admission must fit the budget: at most
-``max_running_calls`` calls, and KV blocks (a call counts ``need_blocks``: its prompt and all
-of ``max_tokens``) within the region, yielding other sessions' reservations (least valuable
-first) to make room. A call whose client left, or that the engine refuses, fails alone.
+service, or by expected remaining calls) while its slot is open; after it closes,
+session-prefill may still admit queued continuations it decides pay. Every admission must
+fit the budget: at most ``max_running_calls`` calls, and KV blocks (a call counts
+``need_blocks``: its prompt and all of ``max_tokens``) within the region, yielding other
+sessions' reservations (least valuable first) to make room. A call whose client left, or that the engine refuses, fails alone.
 
 ``Intake`` is a part of ``AdmissionLoop`` (a mixin): it reads the loop's books and never
 runs on its own.
@@ -70,7 +70,7 @@ class Intake:
         order = self.policy.admission_order
         if order != "fifo" and len(queue) > 1:
             ordered = order_queue(order, list(queue), self._service,
-                                  self.policy.las_starvation_ratio)
+                                  self.policy.starvation_ratio)
             queue.clear()
             queue.extend(ordered)
         while queue:
@@ -152,7 +152,7 @@ class Intake:
         victims = self.sessions.reservations.yield_order(model, exclude=exclude)
         if not self.policy.session_priority or len(victims) < 2:
             return victims
-        order, ratio = self.policy.admission_order, self.policy.las_starvation_ratio
+        order, ratio = self.policy.admission_order, self.policy.starvation_ratio
         return sorted(victims, reverse=True, key=lambda r: priority_key(
             order, self.sessions.service(r.session_id, 0.0), ratio))
 

@@ -33,7 +33,7 @@ from talaria.instance.intake import Intake
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
-from talaria.policies.model_choice import SlotYield, outranking_model
+from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
 from talaria.policies.priority import Service, best_key, next_model
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import hold_until
@@ -184,7 +184,7 @@ class AdmissionLoop(Intake):
         policy = self.policy
         waiting = {m: self.calls.waiting(m) for m in self.rounds.order}
         nxt = next_model(self.rounds, active, waiting, policy.model_choice, self._service,
-                         policy.las_starvation_ratio, policy.admission_order)
+                         policy.starvation_ratio, policy.admission_order)
         if nxt is None:
             await self.idle_wait(self.sessions.reservations.next_expiry())
             return
@@ -224,10 +224,10 @@ class AdmissionLoop(Intake):
 
     def _outranked(self, slot: Slot) -> SlotYield:
         """Whether a waiting session of another model outranks every session of the slot's
-        model: queued, in flight, or expected back within the session-prefill horizon."""
+        model: queued, in flight, or expected back before the switch would be over."""
         policy = self.policy
         now = self.now()
-        order, ratio = policy.admission_order, policy.las_starvation_ratio
+        order, ratio = policy.admission_order, policy.starvation_ratio
         waiting_best = {}
         for m in self.rounds.order:
             key = best_key(order, self.calls.waiting(m), self._service, ratio)
@@ -237,8 +237,9 @@ class AdmissionLoop(Intake):
             return SlotYield(None, "nothing else waits")
         own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
         keys = [best_key(order, own, self._service, ratio)]
+        switch_s = self.est.switch_s(min(waiting_best, key=lambda m: waiting_best[m]))
         returning = [r.session_id for r in self.sessions.reservations.for_model(slot.model)
-                     if r.expected_return <= now + policy.sp_horizon_s]
+                     if holds_slot(r.expected_return, now, switch_s, policy.sp_idle_margin_s)]
         keys.append(best_key(order, returning,
                              lambda sid: self.sessions.service(sid, 0.0), ratio))
         active_best = min((k for k in keys if k is not None), default=None)

@@ -8,6 +8,12 @@ model admits nothing more, its calls in flight finish, and the outranking model 
 in. So the sessions served first are the ones the priority puts first, whatever model they
 use, as in a step-level schedule whose switches were free.
 
+A session of the active model expected back (a soft reservation) counts among its sessions
+only while waiting for it is cheaper than switching away: it is due before the switch to the
+outranking model would even be over, and it is not overdue (``holds_slot``). Holding the
+slot for a session due later, or one that has not come back when expected, costs the
+outranking session, which is waiting now, more than the switch back costs the returning one.
+
 Switches are not free, so a slot first lasts ``min_slot_factor`` times the switch that
 opened it plus the switch to the outranking model: a round trip's switching is then at most
 a fraction 1/``min_slot_factor`` of the time. Over staged (D2D) weights a switch costs tens
@@ -19,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["SlotYield", "outranking_model"]
+__all__ = ["SlotYield", "outranking_model", "holds_slot"]
 
 Key = tuple[float, ...]
 
@@ -57,3 +63,11 @@ def outranking_model(
     if slot_age_s < min_slot:
         return SlotYield(None, "the slot has not paid for its switch yet")
     return SlotYield(model, "outranked")
+
+
+def holds_slot(expected_return: float, now: float, switch_s: float, overdue_margin_s: float) -> bool:
+    """Whether a reservation of the active model, its session expected back at
+    ``expected_return``, keeps the slot from yielding to an outranking model whose switch takes
+    ``switch_s``: it is due before that switch would be over, and not more than
+    ``overdue_margin_s`` late."""
+    return now - overdue_margin_s < expected_return <= now + switch_s

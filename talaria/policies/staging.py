@@ -29,7 +29,7 @@ def predicted_next(view: InstanceView) -> str | None:
 
 
 def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
-    order, ratio = view.policy.admission_order, view.policy.las_starvation_ratio
+    order, ratio = view.policy.admission_order, view.policy.starvation_ratio
     now = view.now()
     best: dict[str, tuple[float, ...]] = {}
     for m in view.models:

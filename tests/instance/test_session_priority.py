@@ -13,7 +13,7 @@ from instance_helpers import Timed, call, run_call
 from talaria.clock import run_virtual
 from talaria.config import PolicyConfig, preset
 from talaria.instance.admission import Instance
-from talaria.policies.model_choice import outranking_model
+from talaria.policies.model_choice import holds_slot, outranking_model
 from talaria.policies.priority import Service, next_model, order_queue
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import RoundScheduler
@@ -109,11 +109,35 @@ def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch
     assert outranking_model(None, {}, slot_age_s=100.0, **kw).model is None
 
 
+def test_a_returning_session_holds_the_slot_only_when_due_before_the_switch_is_over() -> None:
+    now, margin = 100.0, 1.0
+    # due within the switch (2 s): switching away would not even be over when it is back
+    assert holds_slot(101.5, now, switch_s=2.0, overdue_margin_s=margin)
+    assert holds_slot(102.0, now, switch_s=2.0, overdue_margin_s=margin)
+    # due after the switch: the outranking session, waiting now, goes first
+    assert not holds_slot(102.1, now, switch_s=2.0, overdue_margin_s=margin)
+    # a staged (near-free) switch: only a session due at once holds the slot
+    assert not holds_slot(100.5, now, switch_s=0.05, overdue_margin_s=margin)
+    # late, but within the margin: still expected; beyond it: overdue, no longer holds
+    assert holds_slot(99.5, now, switch_s=2.0, overdue_margin_s=margin)
+    assert not holds_slot(99.0, now, switch_s=2.0, overdue_margin_s=margin)
+
+
+def test_the_starvation_guard_in_force_is_the_queue_orders_own() -> None:
+    talaria = preset("talaria")
+    assert talaria.admission_order == "remaining"
+    assert talaria.starvation_ratio == talaria.remaining_starvation_ratio == 4.0
+    autellix = preset("baseline", queue_order="las", model_order="las")
+    assert autellix.starvation_ratio == autellix.las_starvation_ratio == 8.0
+    with pytest.raises(ValueError, match="remaining_starvation_ratio"):
+        preset("talaria", remaining_starvation_ratio=0.0)
+
+
 def _priority_policy(**overrides: object) -> PolicyConfig:
     fields: dict[str, object] = dict(
         queue_order="remaining", model_order="priority", priority_switch=True,
         slot_close="drained", slot_quantum_s=1000.0, min_slot_factor=0.0,
-        las_starvation_ratio=1000.0, soft_reservations=False)
+        remaining_starvation_ratio=1000.0, soft_reservations=False)
     return preset("baseline", **{**fields, **overrides})
 
 
