@@ -168,6 +168,10 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
 
     def residency(self) -> dict[str, Residency]: ...
 
+    def can_stage(self, model: str) -> bool:
+        """Whether ``model``'s weights fit the staging region (False without one)."""
+        ...
+
     def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
         """Copy the active model's cached KV of these sessions (None: all) to host."""
         ...

@@ -126,6 +126,10 @@ class Ledger:
         self.model_bytes(model)
         self.active_model = model
 
+    def can_stage(self, model: str) -> bool:
+        """Whether ``model``'s shard fits the staging region (False without one)."""
+        return 0 < self.model_bytes(model) <= self.staging_bytes
+
     def plan_staging(self, model: str) -> PlannedMove:
         nbytes = self.model_bytes(model)
         if self.staging_bytes == 0:

@@ -326,20 +326,32 @@ def write_default_trace(path: str | Path = DEFAULT_TRACE_PATH) -> list[Session]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m workloads.generator [--refit]``: rewrite the shipped data files."""
+    """``python -m workloads.generator [--refit]``: rewrite the shipped data files; with
+    ``--out``, write another trace there instead (another seed, skew or size: a trace the
+    benchmark's settings were not tuned on)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--refit", action="store_true",
                         help="refit the calibration from the real trace first")
     parser.add_argument("--real-trace", default=str(real_trace_path()))
+    parser.add_argument("--out", default=None, help="write a new trace here instead")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--skew", type=float, default=DEFAULT_SKEW)
+    parser.add_argument("--sessions", type=int, default=DEFAULT_NUM_SESSIONS)
+    parser.add_argument("--calls", type=int, default=DEFAULT_TOTAL_CALLS)
     args = parser.parse_args(argv)
     if args.refit:
         fit_calibration(read_real_trace(args.real_trace)).save()
     try:
-        sessions = write_default_trace()
-    except TraceError as exc:
-        raise SystemExit(f"generated trace is invalid: {exc}") from None
-    print(f"wrote {DEFAULT_TRACE_PATH}: {len(sessions)} sessions, "
-          f"{sum(s.num_calls for s in sessions)} calls")
+        if args.out is None:
+            path: str | Path = DEFAULT_TRACE_PATH
+            sessions = write_default_trace()
+        else:
+            path = args.out
+            sessions = generate_trace(args.sessions, args.calls, skew=args.skew, seed=args.seed)
+            save_trace(sessions, path)
+    except (TraceError, ValueError) as exc:
+        raise SystemExit(f"cannot generate the trace: {exc}") from None
+    print(f"wrote {path}: {len(sessions)} sessions, {sum(s.num_calls for s in sessions)} calls")
 
 
 if __name__ == "__main__":

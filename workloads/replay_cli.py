@@ -37,9 +37,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true", help="also run the load and quantum sweeps")
     p.add_argument("--tune", action="store_true",
                    help="run every policy over its grid of slot-closing rules and quanta, "
-                   "keep each one's best and write them to --settings")
+                   "keep each one's best and write them to --settings (with --policies: "
+                   "only those rows; the other rows' and the ideal bound's cached settings "
+                   "for this trace and cluster are kept)")
     p.add_argument("--settings", default=None,
                    help="tuned settings file (default: workloads/data/tuned_settings.json)")
+    p.add_argument("--fixed-settings", action="store_true",
+                   help="run every row at the settings in --settings even when they were "
+                   "tuned on another trace or cluster (the default trace's: fixed once, "
+                   "not tuned for this one); the ideal bound keeps their schedules too")
     p.add_argument("--quanta", default=None, help="slot quanta for the sweeps and for --tune's "
                    "grids, e.g. 5,10,30 (default: the sweep's and each grid's own)")
     p.add_argument("--load-fractions", default=None,
@@ -229,8 +235,12 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     settings_path = Path(args.settings) if args.settings else TUNED_PATH
     key = setup_key(sessions, spec, args.seed)
     if args.tune:
+        kept = load_settings(key, settings_path) if args.policies else None
         tuned = tune(sessions, systems, spec, seed=args.seed, workers=args.workers,
-                     progress=progress, quanta=quanta if args.quanta else None)
+                     progress=progress, quanta=quanta if args.quanta else None,
+                     with_ideal=kept is None or not kept.ideal)
+        if kept is not None:
+            tuned = kept.merged(tuned)
         save_settings(tuned, key, settings_path)
         print(f"wrote the tuned settings to {settings_path}")
         source = f"tuned now (redo: {TUNE_COMMAND})"
@@ -239,6 +249,12 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         source = (f"tuned, from {settings_path} (redo: {TUNE_COMMAND})" if tuned else
                   f"each policy's own, ideal untuned (no tuned settings for this trace and "
                   f"cluster in {settings_path}; {TUNE_COMMAND} makes them)")
+        fixed = load_settings(None, settings_path) if tuned is None and args.fixed_settings \
+            else None
+        if fixed is not None:
+            tuned = fixed
+            source = (f"fixed: tuned on another trace or cluster, from {settings_path}, "
+                      "not for this one")
     systems = apply_settings(systems, tuned.settings if tuned else {})
     candidates, family = ideal_candidates(tuned)
     jobs = [Job(s.name, tuple(sessions), s, spec, args.seed) for s in systems]

@@ -10,7 +10,8 @@ plane.
   session-prefill, host-KV restoration and D2D staging off, so a switch is the substrate's
   H2D copy and drops the outgoing model's KV; each rung adds one mechanism up to ``talaria``.
 - Leave-one-out rows: talaria minus one mechanism (``talaria.config.LEAVE_ONE_OUT``, and
-  ``-placement``: load-only routing). ``-sp`` is the ladder's ``+host_kv`` and is not run twice.
+  ``-placement``: load-only routing). ``-priority_switch`` is the ladder's ``+priority`` and
+  is not run twice.
 - Peers, the systems a user would deploy instead (constants sourced in
   ``engine.sim.switching`` and ``engine.sim.kv_tier``; ``talaria.policies.priority`` and
   ``talaria.policies.ttl`` for their scheduling rules):
@@ -82,6 +83,9 @@ class SystemConfig:
     placement: str  # router placement policy: "load" | "cache_aware" | "talaria"
     stable_substrate: bool = True  # False: one plain engine per model (its own KV region)
     staging: bool = False
+    # the staging region's size (engine.sim.config.STAGING_REGIONS): for the largest shard,
+    # or for the second largest (the largest model then always loads from host)
+    staging_region: str = "largest"
     host_kv: bool = False  # the engine has a host KV store (sized from the host memory left)
     switch: str = "copy"  # engine.sim.switching kind
     kv_tier: str = "offload"  # engine.sim.kv_tier: how the host KV store fills and restores
@@ -106,6 +110,7 @@ class SystemConfig:
         """The simulated engine of one instance of this system on ``server`` at ``tp``."""
         fields: dict[str, Any] = dict(
             server=server, tp=tp, stable_substrate=self.stable_substrate, staging=self.staging,
+            staging_region=self.staging_region,
             host_kv_bytes=None if self.host_kv else 0, switch=self.switch,
             kv_tier=self.kv_tier, sleep_wake_efficiency=self.sleep_wake_efficiency,
         )
@@ -152,9 +157,11 @@ def check_fits(system: SystemConfig, config: SimEngineConfig, models: Sequence[s
 
 def _talaria_row(name: str, policy: PolicyConfig, description: str,
                  placement: str = "talaria") -> SystemConfig:
-    """Talaria's system with some mechanisms off: the engine has what the policy uses."""
+    """Talaria's system with some mechanisms off: the engine has what the policy uses. Its
+    staging region holds every shard but the largest: the largest model loads from host,
+    and the region leaves the KV region what the largest model's sessions need."""
     return SystemConfig(name, description, policy, placement, staging=policy.d2d_staging,
-                        host_kv=policy.host_kv)
+                        staging_region="second", host_kv=policy.host_kv)
 
 
 def _ladder() -> dict[str, SystemConfig]:
@@ -175,10 +182,12 @@ PLACEMENT_ROW = "-placement"  # placement matters only with several instances
 
 
 def _leave_one_out() -> dict[str, SystemConfig]:
+    """Talaria minus one mechanism each, except where that is a rung of the ladder."""
+    rungs = {row.policy.with_(name="") for row in ABLATIONS.values()}
     out = {
         name: _talaria_row(name, preset(name), f"talaria without {mechanism}")
         for name, mechanism in LEAVE_ONE_OUT
-        if preset(name).with_(name="+host_kv") != ABLATIONS["+host_kv"].policy
+        if preset(name).with_(name="") not in rungs
     }
     out[PLACEMENT_ROW] = _talaria_row(PLACEMENT_ROW, preset("talaria").with_(name=PLACEMENT_ROW),
                                      "talaria with load-only routing", placement="load")
@@ -188,7 +197,8 @@ def _leave_one_out() -> dict[str, SystemConfig]:
 LEAVE_ONE_OUT_ROWS: dict[str, SystemConfig] = _leave_one_out()
 
 # A plain engine's policy: none of Talaria's mechanisms.
-_PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False)
+_PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False,
+              session_priority=False, priority_switch=False)
 _SLEEP = dict(stable_substrate=False, switch="sleep_wake")
 
 

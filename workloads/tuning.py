@@ -61,6 +61,10 @@ class Tuned:
     def settings(self) -> dict[str, dict[str, Any]]:
         return {name: row["setting"] for name, row in self.rows.items()}
 
+    def merged(self, newer: Tuned) -> Tuned:
+        """These settings with ``newer``'s rows (and ideal, when it has one) replacing them."""
+        return Tuned({**self.rows, **newer.rows}, dict(newer.ideal or self.ideal))
+
 
 def setup_key(sessions: Sequence[Session], spec: ClusterSpec, seed: int) -> str:
     """What a tuned setting depends on: the trace's content and the simulated cluster."""
@@ -79,12 +83,12 @@ def _score(scts: Sequence[float]) -> float:
 def tune(
     sessions: Sequence[Session], systems: Sequence[SystemConfig], spec: ClusterSpec, *,
     seed: int = 0, workers: int = 1, progress: bool = False,
-    quanta: Sequence[float] | None = None,
+    quanta: Sequence[float] | None = None, with_ideal: bool = True,
 ) -> Tuned:
-    """Run every row's grid and the ideal family (``quanta``: instead of the grids' own);
-    keep the best of each."""
+    """Run every row's grid and (``with_ideal``) the ideal family (``quanta``: instead of the
+    grids' own); keep the best of each."""
     points = {s.name: grid(s, quanta) for s in systems}
-    schedules = ideal_schedules(quanta) if quanta else ideal_schedules()
+    schedules = (ideal_schedules(quanta) if quanta else ideal_schedules()) if with_ideal else []
     jobs = [Job((s.name, i), tuple(sessions), s.with_setting(**setting), spec, seed)
             for s in systems for i, setting in enumerate(points[s.name])]
     jobs += [Job(("__ideal__", i), tuple(sessions), None, spec, seed, ideal=schedule)
@@ -101,7 +105,7 @@ def tune(
             "grid": [{**p, **_percentiles(_scts(done[(s.name, i)]))}
                      for _, i, p in sorted(scored, key=lambda x: x[1])],
         }
-    for key, q in (("p50", 50.0), ("p95", 95.0)):
+    for key, q in (("p50", 50.0), ("p95", 95.0)) if schedules else ():
         value, i = min((percentile(_scts(done[("__ideal__", i)]), q), i)
                        for i in range(len(schedules)))
         tuned.ideal[key] = {"schedule": schedules[i].to_dict(), "name": schedules[i].name,
@@ -153,13 +157,13 @@ def save_settings(tuned: Tuned, key: str, path: Path = TUNED_PATH) -> None:
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
 
 
-def load_settings(key: str, path: Path = TUNED_PATH) -> Tuned | None:
+def load_settings(key: str | None, path: Path = TUNED_PATH) -> Tuned | None:
     """The cached settings, or None when the file is missing or was made for another trace
-    or cluster."""
+    or cluster (``key`` None: whatever trace and cluster they were made for)."""
     if not path.exists():
         return None
     data = orjson.loads(path.read_bytes())
-    if data.get("setup_key") != key:
+    if key is not None and data.get("setup_key") != key:
         return None
     return Tuned(dict(data["rows"]), dict(data.get("ideal", {})))
 

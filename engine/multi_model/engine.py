@@ -135,6 +135,10 @@ class MultiModelEngine(ServesModels):
         log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds)
         return record
 
+    def can_stage(self, model: str) -> bool:
+        self._check_model(model)
+        return self.rank.can_stage(model)
+
     def stage(self, model: str) -> MoveReport:
         """Start copying ``model`` into the staging region. ``seconds``: measured when the
         config waits for staging (or when no rate is known yet, so nothing can be predicted),

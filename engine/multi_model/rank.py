@@ -103,6 +103,9 @@ class RankModels:
     ) -> MoveRecord:
         return self.memory.offload_kv(name, block_hashes, block_ids, session_id)
 
+    def can_stage(self, name: str) -> bool:
+        return self.memory.ledger.can_stage(name)
+
     def poll_staging(self, block: bool = False) -> MoveRecord | None:
         """The staging record, once, when the copy in flight is seen complete."""
         return self.memory.poll_staging(block=block)

@@ -202,6 +202,9 @@ class TensorParallelRankModels:
             return self.local.host_kv_lookup(name, block_hashes)
         return min(self._all("host_kv_lookup", name, block_hashes, True))
 
+    def can_stage(self, name: str) -> bool:
+        return self.local.memory.ledger.can_stage(name)  # every rank's region is alike
+
     def poll_staging(self, block: bool = False) -> MoveRecord | None:
         """The staging record, once, when every rank's copy is done (``block``: wait for
         all). Without ``block`` no rank books its copy before all have finished."""

@@ -11,6 +11,8 @@ from substrate.devices import server_preset
 # Share of the server's host memory the host stores may use (the rest: OS, the engine
 # processes, pinned staging buffers). An assumption.
 HOST_MEMORY_USABLE_FRACTION = 0.9
+# How large the staging region is (SimEngineConfig.staging_region).
+STAGING_REGIONS = ("largest", "second")
 
 
 @dataclass
@@ -43,6 +45,12 @@ class SimEngineConfig:
 
     ``kv_tokens``: the KV capacity every model gets, in tokens, instead of what the memory
     layout leaves (an engine sharing the GPUs with other resident models, or a bound).
+
+    ``staging_region`` (with ``staging``): ``largest`` sizes the staging region for the
+    catalog's largest shard, so every model can be staged; ``second`` for the second largest,
+    so the largest model always loads from host and the region costs the KV region only what
+    the smaller models need (with one model of the catalog as large as the rest together, as
+    Qwen3-235B beside GLM-4.5-Air and Mistral Large, that keeps half of its KV room).
     """
 
     server: str = "h200x8"
@@ -60,12 +68,16 @@ class SimEngineConfig:
     scale_up_fixed_s: float = AEGAEON_FIXED_S
     kv_tier: str = "offload"
     kv_tokens: int | None = None
+    staging_region: str = "largest"
 
     def __post_init__(self) -> None:
         for name in ("tp", "block_size", "max_num_batched_tokens", "max_num_seqs",
                      "max_fused_decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.staging_region not in STAGING_REGIONS:
+            raise ValueError(f"unknown staging_region {self.staging_region!r}; known: "
+                             f"{', '.join(STAGING_REGIONS)}")
         if self.staging and not self.stable_substrate:
             raise ValueError("staging needs the stable substrate (stable_substrate=True)")
         if self.host_kv_bytes is not None and self.host_kv_bytes < 0:

@@ -22,7 +22,8 @@ Simplifications, all deliberate:
 - tokens are synthetic and never EOS: a request stops at ``max_tokens`` (or the model's
   context length); stop strings and stop token ids are ignored;
 - decode-only steps are fused (``max_fused_decode_steps``): see ``SimEngineConfig``;
-- a background staging copy does not slow the active model's steps.
+- a background staging copy does not slow the active model's steps, but it shares the host
+  link with KV restored from host meanwhile: both run at half rate while they overlap.
 """
 
 from __future__ import annotations
@@ -191,6 +192,11 @@ class SimEngine(ServesModels):
         else:
             seconds = self._decode_line(len(decodes)).seconds(decode_context, fused)
         restored = self._secondary.loaded_blocks * self.config.block_size
+        if restored:
+            # a restore shares the host link with a staging copy in flight
+            self.memory.poll_staging()
+            restored_s = self.host_tier.restore_seconds(cost, restored)
+            seconds += self.memory.share_host_link(restored_s)
         seconds = self.host_tier.step_seconds(cost, seconds, restored)
         sched.update_after_step(out)
         assert self.kv is not None
@@ -315,6 +321,9 @@ class SimEngine(ServesModels):
 
     def residency(self) -> dict[str, Residency]:
         return self.memory.residency(self.served.active)
+
+    def can_stage(self, model: str) -> bool:
+        return self.memory.ledger.can_stage(self._check_model(model))
 
     # --------------------------------------------------------------- session KV
     def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:

@@ -1,8 +1,9 @@
 """What lives where on one simulated TP group, and what moving it costs (per GPU).
 
 - stable substrate: one arena carved once: a weight region sized for the catalog's largest
-  shard, a staging region of the same size when staging is on, and a fixed KV region (the
-  rest of the usable HBM). A model's KV capacity is that region over its bytes per token.
+  shard, a staging region of the same size when staging is on (or of the second largest
+  shard's: ``staging_region``), and a fixed KV region (the rest of the usable HBM). A
+  model's KV capacity is that region over its bytes per token.
 - without it (one plain engine per model, as vLLM or SGLang processes that sleep and wake):
   the KV region is whatever the model's own weights leave, and there is no staging region.
 - ``kv_tokens`` set: every model gets that many tokens of KV, whatever the layout leaves.
@@ -43,8 +44,12 @@ class SimMemory:
         self.config = config
         self.clock = clock
         bs = config.block_size
-        self.weight_region_bytes = max(c.weight_bytes_per_gpu() for c in costs.values())
-        self.staging_bytes = self.weight_region_bytes if config.staging else 0
+        shards = sorted(c.weight_bytes_per_gpu() for c in costs.values())
+        self.weight_region_bytes = shards[-1]
+        self.staging_bytes = 0
+        if config.staging:
+            second = config.staging_region == "second" and len(shards) > 1
+            self.staging_bytes = shards[-2] if second else shards[-1]
         self.num_blocks: dict[str, int] = {}
         self.sleep_wake = SleepWakeRates(efficiency=config.sleep_wake_efficiency)
         for name, cost in costs.items():
@@ -104,6 +109,9 @@ class SimMemory:
         model already staged (or being staged) moves nothing and returns the time left."""
         if not self.config.staging:
             raise ValueError(f"cannot stage {model!r}: this engine has no staging region")
+        if not self.ledger.can_stage(model):
+            raise ValueError(f"cannot stage {model!r}: its shard does not fit the staging "
+                             f"region of {self.staging_bytes} bytes")
         if self.clock is None:
             raise RuntimeError(f"cannot stage {model!r}: the engine was built without a clock")
         now = self.clock()
@@ -116,6 +124,21 @@ class SimMemory:
         self.ledger.record(MoveRecord(MoveKind.STAGE, plan.bytes, seconds))
         self._staging_ready_at = now + seconds
         return MoveReport(MoveKind.STAGE, plan.bytes, seconds)
+
+    def share_host_link(self, copy_s: float) -> float:
+        """Extra seconds a host-to-device copy of ``copy_s`` (alone) starting now takes
+        because a background staging copy uses the same link: while both run, each gets
+        half of it, so the copy takes the overlap longer and the staging copy ends that much
+        later."""
+        if self.clock is None or copy_s <= 0:
+            return 0.0
+        if self.ledger.staging_state is not StagingState.IN_PROGRESS:
+            return 0.0
+        overlap = min(copy_s, self._staging_ready_at - self.clock())
+        if overlap <= 0:
+            return 0.0
+        self._staging_ready_at += overlap
+        return overlap
 
     def poll_staging(self) -> None:
         ledger = self.ledger

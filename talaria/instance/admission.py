@@ -24,6 +24,7 @@ from talaria.instance.loop import AdmissionLoop
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.state_report import build_state
+from talaria.policies.priority import Service
 from talaria.policies.reservations import ReservationBook
 from talaria.policies.round_scheduler import RoundScheduler, Slot
 from talaria.protocol import (
@@ -132,6 +133,12 @@ class Instance:
 
     def others_waiting(self, model: str) -> int:
         return self.calls.others_waiting(model)
+
+    def can_stage(self, model: str) -> bool:
+        return self.executor.can_stage(model)
+
+    def service(self, session_id: str, waiting_s: float) -> Service:
+        return self.sessions.service(session_id, waiting_s)
 
     def now(self) -> float:
         """The instance clock: the event loop's time (virtual in simulation)."""

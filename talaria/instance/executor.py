@@ -131,6 +131,9 @@ class EngineExecutor:
         self._check_idle("residency")
         return self.engine.residency()
 
+    def can_stage(self, model: str) -> bool:
+        return self.engine.can_stage(model)
+
     def pin_session_kv(self, session_id: str) -> int:
         self._check_idle("pin_session_kv")
         return self.engine.pin_session_kv(session_id)

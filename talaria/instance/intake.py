@@ -1,11 +1,11 @@
 """How queued calls enter an instance's engine: the admission half of the loop.
 
-Queued calls of the active model are admitted in the policy's order (FIFO, or by attained
-service) while its slot is open; after it closes, session-prefill may still admit queued
-continuations it decides pay. Every admission must fit the budget: at most
-``max_running_calls`` calls, and KV blocks (a call counts ``need_blocks``: its prompt and all
-of ``max_tokens``) within the region, yielding other sessions' reservations (least valuable
-first) to make room. A call whose client left, or that the engine refuses, fails alone.
+Queued calls of the active model are admitted in the policy's order (FIFO, by attained
+service, or by expected remaining calls) while its slot is open; after it closes,
+session-prefill may still admit queued continuations it decides pay. Every admission must
+fit the budget: at most ``max_running_calls`` calls, and KV blocks (a call counts
+``need_blocks``: its prompt and all of ``max_tokens``) within the region, yielding other
+sessions' reservations (least valuable first) to make room. A call whose client left, or that the engine refuses, fails alone.
 
 ``Intake`` is a part of ``AdmissionLoop`` (a mixin): it reads the loop's books and never
 runs on its own.
@@ -26,7 +26,8 @@ from talaria.instance.executor import EngineExecutor
 from talaria.instance.faults import EngineFaults
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import TimeSplit
-from talaria.policies.priority import Service, order_queue
+from talaria.policies.priority import Service, order_queue, priority_key
+from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot
 from talaria.policies.session_prefill import decide_queued
 from talaria.policies.view import InstanceView
@@ -66,9 +67,10 @@ class Intake:
         queue = self.calls.queues[model]
         if len(self.calls.running) >= self.policy.max_running_calls:
             return  # nothing can be admitted now: no need to order the queue
-        if self.policy.queue_order != "fifo" and len(queue) > 1:
-            ordered = order_queue(self.policy.queue_order, list(queue), self._service,
-                                  self.policy.las_starvation_ratio)
+        order = self.policy.admission_order
+        if order != "fifo" and len(queue) > 1:
+            ordered = order_queue(order, list(queue), self._service,
+                                  self.policy.starvation_ratio)
             queue.clear()
             queue.extend(ordered)
         while queue:
@@ -136,14 +138,23 @@ class Intake:
                 error=f"call needs {pending.need_blocks} KV blocks; the instance has {total}",
             )
             return Room.FAILED
-        book = self.sessions.reservations
         while True:
             if self._blocks_in_use(pending.call.session_id) + pending.need_blocks <= total:
                 return Room.FITS
-            victims = book.yield_order(model, exclude=pending.call.session_id)
+            victims = self._yield_order(model, pending.call.session_id)
             if not victims or (self.policy.hard_pins and self.calls.running):
                 return Room.WAIT  # hard pins yield only when nothing runs (deadlock guard)
             await self.sessions.yield_reservation(victims[0])
+
+    def _yield_order(self, model: str, exclude: str) -> list[Reservation]:
+        """Reservations to yield, least valuable first: the latest expected return, or under
+        session priority the session that comes last (the latest return among equals)."""
+        victims = self.sessions.reservations.yield_order(model, exclude=exclude)
+        if not self.policy.session_priority or len(victims) < 2:
+            return victims
+        order, ratio = self.policy.admission_order, self.policy.starvation_ratio
+        return sorted(victims, reverse=True, key=lambda r: priority_key(
+            order, self.sessions.service(r.session_id, 0.0), ratio))
 
     def _blocks_in_use(self, session_id: str) -> int:
         model = self.active_model

@@ -33,7 +33,8 @@ from talaria.instance.intake import Intake
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
-from talaria.policies.priority import Service, next_model
+from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
+from talaria.policies.priority import Service, best_key, next_model
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import hold_until
 from talaria.policies.staging import staging_target
@@ -158,6 +159,8 @@ class AdmissionLoop(Intake):
         others = self.calls.others_waiting(model)
         if not slot.open and self.calls.queues[model] and others == 0:
             slot = self._open_slot(model)  # nothing else to serve: the model's slot reopens
+        if slot.open and self.policy.priority_switch and self._outranked(slot).model:
+            slot.close(now)
         if slot.open:
             if slot.quantum_expired(now):
                 if others:
@@ -180,8 +183,8 @@ class AdmissionLoop(Intake):
         active = self.active_model
         policy = self.policy
         waiting = {m: self.calls.waiting(m) for m in self.rounds.order}
-        nxt = next_model(self.rounds, active, waiting, policy.model_order, self._service,
-                         policy.las_starvation_ratio)
+        nxt = next_model(self.rounds, active, waiting, policy.model_choice, self._service,
+                         policy.starvation_ratio, policy.admission_order)
         if nxt is None:
             await self.idle_wait(self.sessions.reservations.next_expiry())
             return
@@ -197,7 +200,8 @@ class AdmissionLoop(Intake):
             else:
                 self._open_slot(nxt)
             return
-        if self.slot is not None and self.policy.session_prefill:
+        if self.slot is not None and self.policy.session_prefill and not (
+                self.policy.priority_switch and self._outranked(self.slot).model):
             hold = hold_until(self.view, self.est, self.slot)
             self.slot.sp_given_up.update(hold.give_up)
             if hold.until is not None:
@@ -218,10 +222,37 @@ class AdmissionLoop(Intake):
                 if res.expected_return + self.policy.sp_idle_margin_s <= self.now():
                     slot.sp_given_up.add(res.session_id)
 
+    def _outranked(self, slot: Slot) -> SlotYield:
+        """Whether a waiting session of another model outranks every session of the slot's
+        model: queued, in flight, or expected back before the switch would be over."""
+        policy = self.policy
+        now = self.now()
+        order, ratio = policy.admission_order, policy.starvation_ratio
+        waiting_best = {}
+        for m in self.rounds.order:
+            key = best_key(order, self.calls.waiting(m), self._service, ratio)
+            if m != slot.model and key is not None:
+                waiting_best[m] = key
+        if not waiting_best:
+            return SlotYield(None, "nothing else waits")
+        own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
+        keys = [best_key(order, own, self._service, ratio)]
+        switch_s = self.est.switch_s(min(waiting_best, key=lambda m: waiting_best[m]))
+        returning = [r.session_id for r in self.sessions.reservations.for_model(slot.model)
+                     if holds_slot(r.expected_return, now, switch_s, policy.sp_idle_margin_s)]
+        keys.append(best_key(order, returning,
+                             lambda sid: self.sessions.service(sid, 0.0), ratio))
+        active_best = min((k for k in keys if k is not None), default=None)
+        return outranking_model(
+            active_best, waiting_best, slot_age_s=now - slot.opened, switch_in_s=slot.switch_s,
+            switch_to_s={m: self.est.switch_s(m) for m in waiting_best},
+            min_slot_factor=policy.min_slot_factor)
+
     # switching and staging --------------------------------------------------------------
 
-    def _open_slot(self, model: str) -> Slot:
-        self.slot = Slot(model=model, opened=self.now(), quantum_s=self.policy.slot_quantum_s)
+    def _open_slot(self, model: str, switch_s: float = 0.0) -> Slot:
+        self.slot = Slot(model=model, opened=self.now(), quantum_s=self.policy.slot_quantum_s,
+                         switch_s=switch_s)
         self._account()
         return self.slot
 
@@ -271,7 +302,7 @@ class AdmissionLoop(Intake):
             kind=report.kind,
             seconds=report.seconds,
         )
-        self._open_slot(model)
+        self._open_slot(model, report.seconds)
         self.refresh_engine_view(all_sessions=True)
         await self._maybe_stage()
 

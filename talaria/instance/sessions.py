@@ -78,7 +78,8 @@ class SessionKeeper:
         pinned = res is not None and res.pinned
         if hist is None:
             return Service(0.0, waiting_s, 0.0, pinned)
-        return Service(hist.attained_s, hist.waited_s + waiting_s, hist.first_arrival, pinned)
+        return Service(hist.attained_s, hist.waited_s + waiting_s, hist.first_arrival, pinned,
+                       hist.calls)
 
     def on_call_end(
         self, call: CallRequest, output_tokens: int, now: float, waited_s: float = 0.0,

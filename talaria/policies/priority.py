@@ -8,6 +8,12 @@ next. Pure decisions on what a session has had so far (``Service``).
   session whose earlier calls have had the least execution time first; a session whose
   total wait has reached ``starvation_ratio`` times its service is promoted ahead of all
   (Autellix's anti-starvation rule, Alg. 1).
+- ``remaining`` (Talaria): the session with the fewest expected remaining calls first, by the
+  calls it has made and a prior on session length (``talaria.policies.session_length``):
+  shortest expected remaining work. The same starvation guard as ``las`` promotes a session
+  that has waited ``starvation_ratio`` times its service, the one that has waited longest
+  first. A session not served yet is not promoted: it is ranked by the prior, and the slot
+  quantum bounds its wait when its model is not the active one.
 
 ``next_model`` applies the same priority across the models of one server: the next slot goes
 to the model whose best waiting call has the highest priority (round order breaks ties).
@@ -20,8 +26,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from talaria.policies.round_scheduler import RoundScheduler
+from talaria.policies.session_length import swe_agent_prior
 
-__all__ = ["Service", "priority_key", "order_queue", "next_model"]
+__all__ = ["Service", "priority_key", "order_queue", "next_model", "best_key"]
 
 T = TypeVar("T")
 
@@ -29,13 +36,14 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Service:
     """What one waiting call's session has had: execution time of its earlier calls, time it
-    has waited in all (this call's wait so far included), when it first arrived, and whether
-    it holds a pinned reservation."""
+    has waited in all (this call's wait so far included), when it first arrived, whether it
+    holds a pinned reservation, and how many calls it has finished."""
 
     attained_s: float
     waited_s: float
     first_arrival: float
     pinned: bool = False
+    calls: int = 0
 
 
 def priority_key(order: str, service: Service, starvation_ratio: float) -> tuple[float, ...]:
@@ -44,9 +52,15 @@ def priority_key(order: str, service: Service, starvation_ratio: float) -> tuple
         return ()
     if order == "program_fcfs":
         return (0.0 if service.pinned else 1.0, service.first_arrival)
+    starved = service.waited_s >= starvation_ratio * service.attained_s > 0
     if order == "las":
-        starved = service.waited_s >= starvation_ratio * service.attained_s > 0
         return (0.0 if starved else 1.0, service.attained_s)
+    if order == "remaining":
+        # Among the starved, the one that has waited longest; otherwise the fewest expected
+        # remaining calls, then the earliest session.
+        if starved:
+            return (0.0, -service.waited_s, service.first_arrival)
+        return (1.0, swe_agent_prior().expected_remaining(service.calls), service.first_arrival)
     raise ValueError(f"unknown queue order {order!r}")
 
 
@@ -59,6 +73,14 @@ def order_queue(
     return sorted(calls, key=lambda c: priority_key(order, service_of(c), starvation_ratio))
 
 
+def best_key(
+    order: str, calls: Sequence[T], service_of: Callable[[T], Service], starvation_ratio: float
+) -> tuple[float, ...] | None:
+    """The priority key of the first of ``calls`` under ``order`` (None: no calls)."""
+    return min((priority_key(order, service_of(c), starvation_ratio) for c in calls),
+               default=None)
+
+
 def next_model(
     rounds: RoundScheduler,
     current: str | None,
@@ -66,10 +88,12 @@ def next_model(
     model_order: str,
     service_of: Callable[[T], Service],
     starvation_ratio: float,
+    queue_order: str = "las",
 ) -> str | None:
     """The next model to serve under ``model_order`` (``talaria.config.MODEL_ORDERS``):
-    round order after ``current`` (``current`` last), or under ``las`` the model whose best
-    waiting call has the least attained service, round order among equals. None when
+    round order after ``current`` (``current`` last); under ``las`` the model whose best
+    waiting call has the least attained service; under ``priority`` the model whose best
+    waiting call comes first by ``queue_order``; round order among equals. None when
     nothing waits."""
     models = rounds.order
     start = models.index(current) + 1 if current in models else 0
@@ -77,8 +101,13 @@ def next_model(
     candidates = [m for m in rotated if waiting.get(m)]
     if model_order == "round" or not candidates:
         return candidates[0] if candidates else None
+    order = "las" if model_order == "las" else queue_order
+    if order == "fifo":
+        raise ValueError("model_order 'priority' needs a queue order that ranks sessions")
 
     def best(m: str) -> tuple[float, ...]:
-        return min(priority_key("las", service_of(c), starvation_ratio) for c in waiting[m])
+        key = best_key(order, waiting[m], service_of, starvation_ratio)
+        assert key is not None
+        return key
 
     return min(candidates, key=best)

@@ -38,6 +38,7 @@ class Slot:
     closed_at: float | None = None  # loop time the slot closed (None: open)
     sp_used_s: float = 0.0  # estimated extra slot time session-prefill has added
     sp_given_up: set[str] = field(default_factory=set)  # sessions SP stopped waiting for
+    switch_s: float = 0.0  # what the switch that opened it cost (0: no switch)
 
     @property
     def open(self) -> bool:

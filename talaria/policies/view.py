@@ -13,6 +13,7 @@ from typing import Protocol
 
 from engine.interface import Residency
 from talaria.config import PolicyConfig
+from talaria.policies.priority import Service
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import RoundScheduler, Slot
 from talaria.protocol import CallRequest
@@ -29,6 +30,11 @@ class QueuedCall(Protocol):
     @property
     def continuation(self) -> bool:
         """Its session has finished a call of this model on this instance before."""
+        ...
+
+    @property
+    def arrived(self) -> float:
+        """Loop time it arrived."""
         ...
 
 
@@ -102,4 +108,12 @@ class InstanceView(Protocol):
 
     def others_waiting(self, model: str) -> int:
         """Calls queued for models other than ``model``."""
+        ...
+
+    def can_stage(self, model: str) -> bool:
+        """Whether the model's weights fit the engine's staging region."""
+        ...
+
+    def service(self, session_id: str, waiting_s: float) -> Service:
+        """What the session has had so far (its current call waiting ``waiting_s``)."""
         ...

@@ -67,10 +67,12 @@ def test_a_b_a_matches_fresh_engines_at_fixed_addresses(models: dict[str, Path])
     assert engine.activate(QWEN).kind == "none"  # already active: nothing moves
     assert engine.residency()[QWEN] is Residency.ACTIVE
     assert engine.residency()[LLAMA] is Residency.HOST
+    assert not engine.can_stage(LLAMA)  # no staging region
 
 
 def test_staged_activation_equals_host_activation(models: dict[str, Path]) -> None:
     engine = make_engine(models, wait_for_staging=True)
+    assert all(engine.can_stage(n) for n in engine.model_names)  # sized for the largest
     engine.activate(LLAMA)
     stage = engine.stage(MOE)
     assert stage.kind == "stage" and stage.bytes == engine.catalog[MOE].layout.total_bytes

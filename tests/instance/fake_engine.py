@@ -195,6 +195,9 @@ class FakeEngine(ServesModels):
         self.log.append(("stage", model))
         return MoveReport("stage", 1000, self.stage_s)
 
+    def can_stage(self, model: str) -> bool:
+        return model in self.models
+
     def residency(self) -> dict[str, Residency]:
         out = {}
         for m in self.models:

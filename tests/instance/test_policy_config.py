@@ -6,12 +6,13 @@ import pytest
 
 from talaria.config import LEAVE_ONE_OUT, PRESETS, PolicyConfig, preset
 
-MECHANISMS = ("d2d_staging", "host_kv", "session_prefill", "soft_reservations")
+MECHANISMS = ("d2d_staging", "host_kv", "session_prefill", "soft_reservations",
+              "session_priority", "priority_switch")
 
 
 def test_presets_add_one_mechanism_at_a_time() -> None:
-    ladder = ["baseline", "+staging", "+host_kv", "talaria"]
-    assert list(PRESETS)[:4] == ladder
+    ladder = ["baseline", "+staging", "+host_kv", "+sp", "+priority", "talaria"]
+    assert list(PRESETS)[:6] == ladder
     on = [{m for m in MECHANISMS if getattr(PRESETS[name], m)} for name in ladder]
     assert on[0] == {"soft_reservations"}  # the reference's baseline keeps reservations
     for before, after in zip(on, on[1:], strict=False):
@@ -23,11 +24,12 @@ def test_leave_one_out_presets_turn_off_one_mechanism_of_talaria() -> None:
     for name, off in LEAVE_ONE_OUT:
         on = {m for m in MECHANISMS if getattr(PRESETS[name], m)}
         assert on == set(MECHANISMS) - {off}
-    assert PRESETS["-sp"].with_(name="+host_kv") == PRESETS["+host_kv"]
+    assert PRESETS["-priority_switch"].with_(name="+priority") == PRESETS["+priority"]
 
 
 def test_peer_mechanisms_are_checked_by_name() -> None:
-    cfg = PolicyConfig(slot_close="drained", queue_order="las", model_order="las",
+    cfg = PolicyConfig(session_priority=False, priority_switch=False,
+                       slot_close="drained", queue_order="las", model_order="las",
                        reservation_ttl="continuum", preempt=True)
     assert (cfg.slot_close, cfg.queue_order, cfg.preempt) == ("drained", "las", True)
     for key in ("slot_close", "queue_order", "model_order", "reservation_ttl"):

@@ -1,15 +1,23 @@
-"""Small units: round order, wait estimates, gap prediction, reservation bookkeeping, rates."""
+"""Small units: round order, wait estimates, gap prediction, reservation bookkeeping, rates,
+what to stage."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import pytest
 from fake_engine import FakeEngine
 
-from engine.interface import MoveReport, MultiModelEngineProtocol, StepResult
+from engine.interface import MoveReport, MultiModelEngineProtocol, Residency, StepResult
+from engine.sampling_params import SamplingParams
+from talaria.config import PolicyConfig, preset
 from talaria.instance.rates import RateBook
 from talaria.policies.gap_predictor import GapPredictor
+from talaria.policies.priority import Service
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.policies.round_scheduler import RoundScheduler
+from talaria.policies.staging import staging_target
+from talaria.protocol import CallRequest
 
 
 def test_fake_engine_implements_the_protocol() -> None:
@@ -115,3 +123,66 @@ def test_yield_offload_needs_free_host_room_unless_eviction_is_allowed() -> None
     assert yield_offload_pays(201.0, None, None)  # the engine does not report its host store
     with pytest.raises(ValueError, match="need_bytes"):
         yield_offload_pays(-1.0, 0.0, 10.0)
+
+
+@dataclass
+class _Queued:
+    call: CallRequest
+    arrived: float = 0.0
+    continuation: bool = True
+
+
+@dataclass
+class _View:
+    """The parts of an instance staging looks at."""
+
+    policy: PolicyConfig
+    residency: dict[str, Residency]
+    queues: dict[str, list[_Queued]]
+    calls_done: dict[str, int]
+    stageable: set[str]
+    active_model: str | None = "a"
+    models: tuple[str, ...] = ("a", "b", "c")
+    reservations: ReservationBook = field(default_factory=ReservationBook)
+
+    @property
+    def rounds(self) -> RoundScheduler:
+        return RoundScheduler(list(self.models))
+
+    def now(self) -> float:
+        return 10.0
+
+    def queued(self, model: str) -> list[_Queued]:
+        return self.queues.get(model, [])
+
+    def can_stage(self, model: str) -> bool:
+        return model in self.stageable
+
+    def service(self, session_id: str, waiting_s: float) -> Service:
+        return Service(5.0, waiting_s, 0.0, calls=self.calls_done[session_id])
+
+
+def _queued(session: str, model: str) -> _Queued:
+    return _Queued(CallRequest(f"{session}#0", session, model, [1, 2, 3],
+                               SamplingParams(max_tokens=1)))
+
+
+def test_staging_target_is_the_next_model_that_fits_the_staging_region() -> None:
+    host = {"a": Residency.ACTIVE, "b": Residency.HOST, "c": Residency.HOST}
+    queues = {"b": [_queued("early", "b")], "c": [_queued("late", "c")]}
+    done = {"early": 1, "late": 60}
+    view = _View(preset("+sp"), host, queues, done, {"b", "c"})
+    assert staging_target(view) == "b"  # round order after a
+    # under the priority switch: the model of the first session (60 calls made: c)
+    prio = _View(preset("talaria"), host, queues, done, {"b", "c"})
+    assert staging_target(prio) == "c"
+    # a model whose shard does not fit the staging region is never staged
+    assert staging_target(_View(preset("talaria"), host, queues, done, {"b"})) is None
+    # nothing queued: the model of the first session expected back
+    view = _View(preset("talaria"), host, {}, {"early": 1, "late": 60}, {"b", "c"})
+    for sid, model in (("early", "b"), ("late", "c")):
+        view.reservations.add(Reservation(sid, model, 0.0, 12.0, 60.0))
+    assert staging_target(view) == "c"
+    # one copy at a time
+    busy = dict(host, b=Residency.STAGING)
+    assert staging_target(_View(preset("talaria"), busy, queues, done, {"b", "c"})) is None

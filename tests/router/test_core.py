@@ -114,9 +114,10 @@ async def test_consumer_closing_early_aborts_on_instance() -> None:
     assert core.context.outstanding_tokens["a"] == 0
 
 
-async def test_session_sticks_while_cheaper_then_moves() -> None:
-    """End to end through the core: a session's second call returns to the instance that
-    reports its KV; when that instance's queue grows, the next call goes elsewhere."""
+async def test_session_sticks_with_its_kv_until_its_instance_fails() -> None:
+    """End to end through the core: a session's calls return to the instance that reports
+    its KV, even when that instance's queue grows; when it is unhealthy, the next call goes
+    elsewhere."""
     a = FakeInstance("a", REPLY)
     b = FakeInstance("b", REPLY)
     core = RouterCore({"a": a, "b": b}, "talaria", refresh_after_call=False)
@@ -133,7 +134,11 @@ async def test_session_sticks_while_cheaper_then_moves() -> None:
     assert core.metrics.placements.get(instance=first, returning="yes") == 1
     core.update_state(InstanceState(first, models={"m": model_state("m", queued_tokens=2000, **ms)},
                                     sessions={"s": SessionKV("s", "m", device_tokens=605)}))
-    await drain(core, request(prompt=list(range(800)), last=True))
+    await drain(core, request(prompt=list(range(800))))
+    assert core.metrics.placements.get(instance=first, returning="yes") == 2
+    assert len({"a": a, "b": b}[other].calls) == 0
+    core.mark_down(first, "test")
+    await drain(core, request(prompt=list(range(900)), last=True))
     assert core.sessions.get("s") is None  # last_call ended it
     assert len({"a": a, "b": b}[other].calls) == 1
     assert core.metrics.sct.count(model="m") == 1

@@ -129,7 +129,7 @@ def test_host_kv_restore_is_cheaper_than_prefill() -> None:
     assert policy.choose(call(), None, states, {"a", "b"}) == ["a", "b"]
 
 
-def test_session_returns_while_cheaper_and_leaves_when_queue_makes_it_dearer() -> None:
+def test_a_session_stays_with_its_kv_and_new_sessions_go_to_the_least_loaded() -> None:
     sessions = SessionTable()
     record = sessions.start_call("s1", "m", 0.0, 4096)
     states = {
@@ -138,14 +138,24 @@ def test_session_returns_while_cheaper_and_leaves_when_queue_makes_it_dearer() -
         "b": InstanceState("b", models={"m": model_state("m", prefill_tokens_per_s=10_000.0)}),
     }
     policy = Talaria()
-    # Both have the model active; a holds the session's KV: the session returns to a.
     assert policy.choose(call(), record, states, {"a", "b"})[0] == "a"
-    # a's queue grows: 2000 queued tokens cost 0.2 s, still less than re-prefilling 4000 (0.4 s).
-    states["a"].models["m"].queued_tokens = 2000
-    assert policy.choose(call(), record, states, {"a", "b"})[0] == "a"
-    # 8000 queued tokens (0.8 s) make a dearer than a fresh prefill on idle b.
+    # a's queue grows past a fresh prefill's cost on b: the session still stays with its KV
+    # (its later calls would follow it), though the estimate says b is quicker for this call
     states["a"].models["m"].queued_tokens = 8000
-    assert policy.choose(call(), record, states, {"a", "b"})[0] == "b"
+    assert policy.estimate("a", call(), record, states).total_s > \
+        policy.estimate("b", call(), record, states).total_s
+    assert policy.choose(call(), record, states, {"a", "b"})[0] == "a"
+    # its KV's instance unhealthy: it goes elsewhere
+    assert policy.choose(call(), record, states, {"b"}) == ["b"]
+    # a new session (no KV anywhere) goes to the least loaded instance, whatever the model's
+    # residency; at equal load the estimate prefers the active model
+    other = SessionTable().start_call("s2", "m", 0.0, 4096)
+    states["a"].models["m"].queued_tokens = 0
+    states["b"].models["m"].residency = Residency.HOST
+    policy.ctx.add("a", 100, 5000)
+    assert policy.choose(call(), other, states, {"a", "b"})[0] == "b"
+    policy.ctx.remove("a", 5000)
+    assert policy.choose(call(), other, states, {"a", "b"})[0] == "a"
 
 
 def test_kv_memory_stall_adds_pressure() -> None:

@@ -186,3 +186,17 @@ def test_default_sessions_fit_their_models_context_windows() -> None:
     for s in default_trace():
         longest = s.calls[-1].input_tokens + s.calls[-1].output_tokens
         assert longest <= ModelSpec.load(s.model).max_position_embeddings, s.session_id
+
+
+def test_the_generator_writes_another_trace_where_asked(tmp_path) -> None:
+    from workloads.generator import main
+    from workloads.trace import load_trace
+
+    out = tmp_path / "other.jsonl"
+    main(["--out", str(out), "--seed", "7", "--skew", "1.5", "--sessions", "6", "--calls", "60"])
+    sessions = load_trace(out)
+    assert len(sessions) == 6 and sum(s.num_calls for s in sessions) == 60
+    assert sessions == generate_trace(6, 60, skew=1.5, seed=7)
+    assert sessions != generate_trace(6, 60, skew=1.5, seed=8)
+    with pytest.raises(SystemExit, match="num_sessions must be >= 1"):
+        main(["--out", str(out), "--sessions", "0"])

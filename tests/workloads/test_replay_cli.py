@@ -76,6 +76,21 @@ def test_tune_writes_settings_that_the_next_replay_uses(tmp_path: Path,
     assert data["policies"]["baseline"]["sct_p50_s"] == pytest.approx(row["sct_p50_s"])
     assert data["ideal"]["sct_p50_s"] == pytest.approx(tuned["ideal"]["p50"]["sct_s"])
     assert data["ideal"]["sct_p95_s"] == pytest.approx(tuned["ideal"]["p95"]["sct_s"])
+    # tuning another row keeps the cached rows and the ideal bound's schedules
+    other = [*args[:2], "vllm_sleep", *args[3:]]
+    assert main([*other, "--tune"]) == 0
+    again = orjson.loads(settings.read_bytes())
+    assert set(again["rows"]) == {"baseline", "vllm_sleep"}
+    assert again["rows"]["baseline"] == row and again["ideal"] == tuned["ideal"]
+    # on another trace the cached settings apply only when asked for
+    out_other = tmp_path / "other.json"
+    capsys.readouterr()
+    assert main([*args[:4], "3", *args[5:], "--json", str(out_other)]) == 0
+    assert "each policy's own" in capsys.readouterr().out
+    assert main([*args[:4], "3", *args[5:], "--fixed-settings", "--json", str(out_other)]) == 0
+    assert "fixed: tuned on another trace" in capsys.readouterr().out
+    data = orjson.loads(out_other.read_bytes())
+    assert data["policies"]["baseline"]["setting"] == row["setting"]
 
 
 def test_replay_scale_out_replicates_sessions(tmp_path: Path) -> None:

@@ -76,8 +76,10 @@ def test_speedups_lower_bound_and_best_quantum() -> None:
 
 
 def test_policy_catalogue_is_consistent() -> None:
-    assert list(DEFAULT_POLICIES[:4]) == ["baseline", "+staging", "+host_kv", "talaria"]
-    assert list(LEAVE_ONE_OUT_ROWS) == ["-staging", "-host_kv", "-reservations", "-placement"]
+    assert list(DEFAULT_POLICIES[:6]) == ["baseline", "+staging", "+host_kv", "+sp",
+                                          "+priority", "talaria"]
+    assert list(LEAVE_ONE_OUT_ROWS) == ["-staging", "-host_kv", "-sp", "-reservations",
+                                        "-placement"]
     assert set(PEERS) == {"vllm_sleep", "vllm_sleep_lmcache", "sglang_hicache", "continuum_ttl",
                           "autellix", "aegaeon"}
     base = ABLATIONS["baseline"]
@@ -85,6 +87,12 @@ def test_policy_catalogue_is_consistent() -> None:
     # session-aware placement on; staging, host KV and session-prefill off
     assert base.stable_substrate and base.placement == "talaria" and base.switch == "copy"
     assert base.policy.soft_reservations and not base.policy.session_prefill
+    assert not base.policy.session_priority and not base.policy.priority_switch
+    # Talaria's staging region leaves out the largest shard; Aegaeon's prefetch keeps its own
+    assert ABLATIONS["talaria"].engine_config().staging_region == "second"
+    assert PEERS["aegaeon"].engine_config().staging_region == "largest"
+    for peer in PEERS.values():
+        assert not peer.policy.session_priority and not peer.policy.priority_switch
     config = base.engine_config()
     assert config.host_kv_bytes == 0 and not config.staging
     assert ABLATIONS["talaria"].placement == "talaria"

@@ -1,0 +1,198 @@
+"""Talaria's session-level priority: the session-length prior, the ``remaining`` order, the
+model it picks next, and when a slot yields to a session of another model that outranks its
+own (decision functions on hand-built cases, then one instance on the fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_engine import FakeEngine
+from instance_helpers import Timed, call, run_call
+
+from talaria.clock import run_virtual
+from talaria.config import PolicyConfig, preset
+from talaria.instance.admission import Instance
+from talaria.policies.model_choice import holds_slot, outranking_model
+from talaria.policies.priority import Service, next_model, order_queue
+from talaria.policies.reservations import Reservation
+from talaria.policies.round_scheduler import RoundScheduler
+from talaria.policies.session_length import SWE_AGENT_CALLS, SessionLengthPrior, swe_agent_prior
+
+
+def test_expected_remaining_calls_of_a_uniform_prior() -> None:
+    # N uniform on [0, 100]: E[N - k | N > k] = (100 - k) / 2
+    prior = SessionLengthPrior((0.0, 100.0))
+    assert prior.expected_remaining(0) == pytest.approx(50.0)
+    assert prior.expected_remaining(40) == pytest.approx(30.0)
+    assert prior.expected_remaining(99) == pytest.approx(1.0)  # never below one call
+    assert prior.expected_remaining(500) == pytest.approx(1.0)
+    # two segments of equal mass: [0, 10] and [10, 30]; beyond 10 only the second counts
+    two = SessionLengthPrior((0.0, 10.0, 30.0))
+    assert two.expected_remaining(0) == pytest.approx((5.0 + 20.0) / 2)
+    assert two.expected_remaining(20) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="nondecreasing"):
+        SessionLengthPrior((5.0, 3.0))
+    with pytest.raises(ValueError, match="calls_done"):
+        prior.expected_remaining(-1)
+
+
+def test_agent_sessions_near_their_end_have_fewer_calls_left() -> None:
+    prior = swe_agent_prior()
+    assert prior.quantiles == SWE_AGENT_CALLS and len(SWE_AGENT_CALLS) == 101
+    fresh, midway, late = (prior.expected_remaining(k) for k in (0, 40, 100))
+    assert fresh == pytest.approx(42.9, abs=0.1)
+    assert fresh > midway > late
+
+
+def test_fewest_expected_remaining_calls_first_with_a_starvation_guard() -> None:
+    ratio = 8.0
+    services = {
+        "fresh": Service(0.0, 300.0, 0.0, calls=0),  # never served: ranked by the prior
+        "midway": Service(40.0, 10.0, 1.0, calls=40),
+        "late": Service(90.0, 20.0, 2.0, calls=100),
+        "early": Service(5.0, 1.0, 3.0, calls=3),
+        "starved": Service(3.0, 30.0, 4.0, calls=2),  # waited 10x its service
+        "starved_longer": Service(4.0, 40.0, 5.0, calls=1),
+    }
+
+    def service(name: str) -> Service:
+        return services[name]
+
+    order = order_queue("remaining", list(services), service, ratio)
+    assert order == ["starved_longer", "starved", "late", "midway", "early", "fresh"]
+    # equal progress: the earlier session first
+    twins = {"b": Service(1.0, 0.0, 5.0, calls=3), "a": Service(1.0, 0.0, 2.0, calls=3)}
+    assert order_queue("remaining", ["b", "a"], twins.__getitem__, ratio) == ["a", "b"]
+
+
+def test_the_next_model_is_the_one_of_the_first_session() -> None:
+    services = {"q1": Service(10.0, 0.0, 0.0, calls=30), "g1": Service(1.0, 0.0, 0.0, calls=1),
+                "m1": Service(50.0, 0.0, 0.0, calls=60)}
+    rounds = RoundScheduler(["q", "g", "m"])
+    waiting = {"q": ["q1"], "g": ["g1"], "m": ["m1"]}
+    assert next_model(rounds, "q", waiting, "priority", services.__getitem__, 8.0,
+                      "remaining") == "m"
+    assert next_model(rounds, "q", waiting, "round", services.__getitem__, 8.0) == "g"
+    with pytest.raises(ValueError, match="ranks sessions"):
+        next_model(rounds, "q", waiting, "priority", services.__getitem__, 8.0, "fifo")
+    with pytest.raises(ValueError, match="ranks sessions"):
+        PolicyConfig(session_priority=False, priority_switch=False, model_order="priority")
+    with pytest.raises(ValueError, match="contradicts"):
+        PolicyConfig(queue_order="las")  # session priority is on by default
+    with pytest.raises(ValueError, match="contradicts"):
+        PolicyConfig(model_order="las")
+    with pytest.raises(ValueError, match="needs sessions ranked"):
+        PolicyConfig(session_priority=False)
+    talaria = preset("talaria")
+    assert (talaria.admission_order, talaria.model_choice) == ("remaining", "priority")
+    base = preset("baseline")
+    assert (base.admission_order, base.model_choice) == ("fifo", "round")
+
+
+def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch() -> None:
+    kw = dict(switch_in_s=1.0, switch_to_s={"b": 0.5, "c": 2.0}, min_slot_factor=10.0)
+    first, second, third = (1.0, 5.0), (1.0, 10.0), (1.0, 20.0)
+    # b's session comes before every session of the active model: yield after 10 x 1.5 s
+    assert outranking_model(second, {"b": first}, slot_age_s=15.0, **kw).model == "b"
+    assert outranking_model(second, {"b": first}, slot_age_s=14.9, **kw).model is None
+    # the best waiting session decides the target, and its switch the minimum slot
+    assert outranking_model(third, {"b": second, "c": first}, slot_age_s=29.0,
+                            **kw).model is None
+    assert outranking_model(third, {"b": second, "c": first}, slot_age_s=30.0,
+                            **kw).model == "c"
+    # the active model's own session (queued, running or returning soon) comes first: keep
+    assert outranking_model(first, {"b": second}, slot_age_s=100.0, **kw).model is None
+    assert outranking_model(first, {"b": first}, slot_age_s=100.0, **kw).model is None
+    # the active model has nothing left: any waiting session outranks it
+    assert outranking_model(None, {"b": third}, slot_age_s=15.0, **kw).model == "b"
+    assert outranking_model(None, {}, slot_age_s=100.0, **kw).model is None
+
+
+def test_a_returning_session_holds_the_slot_only_when_due_before_the_switch_is_over() -> None:
+    now, margin = 100.0, 1.0
+    # due within the switch (2 s): switching away would not even be over when it is back
+    assert holds_slot(101.5, now, switch_s=2.0, overdue_margin_s=margin)
+    assert holds_slot(102.0, now, switch_s=2.0, overdue_margin_s=margin)
+    # due after the switch: the outranking session, waiting now, goes first
+    assert not holds_slot(102.1, now, switch_s=2.0, overdue_margin_s=margin)
+    # a staged (near-free) switch: only a session due at once holds the slot
+    assert not holds_slot(100.5, now, switch_s=0.05, overdue_margin_s=margin)
+    # late, but within the margin: still expected; beyond it: overdue, no longer holds
+    assert holds_slot(99.5, now, switch_s=2.0, overdue_margin_s=margin)
+    assert not holds_slot(99.0, now, switch_s=2.0, overdue_margin_s=margin)
+
+
+def test_the_starvation_guard_in_force_is_the_queue_orders_own() -> None:
+    talaria = preset("talaria")
+    assert talaria.admission_order == "remaining"
+    assert talaria.starvation_ratio == talaria.remaining_starvation_ratio == 4.0
+    autellix = preset("baseline", queue_order="las", model_order="las")
+    assert autellix.starvation_ratio == autellix.las_starvation_ratio == 8.0
+    with pytest.raises(ValueError, match="remaining_starvation_ratio"):
+        preset("talaria", remaining_starvation_ratio=0.0)
+
+
+def _priority_policy(**overrides: object) -> PolicyConfig:
+    fields: dict[str, object] = dict(
+        queue_order="remaining", model_order="priority", priority_switch=True,
+        slot_close="drained", slot_quantum_s=1000.0, min_slot_factor=0.0,
+        remaining_starvation_ratio=1000.0, soft_reservations=False)
+    return preset("baseline", **{**fields, **overrides})
+
+
+def _advanced_session_returns(policy: PolicyConfig) -> tuple[Timed, Timed]:
+    """Session s (model a) has made two calls; then sessions t and u of model b (none made)
+    arrive, and while t's call runs, u's long call and s's third call queue. Whether b's slot
+    yields to s decides which of the two goes first."""
+
+    async def main() -> tuple[Timed, Timed]:
+        inst = Instance("i", FakeEngine(["a", "b"], step_s=0.1), policy)
+        await inst.start()
+        try:
+            await run_call(inst, call("s#0", "s", "a", 50, max_tokens=2))
+            await run_call(inst, call("s#1", "s", "a", 60, max_tokens=2))
+            t_task = asyncio.create_task(run_call(inst, call("t#0", "t", "b", 50, max_tokens=3)))
+            await asyncio.sleep(0.15)
+            u_task = asyncio.create_task(run_call(inst, call("u#0", "u", "b", 50,
+                                                             max_tokens=40)))
+            s_third = await run_call(inst, call("s#2", "s", "a", 70, max_tokens=2))
+            await t_task
+            return s_third, await u_task
+        finally:
+            await inst.stop()
+
+    return run_virtual(main())
+
+
+def test_an_instance_switches_back_to_the_session_that_comes_first() -> None:
+    s_third, u_call = _advanced_session_returns(_priority_policy())
+    # s (two calls made) outranks u (none): b's slot closes once t's running call ends, and
+    # s's call is served before u's long one is admitted
+    assert s_third.done is not None and u_call.first is not None
+    assert s_third.done < u_call.first
+    # without the priority switch, b's slot stays open until b drains: u's call first
+    s_plain, u_plain = _advanced_session_returns(
+        _priority_policy(priority_switch=False))
+    assert s_plain.done is not None and u_plain.done is not None
+    assert u_plain.done < s_plain.first
+
+
+def test_under_kv_pressure_the_session_that_comes_last_yields_first() -> None:
+    async def main() -> tuple[list[str], list[str]]:
+        orders = []
+        for policy in (preset("talaria"), preset("+sp")):
+            inst = Instance("i", FakeEngine(["a"]), policy)
+            sessions = inst.loop.sessions
+            # "near_end" has made 90 calls and returns last; "fresh" 1 call, back first
+            for sid, calls, back in (("near_end", 90, 30.0), ("fresh", 1, 5.0)):
+                sessions.gaps.on_arrival(sid, "a", 10, 0.0)
+                sessions.gaps.sessions[sid].calls = calls
+                sessions.gaps.sessions[sid].attained_s = 10.0
+                sessions.reservations.add(Reservation(sid, "a", 0.0, back, 60.0, 4, True))
+            orders.append([r.session_id for r in inst.loop._yield_order("a", "other")])
+        return orders[0], orders[1]
+
+    by_priority, by_return = run_virtual(main())
+    assert by_priority == ["fresh", "near_end"]  # fewest calls left stays on the device
+    assert by_return == ["near_end", "fresh"]  # without session priority: latest return first

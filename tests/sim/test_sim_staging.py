@@ -1,0 +1,78 @@
+"""The simulated staging region: sized for the second largest shard (the largest model keeps
+its KV room and loads from host), and a staging copy sharing the host link with KV restores."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.interface import Residency
+from tests.sim.test_sim_engine import (
+    BS,
+    GLM,
+    MISTRAL,
+    QWEN,
+    Clock,
+    cost,
+    drain,
+    make,
+    output,
+    req,
+    tokens,
+)
+
+
+def test_a_staging_region_for_the_second_largest_shard() -> None:
+    models = (QWEN, GLM, MISTRAL)
+    full = make(models, staging=True)
+    second = make(models, staging=True, staging_region="second")
+    none = make(models, staging=False)
+    qwen, mistral = cost().weight_bytes_per_gpu(), cost(MISTRAL).weight_bytes_per_gpu()
+    assert qwen > mistral > cost(GLM).weight_bytes_per_gpu()
+    assert second.memory.staging_bytes == mistral and full.memory.staging_bytes == qwen
+    assert [second.can_stage(m) for m in models] == [False, True, True]
+    assert [full.can_stage(m) for m in models] == [True, True, True]
+    assert not any(none.can_stage(m) for m in models)
+    # the KV region keeps what the largest shard's staging copy would have taken from it
+    assert second.kv_capacity_blocks(QWEN) == cost().kv_capacity_tokens(qwen, mistral) // BS
+    assert full.kv_capacity_blocks(QWEN) < second.kv_capacity_blocks(QWEN) < (
+        none.kv_capacity_blocks(QWEN))
+    second.activate(GLM)
+    with pytest.raises(ValueError, match="does not fit the staging region"):
+        second.stage(QWEN)
+    assert second.stage(MISTRAL).kind == "stage"
+    with pytest.raises(ValueError, match="staging_region"):
+        make(models, staging_region="half")
+
+
+def _restore_while_staging(stage_first: bool) -> tuple[float, float, float, Residency]:
+    """A session's KV is restored from host in one step, with or without a staging copy in
+    flight; returns (the step's seconds, the restore alone, the staging copy alone, GLM's
+    residency when the copy alone would have ended)."""
+    clock = Clock()
+    engine = make(clock=clock, host_kv_bytes=10**12)
+    engine.activate(QWEN)
+    prompt = tokens(6000)
+    engine.add_request(req("c1", prompt, max_tokens=5, session="s"))
+    _, ev1 = drain(engine)
+    engine.offload_kv(None)
+    engine.activate(GLM)
+    engine.activate(QWEN)  # GLM is back in host memory only
+    clock.now = 50.0
+    staging_s = engine.stage(GLM).seconds if stage_first else cost(GLM).switch_seconds_host()
+    prompt2 = prompt + output(ev1["c1"]) + tokens(1000, 70_000)
+    engine.add_request(req("c2", prompt2, max_tokens=1, session="s"))
+    first = engine.step()
+    restored = 6004 // BS * BS
+    clock.now = 50.0 + staging_s
+    return (first.seconds, engine.host_tier.restore_seconds(cost(), restored), staging_s,
+            engine.residency()[GLM])
+
+
+def test_a_restore_shares_the_host_link_with_a_staging_copy() -> None:
+    alone, restore_s, staging_s, _ = _restore_while_staging(stage_first=False)
+    shared, restore_again, _, glm = _restore_while_staging(stage_first=True)
+    assert restore_again == restore_s and restore_s < staging_s
+    # both at half rate while they overlap: the restore takes twice as long ...
+    assert shared == pytest.approx(alone + restore_s, rel=1e-12)
+    # ... and the staging copy ends that much later
+    assert glm == Residency.STAGING
