@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from engine.attention.torch_paged import TorchPagedAttention
-from engine.models.loader import load_checkpoint
 from engine.model_runner import resolve_dtype
 from engine.models.decoder import CausalLM
+from engine.models.loader import load_checkpoint
 from engine.models.registry import build_model
 from engine.parallel_context import SINGLE, ParallelContext
 from substrate.host_weights import FillFn

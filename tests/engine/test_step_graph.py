@@ -21,10 +21,10 @@ from engine.interface import EngineRequest
 from engine.layers.moe import SparseMoE
 from engine.model_runner import ModelRunner
 from engine.models.registry import build_model
+from engine.models.tiny import ARCHS, write_random_checkpoint
 from engine.parallel_context import SINGLE
 from engine.scheduler import SchedulerOutput
 from engine.sync_guard import HostSyncError, no_host_sync
-from engine.models.tiny import ARCHS, write_random_checkpoint
 
 BLOCK = 4
 BUCKET = FixedShape(num_seqs=8, num_blocks=16)

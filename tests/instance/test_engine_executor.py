@@ -10,9 +10,9 @@ from fake_engine import FakeEngine
 
 from engine.interface import EngineRequest
 from engine.sampling_params import SamplingParams
-from talaria.protocol import CallRequest
 from talaria.clock import run_live, run_virtual
 from talaria.instance.executor import EngineBusy, EngineExecutor
+from talaria.protocol import CallRequest
 
 
 class ThreadRecordingEngine(FakeEngine):

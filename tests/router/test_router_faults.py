@@ -23,7 +23,14 @@ from router.core import RouterCore
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
 from router.tokenization import ModelTokenizer
-from talaria.protocol import CallEvent, CallRequest, InstanceState, ModelState, SamplingParams, to_json
+from talaria.protocol import (
+    CallEvent,
+    CallRequest,
+    InstanceState,
+    ModelState,
+    SamplingParams,
+    to_json,
+)
 
 REPLY = [10, 11, 12, 13, 14]
 
