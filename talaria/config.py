@@ -58,7 +58,8 @@ class PolicyConfig:
     las_starvation_ratio: float = 8.0
     # session_priority's starvation guard: a session whose total wait reaches this multiple
     # of its attained service goes first. Fixed once for all traces (chosen on the default
-    # trace, where 2 to 4 give the same p50 and 8 a 3% longer p95); las keeps Autellix's 8.
+    # trace at drained/240 s: 2 and 4 give 344 / 1010-1015 s, 8 the same p50 and a 6% longer
+    # p95, 1072 s); las keeps Autellix's 8.
     remaining_starvation_ratio: float = 4.0
     min_slot_factor: float = 10.0  # priority_switch: a slot lasts this x its switches first
     # session-prefill
