@@ -47,6 +47,10 @@ class PolicyConfig:
     # waiting session of another model that outranks all of its own once it has lasted
     # min_slot_factor x its switches (talaria.policies.model_choice); replaces model_order
     priority_switch: bool = True
+    # each session's new KV is copied to host as its call ends (with host_kv; inert without), so a
+    # reservation that yields and a switch find it there: device blocks are given up without
+    # loss and a switch has little left to offload (talaria.instance.loop, KV demotion)
+    kv_demotion: bool = True
     # round scheduler
     slot_quantum_s: float = 30.0  # a slot admits queued calls for at most this long
     slot_close: str = "empty"  # SLOT_CLOSE_RULES: when a slot closes before its quantum
@@ -192,11 +196,15 @@ LADDER: tuple[Rung, ...] = (
     Rung("+sp", ("session_prefill",), "session-prefill"),
     Rung("+priority", ("session_priority",), "sessions with the fewest expected remaining "
          "calls first, within each model's queue and its KV budget"),
-    Rung("talaria", ("priority_switch",), "the next model is the first session's, and a slot "
-         "yields to a session of another model that outranks its own"),
+    Rung("+priority_switch", ("priority_switch",), "the next model is the first session's, "
+         "and a slot yields to a session of another model that outranks its own"),
+    Rung("talaria", ("kv_demotion",), "each session's new KV copied to host as its call ends: "
+         "yields and switches give device KV up without losing it"),
 )
 MECHANISMS = ("session_prefill", "soft_reservations", "host_kv", "d2d_staging",
-              "session_priority", "priority_switch")
+              "session_priority", "priority_switch", "kv_demotion")
+# A mechanism that works only with another: leaving the latter out leaves out both.
+NEEDS = {"kv_demotion": "host_kv"}
 # Talaria minus one mechanism each: (preset name, the mechanism turned off). Session
 # priority is not left out alone: the priority switch ranks sessions by it.
 LEAVE_ONE_OUT: tuple[tuple[str, str], ...] = (
@@ -205,6 +213,7 @@ LEAVE_ONE_OUT: tuple[tuple[str, str], ...] = (
     ("-sp", "session_prefill"),
     ("-reservations", "soft_reservations"),
     ("-priority_switch", "priority_switch"),
+    ("-demotion", "kv_demotion"),
 )
 
 
@@ -215,7 +224,8 @@ def _presets() -> dict[str, PolicyConfig]:
         on.update(rung.adds)
         out[rung.name] = PolicyConfig(name=rung.name, **{m: m in on for m in MECHANISMS})
     for name, off in LEAVE_ONE_OUT:
-        out[name] = PolicyConfig(name=name, **{m: m in on and m != off for m in MECHANISMS})
+        kept = {m for m in on if m != off and NEEDS.get(m) != off}
+        out[name] = PolicyConfig(name=name, **{m: m in kept for m in MECHANISMS})
     return out
 
 

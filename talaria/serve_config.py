@@ -35,7 +35,10 @@ staging = true
 restart = true          # start it again (with backoff) when its process dies
 
 [policy]
-preset = "talaria"      # baseline | +staging | +host_kv | talaria | -staging | -host_kv | -sp | -reservations
+# preset: a rung of the ladder (baseline | +staging | +host_kv | +sp | +priority |
+# +priority_switch | talaria) or talaria minus one mechanism (-staging | -host_kv | -sp |
+# -reservations | -priority_switch | -demotion)
+preset = "talaria"
 slot_quantum_s = 10.0   # any PolicyConfig field overrides the preset
 ```
 

@@ -10,7 +10,7 @@ plane.
   session-prefill, host-KV restoration and D2D staging off, so a switch is the substrate's
   H2D copy and drops the outgoing model's KV; each rung adds one mechanism up to ``talaria``.
 - Leave-one-out rows: talaria minus one mechanism (``talaria.config.LEAVE_ONE_OUT``, and
-  ``-placement``: load-only routing). ``-priority_switch`` is the ladder's ``+priority`` and
+  ``-placement``: load-only routing). ``-demotion`` is the ladder's ``+priority_switch`` and
   is not run twice.
 - Peers, the systems a user would deploy instead (constants sourced in
   ``engine.sim.switching`` and ``engine.sim.kv_tier``; ``talaria.policies.priority`` and
@@ -198,7 +198,7 @@ LEAVE_ONE_OUT_ROWS: dict[str, SystemConfig] = _leave_one_out()
 
 # A plain engine's policy: none of Talaria's mechanisms.
 _PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False,
-              session_priority=False, priority_switch=False)
+              session_priority=False, priority_switch=False, kv_demotion=False)
 _SLEEP = dict(stable_substrate=False, switch="sleep_wake")
 
 

@@ -84,6 +84,7 @@ class AdmissionLoop(Intake):
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
         self._stage_failed: set[str] = set()  # models whose staging failed since the switch
+        self._demote: list[str] = []  # sessions whose call ended this step: KV to host
         self._idle_steps = 0  # engine steps that ran nothing since the last warning
         self._idle_warned = float("-inf")
         self.faults = EngineFaults(
@@ -338,6 +339,8 @@ class AdmissionLoop(Intake):
             if pending is None:
                 continue  # aborted meanwhile
             self._deliver(pending, event)
+        if self._demote:
+            await self._demote_kv()
         self.stats = self.executor.stats()
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:
             self.refresh_engine_view(all_sessions=True)
@@ -372,6 +375,23 @@ class AdmissionLoop(Intake):
             self.sessions.on_call_end(pending.call, pending.out_tokens, now,
                                       waited_s=admitted - pending.arrived,
                                       served_s=now - admitted)
+            if self.policy.kv_demotion and self.policy.host_kv and not pending.call.last_call:
+                self._demote.append(pending.call.session_id)
+
+    async def _demote_kv(self) -> None:
+        """KV demotion: copy the KV of the sessions whose calls just ended to host, the blocks
+        not there yet (their last call's), once per step. The device blocks stay where they
+        are, pinned by a reservation or cached; when memory is short later, giving them up
+        loses nothing and a switch out has only what was computed since to copy. Every
+        session is copied: the host store evicts its least recently used KV, a session
+        that has not been back for longest."""
+        sessions, self._demote = sorted(set(self._demote)), []
+        report = await self.executor.offload_kv(sessions)
+        self.counters["kv_demotions"] = self.counters.get("kv_demotions", 0) + len(sessions)
+        for session_id in sessions:
+            self.sessions.kv_tokens[session_id] = self.executor.session_kv_tokens(session_id)
+        log.debug("kv_demoted", instance=self.instance_id, sessions=len(sessions),
+                  bytes=report.bytes)
 
     def finish(
         self, pending: PendingCall, reason: str, event: TokenEvent | None, error: str | None = None

@@ -39,7 +39,7 @@ def test_reservation_protects_kv_until_expiry_then_releases_it() -> None:
     assert res.expected_return == pytest.approx(7.5)
     assert res.device_tokens == 105
     assert reserved.reserved_kv_blocks == 7
-    assert pinned and evicted == ["u"] and kv == (105, 0)
+    assert pinned and evicted == ["u"] and kv == (105, 105)  # on host too: KV demotion
     assert not engine.pinned("s")
     assert inst.counters["reservations_expired"] == 1
     assert after.sessions["s"].reserved_until is None
@@ -114,7 +114,8 @@ def test_gap_is_learned_per_session() -> None:
 @pytest.mark.parametrize("room", [True, False])
 def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
     """A yielding session is needed after every call waiting here; copying it into a full
-    host store would evict KV needed sooner, so without free room the yield only unpins."""
+    host store would evict KV needed sooner, so without free room the yield only unpins
+    (without KV demotion, which would have copied it when its call ended)."""
     # h (55 tokens) and x (25) reach host on the switches: 8,000 bytes used; s needs 10,500
     capacity = 100_000 if room else 15_000
     engine = FakeEngine(
@@ -122,7 +123,7 @@ def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
     )
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("talaria"))
+        inst = Instance("i", engine, preset("-demotion"))
         await inst.start()
         await run_call(inst, call("h-0", "h", "a", 50, 5, last=True))
         await run_call(inst, call("x-0", "x", "b", 20, 5, last=True))  # switch: h offloaded
@@ -147,3 +148,50 @@ def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
         assert ("offload", "s") not in engine.log
         assert inst.counters["reservations_yielded_dropped"] == 1
         assert usage.restored_tokens == 0
+
+
+@pytest.mark.parametrize("demotion", [True, False])
+def test_demotion_copies_kv_to_host_as_each_call_ends(demotion: bool) -> None:
+    """With KV demotion a session's KV is on host once its call ends, before any pressure:
+    the yield that follows has nothing left to copy. Without, the copy waits for the yield
+    (and needs free room then: ``test_a_yield_offloads_only_into_free_host_room``)."""
+    engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1)
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("talaria" if demotion else "-demotion"))
+        await inst.start()
+        await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))
+        copied_at_end = ("offload", "s") in engine.log
+        assert engine.pinned("s")
+        await run_call(inst, call("w-0", "w", "a", 230, 10, last=True))  # s must yield
+        back = await run_call(inst, call("s-1", "s", "a", 125, 5))
+        await inst.stop()
+        return copied_at_end, back, inst
+
+    copied_at_end, back, inst = run_virtual(main())
+    usage = back.last.usage
+    assert usage is not None
+    assert inst.counters["reservations_yielded"] == 1
+    assert copied_at_end is demotion
+    assert usage.restored_tokens == 105
+    offloads = [entry for entry in engine.log if entry == ("offload", "s")]
+    if demotion:
+        assert inst.counters["kv_demotions"] == 2  # s-0 and s-1; w-0 was its session's last
+        assert len(offloads) == 3  # the ends of s-0 and s-1, and the yield's between
+    else:
+        assert "kv_demotions" not in inst.counters
+        assert len(offloads) == 1  # the yield's
+
+
+def test_no_demotion_for_a_last_call_or_without_host_kv() -> None:
+    async def main(last: bool, host_kv: bool) -> bool:
+        engine = FakeEngine(["a"], step_s=0.1)
+        inst = Instance("i", engine, preset("talaria", host_kv=host_kv))
+        await inst.start()
+        await run_call(inst, call("x", "s", "a", 50, 3, last=last))
+        await inst.stop()
+        return ("offload", "s") in engine.log
+
+    assert run_virtual(main(last=False, host_kv=True))
+    assert not run_virtual(main(last=True, host_kv=True))
+    assert not run_virtual(main(last=False, host_kv=False))
