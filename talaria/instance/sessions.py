@@ -142,7 +142,9 @@ class SessionKeeper:
         """Memory pressure: give up a reservation's blocks, offloading them first when host
         KV is on and the host store has free room for them (``yield_offload_pays``: a copy
         into a full store would evict KV needed sooner), so the session restores instead of
-        recomputing; otherwise the blocks are only unpinned."""
+        recomputing; otherwise the blocks are only unpinned. Under KV demotion the session's
+        KV went to host when its call ended: unless the store evicted it since, nothing is
+        left to copy."""
         if self.policy.host_kv and self._offload_pays(res.session_id):
             await self.executor.offload_kv([res.session_id])
         elif self.policy.host_kv:
