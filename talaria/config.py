@@ -47,9 +47,9 @@ class PolicyConfig:
     # waiting session of another model that outranks all of its own once it has lasted
     # min_slot_factor x its switches (talaria.policies.model_choice); replaces model_order
     priority_switch: bool = True
-    # each session's new KV is copied to host as its call ends (with host_kv; inert without), so a
-    # reservation that yields and a switch find it there: device blocks are given up without
-    # loss and a switch has little left to offload (talaria.instance.loop, KV demotion)
+    # under KV pressure, each session's new KV is copied to host as its call ends (with
+    # host_kv; inert without): a reservation that yields, an eviction and a switch then
+    # lose nothing (talaria.policies.reservations.demotion_due)
     kv_demotion: bool = True
     # round scheduler
     slot_quantum_s: float = 30.0  # a slot admits queued calls for at most this long
@@ -198,8 +198,8 @@ LADDER: tuple[Rung, ...] = (
          "calls first, within each model's queue and its KV budget"),
     Rung("+priority_switch", ("priority_switch",), "the next model is the first session's, "
          "and a slot yields to a session of another model that outranks its own"),
-    Rung("talaria", ("kv_demotion",), "each session's new KV copied to host as its call ends: "
-         "yields and switches give device KV up without losing it"),
+    Rung("talaria", ("kv_demotion",), "under KV pressure, each session's new KV copied to host "
+         "as its call ends: yields, evictions and switches give device KV up without loss"),
 )
 MECHANISMS = ("session_prefill", "soft_reservations", "host_kv", "d2d_staging",
               "session_priority", "priority_switch", "kv_demotion")

@@ -26,7 +26,7 @@ from engine.interface import EngineStats, Residency, StepResult, TokenEvent
 from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.device import claim
-from talaria.instance.estimates import Estimator
+from talaria.instance.estimates import Estimator, blocks_for
 from talaria.instance.executor import EngineBusy, EngineExecutor
 from talaria.instance.faults import EngineFaults, FaultBudget
 from talaria.instance.intake import Intake
@@ -35,6 +35,7 @@ from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
 from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
 from talaria.policies.priority import Service, best_key, next_model
+from talaria.policies.reservations import demotion_due
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import hold_until
 from talaria.policies.staging import staging_target
@@ -379,13 +380,18 @@ class AdmissionLoop(Intake):
                 self._demote.append(pending.call.session_id)
 
     async def _demote_kv(self) -> None:
-        """KV demotion: copy the KV of the sessions whose calls just ended to host, the blocks
-        not there yet (their last call's), once per step. The device blocks stay where they
-        are, pinned by a reservation or cached; when memory is short later, giving them up
-        loses nothing and a switch out has only what was computed since to copy. Every
-        session is copied: the host store evicts its least recently used KV, a session
-        that has not been back for longest."""
+        """KV demotion: under memory pressure (``demotion_due``), copy the KV of the sessions
+        whose calls ended in this step to host, the blocks not there yet. The device blocks
+        stay where they are, pinned by a reservation or cached; when they are given up,
+        nothing is lost, and a switch out has only what was computed since to copy."""
         sessions, self._demote = sorted(set(self._demote)), []
+        model = self.active_model
+        if model is None:
+            return
+        stats = self.executor.stats()
+        queued = sum(blocks_for(p.call, stats.block_size) for p in self.calls.waiting(model))
+        if not demotion_due(queued, stats.num_free_blocks):
+            return
         report = await self.executor.offload_kv(sessions)
         self.counters["kv_demotions"] = self.counters.get("kv_demotions", 0) + len(sessions)
         for session_id in sessions:

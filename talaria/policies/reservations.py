@@ -11,13 +11,17 @@ Lifetime (the admission loop drives it; this module is bookkeeping only):
   ``yield_offload_pays`` says the host store has free room for the copy;
 - a switch away from its model unpins it (after the offload, when host KV is on), but the
   reservation stays alive with zero device blocks: it still predicts the return.
+
+KV demotion (``demotion_due``) copies a session's KV to host when its call ends, while its
+blocks stay on the device: a later yield, eviction or switch then loses nothing and has
+nothing left to copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Reservation", "ReservationBook", "yield_offload_pays"]
+__all__ = ["Reservation", "ReservationBook", "demotion_due", "yield_offload_pays"]
 
 
 @dataclass
@@ -104,3 +108,22 @@ def yield_offload_pays(
     if may_evict or host_used_bytes is None or host_capacity_bytes is None:
         return True
     return host_used_bytes + need_bytes <= host_capacity_bytes
+
+
+def demotion_due(queued_blocks: int, free_blocks: int) -> bool:
+    """Whether the KV of sessions whose calls just ended is copied to host now: the KV region
+    is under pressure, i.e. the calls queued for the active model need more blocks
+    (``queued_blocks``, each call's prompt and all of its output) than the region has empty
+    (``free_blocks``: not holding any cached prefix). Admitting them will then evict cached
+    KV or make reservations yield, and KV that has not reached host is lost: recomputed
+    later, or copied by a yield only into free host room. Without pressure the copy is not
+    made: every block it writes to host displaces, in a full host store, KV that a switch
+    put there, and a switch copies what the device holds anyway.
+
+    Measured (``make replay``, Talaria at drained/120 s): the real trace of 179 sessions
+    at once, under pressure throughout, goes from 3505 / 5678 s p50 / p95 without demotion
+    to 1536 / 3008 s with it; the default trace on four servers has no pressure, and
+    demoting at every call end regardless took its p50 from 414 to 466 s (420 s gated)."""
+    if queued_blocks < 0 or free_blocks < 0:
+        raise ValueError(f"block counts must be >= 0, got {queued_blocks}, {free_blocks}")
+    return queued_blocks > free_blocks

@@ -14,7 +14,12 @@ from talaria.config import PolicyConfig, preset
 from talaria.instance.rates import RateBook
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.priority import Service
-from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
+from talaria.policies.reservations import (
+    Reservation,
+    ReservationBook,
+    demotion_due,
+    yield_offload_pays,
+)
 from talaria.policies.round_scheduler import RoundScheduler
 from talaria.policies.staging import staging_target
 from talaria.protocol import CallRequest
@@ -186,3 +191,11 @@ def test_staging_target_is_the_next_model_that_fits_the_staging_region() -> None
     # one copy at a time
     busy = dict(host, b=Residency.STAGING)
     assert staging_target(_View(preset("talaria"), busy, queues, done, {"b", "c"})) is None
+
+
+def test_demotion_is_due_only_when_queued_calls_need_more_than_the_empty_blocks() -> None:
+    assert demotion_due(queued_blocks=15, free_blocks=13)
+    assert not demotion_due(queued_blocks=13, free_blocks=13)  # they fit: no eviction
+    assert not demotion_due(queued_blocks=0, free_blocks=0)  # nothing waits
+    with pytest.raises(ValueError):
+        demotion_due(queued_blocks=-1, free_blocks=3)

@@ -39,7 +39,7 @@ def test_reservation_protects_kv_until_expiry_then_releases_it() -> None:
     assert res.expected_return == pytest.approx(7.5)
     assert res.device_tokens == 105
     assert reserved.reserved_kv_blocks == 7
-    assert pinned and evicted == ["u"] and kv == (105, 105)  # on host too: KV demotion
+    assert pinned and evicted == ["u"] and kv == (105, 0)  # no pressure: not demoted
     assert not engine.pinned("s")
     assert inst.counters["reservations_expired"] == 1
     assert after.sessions["s"].reserved_until is None
@@ -151,46 +151,69 @@ def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
 
 
 @pytest.mark.parametrize("demotion", [True, False])
-def test_demotion_copies_kv_to_host_as_each_call_ends(demotion: bool) -> None:
-    """With KV demotion a session's KV is on host once its call ends, before any pressure:
-    the yield that follows has nothing left to copy. Without, the copy waits for the yield
-    (and needs free room then: ``test_a_yield_offloads_only_into_free_host_room``)."""
+def test_demotion_copies_kv_to_host_as_a_call_ends_under_pressure(demotion: bool) -> None:
+    """When s-0 ends, w-0 is queued and needs 15 blocks where 13 are empty: the KV region is
+    under pressure, so with KV demotion s's KV goes to host at once, before w-0 makes s's
+    reservation yield. Without, the copy waits for the yield (and needs free room then:
+    ``test_a_yield_offloads_only_into_free_host_room``)."""
     engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1)
 
     async def main():  # type: ignore[no-untyped-def]
         inst = Instance("i", engine, preset("talaria" if demotion else "-demotion"))
         await inst.start()
-        await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))
-        copied_at_end = ("offload", "s") in engine.log
-        assert engine.pinned("s")
-        await run_call(inst, call("w-0", "w", "a", 230, 10, last=True))  # s must yield
+
+        async def late_w():  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.15)  # while s-0 runs
+            return await run_call(inst, call("w-0", "w", "a", 230, 10, last=True))
+
+        await asyncio.gather(run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0)), late_w())
         back = await run_call(inst, call("s-1", "s", "a", 125, 5))
         await inst.stop()
-        return copied_at_end, back, inst
+        return back, inst
 
-    copied_at_end, back, inst = run_virtual(main())
+    back, inst = run_virtual(main())
     usage = back.last.usage
     assert usage is not None
     assert inst.counters["reservations_yielded"] == 1
-    assert copied_at_end is demotion
     assert usage.restored_tokens == 105
-    offloads = [entry for entry in engine.log if entry == ("offload", "s")]
+    first_offload = engine.log.index(("offload", "s"))
     if demotion:
-        assert inst.counters["kv_demotions"] == 2  # s-0 and s-1; w-0 was its session's last
-        assert len(offloads) == 3  # the ends of s-0 and s-1, and the yield's between
+        assert inst.counters["kv_demotions"] == 1  # s-0; at s-1's end nothing is queued
+        assert first_offload < engine.log.index(("unpin", "s"))  # before the yield's unpin
+        assert [e for e in engine.log if e == ("offload", "s")] == [("offload", "s")] * 2
     else:
         assert "kv_demotions" not in inst.counters
-        assert len(offloads) == 1  # the yield's
+        assert [e for e in engine.log if e == ("offload", "s")] == [("offload", "s")]
+
+
+def test_demotion_waits_for_pressure() -> None:
+    """Nothing queued when a call ends: its session's KV stays on the device only."""
+    engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1)
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("talaria"))
+        await inst.start()
+        await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))
+        await inst.stop()
+        return inst
+
+    inst = run_virtual(main())
+    assert ("offload", "s") not in engine.log and "kv_demotions" not in inst.counters
 
 
 def test_no_demotion_for_a_last_call_or_without_host_kv() -> None:
     async def main(last: bool, host_kv: bool) -> bool:
-        engine = FakeEngine(["a"], step_s=0.1)
+        engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1)
         inst = Instance("i", engine, preset("talaria", host_kv=host_kv))
         await inst.start()
-        await run_call(inst, call("x", "s", "a", 50, 3, last=last))
+
+        async def late_w():  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.15)  # queued when x ends: pressure
+            await run_call(inst, call("w-0", "w", "a", 230, 10, last=True))
+
+        await asyncio.gather(run_call(inst, call("x", "s", "a", 100, 5, last=last)), late_w())
         await inst.stop()
-        return ("offload", "s") in engine.log
+        return inst.counters.get("kv_demotions", 0) > 0
 
     assert run_virtual(main(last=False, host_kv=True))
     assert not run_virtual(main(last=True, host_kv=True))
