@@ -113,10 +113,11 @@ def yield_offload_pays(
 def demotion_due(queued_blocks: int, free_blocks: int) -> bool:
     """Whether the KV of sessions whose calls just ended is copied to host now: the KV region
     is under pressure, i.e. the calls queued for the active model need more blocks
-    (``queued_blocks``, each call's prompt and all of its output) than the region has empty
-    (``free_blocks``: not holding any cached prefix). Admitting them will then evict cached
-    KV or make reservations yield, and KV that has not reached host is lost: recomputed
-    later, or copied by a yield only into free host room. Without pressure the copy is not
+    (``queued_blocks``, each call's prompt and all of its output) than are free
+    (``free_blocks``: held by no call and no reservation, cached prefixes included).
+    Admitting them will then evict every cached prefix and make reservations yield, and KV
+    that has not reached host is lost: recomputed later, or copied by a yield only into free
+    host room. Without pressure the copy is not
     made: every block it writes to host displaces, in a full host store, KV that a switch
     put there, and a switch copies what the device holds anyway.
 

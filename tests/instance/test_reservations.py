@@ -152,7 +152,7 @@ def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
 
 @pytest.mark.parametrize("demotion", [True, False])
 def test_demotion_copies_kv_to_host_as_a_call_ends_under_pressure(demotion: bool) -> None:
-    """When s-0 ends, w-0 is queued and needs 15 blocks where 13 are empty: the KV region is
+    """When s-0 ends, w-0 is queued and needs 15 blocks where 13 are free: the KV region is
     under pressure, so with KV demotion s's KV goes to host at once, before w-0 makes s's
     reservation yield. Without, the copy waits for the yield (and needs free room then:
     ``test_a_yield_offloads_only_into_free_host_room``)."""
