@@ -12,9 +12,9 @@ Lifetime (the admission loop drives it; this module is bookkeeping only):
 - a switch away from its model unpins it (after the offload, when host KV is on), but the
   reservation stays alive with zero device blocks: it still predicts the return.
 
-KV demotion (``demotion_due``) copies a session's KV to host when its call ends, while its
-blocks stay on the device: a later yield, eviction or switch then loses nothing and has
-nothing left to copy.
+KV demotion: under KV pressure (``demotion_due``) the admission loop copies a session's KV
+to host when its call ends, while its blocks stay on the device: a later yield, eviction or
+switch then loses nothing and has nothing left to copy.
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def demotion_due(queued_blocks: int, free_blocks: int) -> bool:
     (``free_blocks``: held by no call and no reservation, cached prefixes included).
     Admitting them will then evict every cached prefix and make reservations yield, and KV
     that has not reached host is lost: recomputed later, or copied by a yield only into free
-    host room. Without pressure the copy is not
-    made: every block it writes to host displaces, in a full host store, KV that a switch
-    put there, and a switch copies what the device holds anyway.
+    host room. Without pressure the copy is not made: every block it writes to host
+    displaces, in a full host store, KV that a switch put there, and a switch copies what
+    the device holds anyway.
 
     Measured (``make replay``, Talaria at drained/120 s): the real trace of 179 sessions
     at once, under pressure throughout, goes from 3505 / 5678 s p50 / p95 without demotion
