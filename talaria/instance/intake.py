@@ -5,7 +5,8 @@ service, or by expected remaining calls) while its slot is open; after it closes
 session-prefill may still admit queued continuations it decides pay. Every admission must
 fit the budget: at most ``max_running_calls`` calls, and KV blocks (a call counts
 ``need_blocks``: its prompt and all of ``max_tokens``) within the region, yielding other
-sessions' reservations (least valuable first) to make room. A call whose client left, or that the engine refuses, fails alone.
+sessions' reservations (least valuable first) to make room. A call whose client left, or
+that the engine refuses, fails alone.
 
 ``Intake`` is a part of ``AdmissionLoop`` (a mixin): it reads the loop's books and never
 runs on its own.

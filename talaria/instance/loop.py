@@ -340,9 +340,9 @@ class AdmissionLoop(Intake):
             if pending is None:
                 continue  # aborted meanwhile
             self._deliver(pending, event)
+        self.stats = self.executor.stats()
         if self._demote:
             await self._demote_kv()
-        self.stats = self.executor.stats()
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:
             self.refresh_engine_view(all_sessions=True)
         if not result.events and (result.num_steps == 0 or result.seconds <= 0):
@@ -388,11 +388,12 @@ class AdmissionLoop(Intake):
         model = self.active_model
         if model is None:
             return
-        stats = self.executor.stats()
+        stats = self.stats  # read after this step; a copy to host frees no device block
         queued = sum(blocks_for(p.call, stats.block_size) for p in self.calls.waiting(model))
         if not demotion_due(queued, stats.num_free_blocks):
             return
         report = await self.executor.offload_kv(sessions)
+        self.stats = self.executor.stats()  # the host store's use moved
         self.counters["kv_demotions"] = self.counters.get("kv_demotions", 0) + len(sessions)
         for session_id in sessions:
             self.sessions.kv_tokens[session_id] = self.executor.session_kv_tokens(session_id)
