@@ -111,14 +111,20 @@ class BlockPool:
         self._hash[block_id] = block_hash
         return True
 
-    def reset(self) -> None:
-        """Forget every cached prefix and restore the initial free order.
+    def reset(self, num_blocks: int | None = None) -> None:
+        """Forget every cached prefix and restore the initial free order, with ``num_blocks``
+        blocks from now on (None: as many as before).
 
         Requires every block to be free (no running request, no pin): a model switch.
         """
         held = [i for i, r in enumerate(self._ref) if r > 0]
         if held:
             raise RuntimeError(f"cannot reset the block pool: {len(held)} blocks still referenced")
+        if num_blocks is not None:
+            if num_blocks < 1:
+                raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+            self.num_blocks = num_blocks
+            self._ref = [0] * num_blocks
         self._hash = [None] * self.num_blocks
         self._cached.clear()
         self._num_free_hashed = 0

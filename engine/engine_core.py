@@ -205,11 +205,12 @@ class EngineCore:
         return len(self.kv.session_block_ids(session_id)) * self.kv.block_size
 
     def reset_kv(self) -> None:
-        """Drop every device block, pins and session memory included (a model switch).
+        """Drop every device block, pins and session memory included (a model switch), and
+        manage as many blocks as the runner's KV cache now has (a switch may re-view it).
         Requires no live request (pending events hold no blocks)."""
         if self.num_live_requests:
             raise RuntimeError("cannot reset the KV cache while requests are unfinished")
-        self.kv.reset()
+        self.kv.reset(self.runner.num_blocks)
 
     def shutdown(self) -> None:
         """Stop what the runner started (tensor-parallel workers); a no-op at TP=1."""

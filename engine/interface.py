@@ -159,7 +159,16 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
         """Bytes of KV one token of ``model`` takes on this rank (all layers, K and V)."""
         ...
 
-    def activate(self, model: str) -> MoveReport: ...
+    def activate(self, model: str, lend_staging: bool = False) -> MoveReport:
+        """Make ``model`` active (see above). ``lend_staging``: until the next activation its
+        KV cache spans the staging region too, whatever was staged there is dropped, and
+        nothing can be staged (ValueError without a staging region)."""
+        ...
+
+    def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:
+        """Device KV blocks ``model`` gets while active (``lent``: with the staging region
+        lent to its KV cache; as many as without when there is none)."""
+        ...
 
     def stage(self, model: str) -> MoveReport:
         """Start copying ``model`` into the staging region; ``seconds`` is the time until

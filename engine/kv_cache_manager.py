@@ -232,9 +232,10 @@ class KVCacheManager:
         return sum(len(b) for b in self._pins.values())
 
     # -------------------------------------------------------------------- reset
-    def reset(self) -> None:
-        """Drop every device block, pins and session memory included (a model switch).
-        Requires no request to hold blocks."""
+    def reset(self, num_blocks: int | None = None) -> None:
+        """Drop every device block, pins and session memory included (a model switch), and
+        manage ``num_blocks`` blocks from now on (None: as many as before). Requires no
+        request to hold blocks."""
         if self._req_blocks:
             raise RuntimeError(
                 f"cannot reset the KV cache: {len(self._req_blocks)} requests hold blocks"
@@ -242,7 +243,7 @@ class KVCacheManager:
         for session_id in list(self._pins):
             self.unpin_session(session_id)
         self._session_chains.clear()
-        self.pool.reset()
+        self.pool.reset(num_blocks)
 
     # -------------------------------------------------------------------- stats
     @property

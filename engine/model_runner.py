@@ -251,6 +251,16 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Run over ``kv_cache`` from now on, with as many blocks as it has (a multi-model
+        switch that lends the staging region to the KV cache, or takes it back). The caller
+        must hold no block of the previous cache: its contents are not carried over."""
+        shape = self.model.kv_cache_shape(kv_cache.shape[2], self.block_size)
+        if tuple(kv_cache.shape) != shape:
+            raise ValueError(f"KV cache has shape {tuple(kv_cache.shape)}, expected {shape}")
+        self.kv_cache = kv_cache
+        self.num_blocks = kv_cache.shape[2]
+
     def execute(
         self, out: SchedulerOutput, generators: dict[str, torch.Generator]
     ) -> list[SampledToken]:

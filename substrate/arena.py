@@ -1,12 +1,17 @@
 """The device arena: one allocation per rank, made once, carved into three fixed regions.
 
-    [ weight region | staging region | KV region ]
+    [ weight region | KV region | staging region ]
 
 Invariant: the arena's storage is never freed or reallocated while the process lives. The
 active model's parameters are views at fixed offsets of the weight region (activating another
 model copies its bytes into the same region), and each model's KV cache is one tensor viewing
 the start of the KV region with that model's shapes, so every address a captured CUDA graph
 holds stays valid.
+
+The staging region follows the KV region so that a slot may *lend* it to the KV cache: the
+model's lent KV cache views both (``kv_cache(..., lent=True)``), from the same base address,
+with more blocks. Nothing may be staged while it is lent; the owner (``InstanceMemory``)
+decides at each activation, when the KV region is dropped anyway.
 """
 
 from __future__ import annotations
@@ -32,17 +37,19 @@ class DeviceArena:
         self.kv_bytes = align_up(kv_bytes)
         total = self.weight_bytes + self.staging_bytes + self.kv_bytes
         self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
-        w, s = self.weight_bytes, self.weight_bytes + self.staging_bytes
+        w, k = self.weight_bytes, self.weight_bytes + self.kv_bytes
         self.weight_region = self.buffer[:w]
-        self.staging_region = self.buffer[w:s]
-        self.kv_region = self.buffer[s:]
+        self.kv_region = self.buffer[w:k]
+        self.staging_region = self.buffer[k:]
+        self.lendable_kv_region = self.buffer[w:]  # the KV region and the staging region
         self.kv_region.zero_()  # KV slots always hold finite values (see clear_kv)
 
-    def clear_kv(self) -> None:
-        """Zero the KV region. Attention backends may read (and mask out) slots no token
-        wrote; zeros are finite in every dtype, whereas bytes left by another model's shapes
-        may read as NaN, which a mask cannot cancel."""
-        self.kv_region.zero_()
+    def clear_kv(self, lent: bool = False) -> None:
+        """Zero the KV region (``lent``: and the staging region lent to it). Attention
+        backends may read (and mask out) slots no token wrote; zeros are finite in every
+        dtype, whereas bytes left by another model's shapes (or weights) may read as NaN,
+        which a mask cannot cancel."""
+        (self.lendable_kv_region if lent else self.kv_region).zero_()
 
     @classmethod
     def for_layouts(
@@ -117,16 +124,24 @@ class DeviceArena:
                 owner._buffers[attr] = views[name]
 
     def kv_num_blocks(
-        self, num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_layers: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        lent: bool = False,
     ) -> int:
-        """How many KV blocks of these shapes fit the KV region."""
+        """How many KV blocks of these shapes fit the KV region (``lent``: with the staging
+        region lent to it)."""
         per_block = 2 * num_layers * block_size * kv_heads * head_dim * dtype_size(dtype)
         if per_block <= 0:
             raise ValueError(
                 f"invalid KV shapes: layers={num_layers} block_size={block_size} "
                 f"kv_heads={kv_heads} head_dim={head_dim}"
             )
-        return self.kv_bytes // per_block
+        region = self.kv_bytes + (self.staging_bytes if lent else 0)
+        return region // per_block
 
     def kv_cache(
         self,
@@ -136,27 +151,30 @@ class DeviceArena:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        lent: bool = False,
     ) -> torch.Tensor:
         """One model's KV cache, a view at the start of the KV region of shape
         ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (K at ``[l, 0]``, V at
-        ``[l, 1]``). ``num_blocks=None`` takes as many as fit."""
-        fit = self.kv_num_blocks(num_layers, block_size, kv_heads, head_dim, dtype)
+        ``[l, 1]``). ``num_blocks=None`` takes as many as fit; ``lent``: the view spans the
+        staging region too."""
+        fit = self.kv_num_blocks(num_layers, block_size, kv_heads, head_dim, dtype, lent)
         if num_blocks is None:
             num_blocks = fit
         if num_blocks > fit:
             need = (
                 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * dtype_size(dtype)
             )
+            region = self.kv_bytes + (self.staging_bytes if lent else 0)
             raise ValueError(
                 f"{num_blocks} KV blocks ({need} bytes for {num_layers} layers) do not fit the "
-                f"KV region of {self.kv_bytes} bytes; at most {fit} blocks fit"
+                f"KV region of {region} bytes; at most {fit} blocks fit"
             )
         if num_blocks <= 0:
             raise ValueError(
                 f"the KV region of {self.kv_bytes} bytes holds no KV block of these shapes"
             )
         shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
-        return view_bytes(self.kv_region, 0, shape, dtype)
+        return view_bytes(self.lendable_kv_region if lent else self.kv_region, 0, shape, dtype)
 
 
 def _check_same(name: str, shape: tuple[int, ...], dtype: torch.dtype, view: torch.Tensor) -> None:

@@ -7,7 +7,9 @@ activation, which sessions to offload), this decides *how* and keeps the books.
 Address invariant: every model's parameters are views of the same weight region, bound once
 (``bind_module``); every model's KV cache is one tensor viewing the same KV region, created
 once per model and returned again on each activation (``kv_cache``), so addresses a model's
-captured CUDA graphs hold stay valid across any number of switches.
+captured CUDA graphs hold stay valid across any number of switches. A slot that lends the
+staging region to the KV cache uses the model's second, larger view from the same base
+address (two tensors per model, each created once).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import structlog
 import torch
 from torch import nn
 
@@ -27,6 +30,8 @@ from substrate.ledger import Ledger, Placement, StagingState
 from substrate.mover import TorchMover
 from substrate.moves import MoveKind, MoveRecord, PlannedMove
 from substrate.staging import Stager
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class InstanceMemory:
         self.mover = TorchMover(self.arena.device)
         self.stager = Stager(self.arena.staging_region)
         self._kv_specs: dict[str, KVSpec] = {}
-        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._kv_caches: dict[tuple[str, bool], torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -120,30 +125,40 @@ class InstanceMemory:
         """Make ``module``'s parameters views of the weight region (once per model)."""
         self.arena.bind_module(module, self._layout(name))
 
-    def kv_cache(self, name: str, num_blocks: int | None = None) -> torch.Tensor:
-        """``name``'s KV cache over the KV region (as many blocks as fit by default); the
-        same tensor on every call for the same model."""
-        if name not in self._kv_caches:
+    def kv_cache(
+        self, name: str, num_blocks: int | None = None, lent: bool | None = None
+    ) -> torch.Tensor:
+        """``name``'s KV cache over the KV region (as many blocks as fit by default), or over
+        the KV and staging regions when ``lent`` (every block that fits). ``lent=None``: as
+        ``name`` is now, lent while it is the active model and the staging region is lent to
+        it. The same tensor on every call for the same model and lending."""
+        if lent is None:
+            lent = self.ledger.staging_lent and name == self.ledger.active_model
+        key = (name, lent)
+        if key not in self._kv_caches:
             spec = self._kv_spec(name)
-            self._kv_caches[name] = self.arena.kv_cache(
+            self._kv_caches[key] = self.arena.kv_cache(
                 spec.num_layers,
-                num_blocks,
+                None if lent else num_blocks,
                 spec.block_size,
                 spec.kv_heads,
                 spec.head_dim,
                 spec.dtype,
+                lent=lent,
             )
-        return self._kv_caches[name]
+        return self._kv_caches[key]
 
-    def activate(self, name: str) -> MoveRecord:
+    def activate(self, name: str, lend_staging: bool = False) -> MoveRecord:
         """Copy ``name``'s weights into the weight region: D2D when staged (waiting for a
         staging of this very model still in flight), else H2D. The caller must have no
         running requests of the outgoing model and must treat its device KV as gone (the KV
-        region is zeroed)."""
+        region is zeroed). ``lend_staging``: until the next activation, ``name``'s KV cache
+        spans the staging region too (``kv_cache``); a staging copy in flight is waited for
+        and whatever the region held is dropped, and nothing can be staged meanwhile."""
+        if lend_staging and not self.arena.staging_enabled:
+            raise ValueError(f"{name}: no staging region to lend to the KV cache")
         self.poll_staging(block=self.ledger.staged_model == name)
         plan = self.ledger.plan_activation(name)
-        if plan.kind != MoveKind.NONE:
-            self.arena.clear_kv()  # the outgoing model's KV is gone; keep every slot finite
         if plan.kind == MoveKind.ACTIVATE_D2D:
             record = self.mover.activate_from_staging(
                 self.arena.weight_region, self.arena.staging_region, plan.bytes
@@ -154,9 +169,24 @@ class InstanceMemory:
             )
         else:
             record = MoveRecord(MoveKind.NONE, 0, 0.0)
-        self.ledger.commit_activation(name)
+        relent = lend_staging != self.ledger.staging_lent
+        if lend_staging:
+            self._reclaim_staging()
+        if plan.kind != MoveKind.NONE or relent:
+            # the outgoing KV (and staged weights, when lent) is gone; keep every slot finite
+            self.arena.clear_kv(lent=lend_staging)
+        self.ledger.commit_activation(name, lend_staging)
         self.ledger.record(record)
         return record
+
+    def _reclaim_staging(self) -> None:
+        """Wait for a staging copy in flight and forget what the region holds. A copy that
+        failed staged nothing: it costs its D2D switch, not this activation."""
+        try:
+            self.stager.invalidate()
+        except RuntimeError:
+            log.warning("staging_copy_failed", model=self.ledger.staged_model)
+        self.ledger.clear_staging()
 
     def stage(self, name: str) -> PlannedMove:
         """Start copying ``name`` into the staging region in the background (no-op if it is

@@ -5,7 +5,8 @@ asks it for a plan, has a mover perform the plan (``TorchMover`` live: measured;
 in sim: predicted), then commits the plan's outcome and records the move. The recorded moves
 give the instance its measured bandwidths per kind.
 
-Tracked: the active model; the model in the staging region and the staging state; models in
+Tracked: the active model; the model in the staging region and the staging state, or that the
+active model's KV cache has the staging region lent to it (nothing can be staged then); models in
 the host weight store (bytes each); each model's KV block size; host KV bytes (from the shared
 ``HostKVIndex``, the single source of truth for what the host store holds); totals of every
 kind of move. Device KV is not here: the engine's KV manager is its one source of truth.
@@ -61,6 +62,7 @@ class Ledger:
         self.active_model: str | None = None
         self.staged_model: str | None = None
         self.staging_state = StagingState.NONE
+        self.staging_lent = False  # the active model's KV cache spans the staging region
         self._host_models: dict[str, int] = {}
         self._kv_block_bytes: dict[str, int] = {}
         self._moves: dict[str, MoveTotals] = {}
@@ -120,11 +122,17 @@ class Ledger:
             return PlannedMove(MoveKind.ACTIVATE_D2D, nbytes)
         return PlannedMove(MoveKind.ACTIVATE_H2D, nbytes)
 
-    def commit_activation(self, model: str) -> None:
+    def commit_activation(self, model: str, lend_staging: bool = False) -> None:
         """``model`` now occupies the weight region (the KV region is re-viewed for it). The
-        staging region keeps its content."""
+        staging region keeps its content, unless ``lend_staging``: it is lent to the KV
+        cache until the next activation (whatever it held is gone)."""
         self.model_bytes(model)
+        if lend_staging:
+            if self.staging_bytes == 0:
+                raise ValueError(f"{model}: no staging region to lend to the KV cache")
+            self.clear_staging()
         self.active_model = model
+        self.staging_lent = lend_staging
 
     def can_stage(self, model: str) -> bool:
         """Whether ``model``'s shard fits the staging region (False without one)."""
@@ -140,6 +148,11 @@ class Ledger:
             raise ValueError(
                 f"{model}: weight shard of {nbytes} bytes does not fit the staging region of "
                 f"{self.staging_bytes} bytes"
+            )
+        if self.staging_lent:
+            raise ValueError(
+                f"{model}: the staging region is lent to {self.active_model}'s KV cache until "
+                f"the next activation"
             )
         if model == self.staged_model and self.staging_state is not StagingState.NONE:
             return PlannedMove(MoveKind.NONE, 0)

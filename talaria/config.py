@@ -51,6 +51,10 @@ class PolicyConfig:
     # host_kv; inert without): a reservation that yields, an eviction and a switch then
     # lose nothing (talaria.policies.reservations.demotion_due)
     kv_demotion: bool = True
+    # under KV pressure at a switch (the incoming model's queued calls need more blocks than
+    # its KV region holds), the slot lends the staging region to the KV cache and stages
+    # nothing (with d2d_staging; inert without): talaria.policies.staging.lend_staging_due
+    lend_staging: bool = True
     # round scheduler
     slot_quantum_s: float = 30.0  # a slot admits queued calls for at most this long
     slot_close: str = "empty"  # SLOT_CLOSE_RULES: when a slot closes before its quantum
@@ -198,13 +202,15 @@ LADDER: tuple[Rung, ...] = (
          "calls first, within each model's queue and its KV budget"),
     Rung("+priority_switch", ("priority_switch",), "the next model is the first session's, "
          "and a slot yields to a session of another model that outranks its own"),
-    Rung("talaria", ("kv_demotion",), "under KV pressure, each session's new KV copied to host "
-         "as its call ends: yields, evictions and switches give device KV up without loss"),
+    Rung("+demotion", ("kv_demotion",), "under KV pressure, each session's new KV copied to "
+         "host as its call ends: yields, evictions and switches give device KV up without loss"),
+    Rung("talaria", ("lend_staging",), "under KV pressure at a switch, the slot lends the "
+         "staging region to the KV cache (its next switch is then an H2D copy)"),
 )
 MECHANISMS = ("session_prefill", "soft_reservations", "host_kv", "d2d_staging",
-              "session_priority", "priority_switch", "kv_demotion")
+              "session_priority", "priority_switch", "kv_demotion", "lend_staging")
 # A mechanism that works only with another: leaving the latter out leaves out both.
-NEEDS = {"kv_demotion": "host_kv"}
+NEEDS = {"kv_demotion": "host_kv", "lend_staging": "d2d_staging"}
 # Talaria minus one mechanism each: (preset name, the mechanism turned off). Session
 # priority is not left out alone: the priority switch ranks sessions by it.
 LEAVE_ONE_OUT: tuple[tuple[str, str], ...] = (
@@ -214,6 +220,7 @@ LEAVE_ONE_OUT: tuple[tuple[str, str], ...] = (
     ("-reservations", "soft_reservations"),
     ("-priority_switch", "priority_switch"),
     ("-demotion", "kv_demotion"),
+    ("-lending", "lend_staging"),
 )
 
 

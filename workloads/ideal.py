@@ -39,7 +39,7 @@ __all__ = ["IDEAL_NAME", "ideal_schedules", "run_ideal"]
 IDEAL_NAME = "ideal"
 _PLAIN = PolicyConfig(name=IDEAL_NAME, session_prefill=False, soft_reservations=False,
                       host_kv=False, d2d_staging=False, session_priority=False,
-                      priority_switch=False, kv_demotion=False)
+                      priority_switch=False, kv_demotion=False, lend_staging=False)
 
 
 def ideal_schedules(quanta: Sequence[float] = ROUND_QUANTA) -> list[DeviceSchedule]:

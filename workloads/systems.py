@@ -10,8 +10,8 @@ plane.
   session-prefill, host-KV restoration and D2D staging off, so a switch is the substrate's
   H2D copy and drops the outgoing model's KV; each rung adds one mechanism up to ``talaria``.
 - Leave-one-out rows: talaria minus one mechanism (``talaria.config.LEAVE_ONE_OUT``, and
-  ``-placement``: load-only routing). ``-demotion`` is the ladder's ``+priority_switch`` and
-  is not run twice.
+  ``-placement``: load-only routing). ``-lending`` is the ladder's ``+demotion`` and is not
+  run twice.
 - Peers, the systems a user would deploy instead (constants sourced in
   ``engine.sim.switching`` and ``engine.sim.kv_tier``; ``talaria.policies.priority`` and
   ``talaria.policies.ttl`` for their scheduling rules):
@@ -198,7 +198,8 @@ LEAVE_ONE_OUT_ROWS: dict[str, SystemConfig] = _leave_one_out()
 
 # A plain engine's policy: none of Talaria's mechanisms.
 _PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False,
-              session_priority=False, priority_switch=False, kv_demotion=False)
+              session_priority=False, priority_switch=False, kv_demotion=False,
+              lend_staging=False)
 _SLEEP = dict(stable_substrate=False, switch="sleep_wake")
 
 

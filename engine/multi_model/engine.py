@@ -114,10 +114,12 @@ class MultiModelEngine(ServesModels):
         return {name: Residency(p.value) for name, p in self.rank.placements().items()}
 
     # ---------------------------------------------------------------- switching
-    def activate(self, model: str) -> MoveReport:
+    def activate(self, model: str, lend_staging: bool = False) -> MoveReport:
         """Make ``model`` the active one. Requires no live request; drops every device KV
         block of the outgoing model (offload first to keep them). Events the outgoing core
-        has not delivered (aborts') come with the next ``step``."""
+        has not delivered (aborts') come with the next ``step``. ``lend_staging``: until the
+        next activation, ``model``'s KV cache spans the staging region too
+        (``kv_capacity_blocks(model, lent=True)`` blocks) and nothing can be staged."""
         live = sum(core.num_live_requests for core in self.cores.values())
         self.served.check_activation(model, live)
         if model == self.served.active:
@@ -129,11 +131,19 @@ class MultiModelEngine(ServesModels):
             self._remember_sessions(self.served.active)
             outgoing.reset_kv()
         self.served.active = None  # if the copy fails, no model is runnable (torn weights)
-        record = self.rank.activate(model)
+        record = self.rank.activate(model, lend_staging)
+        self.cores[model].reset_kv()  # as many blocks as its KV cache now has
         self.served.active = model
         self._meters[model].observe_move(record)
-        log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds)
+        log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds,
+                 lend_staging=lend_staging)
         return record
+
+    def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:
+        """Device KV blocks ``model`` gets while active (``lent``: with the staging region
+        lent to its KV cache; as many as without when there is none)."""
+        self._check_model(model)
+        return self.rank.kv_capacity_blocks(model, lent)
 
     def can_stage(self, model: str) -> bool:
         self._check_model(model)

@@ -88,8 +88,19 @@ class RankModels:
             )
 
     # ---------------------------------------------------- ops every rank executes
-    def activate(self, name: str) -> MoveRecord:
-        return self.memory.activate(name)
+    def activate(self, name: str, lend_staging: bool = False) -> MoveRecord:
+        """Copy ``name``'s weights in and point its runner at its KV cache: the one over the
+        KV region, or with ``lend_staging`` the larger one over the staging region too."""
+        record = self.memory.activate(name, lend_staging)
+        self.runners[name].bind_kv_cache(self.memory.kv_cache(name))
+        return record
+
+    def kv_capacity_blocks(self, name: str, lent: bool = False) -> int:
+        """Device KV blocks ``name`` gets while active (``lent``: with the staging region
+        lent to its KV cache; as many as without when there is none)."""
+        if lent and not self.memory.arena.staging_enabled:
+            lent = False
+        return int(self.memory.kv_cache(name, lent=lent).shape[2])
 
     def stage(self, name: str, wait: bool) -> tuple[PlannedMove, MoveRecord | None]:
         """Start staging ``name``; with ``wait``, block until the copy is done and return

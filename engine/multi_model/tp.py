@@ -170,8 +170,11 @@ class TensorParallelRankModels:
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.group.run_on_all_ranks(call_state_method, STATE_KEY, method, *args, **kwargs)
 
-    def activate(self, name: str) -> MoveRecord:
-        return _required(combine_records(self._all("activate", name)), "activate")
+    def activate(self, name: str, lend_staging: bool = False) -> MoveRecord:
+        return _required(combine_records(self._all("activate", name, lend_staging)), "activate")
+
+    def kv_capacity_blocks(self, name: str, lent: bool = False) -> int:
+        return self.local.kv_capacity_blocks(name, lent)  # every rank's regions are alike
 
     def stage(self, name: str, wait: bool) -> tuple[PlannedMove, MoveRecord | None]:
         self.local.memory.ledger.plan_staging(name)  # bad requests fail here, group intact

@@ -107,9 +107,11 @@ class SimEngine(ServesModels):
     def kv_bytes_per_token(self, model: str) -> float:
         return float(self.cost_model(model).kv_bytes_per_token_per_gpu())
 
-    def kv_capacity_blocks(self, model: str) -> int:
-        """Device KV blocks ``model`` gets while active."""
-        return self.memory.num_blocks[self._check_model(model)]
+    def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:
+        """Device KV blocks ``model`` gets while active (``lent``: with the staging region
+        lent to its KV cache; as many as without when there is none)."""
+        blocks = self.memory.lent_blocks if lent else self.memory.num_blocks
+        return blocks[self._check_model(model)]
 
     def model_rates(self, model: str, context_tokens: int = 0) -> dict[str, float]:
         """This instance's modelled rates for ``model`` (the fields of a router ModelState):
@@ -252,11 +254,13 @@ class SimEngine(ServesModels):
         return events
 
     # --------------------------------------------------------------- switching
-    def activate(self, model: str) -> MoveReport:
+    def activate(self, model: str, lend_staging: bool = False) -> MoveReport:
         """Make ``model`` active. Requires no unfinished request of the outgoing model
         (``suspend`` parks them); drops every device KV block of the outgoing one, pins
         included (``offload_kv`` first to keep them); priced by ``SimMemory.activate``, plus
-        copying back the KV of ``model``'s suspended requests, which resume."""
+        copying back the KV of ``model``'s suspended requests, which resume.
+        ``lend_staging``: its KV cache spans the staging region too until the next
+        activation (``kv_capacity_blocks(model, lent=True)``); nothing can be staged."""
         unfinished = len(self.scheduler.requests) if self.scheduler is not None else 0
         self.served.check_activation(model, unfinished)
         self.memory.poll_staging()
@@ -264,11 +268,11 @@ class SimEngine(ServesModels):
             return self._resume_parked(model, MoveReport(MoveKind.NONE, 0, 0.0))
         if self.served.active is not None:
             self.host_tier.switched_out(self.served.active)
-        record = self.memory.activate(model)
+        record = self.memory.activate(model, lend_staging)
         self._base_totals()
         self._secondary = HostKVSecondary(self.host_kv, model)
         self.kv = KVCacheManager(
-            self.memory.num_blocks[model],
+            self.memory.kv_blocks(model),
             self.config.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
             secondary=self._secondary if self.host_kv.capacity_bytes > 0 else None,

@@ -51,6 +51,7 @@ class SimMemory:
             second = config.staging_region == "second" and len(shards) > 1
             self.staging_bytes = shards[-2] if second else shards[-1]
         self.num_blocks: dict[str, int] = {}
+        self.lent_blocks: dict[str, int] = {}  # with the staging region lent to the KV cache
         self.sleep_wake = SleepWakeRates(efficiency=config.sleep_wake_efficiency)
         for name, cost in costs.items():
             if config.kv_tokens is not None:
@@ -66,6 +67,10 @@ class SimMemory:
                     f"{self.staging_bytes} B)"
                 )
             self.num_blocks[name] = tokens // bs
+            self.lent_blocks[name] = self.num_blocks[name]
+            if config.kv_tokens is None and config.stable_substrate and self.staging_bytes:
+                lent = cost.kv_capacity_tokens(self.weight_region_bytes, 0)
+                self.lent_blocks[name] = lent // bs
         host_kv = config.host_kv_bytes
         if host_kv is None:
             per_rank = int(server.host_memory_bytes * HOST_MEMORY_USABLE_FRACTION) // config.tp
@@ -86,10 +91,14 @@ class SimMemory:
             scale_up_fixed_s=self.config.scale_up_fixed_s,
         )
 
-    def activate(self, model: str) -> MoveRecord:
+    def activate(self, model: str, lend_staging: bool = False) -> MoveRecord:
         """Book ``model``'s weights into the weight region: D2D when it is STAGED, H2D
         otherwise (a staging copy still in progress does not count); by sleep and wake
-        (the outgoing model's sleep included) for a sleep/wake engine."""
+        (the outgoing model's sleep included) for a sleep/wake engine. ``lend_staging``:
+        the staging region is lent to its KV cache (``lent_blocks``) until the next
+        activation; a staging copy in progress is abandoned."""
+        if lend_staging and not self.staging_bytes:
+            raise ValueError(f"{model}: no staging region to lend to the KV cache")
         nbytes = self.costs[model].weight_bytes_per_gpu()
         outgoing = self.ledger.active_model
         if self.config.switch == "sleep_wake":
@@ -98,10 +107,14 @@ class SimMemory:
         else:
             kind = self.ledger.plan_activation(model).kind
             seconds = self.switch_seconds(model, kind == MoveKind.ACTIVATE_D2D, outgoing)
-        self.ledger.commit_activation(model)
+        self.ledger.commit_activation(model, lend_staging)
         record = MoveRecord(kind, nbytes, seconds)
         self.ledger.record(record)
         return record
+
+    def kv_blocks(self, model: str) -> int:
+        """Device KV blocks ``model`` has now (it is the active model)."""
+        return (self.lent_blocks if self.ledger.staging_lent else self.num_blocks)[model]
 
     def stage(self, model: str) -> MoveReport:
         """Start the background copy of ``model`` into the staging region; it is STAGING

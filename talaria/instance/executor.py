@@ -77,8 +77,14 @@ class EngineExecutor:
         self._report("step", result, model)
         return result
 
-    async def activate(self, model: str) -> MoveReport:
-        report = await self._timed("activate", lambda: self.engine.activate(model), _secs)
+    async def activate(self, model: str, lend_staging: bool = False) -> MoveReport:
+        """Switch to ``model`` (``lend_staging``: its KV cache spans the staging region until
+        the next switch; asked only then, so engines without the option keep working)."""
+        if lend_staging:
+            op = lambda: self.engine.activate(model, lend_staging=True)  # noqa: E731
+        else:
+            op = lambda: self.engine.activate(model)  # noqa: E731
+        report = await self._timed("activate", op, _secs)
         self._report("activate", report, model)
         return report
 
@@ -133,6 +139,9 @@ class EngineExecutor:
 
     def can_stage(self, model: str) -> bool:
         return self.engine.can_stage(model)
+
+    def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:
+        return self.engine.kv_capacity_blocks(model, lent)
 
     def pin_session_kv(self, session_id: str) -> int:
         self._check_idle("pin_session_kv")

@@ -26,16 +26,16 @@ from engine.interface import EngineStats, Residency, StepResult, TokenEvent
 from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.device import claim
-from talaria.instance.estimates import Estimator, blocks_for
+from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineBusy, EngineExecutor
 from talaria.instance.faults import EngineFaults, FaultBudget
 from talaria.instance.intake import Intake
+from talaria.instance.kv_pressure import KVPressure
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
 from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
 from talaria.policies.priority import Service, best_key, next_model
-from talaria.policies.reservations import demotion_due
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import hold_until
 from talaria.policies.staging import staging_target
@@ -85,7 +85,8 @@ class AdmissionLoop(Intake):
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
         self._stage_failed: set[str] = set()  # models whose staging failed since the switch
-        self._demote: list[str] = []  # sessions whose call ended this step: KV to host
+        self.staging_lent = False  # the active model's KV spans the staging region: no staging
+        self.pressure = KVPressure(instance_id, policy, executor, calls, sessions, counters)
         self._idle_steps = 0  # engine steps that ran nothing since the last warning
         self._idle_warned = float("-inf")
         self.faults = EngineFaults(
@@ -290,8 +291,10 @@ class AdmissionLoop(Intake):
                 await self.executor.offload_kv(None)
             self.sessions.switch_out(outgoing)
         self._stage_failed.clear()
-        report = await self.executor.activate(model)
+        lend = self.pressure.lend_staging(model)
+        report = await self.executor.activate(model, lend_staging=lend)
         self.active_model = model
+        self.staging_lent = lend
         self.faults.budget.progress()
         for pending in self.calls.resume(model):
             self.split.admit(pending.call.call_id, self.now())
@@ -303,13 +306,14 @@ class AdmissionLoop(Intake):
             incoming=model,
             kind=report.kind,
             seconds=report.seconds,
+            lend_staging=lend,
         )
         self._open_slot(model, report.seconds)
         self.refresh_engine_view(all_sessions=True)
         await self._maybe_stage()
 
     async def _maybe_stage(self) -> None:
-        if not self.policy.d2d_staging:
+        if not self.policy.d2d_staging or self.staging_lent:
             return
         self.residency = self.executor.residency()
         target = staging_target(self.view)
@@ -341,8 +345,7 @@ class AdmissionLoop(Intake):
                 continue  # aborted meanwhile
             self._deliver(pending, event)
         self.stats = self.executor.stats()
-        if self._demote:
-            await self._demote_kv()
+        self.stats = await self.pressure.demote(self.active_model, self.stats) or self.stats
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:
             self.refresh_engine_view(all_sessions=True)
         if not result.events and (result.num_steps == 0 or result.seconds <= 0):
@@ -376,29 +379,7 @@ class AdmissionLoop(Intake):
             self.sessions.on_call_end(pending.call, pending.out_tokens, now,
                                       waited_s=admitted - pending.arrived,
                                       served_s=now - admitted)
-            if self.policy.kv_demotion and self.policy.host_kv and not pending.call.last_call:
-                self._demote.append(pending.call.session_id)
-
-    async def _demote_kv(self) -> None:
-        """KV demotion: under memory pressure (``demotion_due``), copy the KV of the sessions
-        whose calls ended in this step to host, the blocks not there yet. The device blocks
-        stay where they are, pinned by a reservation or cached; when they are given up,
-        nothing is lost, and a switch out has only what was computed since to copy."""
-        sessions, self._demote = sorted(set(self._demote)), []
-        model = self.active_model
-        if model is None:
-            return
-        stats = self.stats  # read after this step; a copy to host frees no device block
-        queued = sum(blocks_for(p.call, stats.block_size) for p in self.calls.waiting(model))
-        if not demotion_due(queued, stats.num_free_blocks):
-            return
-        report = await self.executor.offload_kv(sessions)
-        self.stats = self.executor.stats()  # the host store's use moved
-        self.counters["kv_demotions"] = self.counters.get("kv_demotions", 0) + len(sessions)
-        for session_id in sessions:
-            self.sessions.kv_tokens[session_id] = self.executor.session_kv_tokens(session_id)
-        log.debug("kv_demoted", instance=self.instance_id, sessions=len(sessions),
-                  bytes=report.bytes)
+            self.pressure.call_ended(pending)
 
     def finish(
         self, pending: PendingCall, reason: str, event: TokenEvent | None, error: str | None = None

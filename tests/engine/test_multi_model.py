@@ -93,6 +93,30 @@ def test_staged_activation_equals_host_activation(models: dict[str, Path]) -> No
     assert rates["switch_staged_s"] > 0 and rates["switch_host_s"] > 0 and rates["stage_s"] > 0
 
 
+def test_a_lent_staging_region_holds_kv_and_outputs_stay_exact(models: dict[str, Path]) -> None:
+    """With the staging region lent, MOE's KV cache has more blocks than the KV region: a
+    batch that needs them all at once runs in one wave, on blocks that live in the staging
+    region, and matches a fresh engine; the next switch gives the region back."""
+    engine = make_engine(models, wait_for_staging=True)
+    lent = engine.kv_capacity_blocks(MOE, lent=True)
+    assert engine.kv_capacity_blocks(MOE) == NUM_BLOCKS < lent
+    engine.activate(LLAMA)
+    engine.stage(MOE)
+    assert engine.activate(MOE, lend_staging=True).kind == "activate_d2d"
+    assert engine.stats().num_total_blocks == lent
+    with pytest.raises(ValueError, match="lent"):
+        engine.stage(LLAMA)
+    batch = [prompt(40 + i, 30) for i in range(12)]  # 12 x 9 blocks > 64
+    got = run(engine, requests(MOE, "lent", batch))[0]
+    assert engine.stats().num_cached_blocks > NUM_BLOCKS  # blocks beyond the KV region held KV
+    assert_same(got, fresh(models[MOE], requests(MOE, "fresh", batch)))
+    assert engine.activate(LLAMA).kind == "activate_h2d"
+    assert engine.stats().num_total_blocks == NUM_BLOCKS
+    assert engine.stage(MOE).kind == "stage"
+    assert_same(run(engine, requests(LLAMA, "after", PROMPTS))[0],
+                fresh(models[LLAMA], requests(LLAMA, "after", PROMPTS)))
+
+
 def _session_round(
     engine: MultiModelEngine, first_prompt: list[int], sid: str
 ) -> tuple[list[int], list[int]]:

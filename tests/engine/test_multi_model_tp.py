@@ -134,9 +134,12 @@ def test_kv_restore_after_switch_runs_on_every_rank(
     assert_same(got, want)
 
 
-def test_staged_activation_equals_host_activation(tp2: MultiModelEngine) -> None:
+def test_staged_activation_equals_host_activation(
+    tp2: MultiModelEngine, models: dict[str, Path]
+) -> None:
     """Staging runs in the background on every rank (the engine does not wait for it);
-    activating the staged model waits for every rank's copy, then copies D2D."""
+    activating the staged model waits for every rank's copy, then copies D2D. Lending the
+    staging region to the KV cache happens on every rank too."""
     tp2.activate(LLAMA)
     stage = tp2.stage(QWEN)
     assert stage.kind == "stage" and stage.bytes == tp2.catalog[QWEN].layout.total_bytes
@@ -161,6 +164,15 @@ def test_staged_activation_equals_host_activation(tp2: MultiModelEngine) -> None
     assert_same(staged, {k.replace("host", "staged"): v for k, v in host.items()})
     rates = tp2.model_rates(QWEN)
     assert rates["switch_staged_s"] > 0 and rates["switch_host_s"] > 0 and rates["stage_s"] > 0
+    lent = tp2.kv_capacity_blocks(LLAMA, lent=True)
+    assert tp2.activate(LLAMA, lend_staging=True).kind == "activate_d2d"  # staging held it
+    assert tp2.stats().num_total_blocks == lent > NUM_BLOCKS
+    assert per_rank(tp2, "kv_capacity_blocks", LLAMA, True) == [lent] * 2
+    batch = [prompt(40 + i, 30) for i in range(12)]  # 12 x 9 blocks > 64: one wave if lent
+    assert_same(run(tp2, requests(LLAMA, "lent", batch))[0],
+                fresh(models[LLAMA], requests(LLAMA, "lent", batch)))
+    tp2.activate(QWEN)
+    assert tp2.stats().num_total_blocks == NUM_BLOCKS
 
 
 def test_shutdown_leaves_no_process(models: dict[str, Path]) -> None:

@@ -12,6 +12,8 @@ Rules, all deterministic:
 - requests and switches pass the same checks as every real engine (``ServedModels``):
   ``activate`` needs no running request and drops the outgoing model's device KV (pins
   included); D2D if the model was staged, else H2D;
+- ``activate(model, lend_staging=True)`` gives the model ``lendable_blocks`` more blocks
+  until the next activation and drops what was staged; nothing can be staged meanwhile;
 - ``offload_kv`` copies device KV of the active model's sessions to the host store (never
   bounded; with ``host_kv_capacity_bytes`` set, ``stats().extra`` reports its fill).
 """
@@ -64,6 +66,7 @@ class FakeEngine(ServesModels):
     stage_s: float = 1.0
     offload_s_per_token: float = 0.0
     kv_token_bytes: int = 100  # KV bytes per token, every model
+    lendable_blocks: int = 0  # blocks the staging region adds to a KV cache it is lent to
     host_kv_capacity_bytes: int | None = None  # reported in stats().extra when set
     initial_model: str | None = None
     max_model_len: int = 1 << 20
@@ -87,6 +90,7 @@ class FakeEngine(ServesModels):
         self._reqs: dict[str, _Req] = {}
         self._kv: dict[str, _SessionKV] = {}
         self._staged: str | None = None
+        self.lent = False
         self._tick = 0
         self._abort_events: list[str] = []
 
@@ -160,9 +164,9 @@ class FakeEngine(ServesModels):
             }
         return EngineStats(
             num_running=len(self._reqs),
-            num_free_blocks=self.num_blocks - self._running_blocks() - pinned,
+            num_free_blocks=self.blocks - self._running_blocks() - pinned,
             num_cached_blocks=cached,
-            num_total_blocks=self.num_blocks,
+            num_total_blocks=self.blocks,
             block_size=self.block_size,
             prefill_tokens_total=self.prefilled_tokens,
             cached_tokens_total=self.cached_tokens,
@@ -174,23 +178,37 @@ class FakeEngine(ServesModels):
         self.served.check_model(model)
         return float(self.kv_token_bytes)
 
-    def activate(self, model: str) -> MoveReport:
+    @property
+    def blocks(self) -> int:
+        """Device KV blocks of the active model now."""
+        return self.num_blocks + (self.lendable_blocks if self.lent else 0)
+
+    def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:
+        self.served.check_model(model)
+        return self.num_blocks + (self.lendable_blocks if lent else 0)
+
+    def activate(self, model: str, lend_staging: bool = False) -> MoveReport:
         self.served.check_activation(model, len(self._reqs))
+        if lend_staging and not self.lendable_blocks:
+            raise ValueError("no staging region to lend")
         for kv in self._kv.values():
             if kv.model == self.active:
                 kv.device = 0
                 kv.pinned = False
         staged = self._staged == model
-        if staged:
+        if staged or lend_staging:
             self._staged = None
+        self.lent = lend_staging
         self.served.active = model
-        self.log.append(("activate", model))
+        self.log.append(("activate_lent" if lend_staging else "activate", model))
         kind = "activate_d2d" if staged else "activate_h2d"
         return MoveReport(kind, 1000, self.switch_staged_s if staged else self.switch_host_s)
 
     def stage(self, model: str) -> MoveReport:
         if model == self.active:
             raise ValueError(f"{model!r} is active; nothing to stage")
+        if self.lent:
+            raise ValueError("the staging region is lent to the KV cache")
         self._staged = model
         self.log.append(("stage", model))
         return MoveReport("stage", 1000, self.stage_s)
@@ -292,7 +310,7 @@ class FakeEngine(ServesModels):
     def _evict_for(self, need: int) -> None:
         def free() -> int:
             used = self._running_blocks() + sum(self._blocks(s.device) for s in self._active_kv())
-            return self.num_blocks - used
+            return self.blocks - used
 
         victims = sorted(
             ((sid, kv) for sid, kv in self._kv.items() if kv.model == self.active and kv.device),

@@ -21,7 +21,7 @@ from talaria.policies.reservations import (
     yield_offload_pays,
 )
 from talaria.policies.round_scheduler import RoundScheduler
-from talaria.policies.staging import staging_target
+from talaria.policies.staging import lend_staging_due, staging_target
 from talaria.protocol import CallRequest
 
 
@@ -199,3 +199,13 @@ def test_demotion_is_due_only_when_queued_calls_need_more_than_the_empty_blocks(
     assert not demotion_due(queued_blocks=0, free_blocks=0)  # nothing waits
     with pytest.raises(ValueError):
         demotion_due(queued_blocks=-1, free_blocks=3)
+
+
+def test_staging_is_lent_only_when_queued_calls_overflow_the_kv_region_and_it_adds_blocks() -> None:
+    assert lend_staging_due(queued_blocks=30, capacity_blocks=20, lent_capacity_blocks=40)
+    # they fit the KV region as it is: the staging region keeps the next model's weights
+    assert not lend_staging_due(queued_blocks=20, capacity_blocks=20, lent_capacity_blocks=40)
+    # no staging region (or one too small for a block): lending adds nothing
+    assert not lend_staging_due(queued_blocks=30, capacity_blocks=20, lent_capacity_blocks=20)
+    with pytest.raises(ValueError):
+        lend_staging_due(queued_blocks=-1, capacity_blocks=20, lent_capacity_blocks=40)

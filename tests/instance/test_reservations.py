@@ -218,3 +218,44 @@ def test_no_demotion_for_a_last_call_or_without_host_kv() -> None:
     assert run_virtual(main(last=False, host_kv=True))
     assert not run_virtual(main(last=True, host_kv=True))
     assert not run_virtual(main(last=False, host_kv=False))
+
+
+def _switch_in_b(policy: str, calls_of_b: int, **overrides: object) -> tuple[FakeEngine, dict]:
+    """Calls of model b (10 blocks each, all queued at once) switch an instance in from a;
+    b's KV region holds 20 blocks, 40 with the staging region lent to it."""
+    engine = FakeEngine(["a", "b"], num_blocks=20, block_size=16, step_s=0.1,
+                        lendable_blocks=20, initial_model="a")
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset(policy, **overrides))
+        await inst.start()
+        await asyncio.gather(*(run_call(inst, call(f"b{i}", f"s{i}", "b", 150, 10, last=True))
+                               for i in range(calls_of_b)))
+        await run_call(inst, call("a0", "t", "a", 20, 2, last=True))
+        await inst.stop()
+        return inst.counters
+
+    return engine, run_virtual(main())
+
+
+def test_a_switch_under_kv_pressure_lends_the_staging_region() -> None:
+    """Three calls of b need 30 blocks where its KV region holds 20: b's slot borrows the
+    staging region, so all three run at once, and nothing is staged while it is lent (the
+    switch back to a is an H2D copy)."""
+    engine, counters = _switch_in_b("talaria", 3)
+    assert ("activate_lent", "b") in engine.log and counters["staging_lends"] == 1
+    lent_at = engine.log.index(("activate_lent", "b"))
+    back_at = engine.log.index(("activate", "a"), lent_at)
+    assert not [e for e in engine.log[lent_at:back_at] if e[0] == "stage"]
+    assert not engine.lent  # a's slot has its own KV region only
+
+
+@pytest.mark.parametrize(("policy", "calls_of_b"), [("talaria", 2), ("-lending", 3),
+                                                    ("-staging", 3)])
+def test_no_lending_without_pressure_or_without_the_mechanism(policy: str,
+                                                              calls_of_b: int) -> None:
+    """Two calls of b fit its 20 blocks: no pressure. Without lending (or without a staging
+    region to lend) three calls queue for the KV region instead."""
+    engine, counters = _switch_in_b(policy, calls_of_b)
+    assert ("activate", "b") in engine.log and ("activate_lent", "b") not in engine.log
+    assert "staging_lends" not in counters

@@ -76,3 +76,27 @@ def test_a_restore_shares_the_host_link_with_a_staging_copy() -> None:
     assert shared == pytest.approx(alone + restore_s, rel=1e-12)
     # ... and the staging copy ends that much later
     assert glm == Residency.STAGING
+
+
+def test_lending_the_staging_region_to_the_kv_cache() -> None:
+    """A lent slot has the KV blocks the region holds beside the largest shard alone, drops
+    what was staged, stages nothing until the next activation, and its next switch is H2D."""
+    models = (QWEN, GLM, MISTRAL)
+    engine = make(models, staging=True, staging_region="second")
+    qwen = cost().weight_bytes_per_gpu()
+    lent = engine.kv_capacity_blocks(QWEN, lent=True)
+    assert lent == cost().kv_capacity_tokens(qwen, 0) // BS > engine.kv_capacity_blocks(QWEN)
+    engine.activate(GLM)
+    engine.stage(MISTRAL)
+    engine.activate(QWEN, lend_staging=True)
+    assert engine.stats().num_total_blocks == lent
+    assert engine.residency()[MISTRAL] == Residency.HOST  # the staged copy was overwritten
+    with pytest.raises(ValueError, match="lent"):
+        engine.stage(MISTRAL)
+    assert engine.activate(MISTRAL).kind == "activate_h2d"
+    assert engine.stats().num_total_blocks == engine.kv_capacity_blocks(MISTRAL)
+    assert engine.stage(GLM).kind == "stage"  # the region is the staging region again
+    without = make(models, staging=False)
+    assert without.kv_capacity_blocks(QWEN, lent=True) == without.kv_capacity_blocks(QWEN)
+    with pytest.raises(ValueError, match="no staging region"):
+        without.activate(QWEN, lend_staging=True)

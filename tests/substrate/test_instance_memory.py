@@ -116,3 +116,44 @@ def test_staging_disabled_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="staging is disabled"):
         mem.stage("a")
     assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
+
+
+def test_a_lent_staging_region_widens_the_kv_cache_from_the_same_base() -> None:
+    """Activating b from staging with the region lent: b's weights arrive whole (the D2D copy
+    reads the region before the KV cache claims it), its KV cache spans both regions from the
+    KV region's base, zeroed, and nothing can be staged until the next activation."""
+    torch.manual_seed(3)
+    refs = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    with torch.device("meta"):
+        models = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    layouts = {n: WeightLayout.from_module(m) for n, m in models.items()}
+    spec = KVSpec(2, 4, 2, 8, torch.float32)
+    mem = InstanceMemory("cpu", layouts, kv_bytes=8 * spec.block_bytes, host_kv_bytes=0,
+                         pin=False)
+    for name in refs:
+        mem.load_model(name, _fill(state_of(refs[name])), spec)
+        mem.bind_module(name, models[name])
+    arena = mem.arena
+    mem.activate("a")
+    normal = mem.kv_cache("a")
+    assert normal.shape[2] == 8
+    mem.stage("b")
+    assert mem.activate("b", lend_staging=True).kind == MoveKind.ACTIVATE_D2D
+    ids = torch.tensor([[4, 1, 7]])
+    torch.testing.assert_close(models["b"](ids), refs["b"](ids))
+    lent = mem.kv_cache("b")
+    assert lent.data_ptr() == normal.data_ptr() == arena.kv_region.data_ptr()
+    assert lent.shape[2] == (arena.kv_bytes + arena.staging_bytes) // spec.block_bytes > 8
+    assert not lent.any()  # the staged weights it covers were zeroed
+    assert mem.placements()["b"] == Placement.ACTIVE and mem.ledger.staged_model is None
+    with pytest.raises(ValueError, match="lent"):
+        mem.stage("a")
+    lent.fill_(1.0)
+    assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
+    assert mem.kv_cache("a") is normal and not arena.kv_region.any()
+    assert mem.stage("b").kind == MoveKind.STAGE
+    no_staging = InstanceMemory("cpu", layouts, kv_bytes=8 * spec.block_bytes, host_kv_bytes=0,
+                                staging=False, pin=False)
+    no_staging.load_model("a", _fill(state_of(refs["a"])), spec)
+    with pytest.raises(ValueError, match="no staging region"):
+        no_staging.activate("a", lend_staging=True)

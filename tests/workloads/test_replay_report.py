@@ -76,10 +76,12 @@ def test_speedups_lower_bound_and_best_quantum() -> None:
 
 
 def test_policy_catalogue_is_consistent() -> None:
-    assert list(DEFAULT_POLICIES[:7]) == ["baseline", "+staging", "+host_kv", "+sp",
-                                          "+priority", "+priority_switch", "talaria"]
+    assert list(DEFAULT_POLICIES[:8]) == ["baseline", "+staging", "+host_kv", "+sp",
+                                          "+priority", "+priority_switch", "+demotion",
+                                          "talaria"]
+    # -lending is +demotion: not run twice
     assert list(LEAVE_ONE_OUT_ROWS) == ["-staging", "-host_kv", "-sp", "-reservations",
-                                        "-priority_switch", "-placement"]
+                                        "-priority_switch", "-demotion", "-placement"]
     assert set(PEERS) == {"vllm_sleep", "vllm_sleep_lmcache", "sglang_hicache", "continuum_ttl",
                           "autellix", "aegaeon"}
     base = ABLATIONS["baseline"]
@@ -93,7 +95,7 @@ def test_policy_catalogue_is_consistent() -> None:
     assert PEERS["aegaeon"].engine_config().staging_region == "largest"
     for peer in PEERS.values():
         assert not peer.policy.session_priority and not peer.policy.priority_switch
-        assert not peer.policy.kv_demotion
+        assert not peer.policy.kv_demotion and not peer.policy.lend_staging
     config = base.engine_config()
     assert config.host_kv_bytes == 0 and not config.staging
     assert ABLATIONS["talaria"].placement == "talaria"
