@@ -291,7 +291,8 @@ class AdmissionLoop(Intake):
                 await self.executor.offload_kv(None)
             self.sessions.switch_out(outgoing)
         self._stage_failed.clear()
-        lend = self.pressure.lend_staging(model)
+        # the KV cache is re-viewed (lent or not) only when another model comes in
+        lend = self.pressure.lend_staging(model) if outgoing != model else self.staging_lent
         report = await self.executor.activate(model, lend_staging=lend)
         self.active_model = model
         self.staging_lent = lend
