@@ -329,15 +329,19 @@ class CostModel:
         """Activate from the device staging region (D2D copy)."""
         return self.weight_bytes_per_gpu() / self.device.d2d_bytes_per_s
 
-    def kv_offload_seconds(self, tokens: int) -> float:
-        """Copy ``tokens`` tokens of KV to pinned host memory (every rank its own heads)."""
+    def kv_copy_seconds(self, tokens: int, bytes_per_s: float) -> float:
+        """Copy ``tokens`` tokens of KV between device and host at ``bytes_per_s`` per GPU
+        (every rank its own heads)."""
         _check_non_negative(tokens=tokens)
-        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.kv_offload_rate
+        return tokens * self.kv_bytes_per_token_per_gpu() / bytes_per_s
+
+    def kv_offload_seconds(self, tokens: int) -> float:
+        """Copy ``tokens`` tokens of KV to pinned host memory."""
+        return self.kv_copy_seconds(tokens, self.device.kv_offload_rate)
 
     def kv_restore_seconds(self, tokens: int) -> float:
         """Copy ``tokens`` tokens of KV back from pinned host memory."""
-        _check_non_negative(tokens=tokens)
-        return tokens * self.kv_bytes_per_token_per_gpu() / self.device.kv_restore_rate
+        return self.kv_copy_seconds(tokens, self.device.kv_restore_rate)
 
 
 def _check_non_negative(**values: int) -> None:

@@ -30,12 +30,12 @@ class HostTier:
 
     def restore_seconds(self, cost: CostModel, tokens: int) -> float:
         """Copying ``tokens`` tokens of KV back from the host tier, alone."""
-        return tokens * cost.kv_bytes_per_token_per_gpu() / self.restore_bytes_per_s(cost)
+        return cost.kv_copy_seconds(tokens, self.restore_bytes_per_s(cost))
 
     def offload_seconds(self, cost: CostModel, tokens: int) -> float:
         """Copying ``tokens`` tokens of KV to the host tier on demand."""
         rate = self.tier.offload_bytes_per_s or cost.device.kv_offload_rate
-        return tokens * cost.kv_bytes_per_token_per_gpu() / rate
+        return cost.kv_copy_seconds(tokens, rate)
 
     def step_seconds(self, cost: CostModel, compute_s: float, restored_tokens: int) -> float:
         """A step that computes for ``compute_s`` and restores ``restored_tokens`` first:

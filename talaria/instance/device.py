@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from talaria.policies.round_scheduler import rotated_after
+
 __all__ = ["DEVICE_ORDERS", "DeviceSchedule", "SharedDevice", "claim", "device_priority"]
 
 DEVICE_ORDERS = ("fair", "las", "mas", "slots")
@@ -191,9 +193,7 @@ class SharedDevice:
         waiting = {w.model for w in self._waiters}
         order = self.schedule.order
         if order == "slots":
-            start = self.models.index(self.holder) + 1 if self.holder in self.models else 0
-            rotated = [self.models[(start + i) % len(self.models)] for i in range(len(self.models))]
-            return next(m for m in rotated if m in waiting)
+            return next(m for m in rotated_after(self.models, self.holder) if m in waiting)
         if order == "fair":
             return min(self._waiters, key=lambda w: w.seq).model
         return min(self._waiters).model  # las / mas: by priority, then arrival

@@ -30,7 +30,7 @@ from talaria.instance.time_split import TimeSplit
 from talaria.policies.priority import Service, order_queue, priority_key
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot
-from talaria.policies.session_prefill import decide_queued
+from talaria.policies.session_prefill import decide_queued, slot_costs
 from talaria.policies.view import InstanceView
 
 log = structlog.get_logger("talaria.admission")
@@ -170,13 +170,18 @@ class Intake:
     async def _sp_admit_queued(self, slot: Slot) -> None:
         """Admit queued continuations of the closed slot's model when SP decides it pays."""
         queue = self.calls.queues[slot.model]
+        # the slot's costs are the same for every candidate until something happens:
+        # computed once, then again after each wait for room and each admission
+        costs = slot_costs(self.view, self.est, slot)
         for pending in list(queue):
             if not pending.continuation or pending.call.call_id not in self.calls:
                 continue
-            decision = decide_queued(self.view, self.est, slot, pending)
+            drain_end = self.now() + self.est.drain_left_s()
+            decision = decide_queued(self.view, self.est, pending, costs, drain_end)
             if not decision.take:
                 continue
             room = await self._make_room(pending)
+            costs = slot_costs(self.view, self.est, slot)
             if room is Room.FAILED:
                 continue
             if room is Room.WAIT:
@@ -185,6 +190,7 @@ class Intake:
                 continue  # aborted while room was being made
             slot.sp_used_s += decision.extra_delay_s
             self._admit(pending, sp=True)
+            costs = slot_costs(self.view, self.est, slot)
             log.debug(
                 "sp_admit",
                 call=pending.call.call_id,

@@ -95,10 +95,7 @@ def next_model(
     waiting call has the least attained service; under ``priority`` the model whose best
     waiting call comes first by ``queue_order``; round order among equals. None when
     nothing waits."""
-    models = rounds.order
-    start = models.index(current) + 1 if current in models else 0
-    rotated = [models[(start + i) % len(models)] for i in range(len(models))]
-    candidates = [m for m in rotated if waiting.get(m)]
+    candidates = [m for m in rounds.after(current) if waiting.get(m)]
     if model_order == "round" or not candidates:
         return candidates[0] if candidates else None
     order = "las" if model_order == "las" else queue_order

@@ -10,10 +10,10 @@ pending work its slot continues (or reopens) instead: there is nothing to switch
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Slot", "RoundScheduler", "slot_closes"]
+__all__ = ["Slot", "RoundScheduler", "rotated_after", "slot_closes"]
 
 
 def slot_closes(rule: str, *, queue_empty: bool, in_flight: bool, others_waiting: bool) -> bool:
@@ -57,36 +57,35 @@ class Slot:
             self.closed_at = now
 
 
+def rotated_after(order: Sequence[str], current: str | None) -> list[str]:
+    """``order`` rotated to start after ``current`` (``current`` last; unchanged when
+    ``current`` is None or not in it)."""
+    start = order.index(current) + 1 if current in order else 0
+    return [order[(start + i) % len(order)] for i in range(len(order))]
+
+
 class RoundScheduler:
     def __init__(self, models: list[str]) -> None:
         if not models:
             raise ValueError("an instance needs at least one model")
         self.order = list(models)
 
+    def after(self, current: str | None) -> list[str]:
+        """Every model in round order starting after ``current`` (``current`` last; from the
+        first model when ``current`` is None or unknown)."""
+        return rotated_after(self.order, current)
+
     def next_model(self, current: str | None, has_work: Callable[[str], bool]) -> str | None:
         """The next model after ``current`` in round order with pending work; ``current``
         itself comes last (it is chosen only when no other model has work)."""
-        start = self.order.index(current) + 1 if current in self.order else 0
-        n = len(self.order)
-        for i in range(n):
-            model = self.order[(start + i) % n]
-            if has_work(model):
-                return model
-        return None
+        return next((m for m in self.after(current) if has_work(m)), None)
 
     def models_before(self, current: str | None, target: str) -> list[str]:
         """Models that come after ``current`` and before ``target`` in round order."""
         if target not in self.order:
             raise ValueError(f"unknown model {target!r}")
-        start = self.order.index(current) + 1 if current in self.order else 0
-        out: list[str] = []
-        n = len(self.order)
-        for i in range(n):
-            model = self.order[(start + i) % n]
-            if model == target:
-                break
-            out.append(model)
-        return out
+        rotation = self.after(current)
+        return rotation[: rotation.index(target)]
 
     def wait_s(
         self,

@@ -30,7 +30,8 @@ from talaria.policies.view import Estimates, InstanceView, QueuedCall
 
 log = structlog.get_logger("talaria.session_prefill")
 
-__all__ = ["Hold", "SPCandidate", "SPDecision", "decide", "decide_queued", "hold_until"]
+__all__ = ["Hold", "SPCandidate", "SPDecision", "SlotCosts", "decide", "decide_queued",
+           "hold_until", "slot_costs"]
 
 
 @dataclass
@@ -100,22 +101,47 @@ def reserved_candidate(view: InstanceView, est: Estimates, res: Reservation) -> 
     )
 
 
-def decide_queued(
-    view: InstanceView, est: Estimates, slot: Slot, pending: QueuedCall
-) -> SPDecision:
-    """Whether to admit a queued continuation of the closed ``slot``'s model now."""
+@dataclass(frozen=True)
+class SlotCosts:
+    """What every SP decision about one closed slot shares, computed once per pass over its
+    candidates (admitting one of the slot's calls changes none of it; only the drain end
+    moves, and the caller passes that)."""
+
+    waiting_other_calls: int
+    round_wait_s: float
+    switch_back_s: float
+    budget_left_s: float
+
+
+def slot_costs(view: InstanceView, est: Estimates, slot: Slot) -> SlotCosts:
     model = slot.model
-    now = view.now()
-    return decide(
-        queued_candidate(view, est, pending),
-        now=now,
-        drain_end=now + est.drain_left_s(),
+    return SlotCosts(
         waiting_other_calls=view.others_waiting(model),
         round_wait_s=est.round_wait_s(model),
         switch_back_s=est.switch_back_s(model),
-        horizon_s=view.policy.sp_horizon_s,
         budget_left_s=view.policy.sp_budget_s - slot.sp_used_s,
     )
+
+
+def _decide(cand: SPCandidate, view: InstanceView, costs: SlotCosts, drain_end: float) -> SPDecision:
+    return decide(
+        cand,
+        now=view.now(),
+        drain_end=drain_end,
+        waiting_other_calls=costs.waiting_other_calls,
+        round_wait_s=costs.round_wait_s,
+        switch_back_s=costs.switch_back_s,
+        horizon_s=view.policy.sp_horizon_s,
+        budget_left_s=costs.budget_left_s,
+    )
+
+
+def decide_queued(
+    view: InstanceView, est: Estimates, pending: QueuedCall, costs: SlotCosts, drain_end: float
+) -> SPDecision:
+    """Whether to admit a queued continuation of the closed slot's model now (``costs``:
+    ``slot_costs`` of that slot; ``drain_end``: when the calls in flight are expected done)."""
+    return _decide(queued_candidate(view, est, pending), view, costs, drain_end)
 
 
 @dataclass
@@ -144,18 +170,9 @@ def hold_until(view: InstanceView, est: Estimates, slot: Slot) -> Hold:
             give_up.append(res.session_id)
             continue
         candidates.append((until, reserved_candidate(view, est, res)))
-    budget_left = view.policy.sp_budget_s - slot.sp_used_s
+    costs = slot_costs(view, est, slot)
     for until, cand in sorted(candidates, key=lambda item: item[1].arrival):
-        decision = decide(
-            cand,
-            now=now,
-            drain_end=now,
-            waiting_other_calls=view.others_waiting(model),
-            round_wait_s=est.round_wait_s(model),
-            switch_back_s=est.switch_back_s(model),
-            horizon_s=view.policy.sp_horizon_s,
-            budget_left_s=budget_left,
-        )
+        decision = _decide(cand, view, costs, drain_end=now)
         if decision.take:
             log.debug(
                 "sp_hold",
@@ -164,6 +181,6 @@ def hold_until(view: InstanceView, est: Estimates, slot: Slot) -> Hold:
                 benefit=decision.benefit_s,
                 cost=decision.cost_s,
             )
-            return Hold(min(until, now + budget_left), give_up)
+            return Hold(min(until, now + costs.budget_left_s), give_up)
         give_up.append(cand.session_id)
     return Hold(None, give_up)

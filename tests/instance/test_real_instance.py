@@ -39,3 +39,31 @@ async def test_an_abort_while_another_model_waits_leaves_the_instance_serving(
     finally:
         await inst.stop()
     assert inst.engine.stats().num_free_blocks == inst.engine.stats().num_total_blocks
+
+
+async def _qwen_burst(tiny_models: dict[str, Path], lend: bool) -> tuple[dict, list[list[int]]]:
+    """Six Qwen calls of 18 blocks each (108 > the 96 of Qwen's KV region) queued while
+    Llama is active, under Talaria's policy with or without lending."""
+    inst = Instance("i", real_engine(tiny_models), PolicyConfig(lend_staging=lend))
+    await inst.start()
+    try:
+        handles = [inst.submit(call(f"q{i}", QWEN, max_tokens=10, n=60 + i)) for i in range(6)]
+        outputs = []
+        for handle in handles:
+            events = await handle.collect()
+            assert events[-1].finish_reason == "length", events[-1]
+            outputs.append([t for e in events for t in e.token_ids])
+        return dict(inst.counters), outputs
+    finally:
+        await inst.stop()
+
+
+async def test_a_burst_under_kv_pressure_runs_on_the_lent_staging_region(
+    tiny_models: dict[str, Path],
+) -> None:
+    """The switch to Qwen lends the live engine's staging region to its KV cache; every call
+    gets the tokens it gets without lending."""
+    lent, with_lending = await _qwen_burst(tiny_models, lend=True)
+    plain, without = await _qwen_burst(tiny_models, lend=False)
+    assert lent["staging_lends"] == 1 and "staging_lends" not in plain
+    assert with_lending == without and all(len(out) == 10 for out in with_lending)
