@@ -1,7 +1,8 @@
 """Router metrics in the Prometheus text exposition format (written by hand; no dependency).
 
 Counters and histograms are updated by :class:`~router.core.RouterCore`; instance gauges
-(residency, switches, reservations, KV bytes) are rendered from the last reported states.
+(residency, switches, reservations, KV bytes, KV demotions, staging lends) are rendered from
+the last reported states.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ class RouterMetrics:
                         [((("instance", i),), st.kv_restored_bytes) for i, st in per])
         lines += _gauge("talaria_instance_kv_offloaded_bytes", "KV bytes offloaded to the host store.",
                         [((("instance", i),), st.kv_offloaded_bytes) for i, st in per])
+        lines += _gauge("talaria_instance_kv_demotions", "Sessions' KV copied to host under KV pressure.",
+                        [((("instance", i),), st.kv_demotions) for i, st in per])
+        lines += _gauge("talaria_instance_staging_lends",
+                        "Slots that lent the staging region to the KV cache.",
+                        [((("instance", i),), st.staging_lends) for i, st in per])
         return "\n".join(lines) + "\n"
 
 

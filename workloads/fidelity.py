@@ -11,7 +11,9 @@ and tool gaps times ``time_scale``, prompt ids from the same seeded generators, 
 replaced by stand-in ids on both sides (a live answer is text), and the same engine limits
 (KV blocks per model, host KV bytes, block size, step budget). So the two count the same
 things: per call, prompt tokens served from cache and, of those, restored from host KV
-(the live side reads them from ``usage.prompt_tokens_details``).
+(the live side reads them from ``usage.prompt_tokens_details``); per run, how many sessions'
+KV each side demoted to host and how many slots lent the staging region (the live side's
+counts from the router's ``/metrics``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.sim.model_spec import ModelSpec
-from workloads.cluster import ClusterSpec
+from workloads.cluster import ClusterSpec, ClusterTotals
 from workloads.live import run_live_replay, scale_sessions
-from workloads.live_serve import running_serve
+from workloads.live_serve import COUNTER_GAUGES, instance_counters, running_serve
 from workloads.replay import ReplayResult, run_sim
 from workloads.report import percentile
 from workloads.systems import system
@@ -121,6 +123,7 @@ def replay_pair(
             live, info = run_live_replay(sessions, url, time_scale=setup.time_scale,
                                          token_scale=1.0, vocab_size=setup.vocab,
                                          seed=setup.seed, progress=False)
+            live.totals = ClusterTotals(counters=instance_counters(url))
     log(f"  {policy}: live {live.wall_s:.0f} s wall ({info['retries']} re-sent), "
         f"simulated {simulated.wall_s:.1f} s wall")
     return live, simulated
@@ -128,13 +131,15 @@ def replay_pair(
 
 def _side(result: ReplayResult) -> dict[str, float]:
     scts = [s.sct_s for s in result.sessions]
+    counters = result.totals.counters if result.totals is not None else {}
     calls = result.calls
     return {"p50_s": percentile(scts, 50), "p95_s": percentile(scts, 95),
             "calls": float(len(calls)), "failed_calls": float(result.failed_calls),
             "prompt_tokens": float(sum(c.prompt_tokens for c in calls)),
             "output_tokens": float(sum(c.output_tokens for c in calls)),
             "cached_tokens": float(sum(c.cached_tokens for c in calls)),
-            "restored_tokens": float(sum(c.restored_tokens for c in calls))}
+            "restored_tokens": float(sum(c.restored_tokens for c in calls)),
+            **{key: float(counters.get(key, 0)) for key in COUNTER_GAUGES}}
 
 
 def compare(live: ReplayResult, simulated: ReplayResult) -> dict[str, float]:
@@ -144,7 +149,7 @@ def compare(live: ReplayResult, simulated: ReplayResult) -> dict[str, float]:
            "live_p95_s": a["p95_s"], "sim_p95_s": b["p95_s"],
            "p50_rel_err": b["p50_s"] / a["p50_s"] - 1.0, "p95_rel_err": b["p95_s"] / a["p95_s"] - 1.0}
     for key in ("calls", "failed_calls", "prompt_tokens", "output_tokens", "cached_tokens",
-                "restored_tokens"):
+                "restored_tokens", *COUNTER_GAUGES):
         row[f"live_{key}"], row[f"sim_{key}"] = a[key], b[key]
     return row
 
@@ -157,7 +162,7 @@ def ranking(rows: Mapping[str, Mapping[str, float]], side: str, stat: str) -> li
 def format_replay_table(rows: Mapping[str, Mapping[str, float]]) -> str:
     head = (f"{'policy':10s} {'live p50':>9s} {'sim p50':>8s} {'err':>6s} {'live p95':>9s} "
             f"{'sim p95':>8s} {'err':>6s}  {'calls live/sim':>14s} {'cached live/sim':>16s} "
-            f"{'restored live/sim':>18s}")
+            f"{'restored live/sim':>18s} {'demoted live/sim':>17s} {'lent live/sim':>13s}")
     lines = [head]
     for policy, r in rows.items():
         lines.append(
@@ -165,7 +170,9 @@ def format_replay_table(rows: Mapping[str, Mapping[str, float]]) -> str:
             f"{r['live_p95_s']:9.1f} {r['sim_p95_s']:8.1f} {r['p95_rel_err']:+6.0%}  "
             f"{r['live_calls']:6.0f}/{r['sim_calls']:<7.0f} "
             f"{r['live_cached_tokens']:7.0f}/{r['sim_cached_tokens']:<8.0f} "
-            f"{r['live_restored_tokens']:8.0f}/{r['sim_restored_tokens']:<9.0f}")
+            f"{r['live_restored_tokens']:8.0f}/{r['sim_restored_tokens']:<9.0f} "
+            f"{r['live_kv_demotions']:8.0f}/{r['sim_kv_demotions']:<8.0f} "
+            f"{r['live_staging_lends']:6.0f}/{r['sim_staging_lends']:<6.0f}")
     for stat in ("p50", "p95"):
         live, sim = ranking(rows, "live", stat), ranking(rows, "sim", stat)
         same = "same" if live == sim else "DIFFERENT"

@@ -1,6 +1,7 @@
 """``talaria serve`` as a child process, for replays against a live system (``talaria
 fidelity``): started on free ports from a config file, ready once its router and every
-instance said so on stdout, stopped with SIGINT (it stops its instances itself)."""
+instance said so on stdout, stopped with SIGINT (it stops its instances itself). What its
+instances counted is read from the router's ``/metrics`` (``instance_counters``)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-__all__ = ["ServeFailed", "running_serve"]
+__all__ = ["COUNTER_GAUGES", "ServeFailed", "instance_counters", "parse_counters", "running_serve"]
+
+# instance counters the router's /metrics exposes, by the admission loop's counter name
+COUNTER_GAUGES = {"kv_demotions": "talaria_instance_kv_demotions",
+                  "staging_lends": "talaria_instance_staging_lends"}
 
 
 class ServeFailed(RuntimeError):
@@ -73,3 +79,29 @@ def _stop(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
 def _drain(stream: object, sink: list[str]) -> None:
     for line in stream:  # type: ignore[attr-defined]
         sink.append(line)
+
+
+def instance_counters(url: str, settle_s: float = 1.5, timeout_s: float = 10.0) -> dict[str, int]:
+    """The admission-loop counters of ``COUNTER_GAUGES`` summed over every instance, as the
+    router at ``url`` (its API base, ``.../v1``, as ``running_serve`` yields it) last heard
+    them; read after ``settle_s`` (longer than the router's 1 s state poll), so that the end
+    of a replay is in them."""
+    time.sleep(settle_s)
+    root = url.removesuffix("/").removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    return parse_counters(text)
+
+
+def parse_counters(metrics_text: str) -> dict[str, int]:
+    """Sum each gauge of ``COUNTER_GAUGES`` over its samples in a Prometheus text page."""
+    out = dict.fromkeys(COUNTER_GAUGES, 0)
+    names = {gauge: counter for counter, gauge in COUNTER_GAUGES.items()}
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        counter = names.get(name.split("{", 1)[0])
+        if counter is not None:
+            out[counter] += int(float(value))
+    return out

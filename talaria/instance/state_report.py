@@ -102,4 +102,6 @@ def build_state(inst: ReportSource) -> InstanceState:
         switches=inst.counters["switches"],
         kv_restored_bytes=int(inst.rates.kv_restored_bytes),
         kv_offloaded_bytes=inst.rates.kv_offloaded_bytes,
+        kv_demotions=inst.counters.get("kv_demotions", 0),
+        staging_lends=inst.counters.get("staging_lends", 0),
     )

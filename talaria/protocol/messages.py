@@ -208,6 +208,8 @@ class InstanceState:
     switches: int = 0
     kv_restored_bytes: int = 0
     kv_offloaded_bytes: int = 0
+    kv_demotions: int = 0  # sessions' KV copied to host under pressure, since start
+    staging_lends: int = 0  # slots that lent the staging region to the KV cache
 
     @classmethod
     def from_dict(cls, data: Any) -> InstanceState:
@@ -273,6 +275,8 @@ _STATE_READERS: dict[str, _Reader] = {
     "switches": _count,
     "kv_restored_bytes": _count,
     "kv_offloaded_bytes": _count,
+    "kv_demotions": _count,
+    "staging_lends": _count,
 }
 _MODEL_READERS: dict[str, _Reader] = {
     "queued_calls": _count,

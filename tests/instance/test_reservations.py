@@ -220,7 +220,8 @@ def test_no_demotion_for_a_last_call_or_without_host_kv() -> None:
     assert not run_virtual(main(last=False, host_kv=False))
 
 
-def _switch_in_b(policy: str, calls_of_b: int, **overrides: object) -> tuple[FakeEngine, dict]:
+def _switch_in_b(policy: str, calls_of_b: int, **overrides: object
+                 ) -> tuple[FakeEngine, dict[str, int]]:
     """Calls of model b (10 blocks each, all queued at once) switch an instance in from a;
     b's KV region holds 20 blocks, 40 with the staging region lent to it."""
     engine = FakeEngine(["a", "b"], num_blocks=20, block_size=16, step_s=0.1,
@@ -233,6 +234,7 @@ def _switch_in_b(policy: str, calls_of_b: int, **overrides: object) -> tuple[Fak
                                for i in range(calls_of_b)))
         await run_call(inst, call("a0", "t", "a", 20, 2, last=True))
         await inst.stop()
+        assert inst.state().staging_lends == inst.counters.get("staging_lends", 0)
         return inst.counters
 
     return engine, run_virtual(main())

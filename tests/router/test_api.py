@@ -14,6 +14,7 @@ from router_fakes import FakeInstance
 
 from router.app import CORE_KEY, RouterConfig, create_app
 from router.tokenization import ModelTokenizer
+from talaria.protocol import InstanceState
 
 REPLY_TEXT = "Hello world, this is a test."
 
@@ -247,7 +248,8 @@ async def test_api_key(tokenizer: ModelTokenizer) -> None:
 
 
 async def test_models_health_metrics(tokenizer: ModelTokenizer) -> None:
-    a = FakeInstance("a", reply(tokenizer), cached_tokens=2)
+    a = FakeInstance("a", reply(tokenizer), cached_tokens=2,
+                     state=InstanceState("a", kv_demotions=3, staging_lends=1))
     async with serve(tokenizer, {"a": a}) as client:
         models = await (await client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
@@ -260,6 +262,8 @@ async def test_models_health_metrics(tokenizer: ModelTokenizer) -> None:
     assert 'talaria_router_ttft_seconds_count{model="tiny"} 1' in text
     assert 'talaria_instance_healthy{instance="a"} 1' in text
     assert "talaria_router_sessions 1" in text
+    assert 'talaria_instance_kv_demotions{instance="a"} 3' in text
+    assert 'talaria_instance_staging_lends{instance="a"} 1' in text
 
 
 async def test_client_disconnect_aborts_call(tokenizer: ModelTokenizer) -> None:

@@ -10,8 +10,10 @@ import pytest
 
 from engine.models.tiny import make_tiny_models
 from engine.sim.model_spec import ModelSpec
-from talaria.protocol import CallRequest, SamplingParams
+from router.metrics import RouterMetrics
+from talaria.protocol import CallRequest, InstanceState, SamplingParams
 from talaria.serve_config import load_serve_config
+from workloads.cluster import ClusterTotals
 from workloads.fidelity import (
     FIDELITY_POLICIES,
     ReplaySetup,
@@ -23,6 +25,7 @@ from workloads.fidelity import (
     replay_pair,
     serve_config_text,
 )
+from workloads.live_serve import parse_counters
 from workloads.replay import (
     CallOutcome,
     CallRecord,
@@ -81,7 +84,11 @@ def test_compare_reports_both_sides_and_the_ranking() -> None:
                                  SessionResult("b", "m", 0, [record(12, 0, 0, 12.0)])])
     sim = ReplayResult("sim", [SessionResult("a", "m", 0, [record(10, 4, 0, 6.0)]),
                                SessionResult("b", "m", 0, [record(12, 8, 8, 10.0)])])
+    live.totals = ClusterTotals(counters={"kv_demotions": 4})
+    sim.totals = ClusterTotals(counters={"kv_demotions": 6, "staging_lends": 1})
     row = compare(live, sim)
+    assert (row["live_kv_demotions"], row["sim_kv_demotions"]) == (4, 6)
+    assert (row["live_staging_lends"], row["sim_staging_lends"]) == (0, 1)
     assert (row["live_p50_s"], row["sim_p50_s"]) == (10.0, 8.0)
     assert row["p50_rel_err"] == pytest.approx(-0.2)
     assert (row["live_calls"], row["sim_calls"], row["live_prompt_tokens"]) == (2, 2, 22)
@@ -130,3 +137,15 @@ def test_live_and_simulated_replays_count_the_same_calls_and_prompts(
         assert 0 <= c.restored_tokens <= c.cached_tokens < c.prompt_tokens
     row = compare(live, sim)
     assert row["live_calls"] == row["sim_calls"] == sum(s.num_calls for s in sessions)
+    # +host_kv neither demotes nor lends: both sides count nothing (live: from /metrics)
+    assert live.totals is not None and live.totals.counters == {"kv_demotions": 0,
+                                                                "staging_lends": 0}
+    assert row["sim_kv_demotions"] == row["sim_staging_lends"] == 0
+
+
+def test_live_counters_are_summed_over_the_instances_the_router_reports() -> None:
+    states = {"i0": InstanceState("i0", kv_demotions=3, staging_lends=1),
+              "i1": InstanceState("i1", kv_demotions=4)}
+    text = RouterMetrics().render(states, {"i0", "i1"}, 0)
+    assert parse_counters(text) == {"kv_demotions": 7, "staging_lends": 1}
+    assert parse_counters("# HELP x\n") == {"kv_demotions": 0, "staging_lends": 0}
