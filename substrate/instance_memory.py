@@ -26,7 +26,7 @@ from substrate.host_kv import HostKVCache, HostKVStore
 from substrate.host_kv_index import ValueHook
 from substrate.host_weights import FillFn, HostWeightStore
 from substrate.layout import WeightLayout, dtype_size
-from substrate.ledger import Ledger, Placement, StagingState
+from substrate.ledger import Ledger, Placement, StagingState, staging_region_bytes
 from substrate.mover import TorchMover
 from substrate.moves import MoveKind, MoveRecord, PlannedMove
 from substrate.staging import Stager
@@ -67,17 +67,20 @@ class InstanceMemory:
         host_kv_bytes: int,
         staging: bool = True,
         weight_bytes: int | None = None,
+        staging_region: str = "largest",
         pin: bool | None = None,
         value_hook: ValueHook | None = None,
     ) -> None:
         """Size and allocate the arena for the catalog ``layouts`` (model -> this rank's
         layout). ``weight_bytes`` (default: the largest layout) fixes the weight region; a
-        model that does not fit it fails here, with the sizes."""
+        model that does not fit it fails here, with the sizes. ``staging_region``: how large
+        the staging region is, when ``staging`` (``staging_region_bytes``)."""
         if not layouts:
             raise ValueError("InstanceMemory needs at least one model layout")
-        largest = max(layout.total_bytes for layout in layouts.values())
-        weight_bytes = largest if weight_bytes is None else weight_bytes
-        self.arena = DeviceArena(device, weight_bytes, weight_bytes if staging else 0, kv_bytes)
+        sizes = sorted(layout.total_bytes for layout in layouts.values())
+        weight_bytes = sizes[-1] if weight_bytes is None else weight_bytes
+        staging_bytes = staging_region_bytes(staging_region, sizes, weight_bytes) if staging else 0
+        self.arena = DeviceArena(device, weight_bytes, staging_bytes, kv_bytes)
         for name, layout in layouts.items():
             self.arena.check_fits(layout, name)
         self.layouts = dict(layouts)

@@ -21,6 +21,19 @@ from dataclasses import dataclass
 from substrate.host_kv_index import HostKVIndex
 from substrate.moves import MoveKind, MoveRecord, PlannedMove
 
+STAGING_REGIONS = ("largest", "second")
+
+
+def staging_region_bytes(region: str, shard_sizes: list[int], weight_bytes: int) -> int:
+    """The staging region's size: ``largest``, the weight region's (every shard stages);
+    ``second``, the second largest shard's (the largest model loads from host, and the KV
+    region keeps the difference)."""
+    if region not in STAGING_REGIONS:
+        raise ValueError(f"staging_region must be one of {STAGING_REGIONS}, got {region!r}")
+    if region == "second" and len(shard_sizes) > 1:
+        return sorted(shard_sizes)[-2]
+    return weight_bytes
+
 
 class Placement(enum.StrEnum):
     """Where a model's weights are (the same strings as ``engine.interface.Residency``)."""

@@ -50,6 +50,7 @@ def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
         num_kv_blocks=entry.kv_blocks,
         host_kv_bytes=entry.host_kv_bytes,
         staging=entry.staging,
+        staging_region=entry.staging_region,
         max_num_batched_tokens=config.engine.max_num_batched_tokens,
         max_num_seqs=config.engine.max_num_seqs,
         # One cap for the engine only when every model names the same; the server

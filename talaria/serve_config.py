@@ -32,12 +32,13 @@ tensor_parallel_size = 1
 kv_blocks = 1024        # blocks per model; and/or kv_bytes = "8GiB" (the KV region)
 host_kv_bytes = "16GiB"
 staging = true
+staging_region = "largest"  # or "second": the largest model loads from host, its KV keeps the room
 restart = true          # start it again (with backoff) when its process dies
 
 [policy]
 # preset: a rung of the ladder (baseline | +staging | +host_kv | +sp | +priority |
-# +priority_switch | talaria) or talaria minus one mechanism (-staging | -host_kv | -sp |
-# -reservations | -priority_switch | -demotion)
+# +priority_switch | +demotion | talaria) or talaria minus one mechanism (-staging |
+# -host_kv | -sp | -reservations | -priority_switch | -demotion | -lending)
 preset = "talaria"
 slot_quantum_s = 10.0   # any PolicyConfig field overrides the preset
 ```
@@ -55,6 +56,7 @@ from typing import Any
 
 import orjson
 
+from substrate.ledger import STAGING_REGIONS
 from talaria.config import PolicyConfig
 
 __all__ = [
@@ -123,6 +125,7 @@ class InstanceEntry:
     kv_bytes: int | None = None
     host_kv_bytes: int = _DEFAULT_HOST_KV_BYTES
     staging: bool = True
+    staging_region: str = "largest"
     drain_timeout_s: float = 30.0
     restart: bool = True
 
@@ -238,6 +241,9 @@ class ServeConfig:
                 raise ConfigError(f"{where}.kv_bytes must be > 0, got {inst.kv_bytes}")
             if inst.host_kv_bytes < 0:
                 raise ConfigError(f"{where}.host_kv_bytes must be >= 0, got {inst.host_kv_bytes}")
+            if inst.staging_region not in STAGING_REGIONS:
+                raise ConfigError(f"{where}.staging_region must be one of {STAGING_REGIONS}, got "
+                                  f"{inst.staging_region!r}")
             if inst.drain_timeout_s < 0:
                 raise ConfigError(f"{where}.drain_timeout_s must be >= 0, got {inst.drain_timeout_s}")
             if not (inst.device == "cpu" or re.fullmatch(r"cuda(:\d+)?|auto", inst.device)):

@@ -87,8 +87,11 @@ def serve_config_text(setup: ReplaySetup, models: Mapping[str, Path], policy: st
              f"max_num_batched_tokens = {setup.max_num_batched_tokens}", ""]
     for name, path in models.items():
         lines += [f'[models."{name}"]', f'path = "{path}"', ""]
+    chosen = system(policy)  # its engine's staging region, as the simulated side has it
     lines += ["[[instances]]", 'id = "i0"', f"kv_blocks = {setup.kv_blocks}",
-              f"host_kv_bytes = {setup.host_kv_bytes}", "",
+              f"host_kv_bytes = {setup.host_kv_bytes}",
+              f"staging = {str(chosen.staging).lower()}",
+              f'staging_region = "{chosen.staging_region}"', "",
               "[policy]", f'preset = "{policy}"', f'slot_close = "{setup.slot_close}"',
               f"slot_quantum_s = {setup.slot_quantum_s}", ""]
     return "\n".join(lines)

@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="baseline,+host_kv,talaria")
     p.add_argument("--sessions", type=int, default=ReplaySetup.sessions,
                    help=f"sessions of the replay (default {ReplaySetup.sessions})")
+    p.add_argument("--kv-blocks", type=int, default=ReplaySetup.kv_blocks,
+                   help=f"KV blocks per model on both sides (default {ReplaySetup.kv_blocks}; "
+                        "fewer puts the KV under pressure)")
     p.add_argument("--skip-steps", action="store_true", help="no step-time comparison")
     p.add_argument("--skip-replay", action="store_true", help="no replay comparison")
     p.set_defaults(func=run_fidelity_command)
@@ -75,8 +78,8 @@ def run_fidelity_command(args: argparse.Namespace) -> int:
             out["step_time"] = _step_time(spec_path, args.repeats)
             out["load_average"]["after_step_time"] = _load()
         if not args.skip_replay:
-            out["replay"] = _replay(spec_path, args.policies.split(","), args.threads,
-                                    args.sessions)
+            setup = ReplaySetup(sessions=args.sessions, kv_blocks=args.kv_blocks)
+            out["replay"] = _replay(spec_path, args.policies.split(","), args.threads, setup)
             out["load_average"]["after_replay"] = _load()
     finally:
         torch.set_num_threads(saved_threads)
@@ -102,7 +105,7 @@ def _step_time(spec_path: Path, repeats: int) -> dict[str, Any]:
 
 
 def _replay(
-    spec_path: Path, policies: list[str], threads: int, num_sessions: int
+    spec_path: Path, policies: list[str], threads: int, setup: ReplaySetup
 ) -> dict[str, dict[str, float]]:
     from engine.sim.model_spec import ModelSpec
     from talaria.paths import ensure_tiny_models
@@ -113,12 +116,12 @@ def _replay(
         replay_pair,
     )
 
-    setup = ReplaySetup(sessions=num_sessions)
     models = ensure_tiny_models("small")
     catalog = {name: ModelSpec.from_hf_config(path, name) for name, path in models.items()}
     sessions = fidelity_trace(setup, catalog)
     print(f"\n== replay: {len(sessions)} sessions, {sum(s.num_calls for s in sessions)} calls, "
-          f"tokens x{setup.token_scale}, time x{setup.time_scale}, live and simulated "
+          f"tokens x{setup.token_scale}, time x{setup.time_scale}, {setup.kv_blocks} KV "
+          f"blocks per model, live and simulated "
           f"(load average {_load()})", flush=True)
     rows = {}
     for policy in policies:

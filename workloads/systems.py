@@ -83,7 +83,7 @@ class SystemConfig:
     placement: str  # router placement policy: "load" | "cache_aware" | "talaria"
     stable_substrate: bool = True  # False: one plain engine per model (its own KV region)
     staging: bool = False
-    # the staging region's size (engine.sim.config.STAGING_REGIONS): for the largest shard,
+    # the staging region's size (substrate.ledger.STAGING_REGIONS): for the largest shard,
     # or for the second largest (the largest model then always loads from host)
     staging_region: str = "largest"
     host_kv: bool = False  # the engine has a host KV store (sized from the host memory left)

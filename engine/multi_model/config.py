@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import check_distributed_settings
+from substrate.ledger import STAGING_REGIONS
 
 __all__ = ["MultiModelConfig"]
 
@@ -31,6 +32,7 @@ class MultiModelConfig:
     num_kv_blocks: int | None = None
     host_kv_bytes: int = 1 << 30
     staging: bool = True
+    staging_region: str = "largest"  # substrate.instance_memory.staging_region_bytes
     weight_bytes: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -57,3 +59,6 @@ class MultiModelConfig:
             raise ValueError(f"kv_bytes must be > 0, got {self.kv_bytes}")
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
+        if self.staging_region not in STAGING_REGIONS:
+            raise ValueError(f"staging_region must be one of {STAGING_REGIONS}, got "
+                             f"{self.staging_region!r}")

@@ -45,6 +45,7 @@ class RankModels:
         host_kv_bytes: int,
         staging: bool,
         weight_bytes: int | None = None,
+        staging_region: str = "largest",
         attention_backend: str = "auto",
         parallel: ParallelContext = SINGLE,
         seed: int = 0,
@@ -66,6 +67,7 @@ class RankModels:
             host_kv_bytes,
             staging=staging,
             weight_bytes=weight_bytes,
+            staging_region=staging_region,
             pin=pin,
         )
         backend = get_attention_backend(attention_backend, device=device, block_size=block_size)

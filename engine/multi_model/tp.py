@@ -55,6 +55,7 @@ class RankBuild:
     attention_backend: str
     seed: int
     pin: bool | None
+    staging_region: str = "largest"
 
 
 def build_rank_models(
@@ -76,6 +77,7 @@ def build_rank_models(
         host_kv_bytes=build.host_kv_bytes,
         staging=build.staging,
         weight_bytes=build.weight_bytes,
+        staging_region=build.staging_region,
         attention_backend=build.attention_backend,
         parallel=ctx.parallel,
         seed=build.seed,

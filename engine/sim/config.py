@@ -7,12 +7,11 @@ from dataclasses import dataclass
 from engine.sim.kv_tier import kv_tier
 from engine.sim.switching import AEGAEON_FIXED_S, SWITCH_KINDS, SleepWakeRates
 from substrate.devices import server_preset
+from substrate.ledger import STAGING_REGIONS
 
 # Share of the server's host memory the host stores may use (the rest: OS, the engine
 # processes, pinned staging buffers). An assumption.
 HOST_MEMORY_USABLE_FRACTION = 0.9
-# How large the staging region is (SimEngineConfig.staging_region).
-STAGING_REGIONS = ("largest", "second")
 
 
 @dataclass

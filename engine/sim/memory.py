@@ -22,7 +22,7 @@ from engine.sim.cost_model import CostModel
 from engine.sim.switching import SleepWakeRates, switch_seconds
 from substrate.devices import ServerSpec
 from substrate.host_kv_index import HostKVIndex
-from substrate.ledger import Ledger, StagingState
+from substrate.ledger import Ledger, StagingState, staging_region_bytes
 from substrate.moves import MoveKind, MoveRecord
 
 # Kind of an activation by sleep and wake (vLLM sleep mode, SGLang memory release); the
@@ -48,10 +48,8 @@ class SimMemory:
         self.weight_region_bytes = shards[-1]
         self.staging_bytes = 0
         if config.staging:
-            second = config.staging_region == "second" and len(shards) > 1
-            self.staging_bytes = shards[-2] if second else shards[-1]
-        self.num_blocks: dict[str, int] = {}
-        self.lent_blocks: dict[str, int] = {}  # with the staging region lent to the KV cache
+            self.staging_bytes = staging_region_bytes(config.staging_region, shards, shards[-1])
+        self.num_blocks: dict[str, int] = {}  # with the staging region lent: lent_blocks
         self.sleep_wake = SleepWakeRates(efficiency=config.sleep_wake_efficiency)
         for name, cost in costs.items():
             if config.kv_tokens is not None:
@@ -67,10 +65,7 @@ class SimMemory:
                     f"{self.staging_bytes} B)"
                 )
             self.num_blocks[name] = tokens // bs
-            self.lent_blocks[name] = self.num_blocks[name]
-            if config.kv_tokens is None and config.stable_substrate and self.staging_bytes:
-                lent = cost.kv_capacity_tokens(self.weight_region_bytes, 0)
-                self.lent_blocks[name] = lent // bs
+        self.lent_blocks = self._lent_blocks(config)
         host_kv = config.host_kv_bytes
         if host_kv is None:
             per_rank = int(server.host_memory_bytes * HOST_MEMORY_USABLE_FRACTION) // config.tp
@@ -81,6 +76,20 @@ class SimMemory:
             self.ledger.add_host_model(name, cost.weight_bytes_per_gpu())
             self.ledger.set_kv_block_bytes(name, bs * cost.kv_bytes_per_token_per_gpu())
         self._staging_ready_at = 0.0
+
+    def _lent_blocks(self, config: SimEngineConfig) -> dict[str, int]:
+        """Each model's KV blocks with the staging region lent to its KV cache: the KV region
+        and the staging region over its bytes per block. With ``kv_tokens`` the KV region is
+        sized, as the live arena's is, for the model with the most KV bytes per token."""
+        bs = config.block_size
+        if not (config.stable_substrate and self.staging_bytes):
+            return dict(self.num_blocks)
+        if config.kv_tokens is None:
+            return {name: cost.kv_capacity_tokens(self.weight_region_bytes, 0) // bs
+                    for name, cost in self.costs.items()}
+        per_token = {name: cost.kv_bytes_per_token_per_gpu() for name, cost in self.costs.items()}
+        region = config.kv_tokens * max(per_token.values()) + self.staging_bytes
+        return {name: region // (bs * nbytes) for name, nbytes in per_token.items()}
 
     def switch_seconds(self, model: str, staged: bool, outgoing: str | None = None) -> float:
         """Seconds to activate ``model`` (from staging when ``staged``) after ``outgoing``."""

@@ -85,6 +85,7 @@ def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
         ({"instances": [{"id": "a", "tensor_parallel_size": 0}]}, "tensor_parallel_size"),
         ({"instances": [{"id": "a", "kv_bytes": "lots"}]}, "[instances][0].kv_bytes"),
         ({"instances": [{"id": "a", "staging": "yes"}]}, "[instances][0].staging must be a bool"),
+        ({"instances": [{"id": "a", "staging_region": "half"}]}, "[instances][0].staging_region"),
         ({"instances": {"id": "a"}}, "array of tables"),
         ({"policy": {"preset": "fastest"}}, "unknown policy preset"),
         ({"policy": {"slot_quantum": 3}}, "slot_quantum"),

@@ -93,6 +93,25 @@ def test_staged_activation_equals_host_activation(models: dict[str, Path]) -> No
     assert rates["switch_staged_s"] > 0 and rates["switch_host_s"] > 0 and rates["stage_s"] > 0
 
 
+def test_a_staging_region_for_the_second_largest_shard(models: dict[str, Path]) -> None:
+    """``staging_region="second"``: every shard but the largest stages; the largest loads
+    from host; lending adds the smaller region."""
+    full = make_engine(models, wait_for_staging=True)
+    second = make_engine(models, wait_for_staging=True, staging_region="second")
+    sizes = sorted((second.catalog[n].layout.total_bytes, n) for n in second.model_names)
+    (_, smallest), (mid_bytes, _), (_, largest) = sizes
+    assert second.rank.memory.arena.staging_bytes == mid_bytes
+    assert not second.can_stage(largest) and second.can_stage(smallest)
+    assert second.kv_capacity_blocks(LLAMA, lent=True) < full.kv_capacity_blocks(LLAMA, lent=True)
+    second.activate(largest)
+    assert second.stage(smallest).kind == "stage"
+    assert second.activate(smallest).kind == "activate_d2d"
+    with pytest.raises(ValueError, match="does not fit the staging region"):
+        second.stage(largest)
+    with pytest.raises(ValueError, match="staging_region"):
+        make_engine(models, staging_region="half")
+
+
 def test_a_lent_staging_region_holds_kv_and_outputs_stay_exact(models: dict[str, Path]) -> None:
     """With the staging region lent, MOE's KV cache has more blocks than the KV region: a
     batch that needs them all at once runs in one wave, on blocks that live in the staging

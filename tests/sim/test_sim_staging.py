@@ -100,3 +100,14 @@ def test_lending_the_staging_region_to_the_kv_cache() -> None:
     assert without.kv_capacity_blocks(QWEN, lent=True) == without.kv_capacity_blocks(QWEN)
     with pytest.raises(ValueError, match="no staging region"):
         without.activate(QWEN, lend_staging=True)
+
+
+def test_with_a_fixed_kv_region_the_lent_cache_adds_the_staging_region_as_live() -> None:
+    """``kv_tokens`` sizes the KV region for the model with the most KV bytes per token (as
+    the live arena does); lent, each model's cache spans that region and the staging one."""
+    engine = make((QWEN, GLM), staging=True, kv_tokens=64 * BS)
+    per_token = {m: cost(m).kv_bytes_per_token_per_gpu() for m in (QWEN, GLM)}
+    region = 64 * BS * max(per_token.values()) + engine.memory.staging_bytes
+    for model in (QWEN, GLM):
+        assert engine.kv_capacity_blocks(model) == 64
+        assert engine.kv_capacity_blocks(model, lent=True) == region // (BS * per_token[model])
