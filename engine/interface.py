@@ -162,7 +162,8 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
     def activate(self, model: str, lend_staging: bool = False) -> MoveReport:
         """Make ``model`` active (see above). ``lend_staging``: until the next activation its
         KV cache spans the staging region too, whatever was staged there is dropped, and
-        nothing can be staged (ValueError without a staging region)."""
+        nothing can be staged (ValueError without a staging region, before anything moves).
+        Activating the active model moves nothing and leaves lending as it is."""
         ...
 
     def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:

@@ -10,8 +10,10 @@ holds stays valid.
 
 The staging region follows the KV region so that a slot may *lend* it to the KV cache: the
 model's lent KV cache views both (``kv_cache(..., lent=True)``), from the same base address,
-with more blocks. Nothing may be staged while it is lent; the owner (``InstanceMemory``)
-decides at each activation, when the KV region is dropped anyway.
+with more blocks. Its layers and V halves sit at other offsets than in the plain view, so a
+captured graph is valid for one of the two views: capture per (model, lent). Nothing may be
+staged while it is lent; the owner (``InstanceMemory``) decides at each activation, when
+the KV region is dropped anyway.
 """
 
 from __future__ import annotations
@@ -158,20 +160,20 @@ class DeviceArena:
         ``[l, 1]``). ``num_blocks=None`` takes as many as fit; ``lent``: the view spans the
         staging region too."""
         fit = self.kv_num_blocks(num_layers, block_size, kv_heads, head_dim, dtype, lent)
+        region = self.kv_bytes + (self.staging_bytes if lent else 0)
         if num_blocks is None:
             num_blocks = fit
         if num_blocks > fit:
             need = (
                 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * dtype_size(dtype)
             )
-            region = self.kv_bytes + (self.staging_bytes if lent else 0)
             raise ValueError(
                 f"{num_blocks} KV blocks ({need} bytes for {num_layers} layers) do not fit the "
                 f"KV region of {region} bytes; at most {fit} blocks fit"
             )
         if num_blocks <= 0:
             raise ValueError(
-                f"the KV region of {self.kv_bytes} bytes holds no KV block of these shapes"
+                f"the KV region of {region} bytes holds no KV block of these shapes"
             )
         shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
         return view_bytes(self.lendable_kv_region if lent else self.kv_region, 0, shape, dtype)

@@ -9,7 +9,8 @@ Address invariant: every model's parameters are views of the same weight region,
 once per model and returned again on each activation (``kv_cache``), so addresses a model's
 captured CUDA graphs hold stay valid across any number of switches. A slot that lends the
 staging region to the KV cache uses the model's second, larger view from the same base
-address (two tensors per model, each created once).
+address (two tensors per model, each created once; a graph is captured per view, as the
+layers' offsets differ between them).
 """
 
 from __future__ import annotations
@@ -162,6 +163,9 @@ class InstanceMemory:
             raise ValueError(f"{name}: no staging region to lend to the KV cache")
         self.poll_staging(block=self.ledger.staged_model == name)
         plan = self.ledger.plan_activation(name)
+        relent = lend_staging != self.ledger.staging_lent
+        if plan.kind != MoveKind.NONE:
+            self.ledger.begin_activation()
         if plan.kind == MoveKind.ACTIVATE_D2D:
             record = self.mover.activate_from_staging(
                 self.arena.weight_region, self.arena.staging_region, plan.bytes
@@ -172,7 +176,6 @@ class InstanceMemory:
             )
         else:
             record = MoveRecord(MoveKind.NONE, 0, 0.0)
-        relent = lend_staging != self.ledger.staging_lent
         if lend_staging:
             self._reclaim_staging()
         if plan.kind != MoveKind.NONE or relent:

@@ -26,8 +26,9 @@ STAGING_REGIONS = ("largest", "second")
 
 def staging_region_bytes(region: str, shard_sizes: list[int], weight_bytes: int) -> int:
     """The staging region's size: ``largest``, the weight region's (every shard stages);
-    ``second``, the second largest shard's (the largest model loads from host, and the KV
-    region keeps the difference)."""
+    ``second``, the second largest shard's (the largest model loads from host; the memory
+    saved is the KV region's to take: the simulator gives it to it, a live deployment sizes
+    its KV region with ``kv_bytes`` or ``kv_blocks``)."""
     if region not in STAGING_REGIONS:
         raise ValueError(f"staging_region must be one of {STAGING_REGIONS}, got {region!r}")
     if region == "second" and len(shard_sizes) > 1:
@@ -134,6 +135,13 @@ class Ledger:
         if model == self.staged_model and self.staging_state is StagingState.READY:
             return PlannedMove(MoveKind.ACTIVATE_D2D, nbytes)
         return PlannedMove(MoveKind.ACTIVATE_H2D, nbytes)
+
+    def begin_activation(self) -> None:
+        """A copy into the weight region starts: until it is committed no model is there
+        whole (a copy that fails leaves torn weights; re-activating the outgoing model must
+        copy again, not find it active)."""
+        self.active_model = None
+        self.staging_lent = False
 
     def commit_activation(self, model: str, lend_staging: bool = False) -> None:
         """``model`` now occupies the weight region (the KV region is re-viewed for it). The

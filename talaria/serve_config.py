@@ -32,7 +32,7 @@ tensor_parallel_size = 1
 kv_blocks = 1024        # blocks per model; and/or kv_bytes = "8GiB" (the KV region)
 host_kv_bytes = "16GiB"
 staging = true
-staging_region = "largest"  # or "second": the largest model loads from host, its KV keeps the room
+staging_region = "largest"  # or "second": the largest model loads from host, a smaller region
 restart = true          # start it again (with backoff) when its process dies
 
 [policy]

@@ -122,8 +122,10 @@ class MultiModelEngine(ServesModels):
         (``kv_capacity_blocks(model, lent=True)`` blocks) and nothing can be staged."""
         live = sum(core.num_live_requests for core in self.cores.values())
         self.served.check_activation(model, live)
+        if lend_staging and not self.rank.has_staging_region:
+            raise ValueError(f"{model}: no staging region to lend to the KV cache")
         if model == self.served.active:
-            return MoveReport(MoveKind.NONE, 0, 0.0)
+            return MoveReport(MoveKind.NONE, 0, 0.0)  # lending stays as it is
         self._poll_staging(block=self.rank.staged_model == model)
         if self.served.active is not None:
             outgoing = self.cores[self.served.active]

@@ -97,6 +97,10 @@ class RankModels:
         self.runners[name].bind_kv_cache(self.memory.kv_cache(name))
         return record
 
+    @property
+    def has_staging_region(self) -> bool:
+        return self.memory.arena.staging_enabled
+
     def kv_capacity_blocks(self, name: str, lent: bool = False) -> int:
         """Device KV blocks ``name`` gets while active (``lent``: with the staging region
         lent to its KV cache; as many as without when there is none)."""

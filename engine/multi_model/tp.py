@@ -60,10 +60,11 @@ class RankBuild:
 
 def build_rank_models(
     ctx: RankContext, build: RankBuild, catalog: Mapping[str, CatalogEntry] | None = None
-) -> dict[str, int]:
+) -> dict[str, tuple[int, int]]:
     """Rank op: build this rank's ``RankModels`` (reading its catalog unless given), keep it
     in ``ctx.state[STATE_KEY]`` and register each model's runner under the model's name.
-    Returns each model's KV block count on this rank."""
+    Returns each model's KV block counts on this rank (as it is, and with the staging
+    region lent): every rank must hand out the same block ids."""
     if catalog is None:
         catalog = read_catalog(
             build.models, build.dtype, build.block_size, ctx.parallel, load_tokenizers=False
@@ -87,7 +88,8 @@ def build_rank_models(
     for name, runner in rank.runners.items():
         ctx.runners[name] = runner
         ctx.decoders[name] = StepDecoder()
-    return {name: runner.num_blocks for name, runner in rank.runners.items()}
+    return {name: (rank.kv_capacity_blocks(name), rank.kv_capacity_blocks(name, True))
+            for name in rank.runners}
 
 
 def combine_records(records: list[MoveRecord | None]) -> MoveRecord | None:
@@ -174,6 +176,10 @@ class TensorParallelRankModels:
 
     def activate(self, name: str, lend_staging: bool = False) -> MoveRecord:
         return _required(combine_records(self._all("activate", name, lend_staging)), "activate")
+
+    @property
+    def has_staging_region(self) -> bool:
+        return self.local.has_staging_region  # every rank's regions are alike
 
     def kv_capacity_blocks(self, name: str, lent: bool = False) -> int:
         return self.local.kv_capacity_blocks(name, lent)  # every rank's regions are alike

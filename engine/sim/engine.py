@@ -263,8 +263,10 @@ class SimEngine(ServesModels):
         activation (``kv_capacity_blocks(model, lent=True)``); nothing can be staged."""
         unfinished = len(self.scheduler.requests) if self.scheduler is not None else 0
         self.served.check_activation(model, unfinished)
+        if lend_staging and not self.memory.staging_bytes:
+            raise ValueError(f"{model}: no staging region to lend to the KV cache")
         self.memory.poll_staging()
-        if model == self.served.active:
+        if model == self.served.active:  # lending stays as it is
             return self._resume_parked(model, MoveReport(MoveKind.NONE, 0, 0.0))
         if self.served.active is not None:
             self.host_tier.switched_out(self.served.active)

@@ -105,7 +105,8 @@ class SimMemory:
         otherwise (a staging copy still in progress does not count); by sleep and wake
         (the outgoing model's sleep included) for a sleep/wake engine. ``lend_staging``:
         the staging region is lent to its KV cache (``lent_blocks``) until the next
-        activation; a staging copy in progress is abandoned."""
+        activation; a staging copy in progress is abandoned at no cost (the live engine
+        waits for it to end: a difference while the copy's seconds are left)."""
         if lend_staging and not self.staging_bytes:
             raise ValueError(f"{model}: no staging region to lend to the KV cache")
         nbytes = self.costs[model].weight_bytes_per_gpu()

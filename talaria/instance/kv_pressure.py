@@ -84,8 +84,9 @@ class KVPressure:
         if not (self.policy.lend_staging and self.policy.d2d_staging):
             return False
         queued = self.queued_blocks(model, self.executor.stats().block_size)
-        lend = lend_staging_due(queued, self.executor.kv_capacity_blocks(model),
+        return lend_staging_due(queued, self.executor.kv_capacity_blocks(model),
                                 self.executor.kv_capacity_blocks(model, lent=True))
-        if lend:
-            self.counters["staging_lends"] = self.counters.get("staging_lends", 0) + 1
-        return lend
+
+    def lent(self) -> None:
+        """A switch lent the staging region (counted once the activation succeeded)."""
+        self.counters["staging_lends"] = self.counters.get("staging_lends", 0) + 1

@@ -295,6 +295,8 @@ class AdmissionLoop(Intake):
         lend = self.pressure.lend_staging(model) if outgoing != model else self.staging_lent
         report = await self.executor.activate(model, lend_staging=lend)
         self.active_model = model
+        if lend and outgoing != model:
+            self.pressure.lent()
         self.staging_lent = lend
         self.faults.budget.progress()
         for pending in self.calls.resume(model):

@@ -110,6 +110,13 @@ def test_a_staging_region_for_the_second_largest_shard(models: dict[str, Path]) 
         second.stage(largest)
     with pytest.raises(ValueError, match="staging_region"):
         make_engine(models, staging_region="half")
+    plain = make_engine(models, staging=False)
+    plain.activate(LLAMA)
+    with pytest.raises(ValueError, match="no staging region"):
+        plain.activate(QWEN, lend_staging=True)  # refused before anything moves
+    assert plain.active_model == LLAMA
+    assert_same(run(plain, requests(LLAMA, "still", PROMPTS))[0],
+                fresh(models[LLAMA], requests(LLAMA, "still", PROMPTS)))
 
 
 def test_a_lent_staging_region_holds_kv_and_outputs_stay_exact(models: dict[str, Path]) -> None:

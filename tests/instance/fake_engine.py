@@ -191,6 +191,9 @@ class FakeEngine(ServesModels):
         self.served.check_activation(model, len(self._reqs))
         if lend_staging and not self.lendable_blocks:
             raise ValueError("no staging region to lend")
+        if model == self.active:  # as the real engines: nothing moves, lending stays
+            self.log.append(("activate", model))
+            return MoveReport("none", 0, 0.0)
         for kv in self._kv.values():
             if kv.model == self.active:
                 kv.device = 0

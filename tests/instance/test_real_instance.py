@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from real_engine import LLAMA, QWEN, real_engine
+from real_engine import LLAMA, NUM_BLOCKS, QWEN, real_engine
 
 from engine.sampling_params import SamplingParams
 from talaria.config import PolicyConfig
@@ -41,9 +41,11 @@ async def test_an_abort_while_another_model_waits_leaves_the_instance_serving(
     assert inst.engine.stats().num_free_blocks == inst.engine.stats().num_total_blocks
 
 
-async def _qwen_burst(tiny_models: dict[str, Path], lend: bool) -> tuple[dict, list[list[int]]]:
+async def _qwen_burst(tiny_models: dict[str, Path], lend: bool
+                      ) -> tuple[dict[str, int], list[list[int]], int]:
     """Six Qwen calls of 18 blocks each (108 > the 96 of Qwen's KV region) queued while
-    Llama is active, under Talaria's policy with or without lending."""
+    Llama is active, under Talaria's policy with or without lending; returns the counters,
+    each call's tokens and the KV blocks Qwen's slot had (Qwen is still active at the end)."""
     inst = Instance("i", real_engine(tiny_models), PolicyConfig(lend_staging=lend))
     await inst.start()
     try:
@@ -53,7 +55,7 @@ async def _qwen_burst(tiny_models: dict[str, Path], lend: bool) -> tuple[dict, l
             events = await handle.collect()
             assert events[-1].finish_reason == "length", events[-1]
             outputs.append([t for e in events for t in e.token_ids])
-        return dict(inst.counters), outputs
+        return dict(inst.counters), outputs, inst.engine.stats().num_total_blocks
     finally:
         await inst.stop()
 
@@ -63,7 +65,8 @@ async def test_a_burst_under_kv_pressure_runs_on_the_lent_staging_region(
 ) -> None:
     """The switch to Qwen lends the live engine's staging region to its KV cache; every call
     gets the tokens it gets without lending."""
-    lent, with_lending = await _qwen_burst(tiny_models, lend=True)
-    plain, without = await _qwen_burst(tiny_models, lend=False)
+    lent, with_lending, lent_blocks = await _qwen_burst(tiny_models, lend=True)
+    plain, without, plain_blocks = await _qwen_burst(tiny_models, lend=False)
     assert lent["staging_lends"] == 1 and "staging_lends" not in plain
+    assert plain_blocks == NUM_BLOCKS < lent_blocks
     assert with_lending == without and all(len(out) == 10 for out in with_lending)

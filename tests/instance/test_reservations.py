@@ -242,8 +242,8 @@ def _switch_in_b(policy: str, calls_of_b: int, **overrides: object
 
 def test_a_switch_under_kv_pressure_lends_the_staging_region() -> None:
     """Three calls of b need 30 blocks where its KV region holds 20: b's slot borrows the
-    staging region, so all three run at once, and nothing is staged while it is lent (the
-    switch back to a is an H2D copy)."""
+    staging region (40 blocks), and nothing is staged while it is lent; the switch back to
+    a gives it back."""
     engine, counters = _switch_in_b("talaria", 3)
     assert ("activate_lent", "b") in engine.log and counters["staging_lends"] == 1
     lent_at = engine.log.index(("activate_lent", "b"))

@@ -98,8 +98,10 @@ def test_lending_the_staging_region_to_the_kv_cache() -> None:
     assert engine.stage(GLM).kind == "stage"  # the region is the staging region again
     without = make(models, staging=False)
     assert without.kv_capacity_blocks(QWEN, lent=True) == without.kv_capacity_blocks(QWEN)
+    without.activate(GLM)
     with pytest.raises(ValueError, match="no staging region"):
         without.activate(QWEN, lend_staging=True)
+    assert without.active_model == GLM  # refused before anything moved
 
 
 def test_with_a_fixed_kv_region_the_lent_cache_adds_the_staging_region_as_live() -> None:

@@ -9,7 +9,7 @@ from substrate_testing import TinyLM, state_of
 from substrate.instance_memory import InstanceMemory, KVSpec
 from substrate.layout import WeightLayout
 from substrate.ledger import Placement
-from substrate.moves import MoveKind, PlannedMove
+from substrate.moves import MoveKind, MoveRecord, PlannedMove
 
 
 def _fill(weights: dict[str, torch.Tensor]):
@@ -157,3 +157,27 @@ def test_a_lent_staging_region_widens_the_kv_cache_from_the_same_base() -> None:
     no_staging.load_model("a", _fill(state_of(refs["a"])), spec)
     with pytest.raises(ValueError, match="no staging region"):
         no_staging.activate("a", lend_staging=True)
+
+
+def test_a_failed_weight_copy_leaves_no_model_active() -> None:
+    """The copy into the weight region fails half-way: the outgoing model's weights are torn,
+    so activating it again copies them again instead of finding it active."""
+    layouts = {n: WeightLayout.from_module(TinyLM()) for n in ("a", "b")}
+    spec = KVSpec(2, 4, 2, 8, torch.float32)
+    mem = InstanceMemory("cpu", layouts, kv_bytes=4 * spec.block_bytes, host_kv_bytes=0,
+                         pin=False)
+    for name in layouts:
+        mem.load_model(name, lambda views: None, spec)
+    mem.activate("a")
+
+    def torn(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> MoveRecord:
+        dst[: nbytes // 2].copy_(src[: nbytes // 2])
+        raise RuntimeError("copy failed")
+
+    copy = mem.mover.activate_from_host
+    mem.mover.activate_from_host = torn  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="copy failed"):
+        mem.activate("b")
+    mem.mover.activate_from_host = copy  # type: ignore[method-assign]
+    assert mem.active_model is None
+    assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
