@@ -103,9 +103,9 @@ def reserved_candidate(view: InstanceView, est: Estimates, res: Reservation) -> 
 
 @dataclass(frozen=True)
 class SlotCosts:
-    """What every SP decision about one closed slot shares, computed once per pass over its
-    candidates (admitting one of the slot's calls changes none of it; only the drain end
-    moves, and the caller passes that)."""
+    """What every SP decision about one closed slot shares: computed once per pass over its
+    candidates, and again after the pass admits a call (its budget moves) or waits for room
+    (other models' queues may move meanwhile). The drain end is the caller's, per call."""
 
     waiting_other_calls: int
     round_wait_s: float
