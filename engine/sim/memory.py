@@ -107,8 +107,6 @@ class SimMemory:
         the staging region is lent to its KV cache (``lent_blocks``) until the next
         activation; a staging copy in progress is abandoned at no cost (the live engine
         waits for it to end: a difference while the copy's seconds are left)."""
-        if lend_staging and not self.staging_bytes:
-            raise ValueError(f"{model}: no staging region to lend to the KV cache")
         nbytes = self.costs[model].weight_bytes_per_gpu()
         outgoing = self.ledger.active_model
         if self.config.switch == "sleep_wake":
