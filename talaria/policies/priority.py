@@ -12,8 +12,11 @@ next. Pure decisions on what a session has had so far (``Service``).
   calls it has made and a prior on session length (``talaria.policies.session_length``):
   shortest expected remaining work. The same starvation guard as ``las`` promotes a session
   that has waited ``starvation_ratio`` times its service, the one that has waited longest
-  first. A session not served yet is not promoted: it is ranked by the prior, and the slot
-  quantum bounds its wait when its model is not the active one.
+  first. A session not served yet is not promoted: it is ranked by the prior. When models
+  rotate in round order the slot quantum bounds its wait; under the priority switch
+  (``next_model`` below) nothing does, as a slot that reaches its quantum reopens for its
+  own model while that model holds the first waiting session (on the real trace GLM's fresh
+  sessions wait 1400 s behind Qwen's; README, "Other runs").
 
 ``next_model`` applies the same priority across the models of one server: the next slot goes
 to the model whose best waiting call has the highest priority (round order breaks ties).
