@@ -1,6 +1,7 @@
 """The router's aiohttp application: the OpenAI-compatible front door.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
+``POST /v1/messages`` (Anthropic's API), ``POST /v1/responses`` (OpenAI's Responses API),
 ``GET /v1/models``, ``GET /health`` (503 while no instance is healthy), ``GET /live``
 (200 while the process serves), ``GET /metrics``. The handlers validate, tokenize and
 build a :class:`~talaria.protocol.CallRequest`; :class:`~router.core.RouterCore` places and
@@ -26,7 +27,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router import anthropic_api, anthropic_schema, openai_api
+from router import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
 from router import openai_schema as schema
 from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.deadlines import Deadlines
@@ -171,6 +172,7 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)  # Claude Code adds ?beta=true: paths match alone
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/", root)  # and HEAD /: agents probe the base URL before their first call
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
@@ -212,6 +214,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     parsed = anthropic_schema.parse_messages(await _json_body(request))
     return await _complete(request, parsed.body, parsed.prefill, anthropic_api.respond,
                            anthropic_api.TOOL_ID_PREFIX)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    parsed = responses_schema.parse_responses(await _json_body(request))
+    return await _complete(request, parsed.body, respond=responses_api.responder(parsed))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -367,7 +374,7 @@ def _call_request(
         )
     identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,
                                body.last_call, request.app[CONFIG_KEY].session_headers,
-                               request.app[LIMITS_KEY].max_session_id_chars)
+                               request.app[LIMITS_KEY].max_session_id_chars, body.session_hint_source)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,

@@ -44,12 +44,7 @@ def assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"{at}.function must be an object with a string name", f"{at}.function")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
-            try:
-                parsed = orjson.loads(arguments or "{}")
-            except orjson.JSONDecodeError:
-                raise bad_request(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
-            if not isinstance(parsed, dict):
-                raise bad_request(f"{at}.function.arguments must be a JSON object", f"{at}.function.arguments")
+            json_arguments(arguments, f"{at}.function.arguments")
         elif not isinstance(arguments, dict):
             raise bad_request(f"{at}.function.arguments must be a JSON string or an object", f"{at}.function.arguments")
         out.append({**call, "function": {"name": function["name"], "arguments": arguments}})
@@ -126,3 +121,15 @@ def _flag(data: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise bad_request(f"{key} must be a boolean", key)
     return value
+
+
+def json_arguments(raw: str, where: str) -> dict[str, Any]:
+    """A tool call's ``arguments`` string as the JSON object it must be (400 naming
+    ``where`` otherwise; an empty string is ``{}``)."""
+    try:
+        parsed = orjson.loads(raw or "{}")
+    except orjson.JSONDecodeError:
+        raise bad_request(f"{where} is not valid JSON", where) from None
+    if not isinstance(parsed, dict):
+        raise bad_request(f"{where} must be a JSON object", where)
+    return parsed

@@ -1,0 +1,237 @@
+"""The OpenAI Responses API's answers: the ``response`` object and its SSE stream.
+
+The router's chat path (tokenize, place, forward, assemble text, find tool calls) is shared
+with the other APIs; this module writes its result as Responses clients (Codex) read it:
+- a ``response`` (``id`` ``resp_...``, ``status`` ``completed``, or ``incomplete`` with
+  ``incomplete_details.reason: "max_output_tokens"`` when the answer hit its token limit)
+  whose ``output`` holds, in the answer's order, a ``message`` item per run of text (one
+  ``output_text`` part, ``annotations: []``) and a ``function_call`` item per tool call
+  (``id`` ``fc_...``, ``call_id`` ``call_...``, ``arguments`` a JSON object as a string); an
+  empty answer is one message with empty text; ``usage`` counts ``input_tokens`` with the
+  cached ones among them (``input_tokens_details.cached_tokens``), ``output_tokens`` and no
+  reasoning tokens; the request's settings are repeated as OpenAI repeats them;
+- the stream as named SSE events, each with a ``sequence_number`` one above the last (from 0):
+  ``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
+  ``response.content_part.added``, ``response.output_text.delta``...,
+  ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``;
+  per call ``response.output_item.added``, one ``response.function_call_arguments.delta``
+  holding the whole arguments (calls arrive whole, see ``router.tool_calls``),
+  ``response.function_call_arguments.done``, ``response.output_item.done``; then
+  ``response.completed`` or ``response.incomplete``. A failure after the stream began is an
+  ``error`` event then ``response.failed`` (``status: "failed"``, ``error.code:
+  "server_error"``), never a silent truncation. There is no ``[DONE]`` line.
+Errors before the stream are OpenAI's ``{"error": {...}}`` (``talaria.protocol.errors``).
+Nothing is stored: a response cannot be fetched or continued by id.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from router.openai_schema import CompletionBody
+from router.responses_schema import ResponsesRequest
+from router.stream_output import OutputAssembler, Piece, Responder, collect
+from router.tool_calls import AnswerParser, ToolCall
+from talaria.protocol import CallEvent, CallRequest
+from talaria.protocol.errors import ApiError
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["responder"]
+
+
+def responder(parsed: ResponsesRequest) -> Responder:
+    """The Responder of one Responses request (its settings go back in the response)."""
+
+    async def respond(
+        request: web.Request, body: CompletionBody, call: CallRequest, out: OutputAssembler,
+        event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+    ) -> web.StreamResponse:
+        shape = _Shape(parsed, call)
+        if body.stream:
+            return await _stream(request, shape, call, out, event, events, answer)
+        return await _collect(request, shape, call, out, event, events, answer)
+
+    return respond
+
+
+class _Shape:
+    """The response object around an output list: id, time, status and the echoed request."""
+
+    def __init__(self, parsed: ResponsesRequest, call: CallRequest) -> None:
+        self.echo = parsed.echo
+        self.model = parsed.body.model
+        self.id = f"resp_{call.call_id}"
+        self.created_at = int(time.time())
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": error, "incomplete_details": incomplete, "model": self.model, "output": output,
+            "usage": usage, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+            "store": False, "text": {"format": {"type": "text"}}, "truncation": "disabled", **self.echo,
+        }
+
+
+def _status(out: OutputAssembler) -> str:
+    return "incomplete" if out.finish_reason == "length" else "completed"
+
+
+def _usage(out: OutputAssembler) -> dict[str, Any]:
+    usage = out.usage()
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+class _Output:
+    """Builds the output items from the answer's pieces, in order, and writes their stream
+    events when it has a response to write to (none: the non-streamed answer, same items).
+    Invariant: at most one message item is open, and it is the last item of ``items``."""
+
+    def __init__(self, response: web.StreamResponse | None = None) -> None:
+        self.response = response
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []
+        self._text: list[str] | None = None  # the open message's text so far; None: none open
+
+    async def send(self, kind: str, data: dict[str, Any]) -> None:
+        if self.response is None:
+            return
+        payload = orjson.dumps({"type": kind, "sequence_number": self.sequence, **data})
+        self.sequence += 1
+        await self.response.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
+
+    async def feed(self, pieces: list[str | ToolCall]) -> None:
+        for piece in pieces:
+            if isinstance(piece, str):
+                if piece:
+                    await self._add_text(piece)
+            else:
+                await self.close_text("completed")
+                await self._add_call(piece)
+
+    async def finish(self, status: str) -> None:
+        """Close the open message (``status`` is the answer's); an empty answer is one empty message."""
+        if not self.items:
+            await self._open_text()
+        await self.close_text("incomplete" if status == "incomplete" else "completed")
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The items so far, an open message with its text so far (status ``incomplete``)."""
+        if self._text is None:
+            return list(self.items)
+        return [*self.items[:-1], _message(self.items[-1]["id"], "".join(self._text), "incomplete")]
+
+    async def _open_text(self) -> None:
+        item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
+                "role": "assistant", "content": []}
+        self.items.append(item)
+        self._text = []
+        await self.send("response.output_item.added", {"output_index": len(self.items) - 1, "item": item})
+        await self.send("response.content_part.added", {**self._where(), "part": _part("")})
+
+    async def _add_text(self, text: str) -> None:
+        if self._text is None:
+            await self._open_text()
+        assert self._text is not None
+        self._text.append(text)
+        await self.send("response.output_text.delta", {**self._where(), "delta": text, "logprobs": []})
+
+    async def close_text(self, status: str) -> None:
+        if self._text is None:
+            return
+        text, where = "".join(self._text), self._where()
+        self._text = None
+        item = self.items[-1] = _message(self.items[-1]["id"], text, status)
+        await self.send("response.output_text.done", {**where, "text": text, "logprobs": []})
+        await self.send("response.content_part.done", {**where, "part": _part(text)})
+        await self.send("response.output_item.done", {"output_index": where["output_index"], "item": item})
+
+    async def _add_call(self, call: ToolCall) -> None:
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                "call_id": call.id, "name": call.name, "arguments": ""}
+        index = len(self.items)
+        self.items.append({**item, "arguments": call.arguments, "status": "completed"})
+        where = {"item_id": item["id"], "output_index": index}
+        await self.send("response.output_item.added", {"output_index": index, "item": item})
+        await self.send("response.function_call_arguments.delta", {**where, "delta": call.arguments})
+        await self.send("response.function_call_arguments.done",
+                        {**where, "name": call.name, "arguments": call.arguments})
+        await self.send("response.output_item.done", {"output_index": index, "item": self.items[-1]})
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1, "content_index": 0}
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [_part(text)]}
+
+
+async def _collect(
+    request: web.Request, shape: _Shape, call: CallRequest, out: OutputAssembler,
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+) -> web.Response:
+    if not await collect(request, out, event, events):
+        return web.Response(status=499)  # the client left; the caller aborts the call
+    if out.error is not None:
+        raise ApiError(502, out.error, code="instance_failed")
+    text = out.text
+    output = _Output()
+    await output.feed(answer.feed(text) + answer.finish() if answer is not None else [text])
+    status = _status(out)
+    await output.finish(status)
+    return web.Response(body=orjson.dumps(shape.response(status, output.items, _usage(out))),
+                        content_type="application/json", headers={"X-Session-ID": call.session_id})
+
+
+async def _stream(
+    request: web.Request, shape: _Shape, call: CallRequest, out: OutputAssembler,
+    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Session-ID": call.session_id})
+    output = _Output(response)
+    try:
+        await response.prepare(request)
+        await output.send("response.created", {"response": shape.response("in_progress", [])})
+        await output.send("response.in_progress", {"response": shape.response("in_progress", [])})
+
+        async def emit(piece: Piece) -> None:
+            await output.feed(answer.feed(piece.text) if answer is not None else [piece.text])
+
+        if not await collect(request, out, event, events, emit):
+            return response  # the client left; the caller aborts the call
+        if out.error is not None:
+            error = {"code": "server_error", "message": out.error}
+            await output.send("error", {**error, "param": None})
+            await output.send("response.failed", {"response": shape.response(
+                "failed", output.snapshot(), _usage(out), error)})
+        else:
+            rest = out.flush()
+            await output.feed(answer.feed(rest) + answer.finish() if answer is not None else [rest])
+            status = _status(out)
+            await output.finish(status)
+            final = shape.response(status, output.items, _usage(out))
+            await output.send(f"response.{status}", {"response": final})
+        await response.write_eof()
+    except ConnectionError:
+        log.info("router.client_disconnected", call_id=call.call_id)
+    return response
