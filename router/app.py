@@ -368,13 +368,13 @@ def _call_request(
     max_tokens = body.max_tokens if body.max_tokens is not None else room
     if max_tokens > room:
         raise bad_request(
-            f"max_tokens is {max_tokens} but the prompt has {len(prompt_ids)} tokens and the "
-            f"context length of {tok.name!r} is {tok.context_len}: at most {room} tokens fit",
-            "max_tokens",
+            f"{body.max_tokens_param} is {max_tokens} but the prompt has {len(prompt_ids)} tokens and "
+            f"the context length of {tok.name!r} is {tok.context_len}: at most {room} tokens fit",
+            body.max_tokens_param,
         )
     identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,
                                body.last_call, request.app[CONFIG_KEY].session_headers,
-                               request.app[LIMITS_KEY].max_session_id_chars, body.session_hint_source)
+                               request.app[LIMITS_KEY].max_session_id_chars)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,

@@ -42,8 +42,8 @@ class CompletionBody:
     last_call: bool = False
     ignore_eos: bool = False
     tools: ToolRequest = field(default_factory=ToolRequest)
-    metadata_session_id: str | None = None  # a weaker body source of the session, below the headers
-    session_hint_source: str = "metadata.user_id"  # its field: Anthropic's, or Responses' prompt_cache_key
+    metadata_session_id: str | None = None  # the session Anthropic metadata.user_id names
+    max_tokens_param: str = "max_tokens"  # the field ``max_tokens`` came from, named in errors
 
 
 def parse_chat(body: Any) -> CompletionBody:

@@ -3,23 +3,35 @@
 The router's chat path (tokenize, place, forward, assemble text, find tool calls) is shared
 with the other APIs; this module writes its result as Responses clients (Codex) read it:
 - a ``response`` (``id`` ``resp_...``, ``status`` ``completed``, or ``incomplete`` with
-  ``incomplete_details.reason: "max_output_tokens"`` when the answer hit its token limit)
-  whose ``output`` holds, in the answer's order, a ``message`` item per run of text (one
-  ``output_text`` part, ``annotations: []``) and a ``function_call`` item per tool call
-  (``id`` ``fc_...``, ``call_id`` ``call_...``, ``arguments`` a JSON object as a string); an
-  empty answer is one message with empty text; ``usage`` counts ``input_tokens`` with the
-  cached ones among them (``input_tokens_details.cached_tokens``), ``output_tokens`` and no
-  reasoning tokens; the request's settings are repeated as OpenAI repeats them;
+  ``incomplete_details.reason: "max_output_tokens"`` when the answer hit the client's
+  ``max_output_tokens``) whose ``output`` holds, in the answer's order, a ``message`` item per
+  run of text (one ``output_text`` part, ``annotations: []``), a ``function_call`` item per
+  call of a function tool (``id`` ``fc_...``, ``call_id`` ``call_...``, ``arguments`` a JSON
+  object as a string; ``namespace`` for a tool a namespace offered) and a ``custom_tool_call``
+  item per call of a custom tool (``id`` ``ctc_...``, ``call_id``, ``name``, ``input`` the
+  string, see ``router.responses_tools``); an empty answer is one message with empty text;
+  ``usage`` counts ``input_tokens`` with the cached ones among them
+  (``input_tokens_details.cached_tokens``; ``cache_write_tokens`` 0), ``output_tokens`` and
+  no reasoning tokens; the request's settings are repeated as OpenAI repeats them;
 - the stream as named SSE events, each with a ``sequence_number`` one above the last (from 0):
   ``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
   ``response.content_part.added``, ``response.output_text.delta``...,
   ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``;
   per call ``response.output_item.added``, one ``response.function_call_arguments.delta``
   holding the whole arguments (calls arrive whole, see ``router.tool_calls``),
-  ``response.function_call_arguments.done``, ``response.output_item.done``; then
-  ``response.completed`` or ``response.incomplete``. A failure after the stream began is an
-  ``error`` event then ``response.failed`` (``status: "failed"``, ``error.code:
-  "server_error"``), never a silent truncation. There is no ``[DONE]`` line.
+  ``response.function_call_arguments.done``, ``response.output_item.done`` (a custom tool's:
+  ``response.custom_tool_call_input.delta`` / ``.done`` instead); then ``response.completed``
+  or ``response.incomplete``. A failure after the stream began is an ``error`` event then
+  ``response.failed`` (``status: "failed"``, ``error.code: "server_error"``), never a silent
+  truncation. There is no ``[DONE]`` line.
+- an answer that ran out of context when the client set no ``max_output_tokens`` (the router
+  then allows the whole remaining context) is a failure, not ``incomplete``: Codex retries
+  an incomplete response as it is, which would rerun the same full-context generation. The
+  stream ends with ``response.failed`` whose ``error.code`` is ``context_length_exceeded``
+  (the code OpenAI sends and Codex reads; the openai SDK's ``ResponseError.code`` literal does
+  not list it); the whole answer is a 400 with that code.
+A successful answer names the tools skipped (``router.responses_tools``) in the header
+``X-Talaria-Tools-Skipped`` (comma-separated types), and its session in ``X-Session-ID``.
 Errors before the stream are OpenAI's ``{"error": {...}}`` (``talaria.protocol.errors``).
 Nothing is stored: a response cannot be fetched or continued by id.
 """
@@ -37,6 +49,7 @@ from aiohttp import web
 
 from router.openai_schema import CompletionBody
 from router.responses_schema import ResponsesRequest
+from router.responses_tools import Tools, custom_input
 from router.stream_output import OutputAssembler, Piece, Responder, collect
 from router.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
@@ -55,6 +68,8 @@ def responder(parsed: ResponsesRequest) -> Responder:
         event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
     ) -> web.StreamResponse:
         shape = _Shape(parsed, call)
+        if parsed.tools.skipped:
+            shape.headers["X-Talaria-Tools-Skipped"] = ",".join(parsed.tools.skipped)
         if body.stream:
             return await _stream(request, shape, call, out, event, events, answer)
         return await _collect(request, shape, call, out, event, events, answer)
@@ -67,7 +82,10 @@ class _Shape:
 
     def __init__(self, parsed: ResponsesRequest, call: CallRequest) -> None:
         self.echo = parsed.echo
+        self.tools = parsed.tools
         self.model = parsed.body.model
+        self.headers = {"X-Session-ID": call.session_id}
+        self.limited = parsed.body.max_tokens is not None  # the client set max_output_tokens
         self.id = f"resp_{call.call_id}"
         self.created_at = int(time.time())
 
@@ -86,11 +104,21 @@ def _status(out: OutputAssembler) -> str:
     return "incomplete" if out.finish_reason == "length" else "completed"
 
 
+def _context_full(shape: _Shape, out: OutputAssembler) -> str | None:
+    """The error message when the answer filled the model's context with no client limit: a
+    failure (``context_length_exceeded``), not ``incomplete``, which Codex would retry as is."""
+    if shape.limited or out.finish_reason != "length":
+        return None
+    return (f"the conversation filled the context of model {shape.model!r} ({out.prompt_tokens} prompt "
+            "tokens) before the answer ended; shorten or compact the input")
+
+
 def _usage(out: OutputAssembler) -> dict[str, Any]:
     usage = out.usage()
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                 "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
@@ -102,7 +130,8 @@ class _Output:
     events when it has a response to write to (none: the non-streamed answer, same items).
     Invariant: at most one message item is open, and it is the last item of ``items``."""
 
-    def __init__(self, response: web.StreamResponse | None = None) -> None:
+    def __init__(self, tools: Tools, response: web.StreamResponse | None = None) -> None:
+        self.tools = tools
         self.response = response
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
@@ -162,15 +191,21 @@ class _Output:
         await self.send("response.output_item.done", {"output_index": where["output_index"], "item": item})
 
     async def _add_call(self, call: ToolCall) -> None:
-        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                "call_id": call.id, "name": call.name, "arguments": ""}
+        tool = self.tools.offered.get(call.name)
+        name, custom = (tool.name, tool.custom) if tool is not None else (call.name, False)
+        kind, key, value = (("custom_tool_call", "input", custom_input(call.arguments)) if custom
+                            else ("function_call", "arguments", call.arguments))
+        item = {"id": f"{'ctc' if custom else 'fc'}_{uuid.uuid4().hex}", "type": kind, "status": "in_progress",
+                "call_id": call.id, "name": name, key: ""}
+        if tool is not None and tool.namespace is not None:
+            item["namespace"] = tool.namespace
         index = len(self.items)
-        self.items.append({**item, "arguments": call.arguments, "status": "completed"})
+        self.items.append({**item, key: value, "status": "completed"})
         where = {"item_id": item["id"], "output_index": index}
+        events = "response.custom_tool_call_input" if custom else "response.function_call_arguments"
         await self.send("response.output_item.added", {"output_index": index, "item": item})
-        await self.send("response.function_call_arguments.delta", {**where, "delta": call.arguments})
-        await self.send("response.function_call_arguments.done",
-                        {**where, "name": call.name, "arguments": call.arguments})
+        await self.send(f"{events}.delta", {**where, "delta": value})
+        await self.send(f"{events}.done", {**where, key: value} if custom else {**where, "name": name, key: value})
         await self.send("response.output_item.done", {"output_index": index, "item": self.items[-1]})
 
     def _where(self) -> dict[str, Any]:
@@ -193,13 +228,16 @@ async def _collect(
         return web.Response(status=499)  # the client left; the caller aborts the call
     if out.error is not None:
         raise ApiError(502, out.error, code="instance_failed")
+    full = _context_full(shape, out)
+    if full is not None:
+        raise ApiError(400, full, param="input", code="context_length_exceeded", headers=shape.headers)
     text = out.text
-    output = _Output()
+    output = _Output(shape.tools)
     await output.feed(answer.feed(text) + answer.finish() if answer is not None else [text])
     status = _status(out)
     await output.finish(status)
     return web.Response(body=orjson.dumps(shape.response(status, output.items, _usage(out))),
-                        content_type="application/json", headers={"X-Session-ID": call.session_id})
+                        content_type="application/json", headers=shape.headers)
 
 
 async def _stream(
@@ -207,8 +245,8 @@ async def _stream(
     event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Session-ID": call.session_id})
-    output = _Output(response)
+                                           **shape.headers})
+    output = _Output(shape.tools, response)
     try:
         await response.prepare(request)
         await output.send("response.created", {"response": shape.response("in_progress", [])})
@@ -227,10 +265,15 @@ async def _stream(
         else:
             rest = out.flush()
             await output.feed(answer.feed(rest) + answer.finish() if answer is not None else [rest])
-            status = _status(out)
+            status, full = _status(out), _context_full(shape, out)
             await output.finish(status)
-            final = shape.response(status, output.items, _usage(out))
-            await output.send(f"response.{status}", {"response": final})
+            if full is not None:
+                error = {"code": "context_length_exceeded", "message": full}
+                await output.send("response.failed", {"response": shape.response(
+                    "failed", output.items, _usage(out), error)})
+            else:
+                final = shape.response(status, output.items, _usage(out))
+                await output.send(f"response.{status}", {"response": final})
         await response.write_eof()
     except ConnectionError:
         log.info("router.client_disconnected", call_id=call.call_id)

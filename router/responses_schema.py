@@ -3,31 +3,46 @@
 A Responses body is translated into the chat body the chat template takes and then validated
 by the same parser as ``/v1/chat/completions`` (``openai_schema.parse_chat``), so the APIs
 accept and render alike:
-- ``instructions`` -> a leading system message; ``input`` as a string (one user message) or a
-  list of items: ``message`` items (``type`` may be left out) of role ``system``,
-  ``developer`` (rendered as ``system``: chat templates know no developer role), ``user`` or
-  ``assistant``, whose content is a string or ``input_text`` / ``output_text`` parts;
-  ``function_call`` items (``call_id``, ``name``, ``arguments``) -> the assistant turn's
+- ``instructions`` and the leading run of ``system`` / ``developer`` messages -> one system
+  message (joined by a blank line: several templates, e.g. Mistral's, Gemma's and newer
+  Qwen's, refuse a second system message); a later ``system`` or ``developer`` message ->
+  a ``user`` message, its content as it is;
+- ``input`` as a string (one user message) or a list of items: ``message`` items (``type``
+  may be left out) of role ``system``, ``developer``, ``user`` or ``assistant``, whose
+  content is a string or ``input_text`` / ``output_text`` parts; ``function_call`` items
+  (``call_id``, ``name``, ``arguments``) and ``custom_tool_call`` items (``call_id``,
+  ``name``, ``input`` -> the arguments ``{"input": input}``) -> the assistant turn's
   ``tool_calls`` (joined to the assistant message just before them, as the model wrote them);
-  ``function_call_output`` items (``call_id``, ``output``) -> ``tool`` messages; ``reasoning``
-  items are dropped (an open model's template has no slot for another model's reasoning);
-- ``tools`` of ``type: "function"`` (flat ``name``, ``description``, ``parameters``; ``strict``
-  is accepted, the arguments are not constrained to the schema), ``tool_choice`` (``auto``,
-  ``none``, ``required``, ``{"type": "function", "name": ...}``), ``parallel_tool_calls``;
-- ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``; Talaria's ``session_id`` and
-  ``talaria`` hints as on the chat API; ``prompt_cache_key`` (Codex's conversation id) names
-  the session when nothing stronger does (``router.session_identity``).
+  ``function_call_output`` and ``custom_tool_call_output`` items (``call_id``, ``output``: a
+  string or a content list) -> ``tool`` messages; ``reasoning`` items are dropped (an open
+  model's template has no slot for another model's reasoning, ``encrypted_content`` included);
+- images and files: an ``input_image`` part, in a message or a tool output, is replaced by
+  the text ``[image omitted: this model reads text only]`` (an ``input_file`` part by
+  ``[file omitted: ...]``), on a line of its own, not refused: Codex resends the whole
+  history every turn, so one image (a screenshot a tool returned) would fail the
+  conversation for good;
+- ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a function or custom tool by
+  name), ``parallel_tool_calls``: see ``router.responses_tools`` (custom tools become a
+  function of one string ``input``, their grammar not enforced; namespace tools are flattened;
+  hosted tools such as ``web_search`` are skipped and named in a response header);
+- ``max_output_tokens`` (a 400 for too large a value names it), ``temperature``, ``top_p``,
+  ``stream``; Talaria's ``session_id`` and ``talaria`` hints as on the chat API. The session
+  comes from the headers as on every API (Codex sends ``session_id``).
 
 Accepted and ignored, since they do not change the answer: ``store`` (nothing is stored),
 ``metadata`` (echoed), ``user``, ``safety_identifier``, ``service_tier``, ``reasoning`` (no
 reasoning items are produced), ``include`` (but ``message.output_text.logprobs``),
-``text.verbosity``, ``stream_options``; ``truncation: "disabled"``, ``background: false`` and
+``text.verbosity``, ``stream_options``, ``client_metadata`` (an object of strings, Codex's),
+``context_management`` (an array of ``{"type": ...}``), ``prompt_cache_key`` (a string,
+echoed; NOT a session source: OpenAI lets one key be shared by unrelated requests, so it
+would merge conversations); ``truncation: "disabled"``, ``background: false`` and
 ``top_logprobs: 0`` at those values only.
 
 Refused with a 400 naming the field or item: ``previous_response_id`` (the router stores no
 responses: send the whole conversation, as Codex does), any other unknown field, input items
-of other types (``item_reference``, built-in tool calls, ...), content other than text (images,
-files, audio), tools other than functions, a ``text.format`` other than plain text.
+of other types (``item_reference``, built-in tool calls, ...), content parts other than text,
+images and files (audio, ...), a tool that is not an object with a string ``type``, a
+``text.format`` other than plain text.
 """
 
 from __future__ import annotations
@@ -35,19 +50,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from router import openai_schema
 from router.openai_tools import json_arguments
+from router.responses_tools import CUSTOM_INPUT, Tools, parse_tools, tool_choice
 from talaria.protocol.errors import bad_request
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["ResponsesRequest", "parse_responses"]
 
 _PASSED = frozenset({"model", "temperature", "top_p", "stream", "parallel_tool_calls", "session_id", "talaria"})
 _IGNORED = frozenset({"store", "metadata", "user", "safety_identifier", "service_tier", "reasoning",
-                      "include", "text", "stream_options", "prompt_cache_key"})
+                      "include", "text", "stream_options", "prompt_cache_key", "client_metadata",
+                      "context_management"})
 _READ = frozenset({"input", "instructions", "tools", "tool_choice", "max_output_tokens", "previous_response_id"})
 _AT_DEFAULT: dict[str, Any] = {"truncation": "disabled", "background": False, "top_logprobs": 0}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TEXT_PARTS = frozenset({"input_text", "output_text"})
+_OMITTED_PARTS = {"input_image": "[image omitted: this model reads text only]",
+                  "input_file": "[file omitted: this model reads text only]"}
 _SKIPPED_ITEMS = frozenset({"reasoning"})
 _REFUSED_INCLUDES = frozenset({"message.output_text.logprobs"})
 
@@ -56,6 +79,7 @@ _REFUSED_INCLUDES = frozenset({"message.output_text.logprobs"})
 class ResponsesRequest:
     body: openai_schema.CompletionBody
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+    tools: Tools = field(default_factory=Tools)  # what the model's calls name, and the tools skipped
 
 
 def parse_responses(data: Any) -> ResponsesRequest:
@@ -74,26 +98,24 @@ def parse_responses(data: Any) -> ResponsesRequest:
         raise bad_request(f"max_output_tokens must be an integer in [1, {openai_schema.MAX_TOKENS_LIMIT}]",
                           "max_output_tokens")
     _check_ignored(data)
+    tools = parse_tools(data["tools"]) if data.get("tools") is not None else Tools()
     chat: dict[str, Any] = {key: data[key] for key in _PASSED if key in data}
-    chat["messages"] = _messages(data.get("input"), instructions)
+    chat["messages"] = _messages(data.get("input"), instructions, tools)
     chat["max_tokens"] = max_output
-    tools = data.get("tools")
-    if tools is not None:
-        chat["tools"] = _tools(tools)
+    chat["tools"] = tools.chat
     if data.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(data["tool_choice"])
+        chat["tool_choice"] = tool_choice(data["tool_choice"], tools)
     body = openai_schema.parse_chat(chat)
-    key = data.get("prompt_cache_key")
-    if key is not None and (not isinstance(key, str) or not key):
-        raise bad_request("prompt_cache_key must be a non-empty string", "prompt_cache_key")
-    body.metadata_session_id, body.session_hint_source = key, "prompt_cache_key"
+    body.max_tokens_param = "max_output_tokens"
+    if tools.skipped:
+        log.info("router.responses.tools_skipped", types=tools.skipped)
     echo = {
         "instructions": instructions, "max_output_tokens": max_output,
         "metadata": data.get("metadata") or {}, "parallel_tool_calls": body.tools.parallel,
-        "temperature": body.temperature, "top_p": body.top_p, "tools": tools or [],
-        "tool_choice": data.get("tool_choice") or "auto", "prompt_cache_key": key,
+        "temperature": body.temperature, "top_p": body.top_p, "tools": data.get("tools") or [],
+        "tool_choice": data.get("tool_choice") or "auto", "prompt_cache_key": data.get("prompt_cache_key"),
     }
-    return ResponsesRequest(body, echo)
+    return ResponsesRequest(body, echo, tools)
 
 
 def _check_fields(data: dict[str, Any]) -> None:
@@ -109,14 +131,21 @@ def _check_fields(data: dict[str, Any]) -> None:
 
 def _check_ignored(data: dict[str, Any]) -> None:
     """The ignored fields' types, and the values of them that would change the answer."""
-    for name in ("metadata", "reasoning", "text", "stream_options"):
+    for name in ("metadata", "reasoning", "text", "stream_options", "client_metadata"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             raise bad_request(f"{name} must be an object", name)
-    for name in ("user", "safety_identifier", "service_tier"):
+    if not all(isinstance(v, str) for v in (data.get("client_metadata") or {}).values()):
+        raise bad_request("client_metadata must be an object of strings", "client_metadata")
+    for name in ("user", "safety_identifier", "service_tier", "prompt_cache_key"):
         if data.get(name) is not None and not isinstance(data[name], str):
             raise bad_request(f"{name} must be a string", name)
     if data.get("store") is not None and not isinstance(data["store"], bool):
         raise bad_request("store must be a boolean", "store")
+    context = data.get("context_management")
+    if context is not None and (not isinstance(context, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("type"), str) for c in context)):
+        raise bad_request("context_management must be an array of objects with a string type",
+                          "context_management")
     include = data.get("include")
     if include is not None:
         if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
@@ -130,7 +159,7 @@ def _check_ignored(data: dict[str, Any]) -> None:
                           "text.format")
 
 
-def _messages(value: Any, instructions: str | None) -> list[dict[str, Any]]:
+def _messages(value: Any, instructions: str | None, tools: Tools) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
@@ -150,31 +179,51 @@ def _messages(value: Any, instructions: str | None) -> list[dict[str, Any]]:
                               "function_call_output or reasoning)", f"{where}.type")
         if kind == "message":
             role = item.get("role")
-            role = _ROLES.get(role) if isinstance(role, str) else None
-            if role is None:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            _call(out, item, where)
-        elif kind == "function_call_output":
+        elif kind in ("function_call", "custom_tool_call"):
+            _call(out, item, where, tools)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": _text(item.get("output"), f"{where}.output")})
         elif kind not in _SKIPPED_ITEMS:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported (message, "
-                              "function_call, function_call_output and reasoning are)", where)
-    if not any(m["role"] != "system" for m in out):
+                              "function_call, function_call_output, custom_tool_call, "
+                              "custom_tool_call_output and reasoning are)", where)
+    if not any(m["role"] not in ("system", "developer") for m in out):
         raise bad_request("input holds no user, assistant or tool turn", "input")
-    return out
+    return _one_system(out)
 
 
-def _call(out: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
-    """A function call joins the assistant turn it follows (text, then calls, as the model
-    wrote them); otherwise it starts an assistant turn of its own."""
+def _one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system and developer messages (after ``instructions``) as one system
+    message; later ones as user messages (several templates refuse a second system message)."""
+    lead = 0
+    while messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    rest = [{**m, "role": "user"} if m["role"] in ("system", "developer") else m for m in messages[lead:]]
+    if not lead:
+        return rest
+    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}, *rest]
+
+
+def _call(out: list[dict[str, Any]], item: dict[str, Any], where: str, tools: Tools) -> None:
+    """A function or custom tool call joins the assistant turn it follows (text, then calls,
+    as the model wrote them); otherwise it starts an assistant turn of its own. A custom
+    call's ``input`` goes back as the arguments ``{"input": ...}`` its function took."""
     call_id, name = _string(item, "call_id", where), _string(item, "name", where)
-    raw = item.get("arguments")
-    if not isinstance(raw, str):
-        raise bad_request(f"{where}.arguments must be a JSON string", f"{where}.arguments")
-    arguments = json_arguments(raw, f"{where}.arguments")
+    namespace = item.get("namespace")
+    name = tools.model_name(name, namespace if isinstance(namespace, str) else None)
+    if item["type"] == "custom_tool_call":
+        if not isinstance(item.get("input"), str):
+            raise bad_request(f"{where}.input must be a string", f"{where}.input")
+        arguments: dict[str, Any] = {CUSTOM_INPUT: item["input"]}
+    else:
+        raw = item.get("arguments")
+        if not isinstance(raw, str):
+            raise bad_request(f"{where}.arguments must be a JSON string", f"{where}.arguments")
+        arguments = json_arguments(raw, f"{where}.arguments")
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     if out and out[-1]["role"] == "assistant":
         out[-1].setdefault("tool_calls", []).append(call)
@@ -190,58 +239,27 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 
 
 def _text(content: Any, where: str) -> str:
-    """A string, or the text of an array of ``input_text`` / ``output_text`` parts."""
+    """A string, or the text of an array of ``input_text`` / ``output_text`` parts (an image
+    or file part is a line saying it was left out)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or an array of text parts", where)
-    texts = []
+    out, omitted = "", False  # omitted: the last part was left out, so text after it starts a line
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in _OMITTED_PARTS:
+            out += ("\n" if out and not out.endswith("\n") else "") + _OMITTED_PARTS[kind]
+            omitted = True
+            continue
         if not isinstance(kind, str) or kind not in _TEXT_PARTS:
-            raise bad_request(f"{where}[{j}]: content of type {kind!r} is not supported (only input_text "
-                              "and output_text are)", f"{where}[{j}]")
+            raise bad_request(f"{where}[{j}]: content of type {kind!r} is not supported (only input_text, "
+                              "output_text, input_image and input_file are)", f"{where}[{j}]")
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise bad_request("tools must be an array", "tools")
-    out = []
-    for j, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise bad_request(f"tools[{j}]: tools of type {kind!r} are not supported (only function tools "
-                              "are)", f"tools[{j}]")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{j}].name must be a non-empty string", f"tools[{j}].name")
-        function: dict[str, Any] = {"name": name}
-        if tool.get("description") is not None:
-            if not isinstance(tool["description"], str):
-                raise bad_request(f"tools[{j}].description must be a string", f"tools[{j}].description")
-            function["description"] = tool["description"]
-        params = tool.get("parameters")
-        if params is not None:
-            if not isinstance(params, dict):
-                raise bad_request(f"tools[{j}].parameters must be an object", f"tools[{j}].parameters")
-            function["parameters"] = params
-        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
-            raise bad_request(f"tools[{j}].strict must be a boolean", f"tools[{j}].strict")
-        out.append({"type": "function", "function": function})
+        out += ("\n" if omitted and not part["text"].startswith("\n") else "") + part["text"]
+        omitted = False
     return out
-
-
-def _tool_choice(choice: Any) -> Any:
-    if choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
-                      "tool_choice")
 
 
 def _is_int(value: Any) -> bool:

@@ -7,8 +7,7 @@ Sources, first found wins (header names are case-insensitive; the lists are conf
 3. Claude Code: ``x-claude-code-agent-id`` (a subagent) else ``x-claude-code-session-id``;
 4. Codex: ``session-id`` (older builds: ``session_id``);
 5. OpenCode's ``x-session-affinity``;
-6. the body's weaker hint: Claude Code's ``metadata.user_id`` on the Messages API, Codex's
-   ``prompt_cache_key`` (its conversation id) on the Responses API.
+6. the body's weaker hint: Claude Code's ``metadata.user_id`` on the Messages API.
 
 A subagent's parent: ``x-talaria-parent-session-id``, ``x-dynamo-parent-session-id``,
 ``x-claude-code-parent-agent-id``, OpenCode's ``x-parent-session-id``; a Claude Code subagent
@@ -75,14 +74,12 @@ def resolve_session(
     last_call: bool = False,
     names: SessionHeaders | None = None,
     max_chars: int = 256,
-    hint_source: str = "metadata.user_id",
 ) -> SessionIdentity:
     """The session a request names. ``headers``: case-insensitive (aiohttp's CIMultiDict);
-    ``body_session_id``: the body's ``session_id``; ``body_hint``: a weaker body source, read
-    from the field ``hint_source`` names (Anthropic ``metadata.user_id``, Responses
-    ``prompt_cache_key``); ``last_call``: the body's session-final hint. Every id read is
-    checked (``router.limits.check_session_id``: at most ``max_chars`` printable ASCII
-    characters; 400 otherwise)."""
+    ``body_session_id``: the body's ``session_id``; ``body_hint``: a weaker body source
+    (Anthropic ``metadata.user_id``); ``last_call``: the body's session-final hint. Every id
+    read is checked (``router.limits.check_session_id``: at most ``max_chars`` printable
+    ASCII characters; 400 otherwise)."""
     names = names or SessionHeaders()
     checked = _Checker(max_chars)
     final = last_call or any(_flag(headers, h) for h in names.final)
@@ -97,7 +94,7 @@ def resolve_session(
         if value:
             return SessionIdentity(value, checked.parent(headers, names, header), final, header)
     if body_hint:
-        return SessionIdentity(checked(body_hint, hint_source), None, final, hint_source)
+        return SessionIdentity(checked(body_hint, "metadata.user_id"), None, final, "metadata.user_id")
     return SessionIdentity(None, checked.parent(headers, names, None), final, "")
 
 

@@ -1,7 +1,8 @@
 """The OpenAI Responses API (``POST /v1/responses``, what Codex speaks) through aiohttp's test
 client, on the tiny models' tokenizer and chat template. The scripted instance answers with
 the token ids of a chosen text (so the model "writes" tool calls); what it receives shows how
-the router rendered the input items."""
+the router rendered the input items. Every response object and stream event is validated by
+the openai SDK's own models (``Response``, ``ResponseStreamEvent``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from router_fakes import FakeInstance, ScriptedInstance
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from router_fakes import FakeInstance, ScriptedInstance, write_tiny_tokenizer
 
 from router.app import CORE_KEY, RouterConfig, create_app
 from router.tokenization import ModelTokenizer
@@ -31,6 +34,32 @@ TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "res
 TEXT_CLOSE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 CALL_EVENTS = ["response.output_item.added", "response.function_call_arguments.delta",
                "response.function_call_arguments.done", "response.output_item.done"]
+CUSTOM_EVENTS = ["response.output_item.added", "response.custom_tool_call_input.delta",
+                 "response.custom_tool_call_input.done", "response.output_item.done"]
+STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /(.|\\n)+/"}}
+# What the model sees for APPLY_PATCH: a function of one string.
+APPLY_PATCH_CHAT = {"type": "function", "function": {
+    "name": "apply_patch", "description": "Edit files with a patch.",
+    "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}}
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+OMITTED_IMAGE = "[image omitted: this model reads text only]"
+
+
+def validated(response: dict[str, Any]) -> dict[str, Any]:
+    """``response`` once the SDK's ``Response`` model accepts it. The one code the SDK's
+    ``ResponseError.code`` literal lacks, ``context_length_exceeded`` (OpenAI's API sends it,
+    Codex matches on it), is checked with the rest of the object under a listed code."""
+    error = response.get("error")
+    if error is not None and error.get("code") == "context_length_exceeded":
+        response = {**response, "error": {**error, "code": "server_error"}}
+    Response.model_validate(response)
+    return response
+
+
+def tool_call(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 @asynccontextmanager
@@ -54,12 +83,14 @@ async def post(client: TestClient, data: dict[str, Any], **headers: str) -> dict
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-Session-ID"]
     result: dict[str, Any] = await resp.json()
+    validated(result)
     return result
 
 
-async def events(client: TestClient, data: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stream's events; each block's ``event:`` line must name its data's type."""
-    resp = await client.post("/v1/responses", json={**data, "stream": True})
+async def events(client: TestClient, data: dict[str, Any], **headers: str) -> list[dict[str, Any]]:
+    """The stream's events; each block's ``event:`` line must name its data's type, and each
+    event must be one the SDK's ``ResponseStreamEvent`` union accepts."""
+    resp = await client.post("/v1/responses", json={**data, "stream": True}, headers=headers)
     assert resp.status == 200, await resp.text()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     out = []
@@ -67,6 +98,8 @@ async def events(client: TestClient, data: dict[str, Any]) -> list[dict[str, Any
         name, data_line = block.split("\n")
         event = json.loads(data_line.removeprefix("data: "))
         assert name == f"event: {event['type']}"
+        STREAM_EVENT.validate_python({**event, "response": validated(event["response"])} if "response" in event
+                                     else event)
         out.append(event)
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     return out
@@ -96,7 +129,7 @@ async def test_text_answer_shape_usage_and_ignored_fields(tiny_tokenizer: ModelT
     message(data["output"][0], "Sunny and mild.")
     out_tokens = len(tiny_tokenizer.encode_text("Sunny and mild.", add_special_tokens=False)) + 1  # + EOS
     assert data["usage"] == {
-        "input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 5},
+        "input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 5, "cache_write_tokens": 0},
         "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": len(prompt) + out_tokens}
     assert data["metadata"] == {"run": "7"} and data["temperature"] == 0.0 and data["top_p"] == 0.5
@@ -200,20 +233,30 @@ async def test_multi_turn_items_render_the_conversation(tiny_tokenizer: ModelTok
         "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
-async def test_instructions_and_developer_messages_are_system(tiny_tokenizer: ModelTokenizer) -> None:
-    instance = scripted(tiny_tokenizer, "ok")
+async def test_instructions_and_leading_developer_messages_are_one_system_message(
+    tiny_tokenizer: ModelTokenizer,
+) -> None:
+    instance = scripted(tiny_tokenizer, "ok", "ok")
     async with serve(tiny_tokenizer, instance) as client:
         await post(client, body(instructions="Be brief.", input=[
             {"role": "developer", "content": "Use metric units."},
+            {"type": "reasoning", "id": "rs_0", "summary": []},  # dropped: does not end the leading run
+            {"role": "system", "content": [{"type": "input_text", "text": "No emoji."}]},
             {"role": "user", "content": [{"type": "input_text", "text": "Hi"}, {"type": "input_text", "text": "!"}]},
             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+            {"role": "developer", "content": "Answer in French."},  # later: a user turn, as written
             {"role": "user", "content": QUESTION},
             {"type": "reasoning", "id": "rs_1", "summary": []},  # dropped: no slot in the template
         ]))
+        await post(client, body(input=[{"role": "developer", "content": "Terse."},
+                                       {"role": "user", "content": QUESTION}]))
     assert tiny_tokenizer.tokenizer.decode(instance.calls[0].prompt_token_ids) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>system\nUse metric units.<|im_end|>\n"
+        "<|im_start|>system\nBe brief.\n\nUse metric units.\n\nNo emoji.<|im_end|>\n"
         "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+        "<|im_start|>user\nAnswer in French.<|im_end|>\n"
         f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert instance.calls[1].prompt_token_ids == tiny_tokenizer.encode_chat(
+        [{"role": "system", "content": "Terse."}, {"role": "user", "content": QUESTION}])
 
 
 async def test_max_output_tokens_gives_incomplete(tiny_tokenizer: ModelTokenizer) -> None:
@@ -253,11 +296,12 @@ async def test_failure_after_the_stream_began(tokenizer: ModelTokenizer) -> None
 
 @pytest.mark.parametrize(("change", "param", "words"), [
     ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input[0]", "'computer_call'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "see"},
-                                             {"type": "input_image", "image_url": "https://x/y.png"}]}]},
-     "input[0].content[1]", "'input_image'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-     "input[0].content[0]", "'input_file'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hear"},
+                                             {"type": "input_audio", "input_audio": {}}]}]},
+     "input[0].content[1]", "'input_audio'"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch", "input": {"x": 1}}]},
+     "input[0].input", "must be a string"),
+    ({"input": [{"type": "custom_tool_call_output", "output": "x"}]}, "input[0].call_id", "non-empty string"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ({"model": None}, "model", "missing required field 'model'"),
     ({"model": 3}, "model", "model must be a non-empty string"),
@@ -271,7 +315,12 @@ async def test_failure_after_the_stream_began(tokenizer: ModelTokenizer) -> None
     ({"max_output_tokens": "10"}, "max_output_tokens", "max_output_tokens must be an integer"),
     ({"temperature": "hot"}, "temperature", "temperature must be a number"),
     ({"stream": "yes"}, "stream", "stream must be a boolean"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]", "'web_search'"),
+    ({"tools": ["web_search"]}, "tools[0]", "must be an object with a string type"),
+    ({"tools": [*TOOLS, {"name": "x"}]}, "tools[1]", "must be an object with a string type"),
+    ({"tools": [{"type": 3}]}, "tools[0]", "must be an object with a string type"),
+    ({"tools": [{"type": "custom", "name": ""}]}, "tools[0].name", "non-empty string"),
+    ({"tools": [{"type": "namespace", "name": "crm", "tools": [{"type": "web_search"}]}]},
+     "tools[0].tools[0]", "function and custom tools"),
     ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters", "an object"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "tool_choice must be"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -279,8 +328,12 @@ async def test_failure_after_the_stream_began(tokenizer: ModelTokenizer) -> None
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"conversation": "conv_1"}, "conversation", "unsupported field(s): conversation"),
     ({"truncation": "auto"}, "truncation", "unsupported field(s): truncation"),
-    ({"prompt_cache_key": ""}, "prompt_cache_key", "non-empty string"),
-    ({"prompt_cache_key": "k" * 300}, "prompt_cache_key", "prompt_cache_key"),  # session ids are bounded
+    ({"prompt_cache_key": 5}, "prompt_cache_key", "prompt_cache_key must be a string"),
+    ({"client_metadata": "x"}, "client_metadata", "client_metadata must be an object"),
+    ({"client_metadata": {"a": 1}}, "client_metadata", "object of strings"),
+    ({"context_management": {"type": "compaction"}}, "context_management", "an array of objects"),
+    ({"context_management": [{"compact_threshold": 5}]}, "context_management", "string type"),
+    ({"max_output_tokens": 5000}, "max_output_tokens", "max_output_tokens is 5000"),  # past the context
 ])
 async def test_bad_requests_are_400_naming_the_problem(
     tiny_tokenizer: ModelTokenizer, change: dict[str, Any], param: str, words: str,
@@ -294,20 +347,29 @@ async def test_bad_requests_are_400_naming_the_problem(
     assert words in error["message"] and (param in error["message"] or param == "model")
 
 
-async def test_prompt_cache_key_names_one_session(tiny_tokenizer: ModelTokenizer) -> None:
+async def test_prompt_cache_key_is_not_a_session_source(tiny_tokenizer: ModelTokenizer) -> None:
+    """One ``prompt_cache_key`` may be shared by unrelated requests: it must not join them into
+    one session. The ``session_id`` header (Codex sends it) names the session."""
+    prompts = ["alpha", "beta"]  # unrelated: inference does not join them
+
+    async def sessions(**key: str) -> list[str]:
+        instance = scripted(tiny_tokenizer, "ok")
+        async with serve(tiny_tokenizer, instance) as client:
+            headers = [(await client.post("/v1/responses", json=body(input=p, **key))).headers["X-Session-ID"]
+                       for p in prompts]
+        assert headers == [c.session_id for c in instance.calls]
+        return headers
+
+    keyed, plain = await sessions(prompt_cache_key="conv-1"), await sessions()
+    assert keyed == plain and keyed[0] != keyed[1] and "conv-1" not in keyed
+
     instance = scripted(tiny_tokenizer, "ok")
     async with serve(tiny_tokenizer, instance) as client:
-        core = client.server.app[CORE_KEY]
-        # Two unrelated prompts (inference would not join them) under one conversation id.
-        await post(client, body(input="alpha", prompt_cache_key="conv-1"))
-        resp = await client.post("/v1/responses", json=body(input="beta", prompt_cache_key="conv-1"))
-        assert resp.headers["X-Session-ID"] == "conv-1"
-        await post(client, body(input="gamma"))
-        await post(client, body(input="delta", prompt_cache_key="conv-1"), session_id="codex-s")
-    sessions = [c.session_id for c in instance.calls]
-    assert sessions[:2] == ["conv-1", "conv-1"] and "conv-1" in core.sessions
-    assert sessions[2] not in ("conv-1", "")  # no key: a session of its own (inferred)
-    assert sessions[3] == "codex-s"  # Codex's session_id header comes before the body's hint
+        data = await post(client, body(input="gamma", prompt_cache_key="conv-1"), session_id="codex-s")
+        await post(client, body(input="delta", prompt_cache_key=""), session_id="codex-s")
+        assert "conv-1" not in client.server.app[CORE_KEY].sessions
+    assert [c.session_id for c in instance.calls] == ["codex-s", "codex-s"]
+    assert data["prompt_cache_key"] == "conv-1"  # echoed, as OpenAI does
 
 
 async def test_openai_client_responses(tiny_tokenizer: ModelTokenizer, tiny_model_dir: Path) -> None:
@@ -367,3 +429,212 @@ async def test_openai_client_responses(tiny_tokenizer: ModelTokenizer, tiny_mode
     finally:
         await client.close()
         await server.close()
+
+
+async def test_hosted_tools_are_skipped_logged_and_named(tiny_tokenizer: ModelTokenizer) -> None:
+    from structlog.testing import capture_logs
+
+    hosted = [{"type": "web_search", "external_web_access": False}, {"type": "image_generation"},
+              {"type": "web_search"}, {"type": "local_shell"}]
+    instance = scripted(tiny_tokenizer, "ok", "ok", "ok")
+    async with serve(tiny_tokenizer, instance) as client:
+        with capture_logs() as logs:
+            resp = await client.post("/v1/responses", json=body(tools=[hosted[0], *TOOLS, *hosted[1:]]))
+            assert resp.status == 200, await resp.text()
+            data = validated(await resp.json())
+        streamed = await client.post("/v1/responses", json=body(tools=hosted, stream=True))
+        assert streamed.status == 200 and (await streamed.text()).rstrip().endswith("}")
+        plain = await client.post("/v1/responses", json=body(tools=TOOLS))
+    assert resp.headers["X-Talaria-Tools-Skipped"] == "web_search,image_generation,local_shell"
+    assert streamed.headers["X-Talaria-Tools-Skipped"] == "web_search,image_generation,local_shell"
+    assert "X-Talaria-Tools-Skipped" not in plain.headers
+    skipped = [e for e in logs if e["event"] == "router.responses.tools_skipped"]
+    assert [e["types"] for e in skipped] == [["web_search", "image_generation", "local_shell"]]
+    # The model is offered the function alone; with only hosted tools, no tools at all.
+    assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat(
+        [{"role": "user", "content": QUESTION}], tools=CHAT_TOOLS)
+    assert instance.calls[1].prompt_token_ids == tiny_tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
+    message(data["output"][0], "ok")
+    assert data["tools"] == [hosted[0], *TOOLS, *hosted[1:]]  # echoed as sent
+
+
+async def test_custom_tool_call_plain_and_streamed(tiny_tokenizer: ModelTokenizer) -> None:
+    patch_call = tool_call("apply_patch", {"input": PATCH})
+    odd_call = tool_call("apply_patch", {"patch": "x"})  # not a string input: the arguments' text
+    named_rest = ' {"input": "x"}}\n</tool_call>'  # the model continues the forced call's opening
+    instance = scripted(tiny_tokenizer, patch_call, patch_call, odd_call, named_rest)
+    tools = [*TOOLS, APPLY_PATCH]
+    async with serve(tiny_tokenizer, instance) as client:
+        data = await post(client, body(tools=tools))
+        got = await events(client, body(tools=tools))
+        odd = await post(client, body(tools=tools))
+        named = await post(client, body(tools=tools, tool_choice={"type": "custom", "name": "apply_patch"}))
+    assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat(
+        [{"role": "user", "content": QUESTION}], tools=[*CHAT_TOOLS, APPLY_PATCH_CHAT])
+    [item] = data["output"]
+    assert item["id"].startswith("ctc_") and item["call_id"].startswith("call_")
+    assert {k: v for k, v in item.items() if k not in ("id", "call_id")} == {
+        "type": "custom_tool_call", "name": "apply_patch", "input": PATCH, "status": "completed"}
+
+    names = [e["type"] for e in got]
+    assert names == ["response.created", "response.in_progress", *CUSTOM_EVENTS, "response.completed"]
+    added, delta, done, item_done = got[2:6]
+    assert added["item"]["type"] == "custom_tool_call" and added["item"]["input"] == ""
+    assert delta["delta"] == PATCH and done["input"] == PATCH and "arguments" not in done
+    assert delta["item_id"] == done["item_id"] == added["item"]["id"] == item_done["item"]["id"]
+    assert delta["output_index"] == done["output_index"] == 0
+    assert item_done["item"]["input"] == PATCH and got[-1]["response"]["output"] == [item_done["item"]]
+
+    assert odd["output"][0]["type"] == "custom_tool_call"
+    assert json.loads(odd["output"][0]["input"]) == {"patch": "x"}
+    assert tiny_tokenizer.tokenizer.decode(instance.calls[3].prompt_token_ids).endswith(
+        '<tool_call>\n{"name": "apply_patch", "arguments":')  # a custom tool can be named
+    assert [(i["type"], i["input"]) for i in named["output"]] == [("custom_tool_call", "x")]
+
+
+async def test_custom_tool_history_and_omitted_images(tiny_tokenizer: ModelTokenizer) -> None:
+    instance = scripted(tiny_tokenizer, "Done.")
+    shot = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"}
+    history = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, shot]},
+        {"type": "custom_tool_call", "call_id": "call_p", "name": "apply_patch", "input": PATCH, "status": "completed"},
+        {"type": "custom_tool_call_output", "call_id": "call_p",
+         "output": [{"type": "input_text", "text": "Success."}, shot, {"type": "input_text", "text": "end"}]},
+        {"type": "function_call", "call_id": "call_w", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_w", "output": [shot]},
+        {"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]},
+    ]
+    async with serve(tiny_tokenizer, instance) as client:
+        await post(client, body(input=history, tools=[*TOOLS, APPLY_PATCH]))
+    assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat([
+        {"role": "user", "content": f"Look:\n{OMITTED_IMAGE}"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_p", "type": "function", "function": {"name": "apply_patch", "arguments": {"input": PATCH}}}]},
+        {"role": "tool", "tool_call_id": "call_p", "content": f"Success.\n{OMITTED_IMAGE}\nend"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_w", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_w", "content": OMITTED_IMAGE},
+        {"role": "user", "content": "[file omitted: this model reads text only]"},
+    ], tools=[*CHAT_TOOLS, APPLY_PATCH_CHAT])
+
+
+async def test_namespace_tools_are_flattened(tiny_tokenizer: ModelTokenizer) -> None:
+    search = {"type": "function", "name": "search", "description": "Search the docs",
+              "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+    namespace = {"type": "namespace", "name": "mcp__docs__", "description": "Docs server",
+                 "tools": [search, TOOLS[0]]}  # get_weather is also a top-level tool: qualified
+    calls = tool_call("search", {"q": "x"}) + "\n" + tool_call("mcp__docs__get_weather", {"city": "Oslo"})
+    instance = scripted(tiny_tokenizer, calls, "ok")
+    tools = [namespace, *TOOLS]
+    async with serve(tiny_tokenizer, instance) as client:
+        data = await post(client, body(tools=tools))
+        history = [{"role": "user", "content": QUESTION}, *data["output"],
+                   *[{"type": "function_call_output", "call_id": i["call_id"], "output": "r"} for i in data["output"]]]
+        await post(client, body(input=history, tools=tools))
+    flat = [{"type": "function", "function": {k: v for k, v in search.items() if k != "type"}},
+            {"type": "function", "function": {**CHAT_TOOLS[0]["function"], "name": "mcp__docs__get_weather"}},
+            *CHAT_TOOLS]
+    assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat(
+        [{"role": "user", "content": QUESTION}], tools=flat)
+    assert [(i["type"], i["name"], i.get("namespace"), json.loads(i["arguments"])) for i in data["output"]] == [
+        ("function_call", "search", "mcp__docs__", {"q": "x"}),
+        ("function_call", "get_weather", "mcp__docs__", {"city": "Oslo"})]
+    # The calls go back under the names the model saw.
+    ids = [i["call_id"] for i in data["output"]]
+    assert instance.calls[1].prompt_token_ids == tiny_tokenizer.encode_chat([
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": ids[0], "type": "function", "function": {"name": "search", "arguments": {"q": "x"}}},
+            {"id": ids[1], "type": "function", "function": {"name": "mcp__docs__get_weather",
+                                                            "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": ids[0], "content": "r"},
+        {"role": "tool", "tool_call_id": ids[1], "content": "r"}], tools=flat)
+
+
+async def test_parallel_tool_calls(tiny_tokenizer: ModelTokenizer) -> None:
+    two = tool_call("get_weather", {"city": "Paris"}) + "\n" + tool_call("get_weather", {"city": "Rome"})
+    instance = scripted(tiny_tokenizer, two, two)
+    async with serve(tiny_tokenizer, instance) as client:
+        got = await events(client, body(tools=TOOLS, parallel_tool_calls=True))
+        single = await post(client, body(tools=TOOLS, parallel_tool_calls=False))
+    done = [e for e in got if e["type"] == "response.output_item.done"]
+    assert [e["output_index"] for e in done] == [0, 1]
+    assert [json.loads(e["item"]["arguments"]) for e in done] == [{"city": "Paris"}, {"city": "Rome"}]
+    ids = [e["item"]["call_id"] for e in done]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    assert [e["output_index"] for e in got if e["type"] == "response.function_call_arguments.done"] == [0, 1]
+    assert got[-1]["response"]["output"] == [e["item"] for e in done]
+    assert [json.loads(i["arguments"]) for i in single["output"]] == [{"city": "Paris"}]  # the first call only
+
+
+async def test_context_full_without_a_limit_fails(tmp_path: Path) -> None:
+    """No max_output_tokens and the answer ran out of context: a failure Codex will not retry
+    (``context_length_exceeded``); with max_output_tokens it stays ``incomplete``."""
+    small = ModelTokenizer.load("tiny", write_tiny_tokenizer(tmp_path / "small", context_len=48))
+    long_text = " ".join(["one two three four five six seven eight"] * 10)
+    instance = scripted(small, long_text)
+    async with serve(small, instance) as client:
+        got = await events(client, body())
+        resp = await client.post("/v1/responses", json=body())
+        error = (await resp.json())["error"]
+        limited = await post(client, body(max_output_tokens=3))
+    room = 48 - len(instance.calls[0].prompt_token_ids)
+    assert instance.calls[0].params.max_tokens == room
+    names = [e["type"] for e in got]
+    assert names[-1] == "response.failed" and "response.incomplete" not in names and "error" not in names
+    final = got[-1]["response"]
+    assert final["status"] == "failed" and final["error"]["code"] == "context_length_exceeded"
+    assert "filled the context" in final["error"]["message"] and final["usage"]["output_tokens"] == room
+    assert final["output"][0]["status"] == "incomplete"
+    assert resp.status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "input"
+    assert resp.headers["X-Session-ID"]
+    assert limited["status"] == "incomplete" and limited["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+async def test_codex_shaped_request(tiny_tokenizer: ModelTokenizer) -> None:
+    """A body as Codex (``wire_api = "responses"``) sends it, streamed: it must succeed, every
+    event must validate, the session is the header's."""
+    shell = {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
+             "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                            "required": ["command"], "additionalProperties": False}}
+    instructions = "You are Codex, a coding agent.\n" + "Follow the repository's conventions. " * 60
+    request = {
+        "model": "tiny", "instructions": instructions,
+        "input": [
+            {"type": "message", "role": "developer",
+             "content": [{"type": "input_text", "text": "<permissions>sandboxed</permissions>"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add a.txt"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAAB..."},
+            {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"command": ["ls"]}'},
+            {"type": "function_call_output", "call_id": "call_1",
+             "output": [{"type": "input_text", "text": "README.md"}]},
+            {"type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch", "input": PATCH},
+            {"type": "custom_tool_call_output", "call_id": "call_2", "output": "Success. Updated a.txt"},
+        ],
+        "tools": [shell, APPLY_PATCH, {"type": "web_search", "external_web_access": False}],
+        "tool_choice": "auto", "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "store": False, "stream": True,
+        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "conv-7",
+        "text": {"verbosity": "medium"}, "client_metadata": {"x-codex-turn": "3"},
+    }
+    answer = "Added.\n" + tool_call("apply_patch", {"input": PATCH})
+    instance = scripted(tiny_tokenizer, answer)
+    async with serve(tiny_tokenizer, instance) as client:
+        got = await events(client, request, session_id="codex-session-1", originator="codex_cli_rs",
+                           **{"OpenAI-Beta": "responses=experimental"})
+    assert instance.calls[0].session_id == "codex-session-1"
+    shell_chat = {"type": "function", "function": {k: v for k, v in shell.items() if k not in ("type", "strict")}}
+    assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat([
+        {"role": "system", "content": f"{instructions}\n\n<permissions>sandboxed</permissions>"},
+        {"role": "user", "content": "Add a.txt"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": {"command": ["ls"]}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "README.md"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_2", "type": "function", "function": {"name": "apply_patch", "arguments": {"input": PATCH}}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "Success. Updated a.txt"},
+    ], tools=[shell_chat, APPLY_PATCH_CHAT])
+    final = got[-1]["response"]
+    assert final["status"] == "completed" and final["prompt_cache_key"] == "conv-7"
+    assert [i["type"] for i in final["output"]] == ["message", "custom_tool_call"]
+    assert final["output"][1]["input"] == PATCH
