@@ -35,7 +35,7 @@ from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
 from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
-from talaria.policies.priority import Service, best_key, next_model
+from talaria.policies.priority import Service, best_key, first_model, next_model
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import hold_until
 from talaria.policies.staging import staging_target
@@ -240,7 +240,8 @@ class AdmissionLoop(Intake):
             return SlotYield(None, "nothing else waits")
         own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
         keys = [best_key(order, own, self._service, ratio)]
-        switch_s = self.est.switch_s(min(waiting_best, key=lambda m: waiting_best[m]))
+        switch_s = self.est.switch_s(first_model(
+            waiting_best, {m: len(self.calls.waiting(m)) for m in waiting_best}))
         returning = [r.session_id for r in self.sessions.reservations.for_model(slot.model)
                      if holds_slot(r.expected_return, now, switch_s, policy.sp_idle_margin_s)]
         keys.append(best_key(order, returning,
@@ -249,7 +250,8 @@ class AdmissionLoop(Intake):
         return outranking_model(
             active_best, waiting_best, slot_age_s=now - slot.opened, switch_in_s=slot.switch_s,
             switch_to_s={m: self.est.switch_s(m) for m in waiting_best},
-            min_slot_factor=policy.min_slot_factor)
+            min_slot_factor=policy.min_slot_factor,
+            waiting_calls={m: len(self.calls.waiting(m)) for m in waiting_best})
 
     # switching and staging --------------------------------------------------------------
 

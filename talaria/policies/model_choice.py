@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from talaria.policies.priority import first_model
+
 __all__ = ["SlotYield", "outranking_model", "holds_slot"]
 
 Key = tuple[float, ...]
@@ -46,17 +48,20 @@ def outranking_model(
     switch_in_s: float,
     switch_to_s: Mapping[str, float],
     min_slot_factor: float,
+    waiting_calls: Mapping[str, int] | None = None,
 ) -> SlotYield:
     """Whether the open slot of the active model yields now, and to which model.
 
     ``active_best``: the best priority key among the active model's queued, running and
     soon-returning sessions (None: it has none); ``waiting_best``: each other model's best
     waiting key (models with nothing waiting left out); ``switch_in_s``: what the switch
-    into the active model cost; ``switch_to_s``: each other model's switch cost now.
+    into the active model cost; ``switch_to_s``: each other model's switch cost now;
+    ``waiting_calls``: each other model's waiting calls, which break ties between equal keys
+    (``priority.first_model``).
     """
     if not waiting_best:
         return SlotYield(None, "nothing else waits")
-    model = min(waiting_best, key=lambda m: waiting_best[m])
+    model = first_model(waiting_best, waiting_calls or {})
     if active_best is not None and not waiting_best[model] < active_best:
         return SlotYield(None, "the active model's sessions come first")
     min_slot = min_slot_factor * (switch_in_s + switch_to_s.get(model, 0.0))

@@ -1,7 +1,8 @@
 """D2D staging: which model to copy into the device staging region while the current runs.
 
 The model most likely needed next: under the priority switch, the one the priority would
-pick (the model of the first queued session, else of the first session expected back);
+pick (the model of the first queued session, else of the first session expected back; ties
+as ``priority.first_model`` breaks them);
 otherwise the next one in round order (after the active model) with queued calls, else with
 live reservations. It is staged only when its weights are only in host memory, fit the
 staging region, and no other staging copy is in progress, so a staged model is not replaced
@@ -15,7 +16,7 @@ H2D copy because nothing can be staged meanwhile.
 from __future__ import annotations
 
 from engine.interface import Residency
-from talaria.policies.priority import best_key, priority_key
+from talaria.policies.priority import best_key, first_model, priority_key
 from talaria.policies.view import InstanceView
 
 __all__ = ["lend_staging_due", "predicted_next", "staging_target"]
@@ -41,12 +42,16 @@ def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
                        lambda c: view.service(c.call.session_id, now - c.arrived), ratio)
         if m != active and key is not None:
             best[m] = key
-    if not best:
-        for res in view.reservations.all():
-            key = priority_key(order, view.service(res.session_id, 0.0), ratio)
-            if res.model != active and (res.model not in best or key < best[res.model]):
+    if best:
+        return first_model(best, {m: len(view.queued(m)) for m in best})
+    counts: dict[str, int] = {}
+    for res in view.reservations.all():
+        key = priority_key(order, view.service(res.session_id, 0.0), ratio)
+        if res.model != active:
+            counts[res.model] = counts.get(res.model, 0) + 1
+            if res.model not in best or key < best[res.model]:
                 best[res.model] = key
-    return min(best, key=lambda m: best[m]) if best else None
+    return first_model(best, counts) if best else None
 
 
 def staging_target(view: InstanceView) -> str | None:

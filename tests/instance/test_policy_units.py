@@ -188,6 +188,10 @@ def test_staging_target_is_the_next_model_that_fits_the_staging_region() -> None
     for sid, model in (("early", "b"), ("late", "c")):
         view.reservations.add(Reservation(sid, model, 0.0, 12.0, 60.0))
     assert staging_target(view) == "c"
+    # equal first sessions: the model with more calls queued is staged, not round order's
+    tied = {"b": [_queued("b1", "b")], "c": [_queued("c1", "c"), _queued("c2", "c")]}
+    fresh = {"b1": 0, "c1": 0, "c2": 0}
+    assert staging_target(_View(preset("talaria"), host, tied, fresh, {"b", "c"})) == "c"
     # one copy at a time
     busy = dict(host, b=Residency.STAGING)
     assert staging_target(_View(preset("talaria"), busy, queues, done, {"b", "c"})) is None

@@ -14,7 +14,7 @@ from talaria.clock import run_virtual
 from talaria.config import PolicyConfig, preset
 from talaria.instance.admission import Instance
 from talaria.policies.model_choice import holds_slot, outranking_model
-from talaria.policies.priority import Service, next_model, order_queue
+from talaria.policies.priority import Service, first_model, next_model, order_queue
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import RoundScheduler
 from talaria.policies.session_length import SWE_AGENT_CALLS, SessionLengthPrior, swe_agent_prior
@@ -90,6 +90,34 @@ def test_the_next_model_is_the_one_of_the_first_session() -> None:
     assert (base.admission_order, base.model_choice) == ("fifo", "round")
 
 
+def test_equal_first_sessions_go_to_the_model_with_the_most_calls_waiting() -> None:
+    # a burst: every session fresh and arrived together, so every model's best key is equal
+    fresh = Service(0.0, 0.0, 0.0, calls=0)
+    rounds = RoundScheduler(["g", "q", "m"])  # round order puts g first
+    waiting = {"g": ["g1", "g2"], "q": ["q1", "q2", "q3", "q4"], "m": ["m1"]}
+
+    def service(name: str) -> Service:
+        return fresh
+
+    # the tie goes to the model whose slot advances the most sessions, whatever the order
+    assert next_model(rounds, None, waiting, "priority", service, 8.0, "remaining") == "q"
+    for order in (["q", "g", "m"], ["m", "g", "q"], ["m", "q", "g"]):
+        assert next_model(RoundScheduler(order), None, waiting, "priority", service, 8.0,
+                          "remaining") == "q"
+    # a better session still comes first, however few calls its model has waiting
+    ahead = {"m1": Service(5.0, 0.0, 0.0, calls=40)}
+    assert next_model(rounds, None, waiting, "priority", lambda n: ahead.get(n, fresh), 8.0,
+                      "remaining") == "m"
+    # Autellix's las keeps round order among equals (its definition is the peer's)
+    assert next_model(rounds, None, waiting, "las", service, 8.0) == "g"
+    # the rule itself: keys first, then the most calls waiting, then the mapping's order
+    assert first_model({"a": (1.0, 5.0), "b": (1.0, 5.0)}, {"a": 1, "b": 2}) == "b"
+    assert first_model({"a": (1.0, 4.0), "b": (1.0, 5.0)}, {"a": 1, "b": 9}) == "a"
+    assert first_model({"a": (1.0, 5.0), "b": (1.0, 5.0)}, {}) == "a"
+    with pytest.raises(ValueError):
+        first_model({}, {})
+
+
 def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch() -> None:
     kw = dict(switch_in_s=1.0, switch_to_s={"b": 0.5, "c": 2.0}, min_slot_factor=10.0)
     first, second, third = (1.0, 5.0), (1.0, 10.0), (1.0, 20.0)
@@ -107,6 +135,11 @@ def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch
     # the active model has nothing left: any waiting session outranks it
     assert outranking_model(None, {"b": third}, slot_age_s=15.0, **kw).model == "b"
     assert outranking_model(None, {}, slot_age_s=100.0, **kw).model is None
+    # two models' best sessions tie: the one with more calls waiting is the target
+    tied = {"b": first, "c": first}
+    assert outranking_model(third, tied, slot_age_s=30.0, **kw).model == "b"
+    assert outranking_model(third, tied, slot_age_s=30.0, waiting_calls={"b": 1, "c": 3},
+                            **kw).model == "c"
 
 
 def test_a_returning_session_holds_the_slot_only_when_due_before_the_switch_is_over() -> None:
