@@ -240,8 +240,8 @@ class AdmissionLoop(Intake):
             return SlotYield(None, "nothing else waits")
         own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
         keys = [best_key(order, own, self._service, ratio)]
-        switch_s = self.est.switch_s(first_model(
-            waiting_best, {m: len(self.calls.waiting(m)) for m in waiting_best}))
+        waiting_calls = {m: len(self.calls.waiting(m)) for m in waiting_best}
+        switch_s = self.est.switch_s(first_model(waiting_best, waiting_calls))
         returning = [r.session_id for r in self.sessions.reservations.for_model(slot.model)
                      if holds_slot(r.expected_return, now, switch_s, policy.sp_idle_margin_s)]
         keys.append(best_key(order, returning,
@@ -251,7 +251,7 @@ class AdmissionLoop(Intake):
             active_best, waiting_best, slot_age_s=now - slot.opened, switch_in_s=slot.switch_s,
             switch_to_s={m: self.est.switch_s(m) for m in waiting_best},
             min_slot_factor=policy.min_slot_factor,
-            waiting_calls={m: len(self.calls.waiting(m)) for m in waiting_best})
+            waiting_calls=waiting_calls)
 
     # switching and staging --------------------------------------------------------------
 
