@@ -57,6 +57,7 @@ def parse_chat(body: Any) -> CompletionBody:
     if max_tokens is None:
         max_tokens, name = data.get("max_tokens"), "max_tokens"
     parsed.max_tokens = _max_tokens(max_tokens, name)
+    parsed.max_tokens_param = name
     parsed.logprobs = _bool(data, "logprobs")
     top = data.get("top_logprobs")
     if top is not None and (not _is_int(top) or top != 0):

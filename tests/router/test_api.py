@@ -191,6 +191,8 @@ BAD_INPUTS: list[tuple[str, Any, int, str]] = [
     ("/v1/chat/completions", chat_body(max_tokens="10"), 400, "max_tokens must be an integer"),
     ("/v1/chat/completions", chat_body(max_tokens=10**9), 400, "max_tokens"),
     ("/v1/chat/completions", chat_body(max_tokens=250), 400, "at most"),
+    ("/v1/chat/completions", chat_body(max_completion_tokens=250), 400,
+     "max_completion_tokens is 250 but"),
     ("/v1/chat/completions", chat_body(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("/v1/chat/completions", chat_body(temperature=3), 400, "temperature"),
     ("/v1/chat/completions", chat_body(temperature="hot"), 400, "temperature"),
