@@ -56,7 +56,7 @@ def parse_chat(body: Any) -> CompletionBody:
     name = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = data.get("max_tokens"), "max_tokens"
-    parsed.max_tokens = _max_tokens(max_tokens, name)
+    parsed.max_tokens = max_tokens_field(max_tokens, name)
     parsed.max_tokens_param = name
     parsed.logprobs = _bool(data, "logprobs")
     top = data.get("top_logprobs")
@@ -73,7 +73,7 @@ def parse_completion(body: Any) -> CompletionBody:
     check_fields(data, "completion")
     parsed = _common(data, "completion")
     parsed.prompt = _prompt(data.get("prompt"))
-    parsed.max_tokens = _max_tokens(data.get("max_tokens"), "max_tokens")
+    parsed.max_tokens = max_tokens_field(data.get("max_tokens"), "max_tokens")
     logprobs = data.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
         raise bad_request(
@@ -213,7 +213,8 @@ def _prompt(prompt: Any) -> str | list[int]:
     raise bad_request("prompt must be a string or an array of token ids", "prompt")
 
 
-def _max_tokens(value: Any, name: str) -> int | None:
+def max_tokens_field(value: Any, name: str) -> int | None:
+    """An output-token limit read from the field ``name`` (None: absent; 400 naming it)."""
     if value is None:
         return None
     if not _is_int(value):

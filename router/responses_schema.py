@@ -93,10 +93,7 @@ def parse_responses(data: Any) -> ResponsesRequest:
     instructions = data.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions must be a string", "instructions")
-    max_output = data.get("max_output_tokens")
-    if max_output is not None and (not _is_int(max_output) or not 1 <= max_output <= openai_schema.MAX_TOKENS_LIMIT):
-        raise bad_request(f"max_output_tokens must be an integer in [1, {openai_schema.MAX_TOKENS_LIMIT}]",
-                          "max_output_tokens")
+    max_output = openai_schema.max_tokens_field(data.get("max_output_tokens"), "max_output_tokens")
     _check_ignored(data)
     tools = parse_tools(data["tools"]) if data.get("tools") is not None else Tools()
     chat: dict[str, Any] = {key: data[key] for key in _PASSED if key in data}
@@ -260,7 +257,3 @@ def _text(content: Any, where: str) -> str:
         out += ("\n" if omitted and not part["text"].startswith("\n") else "") + part["text"]
         omitted = False
     return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
