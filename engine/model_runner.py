@@ -11,6 +11,10 @@ last scheduled token of sequences that reach their end this step (the ones that 
 token). On a CPU (torch backend), decode groups keep their gathered context across steps
 (``engine.attention.decode_context``, at most the KV cache's size again); on a GPU the
 memory is the KV cache's, and flash-attn reads the paged cache in place.
+
+KV restored from host during scheduling is queued here (``queue_kv_load``) and written into
+the cache by the forward pass itself, a group of layers before the first of them runs
+(``substrate.layer_loads``); ``execute`` settles whatever is left, even when it raises.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from engine.config import EngineConfig
 from engine.parallel_context import SINGLE, ParallelContext
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from substrate.layer_loads import LayerwiseKVLoad
+from substrate.moves import MoveRecord
 
 _DTYPES = {
     "float32": torch.float32,
@@ -123,6 +129,8 @@ class ModelRunner:
         if tuple(kv_cache.shape) != shape:
             raise ValueError(f"KV cache has shape {tuple(kv_cache.shape)}, expected {shape}")
         self.kv_cache = kv_cache
+        self.kv_loads = LayerwiseKVLoad(device)
+        self._kv_load_records: list[MoveRecord] = []
         self.decode_contexts: DecodeContexts | None = None
         if device.type == "cpu" and getattr(model.attn_backend, "name", None) == "torch":
             num_layers, _, _, _, kv_heads, head_dim = shape
@@ -246,7 +254,10 @@ class ModelRunner:
         """The model over the step's tokens, then float32 logits ``[num_logit_rows, vocab]``
         (None when no row samples). Device work only: no host synchronisation, and every
         shape follows from the inputs' shapes."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+        before_layer = self.kv_loads.before_layer if self.kv_loads.pending else None
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache, before_layer
+        )
         if inputs.logit_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
@@ -255,6 +266,7 @@ class ModelRunner:
         """Run over ``kv_cache`` from now on, with as many blocks as it has (a multi-model
         switch that lends the staging region to the KV cache, or takes it back). The caller
         must hold no block of the previous cache: its contents are not carried over."""
+        self.settle_kv_loads()
         shape = self.model.kv_cache_shape(kv_cache.shape[2], self.block_size)
         if tuple(kv_cache.shape) != shape:
             raise ValueError(f"KV cache has shape {tuple(kv_cache.shape)}, expected {shape}")
@@ -265,6 +277,30 @@ class ModelRunner:
         self, out: SchedulerOutput, generators: dict[str, torch.Generator]
     ) -> list[SampledToken]:
         """Run the step's forward pass; sample one token per sequence that reached its end."""
+        try:
+            return self._execute(out, generators)
+        finally:
+            self.settle_kv_loads()
+
+    def queue_kv_load(self, host_blocks: list[torch.Tensor], block_ids: list[int]) -> int:
+        """Restore host block payloads into ``block_ids`` within the next forward pass (see
+        the module doc); returns the bytes queued."""
+        return self.kv_loads.add(self.kv_cache, host_blocks, block_ids)
+
+    def settle_kv_loads(self) -> None:
+        """Write any queued KV load now and keep its record for ``take_kv_load_records``."""
+        record = self.kv_loads.finish()
+        if record is not None:
+            self._kv_load_records.append(record)
+
+    def take_kv_load_records(self) -> list[MoveRecord]:
+        """Records of the KV loads settled since the last call."""
+        records, self._kv_load_records = self._kv_load_records, []
+        return records
+
+    def _execute(
+        self, out: SchedulerOutput, generators: dict[str, torch.Generator]
+    ) -> list[SampledToken]:
         if out.is_empty:
             return []
         inputs = self.prepare(out)

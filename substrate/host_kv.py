@@ -100,15 +100,19 @@ class HostKVStore:
             raise ValueError(f"{len(block_hashes)} block hashes for {len(block_ids)} block ids")
         if not block_hashes:
             return MoveRecord(MoveKind.KV_RESTORE, 0, 0.0)
+        host = self.payloads(model, block_hashes)
+        return self._mover(kv_cache).kv_restore(host, kv_cache, block_ids)
+
+    def payloads(self, model: str, block_hashes: Sequence[int]) -> list[torch.Tensor]:
+        """The stored host tensors of these blocks, for a caller that copies them itself
+        (``substrate.layer_loads``); touched as a load would. KeyError when one is missing."""
         missing = [h for h in block_hashes if (model, h) not in self._payloads]
         if missing:
             raise KeyError(
                 f"{model}: {len(missing)} blocks not in the host KV store, e.g. {missing[0]}"
             )
-        host = [self._payloads[(model, h)] for h in block_hashes]
-        record = self._mover(kv_cache).kv_restore(host, kv_cache, block_ids)
         self.index.touch(model, block_hashes)
-        return record
+        return [self._payloads[(model, h)] for h in block_hashes]
 
     def drop_model(self, model: str) -> int:
         """Forget every block of ``model``; returns the bytes freed."""

@@ -24,6 +24,11 @@ class MoveKind:
 
     ALL = (ACTIVATE_H2D, ACTIVATE_D2D, STAGE, KV_OFFLOAD, KV_RESTORE)
 
+# A KV restore is copied in this many groups of layers inside the forward pass that reads it
+# (``substrate.layer_loads``; the simulator's ``offload`` tier prices the same pipeline):
+# four leave a quarter of the copy exposed, for four times a whole-block restore's copies.
+KV_RESTORE_LAYER_GROUPS = 4
+
 
 @dataclass(frozen=True)
 class MoveRecord:

@@ -12,6 +12,8 @@ tables, the attention backend's ``prepare``) runs once per forward pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -181,7 +183,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """Hidden states of the step's tokens; ``before_layer(i)``, when given, runs before
+        layer ``i`` reads or writes ``kv_cache[i]`` (a layer-wise KV restore)."""
         num_layers, kv_heads, head_dim = self.kv_cache_spec()
         if (
             kv_cache.dim() != 6
@@ -200,6 +205,8 @@ class CausalLM(nn.Module):
         rotary = self.rotary.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(i)
             h = layer(rotary, h, attn, kv_cache[i])
         return self.model.norm(h)
 

@@ -347,23 +347,27 @@ class MultiModelEngine(ServesModels):
 
 class RankSecondary:
     """The host KV store as one model's secondary cache (``SecondaryKVCache``), through the
-    rank ops, so that at TP=N a restore is one more op every rank executes. Records of the
-    restores it made accumulate until ``drain_records``."""
+    rank ops, so that at TP=N a restore is one more op every rank executes."""
 
     def __init__(self, rank: RankModels | TensorParallelRankModels, model: str) -> None:
         self.rank = rank
         self.model = model
-        self._records: list[MoveRecord] = []
+        self._queued = False
 
     def lookup(self, block_hashes: list[int]) -> int:
         return self.rank.host_kv_lookup(self.model, block_hashes, touch=True)
 
     def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
-        self._records.append(self.rank.restore_kv(self.model, block_hashes, block_ids))
+        """Queue the copy: the step's forward pass writes the blocks (``restore_kv``)."""
+        self.rank.restore_kv(self.model, block_hashes, block_ids)
+        self._queued = True
 
     def drain_records(self) -> list[MoveRecord]:
-        records, self._records = self._records, []
-        return records
+        """Records of the loads the last steps settled (asks the ranks only after a load)."""
+        if not self._queued:
+            return []
+        self._queued = False
+        return self.rank.take_kv_load_records(self.model)
 
 
 def _build_rank(

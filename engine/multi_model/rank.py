@@ -118,6 +118,7 @@ class RankModels:
     def offload_kv(
         self, name: str, block_hashes: list[int], block_ids: list[int], session_id: str | None
     ) -> MoveRecord:
+        self.runners[name].settle_kv_loads()  # never copy out a block still being loaded
         return self.memory.offload_kv(name, block_hashes, block_ids, session_id)
 
     def can_stage(self, name: str) -> bool:
@@ -131,11 +132,20 @@ class RankModels:
     def staged_model(self) -> str | None:
         return self.memory.ledger.staged_model
 
-    def restore_kv(self, name: str, block_hashes: list[int], block_ids: list[int]) -> MoveRecord:
-        """Copy host-stored blocks of ``name`` into device blocks ``block_ids``."""
-        record = self.memory.host_kv.load(name, block_hashes, block_ids, self.memory.kv_cache(name))
-        self.memory.ledger.record(record)
-        return record
+    def restore_kv(self, name: str, block_hashes: list[int], block_ids: list[int]) -> int:
+        """Queue host-stored blocks of ``name`` for device blocks ``block_ids``: the next
+        forward pass of ``name`` writes them, layer group by layer group (see
+        ``engine.model_runner``). Returns the bytes queued."""
+        payloads = self.memory.host_kv.payloads(name, block_hashes)
+        return self.runners[name].queue_kv_load(payloads, block_ids)
+
+    def take_kv_load_records(self, name: str) -> list[MoveRecord]:
+        """The records of ``name``'s KV loads settled since the last call (booked in the
+        ledger as they are taken)."""
+        records = self.runners[name].take_kv_load_records()
+        for record in records:
+            self.memory.ledger.record(record)
+        return records
 
     def host_kv_lookup(self, name: str, block_hashes: list[int], touch: bool = False) -> int:
         """Leading hashes of the chain held by the host KV store (``touch``: mark them

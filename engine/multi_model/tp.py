@@ -198,9 +198,17 @@ class TensorParallelRankModels:
         record = combine_records(self._all("offload_kv", name, block_hashes, block_ids, session_id))
         return _required(record, "offload_kv")
 
-    def restore_kv(self, name: str, block_hashes: list[int], block_ids: list[int]) -> MoveRecord:
-        record = combine_records(self._all("restore_kv", name, block_hashes, block_ids))
-        return _required(record, "restore_kv")
+    def restore_kv(self, name: str, block_hashes: list[int], block_ids: list[int]) -> int:
+        return int(self._all("restore_kv", name, block_hashes, block_ids)[0])
+
+    def take_kv_load_records(self, name: str) -> list[MoveRecord]:
+        """Every rank settles its loads in the same steps: one record per step, each the
+        ranks' records combined."""
+        per_rank = self._all("take_kv_load_records", name)
+        return [
+            _required(combine_records(list(step)), "take_kv_load_records")
+            for step in zip(*per_rank, strict=True)
+        ]
 
     def host_kv_index(self) -> HostKVIndex:
         """Rank 0's host KV index (every rank's holds the same blocks)."""

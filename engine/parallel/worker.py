@@ -48,14 +48,18 @@ class RankContext:
     state: dict[str, Any] = field(default_factory=dict)
 
     def step(self, msg: StepMessage) -> None:
-        """Run the forward pass rank 0 runs for this step; the logits are discarded."""
+        """Run the forward pass rank 0 runs for this step (and the KV loads queued for it,
+        as rank 0's ``execute`` does); the logits are discarded."""
         runner = self.runners[msg.key]
         out = self.decoders.setdefault(msg.key, StepDecoder()).decode(msg)
         if out.is_empty:
             return
-        inputs = runner.prepare(out)  # type: ignore[arg-type]
-        with torch.inference_mode():
-            runner.forward_step(inputs)
+        try:
+            inputs = runner.prepare(out)  # type: ignore[arg-type]
+            with torch.inference_mode():
+                runner.forward_step(inputs)
+        finally:
+            runner.settle_kv_loads()
 
 
 def op_name(fn: str | Callable[..., Any]) -> str:

@@ -185,6 +185,30 @@ def test_kv_restore_after_switch_equals_recompute(models: dict[str, Path]) -> No
     assert engine.model_rates(LLAMA)["kv_restore_bytes_per_s"] > 0
 
 
+def test_a_step_that_fails_still_leaves_its_restored_blocks_whole(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore is written by the forward pass; when that raises, the step still settles
+    it, so no block in the prefix map is left holding another model's bytes."""
+    engine = make_engine(models)
+    _, cont_prompt = _session_round(engine, prompt(12, 29), "s")
+    _switch_away_and_back(engine, "s")
+    runner = engine.cores[LLAMA].runner
+
+    def failing_forward(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device fault in the forward pass")
+
+    monkeypatch.setattr(runner, "forward_step", failing_forward)
+    engine.add_request(EngineRequest("c2", cont_prompt, GREEDY, model=LLAMA, session_id="s"))
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()
+    restored = engine.cores[LLAMA].kv.block_ids("c2")[:8]
+    assert len(restored) == 8
+    assert not runner.kv_loads.pending
+    assert not runner.kv_cache[:, :, restored].isnan().any()
+    assert [r.kind for r in runner.take_kv_load_records()] == ["kv_restore"]
+
+
 def test_host_kv_exhaustion_evicts_and_restores_partially(models: dict[str, Path]) -> None:
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head dim * fp32
     engine = make_engine(models, host_kv_bytes=5 * block_bytes)
