@@ -51,6 +51,9 @@ class DeviceSpec:
     kv_read_bytes_per_s: float | None = None  # attention reading the KV context
     kv_offload_bytes_per_s: float | None = None  # device KV blocks -> host KV store
     kv_restore_bytes_per_s: float | None = None  # host KV store -> device KV blocks
+    # A copy on a side stream runs while kernels compute (a GPU's DMA copy engines); a CPU
+    # engine's copies take the cores the step computes on, so they add up instead.
+    copies_overlap_compute: bool = True
 
     def __post_init__(self) -> None:
         for field_name in (

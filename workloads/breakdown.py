@@ -10,7 +10,7 @@ Per session, the parts (seconds) add up to its SCT:
 - ``slot_wait``: waiting for its model's slot (other models served, or a closed slot);
 - ``switch``: model switches (weights, and KV moved with them) while it waited;
 - ``recompute``: prefilling KV an earlier call of the session had computed;
-- ``restore``: copying its KV back from host memory;
+- ``restore``: copying its KV back from host memory (what the copy adds to its prefill);
 - ``tool_gaps``: the client's time between its calls.
 
 The instance's ``TimeSplit`` gives each call's switch / slot-wait / queue / service seconds;
@@ -75,11 +75,11 @@ def attach_splits(
                     cost.prefill_seconds(prefilled - recomputed, call.cached_tokens + recomputed)
                 )
             if call.restored_tokens:
-                restore = engine.host_tier.restore_seconds(cost, call.restored_tokens)
-                if engine.host_tier.tier.restore_overlaps_compute:
-                    restore = max(0.0, restore - cost.prefill_seconds(max(1, prefilled),
-                                                                       call.cached_tokens))
-                call.restore_s = restore
+                # what the copy adds to the call's prefill, as the tier overlaps them
+                tier = engine.host_tier
+                compute = cost.prefill_seconds(max(1, prefilled), call.cached_tokens)
+                copy = tier.restore_seconds(cost, call.restored_tokens)
+                call.restore_s = max(0.0, tier.step_seconds(cost, compute, copy) - compute)
 
 
 def call_parts(call: CallTimes, own_s: float | None) -> dict[str, float]:

@@ -194,17 +194,19 @@ class SimEngine(ServesModels):
         else:
             seconds = self._decode_line(len(decodes)).seconds(decode_context, fused)
         restored = self._secondary.loaded_blocks * self.config.block_size
+        restore_s = 0.0
         if restored:
             # a restore shares the host link with a staging copy in flight
             self.memory.poll_staging()
-            restored_s = self.host_tier.restore_seconds(cost, restored)
-            seconds += self.memory.share_host_link(restored_s)
-        seconds = self.host_tier.step_seconds(cost, seconds, restored)
+            restore_s = self.host_tier.restore_seconds(cost, restored)
+            restore_s += self.memory.share_host_link(restore_s)
+        seconds = self.host_tier.step_seconds(cost, seconds, restore_s)
         sched.update_after_step(out)
         assert self.kv is not None
-        seconds += self.host_tier.write_through(
+        store_s = self.host_tier.write_through(
             self.served.active or "", (s.request for s in out.scheduled), self.kv, cost
         )
+        seconds = self.host_tier.with_store(cost, seconds, store_s)
         events.extend(self._emit(out, fused))
         num_decode = out.num_decode_tokens * fused
         self._totals["prefill"] += out.num_prefill_tokens

@@ -37,21 +37,33 @@ class HostTier:
         rate = self.tier.offload_bytes_per_s or cost.device.kv_offload_rate
         return cost.kv_copy_seconds(tokens, rate)
 
-    def step_seconds(self, cost: CostModel, compute_s: float, restored_tokens: int) -> float:
-        """A step that computes for ``compute_s`` and restores ``restored_tokens`` first:
-        serial, or overlapped layer by layer when the tier loads while computing."""
-        if not restored_tokens:
+    def step_seconds(self, cost: CostModel, compute_s: float, restore_s: float) -> float:
+        """A step that computes for ``compute_s`` and restores KV for ``restore_s``: serial;
+        layer by layer, the larger of the two; or pipelined over G groups of layers (copy
+        group g+1 while group g computes: the first copy, or the last compute, is exposed).
+        Serial wherever the device cannot copy while it computes."""
+        if restore_s <= 0:
             return compute_s
-        restore_s = self.restore_seconds(cost, restored_tokens)
-        if self.tier.restore_overlaps_compute:
+        if not (self.tier.restore_overlaps_compute and cost.device.copies_overlap_compute):
+            return compute_s + restore_s
+        groups = self.tier.restore_overlap_groups
+        if groups <= 0:
             return max(compute_s, restore_s)
-        return compute_s + restore_s
+        return max(restore_s + compute_s / groups, compute_s + restore_s / groups)
+
+    def with_store(self, cost: CostModel, step_s: float, store_s: float) -> float:
+        """A step of ``step_s`` that also writes through for ``store_s``: after it, or
+        alongside it when the tier stores layer by layer and the device copies while it
+        computes."""
+        if self.tier.store_overlaps_compute and cost.device.copies_overlap_compute:
+            return max(step_s, store_s)
+        return step_s + store_s
 
     def write_through(
         self, model: str, requests: Iterable[Request], kv: KVCacheManager, cost: CostModel
     ) -> float:
         """Write the requests' newly computed full blocks to the host tier (write-through
-        tiers only); returns the seconds the step pays for it (0 when asynchronous)."""
+        tiers only); returns the seconds the copy takes (0 when asynchronous)."""
         if not self.tier.write_through or not self.enabled:
             return 0.0
         bs = self.block_size

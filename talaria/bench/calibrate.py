@@ -109,7 +109,7 @@ def calibrate(
             d2d_bytes_per_s=copies["activate_d2d"], attention_flops=attn.flops,
             attention_scores_per_s=attn.scores_per_s, decode_scores_per_s=attn.decode_scores_per_s,
             kv_read_bytes_per_s=attn.kv_read_bytes_per_s, kv_offload_bytes_per_s=offload,
-            kv_restore_bytes_per_s=restore,
+            kv_restore_bytes_per_s=restore, copies_overlap_compute=False,
         )
         efficiency = {"compute": 1.0, "memory": 1.0, "nvlink": 1.0, "memory_reserve_fraction": 0.0,
                       "allreduce_latency_s": latency, "overlap": overlap,

@@ -179,9 +179,11 @@ def test_offloaded_kv_is_restored_from_host_after_a_switch() -> None:
     restored = 6004 // BS * BS  # 6004 computed tokens -> 93 full blocks
     assert last.num_restored_tokens == restored and last.num_cached_tokens == restored
     c = cost()
+    compute_s = c.chunks_step_seconds([(len(prompt2) - restored, restored)])
+    restore_s = c.kv_restore_seconds(restored)
+    # copied inside the forward pass, four layer groups pipelined with the compute
     assert first.seconds == pytest.approx(
-        c.chunks_step_seconds([(len(prompt2) - restored, restored)])
-        + c.kv_restore_seconds(restored), rel=1e-12)
+        max(compute_s + restore_s / 4, restore_s + compute_s / 4), rel=1e-12)
     assert engine.session_kv_tokens("s")[1] == restored
     stats = engine.stats()
     assert stats.restored_tokens_total == restored

@@ -45,11 +45,12 @@ def test_a_staging_region_for_the_second_largest_shard() -> None:
 
 
 def _restore_while_staging(stage_first: bool) -> tuple[float, float, float, Residency]:
-    """A session's KV is restored from host in one step, with or without a staging copy in
-    flight; returns (the step's seconds, the restore alone, the staging copy alone, GLM's
-    residency when the copy alone would have ended)."""
+    """A session's KV is restored from host in one step (before the forward pass, so the
+    step's seconds add the restore's), with or without a staging copy in flight; returns
+    (the step's seconds, the restore alone, the staging copy alone, GLM's residency when
+    the copy alone would have ended)."""
     clock = Clock()
-    engine = make(clock=clock, host_kv_bytes=10**12)
+    engine = make(clock=clock, host_kv_bytes=10**12, kv_tier="offload_serial")
     engine.activate(QWEN)
     prompt = tokens(6000)
     engine.add_request(req("c1", prompt, max_tokens=5, session="s"))

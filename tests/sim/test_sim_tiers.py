@@ -1,8 +1,11 @@
-"""The simulated engine's peer mechanisms: host KV tiers (write-through LMCache with its
-store cost, HiCache's overlapped loads and flush on a switch), token-level suspend and
-resume, and an explicit KV capacity."""
+"""The simulated engine's host KV tiers (Talaria's restore pipelined over layer groups or
+before the forward pass, write-through LMCache with its store cost, plain or layer-wise,
+HiCache's overlapped loads and flush on a switch), token-level suspend and resume, and an
+explicit KV capacity."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -74,12 +77,53 @@ def test_hicache_loads_overlap_compute_and_a_switch_flushes_the_tier() -> None:
     assert hicache.host_kv.bytes_of(GLM) > 0  # the new call's blocks were written through
     # the tier's step price: the larger of compute and load, not their sum
     tier = hicache.host_tier
-    assert tier.step_seconds(cost(), 0.5, 1000) == 0.5
-    assert tier.step_seconds(cost(), 0.001, 100_000) == pytest.approx(
-        tier.restore_seconds(cost(), 100_000))
-    offload = make(kv_tier="offload").host_tier
-    assert offload.step_seconds(cost(), 0.5, 1000) == pytest.approx(
-        0.5 + offload.restore_seconds(cost(), 1000))
+    assert tier.step_seconds(cost(), 0.5, 0.1) == 0.5
+    assert tier.step_seconds(cost(), 0.001, 0.3) == 0.3
+
+
+def test_talaria_restores_inside_the_forward_pass_pipelined_over_layer_groups() -> None:
+    """Four groups: copy group g+1 while group g computes, so the step costs the longer
+    stage plus a quarter of the shorter one; restored before the forward, the sum."""
+    layered = make(kv_tier="offload").host_tier
+    assert layered.step_seconds(cost(), 1.0, 0.4) == pytest.approx(1.0 + 0.4 / 4)
+    assert layered.step_seconds(cost(), 0.2, 1.0) == pytest.approx(1.0 + 0.2 / 4)
+    assert layered.step_seconds(cost(), 1.0, 0.0) == 1.0
+    serial = make(kv_tier="offload_serial").host_tier
+    assert serial.step_seconds(cost(), 1.0, 0.4) == pytest.approx(1.4)
+    # a device whose copies take the cores the step computes on overlaps nothing
+    cpu = cost()
+    cpu = CostModel(replace(cpu.server, device=replace(cpu.device, copies_overlap_compute=False)),
+                    cpu.model, 8)
+    assert layered.step_seconds(cpu, 1.0, 0.4) == pytest.approx(1.4)
+    assert make(kv_tier="hicache").host_tier.step_seconds(cpu, 1.0, 0.4) == pytest.approx(1.4)
+    # the returning call's first step, end to end
+    firsts = {}
+    for name in ("offload", "offload_serial"):
+        engine = make(kv_tier=name)
+        engine.activate(GLM)
+        first = prompt(4000)
+        run(engine, "c1", first)
+        engine.offload_kv(["s"])
+        engine.activate(MISTRAL)
+        engine.activate(GLM)
+        steps = run(engine, "c2", first + prompt(500))
+        kept = (len(first) // BS) * BS
+        assert steps[0].num_prefill_tokens == 4500 - kept
+        firsts[name] = steps[0].seconds
+    restore_s = cost().kv_restore_seconds(kept)
+    compute_s = cost().chunks_step_seconds([(4500 - kept, kept)])
+    assert firsts["offload"] == pytest.approx(
+        max(restore_s + compute_s / 4, compute_s + restore_s / 4))
+    assert firsts["offload_serial"] == pytest.approx(compute_s + restore_s)
+
+
+def test_layerwise_lmcache_stores_alongside_the_compute() -> None:
+    plain = make(kv_tier="lmcache").host_tier
+    layered = make(kv_tier="lmcache_layerwise").host_tier
+    assert plain.with_store(cost(), 1.0, 0.3) == pytest.approx(1.3)
+    assert layered.with_store(cost(), 1.0, 0.3) == 1.0
+    assert layered.with_store(cost(), 0.1, 0.3) == 0.3
+    assert layered.step_seconds(cost(), 0.5, 0.2) == 0.5  # retrieved layer by layer too
 
 
 def test_suspend_parks_calls_in_flight_and_activation_resumes_them() -> None:

@@ -81,7 +81,12 @@ def test_policy_catalogue_is_consistent() -> None:
                                           "talaria"]
     # -lending is +demotion: not run twice
     assert list(LEAVE_ONE_OUT_ROWS) == ["-staging", "-host_kv", "-sp", "-reservations",
-                                        "-priority_switch", "-demotion", "-placement"]
+                                        "-priority_switch", "-demotion", "-placement",
+                                        "-layerwise"]
+    # -layerwise is talaria whose engine restores host KV before the forward pass
+    layerwise = LEAVE_ONE_OUT_ROWS["-layerwise"]
+    assert layerwise.policy.with_(name="talaria") == ABLATIONS["talaria"].policy
+    assert layerwise.kv_tier == "offload_serial" and ABLATIONS["talaria"].kv_tier == "offload"
     assert set(PEERS) == {"vllm_sleep", "vllm_sleep_lmcache", "sglang_hicache", "continuum_ttl",
                           "autellix", "aegaeon"}
     base = ABLATIONS["baseline"]
