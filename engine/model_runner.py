@@ -253,7 +253,8 @@ class ModelRunner:
     def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the step's tokens, then float32 logits ``[num_logit_rows, vocab]``
         (None when no row samples). Device work only: no host synchronisation, and every
-        shape follows from the inputs' shapes."""
+        shape follows from the inputs' shapes. A step with KV loads queued also runs their
+        per-layer hook (stream waits on CUDA): such a step is not one to capture."""
         before_layer = self.kv_loads.before_layer if self.kv_loads.pending else None
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache, before_layer

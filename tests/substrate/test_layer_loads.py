@@ -58,13 +58,20 @@ def test_a_group_is_written_only_when_its_first_layer_is_reached() -> None:
 
 def test_finish_writes_loads_a_forward_never_reached() -> None:
     cache, first, second = _cache(), _payloads(1, seed=2), _payloads(2, seed=3)
-    load = LayerwiseKVLoad(torch.device("cpu"))
+    load = LayerwiseKVLoad(torch.device("cpu"), chunk_bytes=1)  # one block per scratch chunk
     load.add(cache, first, [0])
     load.add(cache, second, [2, 5])  # two requests restoring in one step
     record = load.finish()
     assert record is not None and record.bytes == 3 * first[0].numel() * 4
     for block_id, payload in zip([0, 2, 5], first + second, strict=True):
         assert torch.equal(cache[:, :, block_id], payload)
+    again = _payloads(2, seed=7)  # the same blocks again, a step later: the counts restart
+    load.add(cache, again, [2, 5])
+    load.before_layer(LAYERS - 1)
+    assert not load.pending
+    record = load.finish()
+    assert record is not None and record.bytes == 2 * again[0].numel() * 4
+    assert torch.equal(cache[:, :, 2], again[0]) and torch.equal(cache[:, :, 0], first[0])
 
 
 def test_bad_loads_are_refused_before_anything_is_queued() -> None:
@@ -80,3 +87,5 @@ def test_bad_loads_are_refused_before_anything_is_queued() -> None:
         load.add(_cache(), _payloads(1, seed=6), [3])
     with pytest.raises(ValueError):
         LayerwiseKVLoad(torch.device("cpu"), num_groups=0)
+    with pytest.raises(ValueError):
+        LayerwiseKVLoad(torch.device("cpu"), chunk_bytes=0)
