@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from substrate.host_kv_index import HostKVIndex, HostKVKey, ValueHook
+from substrate.layer_loads import LayerwiseKVLoad
 from substrate.mover import TorchMover, block_shape
 from substrate.moves import MoveKind, MoveRecord
 
@@ -35,6 +36,7 @@ class HostKVStore:
         self.kv_chunk_bytes = kv_chunk_bytes
         self._payloads: dict[HostKVKey, torch.Tensor] = {}
         self._movers: dict[torch.device, TorchMover] = {}
+        self._loads: dict[torch.device, LayerwiseKVLoad] = {}
 
     @property
     def capacity_bytes(self) -> int:
@@ -94,14 +96,21 @@ class HostKVStore:
         block_ids: Sequence[int],
         kv_cache: torch.Tensor,
     ) -> MoveRecord:
-        """Copy stored blocks into device blocks ``block_ids`` (the caller allocated them,
-        after ``lookup`` said the hashes are present)."""
+        """Copy stored blocks into device blocks ``block_ids`` now (the caller allocated them,
+        after ``lookup`` said the hashes are present), through the engine's layer-wise
+        restore, settled at once."""
         if len(block_hashes) != len(block_ids):
             raise ValueError(f"{len(block_hashes)} block hashes for {len(block_ids)} block ids")
         if not block_hashes:
             return MoveRecord(MoveKind.KV_RESTORE, 0, 0.0)
-        host = self.payloads(model, block_hashes)
-        return self._mover(kv_cache).kv_restore(host, kv_cache, block_ids)
+        device = kv_cache.device
+        if device not in self._loads:
+            self._loads[device] = LayerwiseKVLoad(device, chunk_bytes=self.kv_chunk_bytes)
+        loads = self._loads[device]
+        loads.add(kv_cache, self.payloads(model, block_hashes), block_ids)
+        record = loads.finish()
+        assert record is not None
+        return record
 
     def payloads(self, model: str, block_hashes: Sequence[int]) -> list[torch.Tensor]:
         """The stored host tensors of these blocks, for a caller that copies them itself

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from substrate.mover import block_shape
+from substrate.mover import check_blocks
 from substrate.moves import KV_RESTORE_LAYER_GROUPS, MoveKind, MoveRecord
 
 __all__ = ["LayerwiseKVLoad", "layer_groups"]
@@ -87,15 +87,7 @@ class LayerwiseKVLoad:
         """Queue host block payloads (``[num_layers, 2, block_size, kv_heads, head_dim]``,
         pinned for an asynchronous copy) for device blocks ``block_ids`` of ``kv_cache``;
         returns the bytes queued."""
-        shape = block_shape(kv_cache)
-        if len(host_blocks) != len(block_ids):
-            raise ValueError(f"{len(block_ids)} block ids for {len(host_blocks)} host blocks")
-        for hb in host_blocks:
-            if tuple(hb.shape) != shape or hb.dtype != kv_cache.dtype:
-                raise ValueError(
-                    f"host block {tuple(hb.shape)} {hb.dtype} does not match the KV cache's "
-                    f"blocks {shape} {kv_cache.dtype}"
-                )
+        check_blocks(kv_cache, block_ids, host_blocks)
         if not block_ids:
             return 0
         if self._kv_cache is not None and self.pending and kv_cache is not self._kv_cache:
@@ -103,7 +95,7 @@ class LayerwiseKVLoad:
         self._kv_cache = kv_cache
         groups = [
             _Group(lo, hi, list(block_ids), list(host_blocks))
-            for lo, hi in layer_groups(shape[0], self.num_groups)
+            for lo, hi in layer_groups(kv_cache.shape[0], self.num_groups)
         ]
         if self._stream is not None:
             self._issue(groups)

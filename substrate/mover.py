@@ -14,7 +14,7 @@ import torch
 
 from substrate.moves import MoveKind, MoveRecord
 
-__all__ = ["MoveKind", "MoveRecord", "TorchMover", "block_shape", "synchronize"]
+__all__ = ["MoveKind", "MoveRecord", "TorchMover", "block_shape", "check_blocks", "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -25,9 +25,9 @@ def synchronize(device: torch.device) -> None:
 class TorchMover:
     """Synchronous, measured torch copies on one device.
 
-    ``kv_chunk_bytes`` bounds the device scratch used to gather (offload) or scatter
-    (restore) KV blocks; the scratch comes from torch's allocator, outside the arena, and is
-    released to its cache after each call.
+    ``kv_chunk_bytes`` bounds the device scratch used to gather KV blocks for an offload;
+    the scratch comes from torch's allocator, outside the arena, and is released to its cache
+    after each call. (Restores go through ``substrate.layer_loads``.)
     """
 
     def __init__(self, device: torch.device | str, kv_chunk_bytes: int = 64 * 2**20) -> None:
@@ -66,7 +66,7 @@ class TorchMover:
         """Copy blocks ``block_ids`` of ``kv_cache`` (``[num_layers, 2, num_blocks, block_size,
         kv_heads, head_dim]``) into host tensors of shape ``[num_layers, 2, block_size,
         kv_heads, head_dim]`` (one per block)."""
-        _check_blocks(kv_cache, block_ids, host_blocks)
+        check_blocks(kv_cache, block_ids, host_blocks)
         nbytes = sum(hb.numel() * hb.element_size() for hb in host_blocks)
 
         def run() -> None:
@@ -76,22 +76,6 @@ class TorchMover:
                     host_blocks[i].copy_(scratch[i - lo], non_blocking=True)
 
         return self.timed(MoveKind.KV_OFFLOAD, nbytes, run)
-
-    def kv_restore(
-        self, host_blocks: Sequence[torch.Tensor], kv_cache: torch.Tensor, block_ids: Sequence[int]
-    ) -> MoveRecord:
-        """Copy host block tensors into blocks ``block_ids`` of ``kv_cache`` (inverse of
-        offload)."""
-        _check_blocks(kv_cache, block_ids, host_blocks)
-        nbytes = sum(hb.numel() * hb.element_size() for hb in host_blocks)
-
-        def run() -> None:
-            for lo, hi, idx, scratch in self._chunks(kv_cache, block_ids):
-                for i in range(lo, hi):
-                    scratch[i - lo].copy_(host_blocks[i], non_blocking=True)
-                kv_cache.index_copy_(2, idx, scratch.movedim(0, 2))
-
-        return self.timed(MoveKind.KV_RESTORE, nbytes, run)
 
     def _chunks(
         self, kv_cache: torch.Tensor, block_ids: Sequence[int]
@@ -118,7 +102,7 @@ def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
     return (layers, two, *rest)
 
 
-def _check_blocks(
+def check_blocks(
     kv_cache: torch.Tensor, block_ids: Sequence[int], host_blocks: Sequence[torch.Tensor]
 ) -> None:
     if len(block_ids) != len(host_blocks):

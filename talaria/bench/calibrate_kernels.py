@@ -18,7 +18,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from substrate.host_kv import HostKVStore
-from substrate.layer_loads import LayerwiseKVLoad
 
 __all__ = ["LayerShapes", "best_seconds", "matmul_flops", "weight_stream", "attention_rates",
            "kv_copy_rates", "allreduce_costs"]
@@ -163,7 +162,7 @@ def attention_rates(small: LayerShapes, tiny: LayerShapes, length: int = 2048,
 def kv_copy_rates(num_layers: int, kv_heads: int, head_dim: int, block_size: int = 16,
                   num_blocks: int = 512) -> tuple[float, float]:
     """(offload, restore) bytes per second of ``num_blocks`` KV blocks of this shape through
-    the live host KV store, restored as the engine restores (``LayerwiseKVLoad``; device and
+    the live host KV store, restored as the engine restores (layer group by layer group; device and
     host are both this machine's memory on a CPU)."""
     kv = torch.randn(num_layers, 2, 2 * num_blocks, block_size, kv_heads, head_dim)
     hashes = list(range(1, num_blocks + 1))
@@ -173,10 +172,7 @@ def kv_copy_rates(num_layers: int, kv_heads: int, head_dim: int, block_size: int
     for r in range(4):
         store = HostKVStore(1 << 40, pin=False)
         saved = store.save("m", hashes, ids, kv)
-        load = LayerwiseKVLoad(kv.device)
-        load.add(kv, store.payloads("m", hashes), [i + 1 for i in ids])
-        loaded = load.finish()
-        assert loaded is not None
+        loaded = store.load("m", hashes, [i + 1 for i in ids], kv)
         nbytes = saved.bytes
         if r:  # the first run is a warm-up
             offload, restore = min(offload, saved.seconds), min(restore, loaded.seconds)

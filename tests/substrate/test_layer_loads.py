@@ -79,8 +79,10 @@ def test_bad_loads_are_refused_before_anything_is_queued() -> None:
     load = LayerwiseKVLoad(torch.device("cpu"))
     with pytest.raises(ValueError, match="block ids"):
         load.add(cache, _payloads(2, seed=4), [0])
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="the device cache needs"):
         load.add(cache, [torch.zeros((LAYERS, 2, BLOCK, HEADS, DIM + 1))], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        load.add(cache, _payloads(1, seed=8), [BLOCKS])
     assert not load.pending and load.add(cache, [], []) == 0
     load.add(cache, _payloads(1, seed=5), [3])
     with pytest.raises(RuntimeError, match="another KV cache"):
