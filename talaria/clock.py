@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["VirtualTimeLoop", "new_virtual_loop", "new_live_loop", "run_virtual", "run_live"]
+__all__ = ["VIRTUAL_CLOCK_RESOLUTION_S", "VirtualTimeLoop", "new_virtual_loop", "new_live_loop",
+           "run_virtual", "run_live"]
+
+# Timers of the virtual loop due within this of "now" run together, so a timer may fire up to
+# this much early. The wall-clock default (1 ns) is below a float's resolution once virtual
+# time reaches ~1e7 s, which would stall.
+VIRTUAL_CLOCK_RESOLUTION_S = 1e-6
 
 
 class _JumpingSelector(selectors.BaseSelector):
@@ -66,9 +72,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         super().__init__(selector)
         selector.attach(self)
         self._virtual_now = float(start)
-        # Timers due within this of "now" run together. The wall-clock default (1 ns) is
-        # below a float's resolution once virtual time reaches ~1e7 s, which would stall.
-        self._clock_resolution = 1e-6
+        self._clock_resolution = VIRTUAL_CLOCK_RESOLUTION_S
 
     def time(self) -> float:
         return self._virtual_now

@@ -76,9 +76,9 @@ def _run_job(job: Job, progress: bool = False) -> tuple[Any, ReplayResult]:
         return job.key, run_ideal(job.sessions, job.spec, job.ideal, seed=job.seed,
                                   progress=progress)
     if job.system is None:
-        from workloads.lower_bound import run_lower_bound
+        from workloads.lower_bound import run_isolated
 
-        return job.key, run_lower_bound(job.sessions, job.spec, seed=job.seed, progress=progress)
+        return job.key, run_isolated(job.sessions, job.spec)
     return job.key, run_sim(job.sessions, job.system, job.spec, seed=job.seed, progress=progress)
 
 

@@ -31,7 +31,7 @@ All times are seconds; byte counts are per GPU (every rank moves its own shard i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from engine.sim.model_spec import ModelSpec
@@ -118,6 +118,38 @@ class StepCost:
     @property
     def memory_bound(self) -> bool:
         return self.memory_s >= self.compute_s
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """A step's time as sums over what it holds, per GPU: a step of T new tokens, R sampling
+    rows, P prefill and Q decode (query, key) pairs of attention, reading K cached KV tokens:
+
+    - compute ``C = T * compute_per_token + R * compute_per_row + P * compute_per_prefill_pair
+      + Q * compute_per_decode_pair``;
+    - memory ``M = weights(T) + (K + T) * kv_per_token``;
+    - ``collective_fixed + T * collective_per_token + R * collective_per_row`` (TP
+      collectives) and ``overhead_fixed + R * overhead_per_row``;
+    - the step takes ``combine(C, M, overlap)`` plus those two.
+
+    ``CostModel._step`` prices exactly this (a test holds them equal), except that an engine
+    that runs every expert on small batches (``Efficiency.moe_dense_max_tokens``, a measured
+    CPU's) computes more for T up to that size: ``compute_per_token`` is then the least.
+    ``weights(T)``: the weight bytes a step of T tokens reads, over the HBM rate; concave in T
+    and ``weights(T) / T`` falls as T grows."""
+
+    compute_per_token: float
+    compute_per_row: float
+    compute_per_prefill_pair: float
+    compute_per_decode_pair: float
+    kv_per_token: float
+    collective_per_token: float
+    collective_per_row: float
+    collective_fixed: float
+    overhead_per_row: float
+    overhead_fixed: float
+    overlap: float
+    weights: Callable[[int], float]
 
 
 def combine(compute_s: float, memory_s: float, overlap: float) -> float:
@@ -247,6 +279,38 @@ class CostModel:
                         self._collective_seconds(tokens, logit_rows), overhead_s, eff.overlap,
                         (("linear", linear_s), ("attention", attention_s), ("scores", scores_s),
                          ("weights", weights_s), ("kv", kv_s)))
+
+    def terms(self) -> StepTerms:
+        """This model's step time as sums over what a step holds (``StepTerms``)."""
+        m, tp, dev, eff = self.model, self.tp, self.device, self.eff
+        flop_rate = dev.bf16_flops * eff.compute
+        hbm_rate = dev.hbm_bytes_per_s * eff.memory
+        per_score = m.num_layers * m.num_attention_heads / tp
+        attention = 4.0 * m.head_dim / (dev.attention_flops or flop_rate)
+        prefill_rate, decode_rate = dev.attention_scores_per_s, dev.decode_scores_per_s
+        kv_rate = dev.kv_read_bytes_per_s or hbm_rate
+        one_reduce = self._collective_seconds(1, 0)
+        two_reduces = self._collective_seconds(2, 0)
+        one_row = self._collective_seconds(1, 1)
+        per_token_collective = two_reduces - one_reduce
+        return StepTerms(
+            compute_per_token=2.0 * m.active_linear_params / tp / flop_rate,
+            compute_per_row=2.0 * m.vocab_size * m.hidden_size / tp / flop_rate,
+            compute_per_prefill_pair=per_score * (
+                attention + (1.0 / prefill_rate if prefill_rate else 0.0)),
+            compute_per_decode_pair=per_score * (
+                attention + (1.0 / decode_rate if decode_rate else 0.0)),
+            kv_per_token=self.kv_bytes_per_token_per_gpu() / kv_rate,
+            collective_per_token=per_token_collective,
+            collective_per_row=one_row - one_reduce,
+            collective_fixed=one_reduce - per_token_collective,
+            overhead_per_row=eff.seq_overhead_s,
+            overhead_fixed=(eff.step_overhead_s + m.num_layers * eff.layer_overhead_s
+                            + m.num_moe_layers * eff.moe_layer_overhead_s
+                            + (eff.tp_step_overhead_s if tp > 1 else 0.0)),
+            overlap=eff.overlap,
+            weights=lambda tokens: dict(self._step(tokens, 0.0, 0, 0).parts)["weights"],
+        )
 
     def _collective_seconds(self, tokens: int, logit_rows: int) -> float:
         """Two ring all-reduces per layer (after attention, after the MLP/MoE), one for the

@@ -200,3 +200,37 @@ def test_efficiency_factors_scale_the_roofline() -> None:
 def test_from_names() -> None:
     c = CostModel.from_names("h100x8", "glm-4.5-air", tp=4)
     assert c.server is H100X8 and c.model.name == "glm-4.5-air" and c.tp == 4
+
+
+@pytest.mark.parametrize("model", ["qwen3-235b-a22b", "glm-4.5-air", "mistral-large-2407"])
+def test_step_terms_price_every_step_as_the_cost_model_does(model: str) -> None:
+    """``StepTerms`` (what the lower bound reasons with) and ``step_cost`` (what the
+    simulator charges) are one rule: random mixed steps cost the same under both."""
+    import random
+
+    from engine.sim.cost_model import combine
+
+    cost = CostModel.from_names("h200x8", model, 8)
+    t = cost.terms()
+    rng = random.Random(0)
+    for _ in range(100):
+        chunks = [(rng.randint(1, 3000), rng.randint(0, 50_000)) for _ in range(rng.randint(0, 3))]
+        decodes = rng.randint(0 if chunks else 1, 200)
+        context = rng.randint(0, 40_000) * decodes
+        tokens = decodes + sum(n for n, _ in chunks)
+        rows = decodes + len(chunks)
+        prefill_pairs = sum(n * ctx + n * (n + 1) / 2 for n, ctx in chunks)
+        reads = context + sum(ctx for _, ctx in chunks)
+        compute = (tokens * t.compute_per_token + rows * t.compute_per_row
+                   + prefill_pairs * t.compute_per_prefill_pair
+                   + (context + decodes) * t.compute_per_decode_pair)
+        memory = t.weights(tokens) + (reads + tokens) * t.kv_per_token
+        seconds = (combine(compute, memory, t.overlap) + t.collective_fixed + t.overhead_fixed
+                   + tokens * t.collective_per_token + rows * (t.collective_per_row
+                                                               + t.overhead_per_row))
+        assert seconds == pytest.approx(cost.step_cost(chunks, decodes, context).seconds,
+                                        rel=1e-12)
+    weights = [t.weights(n) for n in (1, 2, 16, 256, 8192)]
+    assert weights == sorted(weights)
+    assert [w / n for w, n in zip(weights, (1, 2, 16, 256, 8192), strict=True)] == sorted(
+        (w / n for w, n in zip(weights, (1, 2, 16, 256, 8192), strict=True)), reverse=True)

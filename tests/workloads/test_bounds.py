@@ -1,18 +1,28 @@
-"""The bounds and the time split: on random small traces no row beats ``ideal`` or
-``isolated`` at any of its settings; every session's split adds up to its SCT."""
+"""The bounds and the time split: on random small traces no row at any of its settings, no
+ideal schedule and no random policy beats the lower bound (``workloads.bound``) at p50, p95 or
+mean, nor ``ideal`` or ``isolated``; the closed-form isolated run is the simulated one; every
+session's split adds up to its SCT."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from engine.sim.model_spec import DEFAULT_CATALOG
 from talaria.instance.device import DeviceSchedule
+from workloads.bound import (
+    LowerBound,
+    _srpt_completions,
+    _subset_bound,
+    lower_bound,
+    session_bounds,
+)
 from workloads.breakdown import PARTS, session_parts
 from workloads.cluster import ClusterSpec
 from workloads.ideal import ideal_schedules, run_ideal
-from workloads.lower_bound import run_lower_bound
+from workloads.lower_bound import run_isolated, simulate_isolated
 from workloads.replay import ReplayResult, run_sim
 from workloads.report import own_durations, percentile, summarize
 from workloads.systems import SYSTEMS, SystemConfig
@@ -21,11 +31,12 @@ from workloads.trace import Call, Session
 SPEC = ClusterSpec()
 
 
-def _random_trace(seed: int) -> list[Session]:
-    """2-6 sessions over the three models, 2-6 growing calls each, random gaps and arrivals."""
+def _random_trace(seed: int, burst: bool = False, sessions_at_most: int = 6) -> list[Session]:
+    """2-6 sessions over the three models, 2-6 growing calls each, random gaps and arrivals
+    (``burst``: all at 0)."""
     rng = random.Random(seed)
     sessions = []
-    for i in range(rng.randint(2, 6)):
+    for i in range(rng.randint(2, sessions_at_most)):
         tokens, calls = rng.randint(500, 20_000), []
         n = rng.randint(2, 6)
         for k in range(n):
@@ -34,8 +45,32 @@ def _random_trace(seed: int) -> list[Session]:
             calls.append(Call(tokens, out, gap))
             tokens += out + rng.randint(100, 5000)
         sessions.append(Session(f"s{i}", rng.choice(DEFAULT_CATALOG), tuple(calls),
-                                arrival_s=round(rng.uniform(0, 10), 2)))
+                                arrival_s=0.0 if burst else round(rng.uniform(0, 10), 2)))
     return sessions
+
+
+def _stats(result: ReplayResult) -> tuple[float, float, float]:
+    scts = [s.sct_s for s in result.sessions]
+    return percentile(scts, 50), percentile(scts, 95), sum(scts) / len(scts)
+
+
+def _assert_not_below(result: ReplayResult, bound: LowerBound, where: str) -> None:
+    p50, p95, mean = _stats(result)
+    assert p50 >= bound.sct_p50_s, f"{where}: p50 {p50} < bound {bound.sct_p50_s}"
+    assert p95 >= bound.sct_p95_s, f"{where}: p95 {p95} < bound {bound.sct_p95_s}"
+    assert mean >= bound.sct_mean_s, f"{where}: mean {mean} < bound {bound.sct_mean_s}"
+
+
+def _random_policy(rng: random.Random, system: SystemConfig) -> SystemConfig:
+    """``system`` with random mechanisms off and a random slot rule and quantum."""
+    mechanisms = ("session_prefill", "soft_reservations", "session_priority",
+                  "priority_switch", "kv_demotion", "lend_staging")
+    off = {m: False for m in mechanisms if rng.random() < 0.4}
+    if not off.get("session_priority", True):
+        off["priority_switch"] = False
+    return system.with_policy(
+        **off, slot_close=rng.choice(("empty", "drained", "quantum")),
+        slot_quantum_s=rng.choice((0.5, 2.0, 10.0, 60.0)))
 
 
 def _p(result: ReplayResult) -> tuple[float, float]:
@@ -48,20 +83,83 @@ def _settings(system: SystemConfig) -> list[dict[str, object]]:
     return [{"slot_close": rule, "slot_quantum_s": q} for rule in ("empty", "drained", "quantum")]
 
 
-@pytest.mark.parametrize("seed", [1, 4, 7])
-def test_no_row_beats_the_bounds_on_random_small_traces(seed: int) -> None:
-    trace = _random_trace(seed)
+@pytest.mark.parametrize(("seed", "burst"), [(1, False), (4, False), (7, True)])
+def test_no_row_beats_the_bounds_on_random_small_traces(seed: int, burst: bool) -> None:
+    trace = _random_trace(seed, burst)
+    bound = lower_bound(trace, SPEC)
     schedules = ideal_schedules(quanta=(2.0, 10.0))
-    ideal = [_p(run_ideal(trace, SPEC, s)) for s in schedules]
+    ideal_runs = [run_ideal(trace, SPEC, s) for s in schedules]
+    for schedule, run in zip(schedules, ideal_runs, strict=True):
+        _assert_not_below(run, bound, f"ideal {schedule.name} on trace {seed}")
+    ideal = [_p(run) for run in ideal_runs]
     ideal50, ideal95 = min(p for p, _ in ideal), min(p for _, p in ideal)
-    iso50, iso95 = _p(run_lower_bound(trace, SPEC))
+    iso50, iso95 = _p(run_isolated(trace, SPEC))
     assert ideal50 >= iso50 * (1 - 1e-9) and ideal95 >= iso95 * (1 - 1e-9)
+    rng = random.Random(seed)
     for name, system in SYSTEMS.items():
-        for setting in _settings(system):
-            p50, p95 = _p(run_sim(trace, system.with_setting(**setting), SPEC))
-            where = f"{name} at {setting} on trace {seed}"
+        runs = [system.with_setting(**setting) for setting in _settings(system)]
+        runs.append(_random_policy(rng, system))
+        for variant in runs:
+            result = run_sim(trace, variant, SPEC)
+            p50, p95 = _p(result)
+            where = f"{name} at {variant.setting} on trace {seed}"
+            _assert_not_below(result, bound, where)
             assert p50 >= ideal50 * (1 - 1e-9) and p95 >= ideal95 * (1 - 1e-9), where
             assert p50 >= iso50 * (1 - 1e-9) and p95 >= iso95 * (1 - 1e-9), where
+
+
+def test_the_capacity_argument_binds_in_a_crowded_burst_and_holds() -> None:
+    """Twelve sessions of one model at once, no tool gaps: the server's capacity, not any
+    session's own path, bounds the median; no row gets below it."""
+    calls = (Call(8000, 600, 0.0), Call(9000, 600, 0.0), Call(10000, 600, None))
+    trace = [Session(f"s{i}", "qwen3-235b-a22b", calls) for i in range(12)]
+    bound = lower_bound(trace, SPEC)
+    assert bound.binding["p50"] == "capacity" and bound.binding["mean"] == "capacity"
+    assert bound.sct_p50_s > max(s.critical_s for s in session_bounds(trace, SPEC))
+    for name in ("baseline", "talaria", "vllm_sleep", "aegaeon"):
+        _assert_not_below(run_sim(trace, SYSTEMS[name], SPEC), bound, name)
+
+
+def test_subset_bound_is_the_least_over_every_set() -> None:
+    rng = random.Random(3)
+    for _ in range(20):
+        n, servers = rng.randint(1, 7), rng.randint(1, 3)
+        crit = [rng.uniform(0, 10) for _ in range(n)]
+        work = [rng.uniform(0, 10) for _ in range(n)]
+        got = _subset_bound(crit, work, servers)
+        for k in range(1, n + 1):
+            brute = min(max(max(crit[i] for i in subset), sum(work[i] for i in subset) / servers)
+                        for subset in itertools.combinations(range(n), k))
+            assert got[k - 1] == pytest.approx(brute)
+
+
+def test_srpt_completes_as_many_jobs_as_any_order_by_every_time() -> None:
+    """Preemptive SRPT against every non-preemptive order of the same jobs (one machine)."""
+    rng = random.Random(5)
+    for _ in range(20):
+        n, servers = rng.randint(1, 5), rng.randint(1, 2)
+        arrivals = [rng.choice((0.0, rng.uniform(0, 5))) for _ in range(n)]
+        work = [rng.uniform(0.1, 5) for _ in range(n)]
+        srpt = _srpt_completions(arrivals, work, servers)
+        for order in itertools.permutations(range(n)):
+            now, ends = 0.0, []
+            for i in order:
+                now = max(now, arrivals[i]) + work[i] / servers
+                ends.append(now)
+            assert all(a <= b + 1e-9 for a, b in zip(srpt, sorted(ends), strict=True))
+
+
+def test_closed_form_isolated_is_the_simulated_one() -> None:
+    trace = _random_trace(2) + [
+        Session("long", "glm-4.5-air", (Call(20_000, 40, 1.0), Call(31_000, 900, None)))]
+    closed = run_isolated(trace, SPEC)
+    simulated = simulate_isolated(trace, SPEC)
+    for a, b in zip(closed.sessions, simulated.sessions, strict=True):
+        assert a.session_id == b.session_id
+        for x, y in zip(a.calls, b.calls, strict=True):
+            steps = 2 + x.output_tokens  # the virtual clock's resolution per timer
+            assert x.done_s - x.sent_s == pytest.approx(y.done_s - y.sent_s, abs=steps * 1e-6)
+            assert x.ttft_s == pytest.approx(y.ttft_s, abs=4e-6)
 
 
 def test_shared_device_never_runs_two_models_at_once() -> None:
@@ -70,7 +168,7 @@ def test_shared_device_never_runs_two_models_at_once() -> None:
     the sum of each model's work alone."""
     glm = [Session(f"g{i}", "glm-4.5-air", (Call(4000, 300, None),)) for i in range(2)]
     mistral = [Session(f"m{i}", "mistral-large-2407", (Call(4000, 300, None),)) for i in range(2)]
-    alone = {m: max(s.sct_s for s in run_lower_bound(group, SPEC).sessions)
+    alone = {m: max(s.sct_s for s in run_isolated(group, SPEC).sessions)
              for m, group in (("g", glm), ("m", mistral))}
     for schedule in (DeviceSchedule(), DeviceSchedule("slots", "drained", 1.0)):
         result = run_ideal(glm + mistral, SPEC, schedule)
@@ -81,7 +179,7 @@ def test_each_sessions_time_split_adds_up_to_its_sct() -> None:
     trace = _random_trace(3) + _random_trace(5)
     trace = [Session(f"{s.session_id}-{i}", s.model, s.calls, arrival_s=s.arrival_s)
              for i, s in enumerate(trace)]
-    own = own_durations(run_lower_bound(trace, SPEC))
+    own = own_durations(run_isolated(trace, SPEC))
     runs = [run_sim(trace, SYSTEMS[name].with_setting(slot_close="drained", slot_quantum_s=5.0),
                     SPEC)
             for name in ("baseline", "talaria", "vllm_sleep_lmcache", "sglang_hicache",

@@ -13,7 +13,7 @@ from engine.sim.model_spec import ModelSpec
 from substrate.devices import server_preset
 from workloads.cluster import ClusterSpec
 from workloads.generator import generate_trace
-from workloads.lower_bound import run_lower_bound
+from workloads.lower_bound import run_isolated
 from workloads.replay import SessionTokens, next_prompt, replicate, run_sim
 from workloads.report import summarize
 from workloads.systems import SYSTEMS
@@ -89,7 +89,7 @@ def test_sct_equals_hand_computed_sum_of_calls_and_gaps() -> None:
 
 
 def test_lower_bound_is_the_same_sum_without_the_activation() -> None:
-    result = run_lower_bound(_trace(), SPEC)
+    result = run_isolated(_trace(), SPEC)
     scts, _ = _expected(0.0)
     got = {s.session_id: s.sct_s for s in result.sessions}
     assert got == {f"s{i}": pytest.approx(v, rel=1e-9, abs=1e-9) for i, v in enumerate(scts)}
@@ -133,7 +133,7 @@ def test_contention_policies_on_a_small_two_model_trace() -> None:
     trace = generate_trace(num_sessions=4, total_calls=20, models=("glm-4.5-air",
                                                                    "mistral-large-2407"), seed=3)
     spec = ClusterSpec(models=("glm-4.5-air", "mistral-large-2407"))
-    lower = summarize(run_lower_bound(trace, spec))
+    lower = summarize(run_isolated(trace, spec))
     stats = {}
     for name in ("baseline", "+host_kv", "talaria"):
         result = run_sim(trace, SYSTEMS[name], spec)
