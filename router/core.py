@@ -34,6 +34,7 @@ import structlog
 from router.call_health import CallHealth, HealthRules
 from router.deadlines import DeadlineMissed, Deadlines, first_token_deadline, next_event
 from router.metrics import RouterMetrics
+from router.output_lengths import OutputLengths
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.prefix_chain import PromptHashes
 from router.session_books import SessionBooks, SessionCall
@@ -92,6 +93,7 @@ class RouterCore:
         self.context = context if context is not None else PlacementContext()
         self.policy: PlacementPolicy = make_policy(policy, self.context) if isinstance(policy, str) else policy
         self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.outputs = OutputLengths()
         self.block_size = block_size
         self.refresh_after_call = refresh_after_call
         self.deadlines = deadlines if deadlines is not None else Deadlines()
@@ -194,7 +196,7 @@ class RouterCore:
             prompt_len=len(call.prompt_token_ids),
             block_hashes=hashes if hashes is not None else block_hashes(call.prompt_token_ids, self.block_size),
             block_size=self.block_size,
-            max_tokens=call.params.max_tokens,
+            expected_output=self.outputs.expected(call.model, call.params.max_tokens),
             affinity=affinity,
         )
 
@@ -273,7 +275,7 @@ class RouterCore:
             if attempt:
                 self.metrics.retries.inc(model=call.model)
             stream = aiter(self.clients[instance_id].submit(call))
-            self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.max_tokens)
+            self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.expected_output)
             try:
                 deadline = first_token_deadline(
                     self.deadlines, self.states.get(instance_id), call.model
@@ -330,13 +332,15 @@ class RouterCore:
         """The call no longer counts on the instance (its prefill only if not yet done)."""
         if prefilling:
             self.context.prefill_done(instance_id, pcall.prompt_len)
-        self.context.remove(instance_id, pcall.prompt_len + pcall.max_tokens)
+        self.context.remove(instance_id, pcall.prompt_len + pcall.expected_output)
 
     def _count_usage(self, call: CallRequest, event: CallEvent, n_outputs: int) -> None:
         usage = event.usage
         prompt = usage.prompt_tokens if usage else len(call.prompt_token_ids)
         self.metrics.prompt_tokens.inc(prompt, model=call.model)
-        self.metrics.completion_tokens.inc(usage.completion_tokens if usage else n_outputs, model=call.model)
+        completion = usage.completion_tokens if usage else n_outputs
+        self.metrics.completion_tokens.inc(completion, model=call.model)
+        self.outputs.observe(call.model, completion)
         if usage:
             self.metrics.cached_tokens.inc(usage.cached_tokens, model=call.model)
 

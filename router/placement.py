@@ -29,7 +29,7 @@ class PlacementCall:
     prompt_len: int
     block_hashes: list[int]  # of the prompt's full blocks (router.tokenization.block_hashes)
     block_size: int
-    max_tokens: int = 16
+    expected_output: int = 16  # output tokens expected of it (router.output_lengths)
     affinity: str | None = None  # an instance preferred among equals (a subagent's parent's)
 
 
@@ -274,7 +274,7 @@ class Talaria(_Base):
         device, host = self.local_tokens(instance_id, call, session, states)
         restore = (host * ms.kv_bytes_per_token / rates.kv_restore_bytes_per_s) if ms.kv_bytes_per_token else 0.0
         rebuild = restore + (call.prompt_len - device - host) / rates.prefill_tokens_per_s
-        queue = self._queue(instance_id, call.prompt_len - device + call.max_tokens, ms, state, rates)
+        queue = self._queue(instance_id, call.prompt_len - device + call.expected_output, ms, state, rates)
         return TtftEstimate(instance_id, wait, switch, rebuild, queue, device + host)
 
     def _queue(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.sim.config import SimEngineConfig
@@ -142,10 +142,12 @@ def instance_ids(servers: int) -> list[str]:
 
 
 async def start_cluster(
-    system: SystemConfig, spec: ClusterSpec | None = None, models: Sequence[str] | None = None
+    system: SystemConfig, spec: ClusterSpec | None = None, models: Sequence[str] | None = None,
+    answers: Mapping[str, int] | None = None,
 ) -> Cluster:
     """Build and start ``spec.servers`` instances of ``system`` behind one router, on the
-    running loop. ``models`` overrides ``spec.models`` (the catalog every instance serves)."""
+    running loop. ``models`` overrides ``spec.models`` (the catalog every instance serves);
+    ``answers``: where each call's answer ends (``SimEngine.answer_lengths``)."""
     spec = spec or ClusterSpec()
     loop = asyncio.get_running_loop()
     catalog = spec.catalog(models)
@@ -153,7 +155,7 @@ async def start_cluster(
     instances: dict[str, Instance] = {}
     config = spec.engine_config(system)
     for iid in instance_ids(spec.servers):
-        engine = SimEngine(catalog, config, clock=loop.time)
+        engine = SimEngine(catalog, config, clock=loop.time, answer_lengths=answers)
         inst = Instance(iid, engine, system.policy, record_splits=True)
         await inst.start()
         engines[iid] = engine

@@ -117,7 +117,7 @@ def replay_pair(
     chosen = system(policy).with_policy(**setup.policy_overrides())
     simulated = run_sim(sessions, chosen, cluster_spec(setup, server, catalog), seed=setup.seed,
                         time_scale=setup.time_scale, vocab_size=setup.vocab,
-                        output_kv_reusable=False)
+                        output_kv_reusable=False, exact_max_tokens=True)
     with tempfile.TemporaryDirectory(prefix="talaria-fidelity-") as tmp:
         config = Path(tmp) / "serve.toml"
         config.write_text(serve_config_text(setup, models, policy))

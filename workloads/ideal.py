@@ -30,7 +30,7 @@ from talaria.instance.executor import EngineExecutor
 from workloads.breakdown import attach_splits
 from workloads.cluster import ClusterSpec
 from workloads.lower_bound import InstanceTarget
-from workloads.replay import ReplayResult, drive, model_limits
+from workloads.replay import AGENT_MAX_TOKENS, ReplayResult, drive, model_limits
 from workloads.systems import ROUND_QUANTA
 from workloads.trace import Session
 
@@ -67,6 +67,8 @@ def run_ideal(
     vocab, context = model_limits(spec.models)
     wall = time.perf_counter()
 
+    answers: dict[str, int] = {}
+
     async def main() -> list:
         loop = asyncio.get_running_loop()
         devices: dict[int, SharedDevice] = {}
@@ -74,13 +76,16 @@ def run_ideal(
         for s in sessions:
             device = devices.setdefault(
                 _server_of(s.session_id), SharedDevice(spec.models, schedule, loop.time))
-            need = max(c.input_tokens + c.output_tokens for c in s.calls) + 2 * spec.block_size
+            # room for every call's prompt and all the answer it may ask for (the engine
+            # refuses a call that could outgrow its KV cache)
+            need = max(min(context[s.model], c.input_tokens + AGENT_MAX_TOKENS)
+                       for c in s.calls) + 2 * spec.block_size
             config = SimEngineConfig(
                 server=spec.server, tp=spec.tp, block_size=spec.block_size, staging=False,
                 host_kv_bytes=0, max_fused_decode_steps=spec.max_fused_decode_steps,
                 kv_tokens=need,
             )
-            engine = SimEngine([s.model], config, clock=loop.time)
+            engine = SimEngine([s.model], config, clock=loop.time, answer_lengths=answers)
             engine.activate(s.model)  # resident from the start
             inst = Instance(f"ideal-{s.session_id}", engine, _PLAIN,
                             executor=EngineExecutor(engine, device=device), record_splits=True)
@@ -90,7 +95,7 @@ def run_ideal(
             results = await drive(
                 sessions, InstanceTarget(instances), seed=seed, vocab_of=vocab.__getitem__,
                 context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
-                desc=IDEAL_NAME,
+                desc=IDEAL_NAME, answers=answers,
             )
             splits = {k: v for inst in instances.values() for k, v in inst.loop.split.done.items()}
             engines = {inst.instance_id: inst.engine for inst in instances.values()}

@@ -108,8 +108,10 @@ def simulate_isolated(
         async def main(batch: list[Session] = batch) -> list:
             loop = asyncio.get_running_loop()
             instances: dict[str, Instance] = {}
+            answers: dict[str, int] = {}
             for s in batch:
-                engine = SimEngine(list(spec.models), config, clock=loop.time)
+                engine = SimEngine(list(spec.models), config, clock=loop.time,
+                                   answer_lengths=answers)
                 engine.activate(s.model)
                 inst = Instance(f"alone-{s.session_id}", engine, preset("baseline"))
                 await inst.start()
@@ -120,7 +122,7 @@ def simulate_isolated(
                 return await drive(
                     alone, InstanceTarget(instances), seed=seed, vocab_of=vocab.__getitem__,
                     context_of=context.__getitem__, block_size=spec.block_size,
-                    progress=progress, desc=LOWER_BOUND_NAME,
+                    progress=progress, desc=LOWER_BOUND_NAME, answers=answers,
                 )
             finally:
                 for inst in instances.values():

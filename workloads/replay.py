@@ -1,8 +1,12 @@
 """The closed-loop replay driver: sessions of a trace against a target, one call at a time.
 
 Each session starts at its ``arrival_s``, sends call 0, waits for its last token, waits the
-call's tool gap, sends call 1, and so on; each call's output length is forced to the trace's
-(``max_tokens`` = the trace's output tokens, ``ignore_eos``). Call k+1's prompt is built from
+call's tool gap, sends call 1, and so on. Against the simulator a call carries what an agent
+sends, ``max_tokens`` = ``AGENT_MAX_TOKENS`` (or the context left, if less), and the
+simulated model ends its answer at the trace's length as at an EOS (``answers``: a registry
+only the simulated engines read), so no policy sees an answer's length before it ends.
+Against a live engine, whose model cannot be told where to stop, ``max_tokens`` is the
+trace's length with ``ignore_eos``. Call k+1's prompt is built from
 call k's: the first ``input_tokens[k+1]`` tokens of (call k's prompt + call k's output tokens +
 fresh "tool result" tokens), the fresh ones drawn from the session's own seeded generator, so
 prompt prefixes repeat exactly where the trace says and prefix caching, KV restore and
@@ -52,12 +56,16 @@ __all__ = [
     "SessionTokens",
     "StandInOutputs",
     "next_prompt",
+    "AGENT_MAX_TOKENS",
     "drive",
     "run_sim",
     "replicate",
 ]
 
 MAX_OVERLOAD_RETRIES = 100
+# What a coding agent asks for: Claude Code sends max_tokens 32000 to any model unless
+# CLAUDE_CODE_MAX_OUTPUT_TOKENS is set (issue 27's measurement of its requests).
+AGENT_MAX_TOKENS = 32_000
 
 
 @dataclass
@@ -196,6 +204,7 @@ async def drive(
     output_kv_reusable: bool = True,
     send_session_ids: bool = True,
     shared_prefix_tokens: int = 0,
+    answers: dict[str, int] | None = None,
 ) -> list[SessionResult]:
     """Replay ``sessions`` closed-loop against ``target`` on the running loop. Arrivals and
     tool gaps are multiplied by ``time_scale``. ``block_size``: KV reuse is counted in whole
@@ -205,7 +214,9 @@ async def drive(
     calls go without their session id (the router infers it; each record keeps the one it
     used). ``shared_prefix_tokens``: every session's first prompt of a model starts with the
     same tokens, as an agent's system prompt and tool definitions do (at most all but one of
-    the prompt's tokens)."""
+    the prompt's tokens). ``answers``: the simulated engines' registry of answer lengths (call
+    id -> output tokens), filled here while each call runs; calls then ask for
+    ``AGENT_MAX_TOKENS`` (None: for the trace's length, as a live target needs)."""
     if time_scale < 0:
         raise ValueError(f"time_scale must be >= 0, got {time_scale}")
     loop = asyncio.get_running_loop()
@@ -244,7 +255,7 @@ async def drive(
                 keep = min(len(base) if call.prefix_tokens is None else call.prefix_tokens, computed)
                 reusable = min(keep, call.input_tokens - 1) // block_size * block_size
                 prompt = next_prompt(base, [], call.input_tokens, tokens, call.prefix_tokens)
-            max_tokens = call.output_tokens
+            max_tokens = call.output_tokens if answers is None else AGENT_MAX_TOKENS
             if context is not None:
                 if len(prompt) >= context:
                     raise ValueError(
@@ -257,10 +268,17 @@ async def drive(
                 session_id=session.session_id if send_session_ids else "",
                 model=session.model,
                 prompt_token_ids=prompt,
-                params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+                params=SamplingParams(max_tokens=max_tokens, ignore_eos=answers is None,
+                                      temperature=0.0),
             )
+            if answers is not None:
+                answers[request.call_id] = call.output_tokens
             sent = loop.time()
-            outcome = await target.call(request, tokens)
+            try:
+                outcome = await target.call(request, tokens)
+            finally:
+                if answers is not None:
+                    answers.pop(request.call_id, None)
             output = outcome.output_token_ids
             result.calls.append(
                 CallRecord(
@@ -384,22 +402,30 @@ def run_sim(
     time_scale: float = 1.0,
     vocab_size: int | None = None,
     output_kv_reusable: bool = True,
+    exact_max_tokens: bool = False,
 ) -> ReplayResult:
     """Replay ``sessions`` on a simulated cluster of ``system`` under a fresh virtual loop
     (``send_session_ids``, ``shared_prefix_tokens``, ``time_scale``: see :func:`drive`).
     ``vocab_size``: prompt ids from ``[0, vocab_size)`` rather than each model's vocabulary;
     ``output_kv_reusable`` False: the next prompt continues with stand-in ids for each
-    output, as a live replay's does (the output's KV is then not reused)."""
+    output, as a live replay's does (the output's KV is then not reused).
+    ``exact_max_tokens``: every call asks for exactly its trace's answer, as a live replay
+    must (the simulated twin of one); else it asks ``AGENT_MAX_TOKENS`` and the simulated
+    model ends its answer where the trace says."""
     spec = spec or ClusterSpec()
     unknown = sorted({s.model for s in sessions} - set(spec.models))
     if unknown:
         raise ValueError(f"trace sessions use model(s) {unknown} that the cluster does not "
                          f"serve ({list(spec.models)}); assign catalog models first")
     vocab, context = model_limits(spec.catalog())
+    if spec.kv_tokens is not None:  # no call may outgrow the KV cache: the room it allows
+        context = {m: min(n, spec.kv_tokens) for m, n in context.items()}
     wall = time.perf_counter()
 
+    answers: dict[str, int] | None = None if exact_max_tokens else {}
+
     async def main() -> ReplayResult:
-        cluster = await start_cluster(system, spec)
+        cluster = await start_cluster(system, spec, answers=answers)
         target: Target = SimTarget(cluster.router)
         if not output_kv_reusable:
             target = StandInOutputs(target)
@@ -410,7 +436,7 @@ def run_sim(
                 context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
                 desc=system.name, send_session_ids=send_session_ids,
                 shared_prefix_tokens=shared_prefix_tokens, time_scale=time_scale,
-                output_kv_reusable=output_kv_reusable,
+                output_kv_reusable=output_kv_reusable, answers=answers,
             )
             totals = cluster.totals()
             attach_splits(results, cluster.call_splits(), cluster.engines)

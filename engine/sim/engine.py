@@ -19,8 +19,11 @@ prices its copies its own way (``HostTier``). ``suspend`` parks the unfinished r
 the active model (token-level preemption) until it is activated again.
 
 Simplifications, all deliberate:
-- tokens are synthetic and never EOS: a request stops at ``max_tokens`` (or the model's
-  context length); stop strings and stop token ids are ignored;
+- tokens are synthetic; a request stops where ``answer_lengths`` (the replay's trace) says
+  its answer ends, as a model stops at its EOS token, else at ``max_tokens`` (or the model's
+  context length); stop strings and stop token ids are ignored. Only the replay's target
+  writes ``answer_lengths``: the instance and its policies never see it, and know an
+  answer's length only once it has ended, as live;
 - decode-only steps are fused (``max_fused_decode_steps``): see ``SimEngineConfig``;
 - a background staging copy does not slow the active model's steps, but it shares the host
   link with KV restored from host meanwhile: both run at half rate while they overlap.
@@ -69,9 +72,12 @@ class SimEngine(ServesModels):
         catalog: Mapping[str, ModelSpec] | Sequence[str],
         config: SimEngineConfig | None = None,
         clock: Callable[[], float] | None = None,
+        answer_lengths: Mapping[str, int] | None = None,
     ) -> None:
         self.config = config or SimEngineConfig()
         self.clock = clock
+        # request id -> output tokens at which the simulated model ends its answer (EOS)
+        self.answer_lengths: Mapping[str, int] = answer_lengths if answer_lengths is not None else {}
         specs = _resolve_catalog(catalog)
         server = server_preset(self.config.server)
         self.costs: dict[str, CostModel] = {
@@ -188,7 +194,8 @@ class SimEngine(ServesModels):
             fused = 1
         else:
             assert self.kv is not None
-            fused = fusable_steps(sched, self.kv, out, decodes, self.config.max_fused_decode_steps)
+            fused = fusable_steps(sched, self.kv, out, decodes, self.config.max_fused_decode_steps,
+                                  self._tokens_left)
         if chunks:
             seconds = cost.chunks_step_seconds(chunks, len(decodes), decode_context)
         else:
@@ -221,6 +228,13 @@ class SimEngine(ServesModels):
             num_steps=fused,
         )
 
+    def _tokens_left(self, req: Request) -> int:
+        """Output tokens ``req`` may still sample: to its answer's end, its ``max_tokens`` or
+        the model's context length, whichever comes first."""
+        assert self.scheduler is not None
+        end = min(req.params.max_tokens, self.answer_lengths.get(req.request_id, req.params.max_tokens))
+        return min(end - req.num_output_tokens, self.scheduler.max_model_len - req.num_tokens)
+
     def _decode_line(self, num_seqs: int) -> DecodeLine:
         key = (self.served.active or "", num_seqs)
         line = self._decode_lines.get(key)
@@ -247,8 +261,11 @@ class SimEngine(ServesModels):
             if n > 1:
                 req.num_computed_tokens = s.num_computed_tokens + n
                 self.kv.cache_computed_blocks(req)
-            if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+            answer = self.answer_lengths.get(req.request_id)
+            ended = answer is not None and req.num_output_tokens >= answer
+            if ended or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
+                status = RequestStatus.FINISHED_STOPPED if ended else RequestStatus.FINISHED_LENGTH
+                self.scheduler.finish_request(req.request_id, status)
                 self._seeds.pop(req.request_id, None)
                 self.host_tier.forget(req.request_id)
                 self.sessions.remember(self.served.active or "", req, self.kv)

@@ -4,9 +4,11 @@ many decode steps one simulated step may fuse."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sim.cost_model import CostModel
 
@@ -90,18 +92,17 @@ def split_scheduled(out: SchedulerOutput) -> tuple[list[tuple[int, int]], list[S
 
 def fusable_steps(
     scheduler: Scheduler, kv: KVCacheManager, out: SchedulerOutput,
-    decodes: list[ScheduledRequest], max_fused: int,
+    decodes: list[ScheduledRequest], max_fused: int, tokens_left: Callable[[Request], int],
 ) -> int:
     """How many decode steps a decode-only step may stand for (>= 1): at most ``max_fused``,
-    stopping at the step where the first request reaches its length limit. Extra KV blocks
-    for the fused tokens are allocated here; fusion shrinks until they fit."""
+    stopping at the step where the first request ends (``tokens_left``: the output tokens a
+    request may still sample). Extra KV blocks for the fused tokens are allocated here;
+    fusion shrinks until they fit."""
     limit = max_fused
     if limit == 1 or out.preempted_ids or len(decodes) != scheduler.num_running:
         return 1
-    max_len = scheduler.max_model_len
     for s in decodes:
-        r = s.request
-        limit = min(limit, r.params.max_tokens - r.num_output_tokens, max_len - r.num_tokens)
+        limit = min(limit, tokens_left(s.request))
     if limit <= 1:
         return 1
     bs = kv.block_size

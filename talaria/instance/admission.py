@@ -227,7 +227,8 @@ class Instance:
         continuation = self.sessions.on_arrival(call, now)
         handle = CallHandle(call, self.abort)
         pending = PendingCall(call, handle, arrived=now, continuation=continuation)
-        pending.need_blocks = blocks_for(call, self.stats.block_size)
+        pending.need_blocks = blocks_for(call, self.loop.est.expected_output(call),
+                                         self.stats.block_size)
         self.calls.add(pending)
         self.loop.split.arrive(call.call_id, call.model, now)
         self.loop.wake.set()

@@ -87,7 +87,7 @@ class PendingCall:
     handle: CallHandle
     arrived: float
     continuation: bool  # its session has finished a call of this model here before
-    need_blocks: int = 0  # KV blocks it may hold at most (prompt + max_tokens)
+    need_blocks: int = 0  # KV blocks it is expected to hold (prompt + expected answer)
     admitted: float | None = None
     sp: bool = False  # admitted by session-prefill after its slot closed
     out_tokens: int = 0

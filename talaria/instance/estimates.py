@@ -20,9 +20,9 @@ from talaria.protocol import CallRequest
 __all__ = ["Estimator", "blocks_for"]
 
 
-def blocks_for(call: CallRequest, block_size: int) -> int:
-    """KV blocks a call may hold at most: its prompt and all of ``max_tokens``."""
-    return math.ceil((len(call.prompt_token_ids) + call.params.max_tokens) / max(1, block_size))
+def blocks_for(call: CallRequest, output_tokens: float, block_size: int) -> int:
+    """KV blocks a call holds with its prompt and ``output_tokens`` of answer."""
+    return math.ceil((len(call.prompt_token_ids) + output_tokens) / max(1, block_size))
 
 
 class Estimator:
@@ -41,13 +41,16 @@ class Estimator:
         self.output_tokens.update(float(tokens))
 
     def expected_output(self, call: CallRequest) -> float:
+        """The answer ``call`` is expected to give: its session's last answers here, else the
+        instance's recent answers, else the policy's prior; never more than ``max_tokens``.
+        Nothing here knows an answer's length before it ends."""
         hist = self.sessions.gaps.get(call.session_id)
         if hist is not None and hist.output_tokens is not None:
             guess = hist.output_tokens
         elif self.output_tokens.known:
             guess = self.output_tokens.value
         else:
-            guess = float(call.params.max_tokens)
+            guess = float(self.view.policy.output_prior_tokens)
         return max(1.0, min(float(call.params.max_tokens), guess))
 
     def new_tokens(self, call: CallRequest) -> int:

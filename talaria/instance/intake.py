@@ -4,8 +4,10 @@ Queued calls of the active model are admitted in the policy's order (FIFO, by at
 service, or by expected remaining calls) while its slot is open; after it closes,
 session-prefill may still admit queued continuations it decides pay. Every admission must
 fit the budget: at most ``max_running_calls`` calls, and KV blocks (a call counts
-``need_blocks``: its prompt and all of ``max_tokens``) within the region, yielding other
-sessions' reservations (least valuable first) to make room. A call whose client left, or
+``need_blocks``: its prompt and its expected answer, ``Estimator.expected_output``) within
+the region, yielding other sessions' reservations (least valuable first) to make room. An
+answer longer than expected grows past its count; the engine preempts when its blocks run
+out. A call whose client left, or
 that the engine refuses, fails alone.
 
 ``Intake`` is a part of ``AdmissionLoop`` (a mixin): it reads the loop's books and never

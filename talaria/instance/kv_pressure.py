@@ -23,7 +23,6 @@ import structlog
 from engine.interface import EngineStats
 from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall
-from talaria.instance.estimates import blocks_for
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.sessions import SessionKeeper
 from talaria.policies.reservations import demotion_due
@@ -53,7 +52,7 @@ class KVPressure:
         self.ended: list[str] = []  # sessions whose call ended this step (demotion candidates)
 
     def queued_blocks(self, model: str, block_size: int) -> int:
-        return sum(blocks_for(p.call, block_size) for p in self.calls.waiting(model))
+        return sum(p.need_blocks for p in self.calls.waiting(model))
 
     def call_ended(self, pending: PendingCall) -> None:
         """A call ended normally: its session's KV may be demoted after this step (never a

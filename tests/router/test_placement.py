@@ -23,7 +23,7 @@ BS = 16
 
 def call(session: str = "s1", prompt_len: int = 4096, model: str = "m", prefix_seed: int = 0) -> PlacementCall:
     tokens = [(prefix_seed + i) % 500 for i in range(prompt_len)]
-    return PlacementCall(model, session, prompt_len, block_hashes(tokens, BS), BS, max_tokens=64)
+    return PlacementCall(model, session, prompt_len, block_hashes(tokens, BS), BS, expected_output=64)
 
 
 def two_instances() -> dict[str, InstanceState]:

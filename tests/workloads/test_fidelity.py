@@ -117,8 +117,9 @@ def test_a_simulated_replay_with_stand_ins_keeps_the_prompts(models: dict[str, P
     sessions = fidelity_trace(SETUP, catalog(models))
     spec = cluster_spec(SETUP, "h200x8", catalog(models))
     chosen = system("baseline").with_policy(**SETUP.policy_overrides())
-    kept = run_sim(sessions, chosen, spec, vocab_size=SETUP.vocab, output_kv_reusable=False)
-    reused = run_sim(sessions, chosen, spec, vocab_size=SETUP.vocab)
+    kept = run_sim(sessions, chosen, spec, vocab_size=SETUP.vocab, output_kv_reusable=False,
+                   exact_max_tokens=True)
+    reused = run_sim(sessions, chosen, spec, vocab_size=SETUP.vocab, exact_max_tokens=True)
     assert [c.prompt_tokens for c in kept.calls] == [c.prompt_tokens for c in reused.calls]
     assert kept.failed_calls == 0
 
