@@ -31,7 +31,8 @@ import orjson
 
 from talaria.protocol import CallRequest
 from workloads.assignment import assign_models
-from workloads.replay import CallOutcome, ReplayResult, SessionTokens, drive
+from workloads.prompts import SessionTokens
+from workloads.replay import CallOutcome, ReplayResult, drive
 from workloads.trace import Call, Session
 
 __all__ = [

@@ -27,12 +27,12 @@ from talaria.instance.admission import Instance
 from talaria.protocol import CallRequest
 from workloads.call_work import alone_seconds, call_shapes, prefill_seconds
 from workloads.cluster import ClusterSpec
+from workloads.prompts import SessionTokens
 from workloads.replay import (
     CallOutcome,
     CallRecord,
     ReplayResult,
     SessionResult,
-    SessionTokens,
     collect_outcome,
     drive,
     model_limits,

@@ -25,13 +25,10 @@ prompt still grows as the trace says); results count failed calls so none go unn
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import random
 import sys
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -44,6 +41,7 @@ from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overlo
 from workloads.breakdown import attach_splits
 from workloads.cluster import ClusterSpec, ClusterTotals, start_cluster
 from workloads.dependencies import CallBoard
+from workloads.prompts import SessionTokens, next_prompt
 from workloads.systems import SystemConfig
 from workloads.trace import CallRef, Session
 
@@ -159,35 +157,6 @@ class Target(Protocol):
     ``tokens`` gives stand-in output ids when the target cannot return real ones."""
 
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome: ...
-
-
-class SessionTokens:
-    """A session's synthetic token ids: seeded by (seed, session id), ids in [1, vocab)."""
-
-    def __init__(self, session_id: str, seed: int, vocab_size: int) -> None:
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        self._rng = random.Random(zlib.crc32(f"{seed}/{session_id}".encode()))
-        self._mod = vocab_size - 1
-
-    def take(self, n: int) -> list[int]:
-        if n <= 0:
-            return []
-        raw = array.array("I", self._rng.randbytes(4 * n))
-        mod = self._mod
-        return [x % mod + 1 for x in raw]
-
-
-def next_prompt(
-    prev_prompt: list[int], prev_output: list[int], input_tokens: int, tokens: SessionTokens,
-    keep: int | None = None,
-) -> list[int]:
-    """Call k+1's prompt: the first ``input_tokens`` of prompt + output (its first ``keep``
-    tokens when given) + fresh tool tokens."""
-    base = (prev_prompt + prev_output)[:keep]
-    if input_tokens <= len(base):
-        return base[:input_tokens]
-    return base + tokens.take(input_tokens - len(base))
 
 
 async def drive(

@@ -19,11 +19,9 @@ prices its copies its own way (``HostTier``). ``suspend`` parks the unfinished r
 the active model (token-level preemption) until it is activated again.
 
 Simplifications, all deliberate:
-- tokens are synthetic; a request stops where ``answer_lengths`` (the replay's trace) says
-  its answer ends, as a model stops at its EOS token, else at ``max_tokens`` (or the model's
-  context length); stop strings and stop token ids are ignored. Only the replay's target
-  writes ``answer_lengths``: the instance and its policies never see it, and know an
-  answer's length only once it has ended, as live;
+- tokens are synthetic; an answer ends where ``answer_lengths`` (written by the replay only,
+  never seen by a policy) says, as at an EOS, else at ``max_tokens`` or the context length;
+  stop strings and stop token ids are ignored;
 - decode-only steps are fused (``max_fused_decode_steps``): see ``SimEngineConfig``;
 - a background staging copy does not slow the active model's steps, but it shares the host
   link with KV restored from host meanwhile: both run at half rate while they overlap.
@@ -76,8 +74,7 @@ class SimEngine(ServesModels):
     ) -> None:
         self.config = config or SimEngineConfig()
         self.clock = clock
-        # request id -> output tokens at which the simulated model ends its answer (EOS)
-        self.answer_lengths: Mapping[str, int] = answer_lengths if answer_lengths is not None else {}
+        self.answer_lengths = {} if answer_lengths is None else answer_lengths  # id -> its EOS
         specs = _resolve_catalog(catalog)
         server = server_preset(self.config.server)
         self.costs: dict[str, CostModel] = {
@@ -229,8 +226,7 @@ class SimEngine(ServesModels):
         )
 
     def _tokens_left(self, req: Request) -> int:
-        """Output tokens ``req`` may still sample: to its answer's end, its ``max_tokens`` or
-        the model's context length, whichever comes first."""
+        """Output tokens ``req`` may still sample (answer's end, max_tokens, context)."""
         assert self.scheduler is not None
         end = min(req.params.max_tokens, self.answer_lengths.get(req.request_id, req.params.max_tokens))
         return min(end - req.num_output_tokens, self.scheduler.max_model_len - req.num_tokens)
@@ -429,10 +425,7 @@ class SimEngine(ServesModels):
 def _resolve_catalog(catalog: Mapping[str, ModelSpec] | Sequence[str]) -> dict[str, ModelSpec]:
     if isinstance(catalog, str):
         raise TypeError("catalog must be a list of model names or a name -> ModelSpec mapping")
-    if isinstance(catalog, Mapping):
-        specs = dict(catalog)
-    else:
-        specs = {name: ModelSpec.load(name) for name in catalog}
+    specs = dict(catalog) if isinstance(catalog, Mapping) else {n: ModelSpec.load(n) for n in catalog}
     if not specs:
         raise ValueError("the catalog must name at least one model")
     return specs

@@ -439,3 +439,21 @@ def test_continuation_with_a_diverging_prompt_only_reuses_the_matching_blocks() 
     engine.add_request(req("c2", changed, max_tokens=1, session="s"))
     _, events = drain(engine)
     assert events["c2"][-1].num_cached_tokens == 15 * BS
+
+
+def test_an_answer_ends_where_its_length_says_as_at_an_eos() -> None:
+    """The replay's registry ends an answer (finish reason stop) long before a generous
+    max_tokens; without an entry the answer runs to max_tokens (length)."""
+    answers = {"a": 5}
+    engine = SimEngine(["glm-4.5-air"], SimEngineConfig(), clock=lambda: 0.0,
+                       answer_lengths=answers)
+    engine.activate("glm-4.5-air")
+    for rid in ("a", "b"):
+        engine.add_request(EngineRequest(rid, list(range(1, 200)), SamplingParams(max_tokens=12),
+                                         model="glm-4.5-air"))
+    done = {}
+    while engine.has_unfinished():
+        for ev in engine.step().events:
+            if ev.finished:
+                done[ev.request_id] = (ev.num_output_tokens, ev.finish_reason)
+    assert done == {"a": (5, FinishReason.STOP), "b": (12, FinishReason.LENGTH)}

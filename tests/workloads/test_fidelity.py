@@ -26,12 +26,12 @@ from workloads.fidelity import (
     serve_config_text,
 )
 from workloads.live_serve import parse_counters
+from workloads.prompts import SessionTokens
 from workloads.replay import (
     CallOutcome,
     CallRecord,
     ReplayResult,
     SessionResult,
-    SessionTokens,
     StandInOutputs,
     run_sim,
 )

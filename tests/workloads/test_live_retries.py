@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 from talaria.protocol import CallRequest, SamplingParams
 from workloads import live
 from workloads.live import LiveTarget
-from workloads.replay import SessionTokens
+from workloads.prompts import SessionTokens
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2,
          "prompt_tokens_details": {"cached_tokens": 2, "restored_tokens": 1}}

@@ -14,8 +14,9 @@ from talaria.protocol import CallRequest
 from workloads.assignment import assign_models
 from workloads.cluster import ClusterSpec
 from workloads.mooncake import read_mooncake_trace
+from workloads.prompts import SessionTokens
 from workloads.readers import load_any_trace
-from workloads.replay import CallOutcome, SessionTokens, drive, replicate, run_sim
+from workloads.replay import CallOutcome, drive, replicate, run_sim
 from workloads.systems import SYSTEMS
 from workloads.trace import (
     Call,

@@ -14,7 +14,8 @@ from substrate.devices import server_preset
 from workloads.cluster import ClusterSpec
 from workloads.generator import generate_trace
 from workloads.lower_bound import run_isolated
-from workloads.replay import SessionTokens, next_prompt, replicate, run_sim
+from workloads.prompts import SessionTokens, next_prompt
+from workloads.replay import replicate, run_sim
 from workloads.report import summarize
 from workloads.systems import SYSTEMS
 from workloads.trace import Call, Session

@@ -1,0 +1,43 @@
+"""The replay's synthetic prompts: each session's token ids, and how a prompt grows.
+
+Prompts are seeded random ids, so a session's continuation starts with exactly its previous
+prompt and output (prefix caching, KV restore and cache-aware routing see what they would
+see live) and two sessions share only what the trace says they share.
+"""
+
+from __future__ import annotations
+
+import array
+import random
+import zlib
+
+__all__ = ["SessionTokens", "next_prompt"]
+
+
+class SessionTokens:
+    """A session's synthetic token ids: seeded by (seed, session id), ids in [1, vocab)."""
+
+    def __init__(self, session_id: str, seed: int, vocab_size: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self._rng = random.Random(zlib.crc32(f"{seed}/{session_id}".encode()))
+        self._mod = vocab_size - 1
+
+    def take(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        raw = array.array("I", self._rng.randbytes(4 * n))
+        mod = self._mod
+        return [x % mod + 1 for x in raw]
+
+
+def next_prompt(
+    prev_prompt: list[int], prev_output: list[int], input_tokens: int, tokens: SessionTokens,
+    keep: int | None = None,
+) -> list[int]:
+    """Call k+1's prompt: the first ``input_tokens`` of prompt + output (its first ``keep``
+    tokens when given) + fresh tool tokens."""
+    base = (prev_prompt + prev_output)[:keep]
+    if input_tokens <= len(base):
+        return base[:input_tokens]
+    return base + tokens.take(input_tokens - len(base))
