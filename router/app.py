@@ -138,7 +138,8 @@ def create_app(
     core = RouterCore(
         clients,
         config.policy,
-        sessions=SessionTable(config.session_ttl_s, config.limits.max_sessions),
+        sessions=SessionTable(config.session_ttl_s, config.limits.max_sessions,
+                              config.limits.max_branches_per_session),
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
