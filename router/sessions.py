@@ -177,11 +177,12 @@ class SessionTable:
             record.branches_made += 1
             branch.set_chain(prompt, hashes, ChainSample.of(hashes, marks=(len(hashes) - 2,)))
             record.branches[branch.key] = branch
-            self._drop_branches(record)
         branch.calls += 1
         branch.active_calls += 1
         branch.last_seen = now
         record.branches.move_to_end(branch.key)
+        if new:
+            self._drop_branches(record)  # the new branch has a call in flight: it stays
         return record, branch, new
 
     def _drop_branches(self, record: SessionRecord) -> None:

@@ -65,6 +65,13 @@ def test_branches_are_bounded_and_the_main_loop_stays() -> None:
         book_call(table, "s", [300 + k] * 40, 2.0 + k, 2.5 + k)
     assert dropped == ["s#1", "s#2"] and list(record.branches) == ["s", "s#3"]
     assert record.main is main
+    one = SessionTable(max_branches=1)
+    first, _ = book_call(one, "s", MAIN, 0.0, 1.0)
+    _, side = book_call(one, "s", [300] * 40, 2.0)  # over the bound while its call runs
+    assert list(first.branches) == ["s", "s#1"]
+    one.end_call(first, side, 3.0)
+    book_call(one, "s", [301] * 40, 4.0)  # the idle side branch goes, the main loop stays
+    assert list(first.branches) == ["s", "s#2"]
 
 
 def test_branch_keys_are_one_to_one() -> None:
