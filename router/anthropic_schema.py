@@ -6,7 +6,10 @@ A ``/v1/messages`` body is translated into the OpenAI chat body the chat templat
 ``parameters``) and then validated by the same parser as ``/v1/chat/completions``, so both APIs
 accept and reject alike. What has no OpenAI counterpart stays here: consecutive turns of one
 role merge (as Anthropic's API does); a final assistant turn is a prefill the answer continues;
-Claude Code's ``metadata.user_id`` may name the session. Fields the router has no use for
+Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``document`` blocks, in
+a user turn or a tool result, become a line naming what was left out
+(``router.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
+resends every image its Read tool ever returned. Fields the router has no use for
 (``thinking``, ``cache_control``, ``service_tier``, ...) are accepted and ignored.
 """
 
@@ -18,11 +21,13 @@ from typing import Any
 import orjson
 
 from router import openai_schema
+from router.media_placeholders import Omissions, OwnLines, join_text
 from talaria.protocol.errors import bad_request
 
 __all__ = ["MessagesRequest", "parse_messages", "parse_count_tokens", "metadata_session_id"]
 
 _IGNORED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # no slot in an open model's template
+_MEDIA_BLOCKS = frozenset({"image", "document"})
 
 
 @dataclass
@@ -47,7 +52,8 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
     temperature = data.get("temperature")
     if temperature is not None and (not isinstance(temperature, int | float) or not 0 <= temperature <= 1):
         raise bad_request("temperature must be a number in [0, 1]", "temperature")
-    messages, prefill = _messages(data.get("messages"), data.get("system"))
+    omitted = Omissions()
+    messages, prefill = _messages(data.get("messages"), data.get("system"), omitted)
     chat: dict[str, Any] = {
         "model": data.get("model"),
         "messages": messages,
@@ -62,6 +68,7 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
         chat["tools"] = _tools(tools)
     chat.update(_tool_choice(data.get("tool_choice")))
     body = openai_schema.parse_chat(chat)
+    body.media.count += omitted.count
     body.metadata_session_id = metadata_session_id(data.get("metadata"))
     if prefill and body.tools.choice in ("required", "function"):
         raise bad_request("a final assistant turn (prefill) cannot be combined with a tool_choice "
@@ -104,7 +111,7 @@ def _stop_sequences(stops: Any) -> list[str] | None:
     return stops or None
 
 
-def _messages(messages: Any, system: Any) -> tuple[list[dict[str, Any]], str]:
+def _messages(messages: Any, system: Any, omitted: Omissions) -> tuple[list[dict[str, Any]], str]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array", "messages")
     turns: list[tuple[str, list[dict[str, Any]]]] = []  # consecutive turns of one role merged
@@ -112,7 +119,7 @@ def _messages(messages: Any, system: Any) -> tuple[list[dict[str, Any]], str]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
             raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system'", f"{where}.role")
-        blocks = _blocks(message.get("content"), f"{where}.content")
+        blocks = _blocks(message.get("content"), f"{where}.content", omitted)
         if turns and turns[-1][0] == message["role"]:
             turns[-1][1].extend(blocks)
         else:
@@ -127,13 +134,13 @@ def _messages(messages: Any, system: Any) -> tuple[list[dict[str, Any]], str]:
             raise bad_request("messages must hold a user turn before a final assistant turn", "messages")
     out: list[dict[str, Any]] = []
     if system is not None:
-        out.append({"role": "system", "content": _text(system, "system")})
+        out.append({"role": "system", "content": _text(system, "system", omitted)})
     for role, blocks in turns:
         out.extend(_assistant(blocks) if role == "assistant" else _user(role, blocks))
     return out, prefill
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+def _blocks(content: Any, where: str, omitted: Omissions) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
@@ -153,26 +160,44 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
                 raise bad_request(f"{at}.tool_use_id must be a non-empty string", at)
-            block = {**block, "content": _text(block.get("content", ""), f"{at}.content")}
+            block = {**block, "content": _text(block.get("content", ""), f"{at}.content", omitted)}
+        elif kind in _MEDIA_BLOCKS:
+            block = {"type": "text", "text": _media(block, kind, at, omitted)}
         elif kind not in _IGNORED_BLOCKS:
             raise bad_request(f"{at}: content blocks of type {kind!r} are not supported "
-                              "(text, tool_use, tool_result and thinking are)", at)
+                              "(text, image, document, tool_use, tool_result and thinking are)", at)
         out.append(block)
     return out
 
 
-def _text(content: Any, where: str) -> str:
-    """A string, or the text of an array of text blocks (the form system and tool results take)."""
+def _text(content: Any, where: str, omitted: Omissions) -> str:
+    """A string, or the text of an array of text blocks (the form system and tool results
+    take; an image or document block in it is a line naming it)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for j, block in enumerate(content):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise bad_request(f"{where}[{j}] must be a text block (only text is supported)", where)
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of text blocks", where)
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in _MEDIA_BLOCKS:
+            texts.append(_media(block, str(kind), f"{where}[{j}]", omitted))
+        elif kind != "text" or not isinstance(block.get("text"), str):
+            raise bad_request(f"{where}[{j}] must be a text, image or document block", where)
+        else:
             texts.append(block["text"])
-        return "".join(texts)
-    raise bad_request(f"{where} must be a string or an array of text blocks", where)
+    return join_text(texts)
+
+
+def _media(block: dict[str, Any], kind: str, where: str, omitted: Omissions) -> str:
+    """An image's or document's placeholder line; a plain-text document's text, as it is."""
+    source = block.get("source")
+    stype = source.get("type") if isinstance(source, dict) else None
+    if kind == "document" and stype == "text" and isinstance(source.get("data"), str):
+        return OwnLines(source["data"])
+    if kind == "document" and stype == "content":
+        return OwnLines(_text(source.get("content"), f"{where}.source.content", omitted))
+    return omitted.anthropic_source(kind, block, where)
 
 
 def _user(role: str, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -185,7 +210,7 @@ def _user(role: str, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "content": f"Error: {text}" if block.get("is_error") else text})
     texts = [b["text"] for b in blocks if b["type"] == "text"]
     if texts or not out:
-        out.append({"role": role, "content": "".join(texts)})
+        out.append({"role": role, "content": join_text(texts)})
     return out
 
 

@@ -41,6 +41,7 @@ from router.limits import (
     prompt_bytes,
 )
 from router.metrics import RouterMetrics
+from router.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.placement import POLICIES, PlacementContext
 from router.session_identity import SessionHeaders, resolve_session
 from router.session_inference import SessionInference
@@ -86,6 +87,9 @@ class RouterConfig:
     instance_key: str | None = None  # sent to every instance (`talaria serve` generates it)
     limits: RouterLimits = field(default_factory=RouterLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
+    # A max_tokens beyond the room the prompt leaves: "clamp" to it or "refuse" (router.output_budget)
+    max_tokens_overflow: str = "clamp"
+    max_tokens_overflows: dict[str, str] = field(default_factory=dict)  # per-model override
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -105,6 +109,17 @@ class RouterConfig:
         bad = {m: f for m, f in self.tool_formats.items() if f not in TOOL_FORMATS}
         if bad:
             raise ValueError(f"unknown tool-call formats {bad}; choose from {sorted(TOOL_FORMATS)}")
+        unknown = set(self.max_tokens_overflows) - set(self.models)
+        if unknown:
+            raise ValueError(f"max_tokens_overflows names models not in the catalog: {sorted(unknown)}")
+        rules = {"max_tokens_overflow": self.max_tokens_overflow,
+                 **{f"max_tokens_overflows[{m!r}]": r for m, r in self.max_tokens_overflows.items()}}
+        bad = {k: r for k, r in rules.items() if r not in OVERFLOW_RULES}
+        if bad:
+            raise ValueError(f"unknown max_tokens overflow rules {bad}; choose from {OVERFLOW_RULES}")
+
+    def overflow_rule(self, model: str) -> str:
+        return self.max_tokens_overflows.get(model, self.max_tokens_overflow)
 
 
 CONFIG_KEY = web.AppKey("router_config", RouterConfig)
@@ -112,6 +127,7 @@ CORE_KEY = web.AppKey("router_core", RouterCore)
 TOKENIZERS_KEY = web.AppKey("router_tokenizers", dict[str, ModelTokenizer])
 POLLER_KEY = web.AppKey("router_poller", HealthPoller)
 GATE_KEY = web.AppKey("router_inflight", InflightGate)
+ANSWER_HEADERS_KEY = web.RequestKey("answer_headers", dict[str, str])  # headers its answer carries
 
 
 def create_app(
@@ -138,7 +154,8 @@ def create_app(
     core = RouterCore(
         clients,
         config.policy,
-        sessions=SessionTable(config.session_ttl_s, config.limits.max_sessions),
+        sessions=SessionTable(config.session_ttl_s, config.limits.max_sessions,
+                              config.limits.max_branches_per_session),
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
@@ -168,6 +185,7 @@ def create_app(
             await client.close()
 
     app.on_cleanup.append(close)
+    app.on_response_prepare.append(_answer_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)  # Claude Code adds ?beta=true: paths match alone
@@ -187,6 +205,12 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
     if key and _protected(request.path) and not _key_matches(request, key):
         raise unauthorized()
     return await handler(request)
+
+
+async def _answer_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """What the router changed in a request (a clamped max_tokens, media left out) is named
+    in headers on its answer, whichever API writes it, streamed or not."""
+    response.headers.update(request.get(ANSWER_HEADERS_KEY, {}))
 
 
 def _protected(path: str) -> bool:
@@ -223,6 +247,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     parsed = anthropic_schema.parse_count_tokens(await _json_body(request))
+    request[ANSWER_HEADERS_KEY] = parsed.body.media.headers()
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
     with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
@@ -303,7 +328,9 @@ async def _complete(
     limits = request.app[LIMITS_KEY]
     with request.app[GATE_KEY].admit():
         prompt_ids = await _tokenize(tok, body, prefill + (answer.prefill if answer else ""), limits)
-        call = _call_request(request, body, tok, prompt_ids)
+        budget = _output_budget(request.app[CONFIG_KEY], body, tok, len(prompt_ids))
+        request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
+        call = _call_request(request, body, prompt_ids, budget)
         events = request.app[CORE_KEY].submit(call)
         async with contextlib.aclosing(events):
             try:
@@ -361,23 +388,23 @@ async def _tokenize(
     return ids
 
 
+def _output_budget(
+    config: RouterConfig, body: schema.CompletionBody, tok: ModelTokenizer, prompt_tokens: int
+) -> OutputBudget:
+    """The call's output limit by the one rule of every API (``router.output_budget``)."""
+    return output_budget(body.max_tokens, prompt_tokens, tok.context_len,
+                         config.overflow_rule(tok.name), body.max_tokens_param, tok.name)
+
+
 def _call_request(
-    request: web.Request, body: schema.CompletionBody, tok: ModelTokenizer, prompt_ids: list[int]
+    request: web.Request, body: schema.CompletionBody, prompt_ids: list[int], budget: OutputBudget
 ) -> CallRequest:
-    room = tok.context_len - len(prompt_ids)
-    max_tokens = body.max_tokens if body.max_tokens is not None else room
-    if max_tokens > room:
-        raise bad_request(
-            f"{body.max_tokens_param} is {max_tokens} but the prompt has {len(prompt_ids)} tokens and "
-            f"the context length of {tok.name!r} is {tok.context_len}: at most {room} tokens fit",
-            body.max_tokens_param,
-        )
     identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,
                                body.last_call, request.app[CONFIG_KEY].session_headers,
                                request.app[LIMITS_KEY].max_session_id_chars)
     try:
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+            max_tokens=budget.max_tokens, temperature=body.temperature, top_k=body.top_k,
             top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs,
         )
     except ValueError as exc:

@@ -7,9 +7,12 @@ virtual clock) call :meth:`RouterCore.submit` alike. Time comes from the injecte
 Sessions (:mod:`router.session_books`): a call sent without a session id (``session_id == ""``)
 gets one before it is placed: the session its prompt continues when inference is on
 (:mod:`router.session_inference`), else a session of one (``anon-<call id>``, ended with the
-call); ``call.session_id`` is updated in place so the caller can answer with it. A session's
-first call that names a parent (a subagent) is placed as its parent's continuation would be,
-where the parent's KV is.
+call); ``call.session_id`` is updated in place so the caller can answer with it. Within its
+session the call joins the KV chain (branch, :mod:`router.sessions`) its prompt continues;
+placement reads that branch's KV, and the instance receives the call under the branch's key,
+so a side call never moves the main loop or takes its KV. A session's first call that names
+a parent (a subagent) is placed as its parent's continuation would be, where the parent's KV
+is.
 
 Failure rules: a call that fails before its first event (:class:`InstanceUnavailable`: the
 instance is unreachable, answers an error, breaks the stream, or misses the first-token
@@ -39,7 +42,7 @@ from router.placement import PlacementCall, PlacementContext, PlacementPolicy, m
 from router.prefix_chain import PromptHashes
 from router.session_books import SessionBooks, SessionCall
 from router.session_inference import SessionInference
-from router.sessions import SessionRecord, SessionTable
+from router.sessions import SessionBranch, SessionRecord, SessionTable
 from router.state_polls import StatePolls
 from talaria.protocol import (
     CallEvent,
@@ -200,7 +203,7 @@ class RouterCore:
             affinity=affinity,
         )
 
-    def rank(self, call: CallRequest, session: SessionRecord | None = None) -> list[str]:
+    def rank(self, call: CallRequest, session: SessionBranch | None = None) -> list[str]:
         return self.policy.choose(self.placement_call(call), session, self.states, self.candidates())
 
     def candidates(self) -> set[str]:
@@ -214,9 +217,9 @@ class RouterCore:
         :class:`CallRejected`."""
         start = self.now()
         books = self.books.start(call, await self._hash_prompt(call), start)
-        previous, parent = books.record.instance_id, books.parent
-        pcall = self.placement_call(call, books.prompt.hashes, parent.instance_id if parent else None)
-        ranked = self.policy.choose(pcall, parent or books.record, self.states, self.candidates())
+        previous, sent = books.branch.instance_id, books.sent
+        pcall = self.placement_call(sent, books.prompt.hashes, books.affinity)
+        ranked = self.policy.choose(pcall, books.view, self.states, self.candidates())
         instance_id: str | None = None
         stream: AsyncIterator[CallEvent] | None = None
         first: CallEvent | None = None
@@ -225,7 +228,7 @@ class RouterCore:
         finished = False
         prefilling = True  # the call's prompt still counts as outstanding prefill
         try:
-            instance_id, stream, first = await self._open(call, ranked, pcall)
+            instance_id, stream, first = await self._open(sent, ranked, pcall)
             self.metrics.placements.inc(
                 instance=instance_id, returning="yes" if previous == instance_id else "no"
             )
@@ -256,13 +259,13 @@ class RouterCore:
             await self._finish(call, books, instance_id, stream, start, outputs, outcome, pcall, prefilling)
 
     async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
-        """The prompt's block hashes, reusing its session's known chain (``router.prefix_chain``);
+        """The prompt's block hashes, reusing a known chain of its session's (``router.prefix_chain``);
         on ``hash_executor`` when there is one, so a long prompt does not hold the loop."""
-        hash_prompt = self.books.chains.hash_prompt
+        hash_prompt, keys = self.books.chains.hash_prompt, self.books.chain_keys(call)
         if self.hash_executor is None:
-            return hash_prompt(call.session_id, call.prompt_token_ids)
+            return hash_prompt(keys, call.prompt_token_ids)
         return await asyncio.get_running_loop().run_in_executor(
-            self.hash_executor, hash_prompt, call.session_id, call.prompt_token_ids
+            self.hash_executor, hash_prompt, keys, call.prompt_token_ids
         )
 
     async def _open(

@@ -8,7 +8,8 @@
   tokenized just to be refused;
 - at most ``max_inflight_calls`` calls are in the router at once (tokenizing, waiting or
   streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
-- the session table holds at most ``max_sessions`` (least recently seen idle ones go first);
+- the session table holds at most ``max_sessions`` (least recently seen idle ones go first),
+  each with at most ``max_branches_per_session`` KV chains (``router.sessions``);
 - a request body must arrive within ``body_timeout_s`` (408).
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.sessions import BRANCH_SUFFIX_CHARS
 from talaria.protocol.errors import bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
 
@@ -30,7 +32,8 @@ __all__ = [
 ]
 
 
-MAX_SESSION_ID_CHARS = (MAX_ID_CHARS - 1) // 2  # two of them scoped (<session>:<agent>) fit
+# Two of them scoped (<session>:<agent>) and a branch's suffix (router.sessions.branch_key) fit.
+MAX_SESSION_ID_CHARS = (MAX_ID_CHARS - 1 - BRANCH_SUFFIX_CHARS) // 2
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class RouterLimits:
     max_inflight_calls: int = 1024
     max_session_id_chars: int = 256
     max_sessions: int = 100_000
+    max_branches_per_session: int = 4
     max_prompt_bytes_per_token: int = 32
     body_timeout_s: float = 30.0
     busy_retry_after_s: float = 1.0
@@ -50,7 +54,8 @@ class RouterLimits:
         if self.max_session_id_chars > MAX_SESSION_ID_CHARS:
             raise ValueError(
                 f"max_session_id_chars must be <= {MAX_SESSION_ID_CHARS}: a scoped id "
-                f"(<session>:<agent>) must stay within the {MAX_ID_CHARS} instances take"
+                f"(<session>:<agent>) and a branch's suffix must stay within the {MAX_ID_CHARS} "
+                "instances take"
             )
 
 

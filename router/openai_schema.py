@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from router.media_placeholders import Omissions, join_text
 from router.openai_tools import ToolRequest, assistant_tool_calls, parse_tools
 from router.request_fields import check_fields
 from talaria.protocol.errors import bad_request
@@ -44,13 +45,14 @@ class CompletionBody:
     tools: ToolRequest = field(default_factory=ToolRequest)
     metadata_session_id: str | None = None  # the session Anthropic metadata.user_id names
     max_tokens_param: str = "max_tokens"  # the field ``max_tokens`` came from, named in errors
+    media: Omissions = field(default_factory=Omissions)  # images and files left out (router.media_placeholders)
 
 
 def parse_chat(body: Any) -> CompletionBody:
     data = _object(body)
     check_fields(data, "chat")
     parsed = _common(data, "chat")
-    parsed.messages = _messages(data.get("messages"))
+    parsed.messages = one_system(_messages(data.get("messages"), parsed.media))
     parsed.tools = parse_tools(data)
     max_tokens = data.get("max_completion_tokens")
     name = "max_completion_tokens"
@@ -149,7 +151,7 @@ def _hints(hints: Any, parsed: CompletionBody) -> None:
     parsed.last_call = _bool(hints, "last_call", "talaria.last_call")
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
+def _messages(messages: Any, omitted: Omissions) -> list[dict[str, Any]]:
     if messages is None:
         raise bad_request("missing required field 'messages'", "messages")
     if not isinstance(messages, list) or not messages:
@@ -163,7 +165,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
         clean = dict(message)
-        clean["content"] = _content(message.get("content"), role, where, message)
+        clean["content"] = _content(message.get("content"), role, where, message, omitted)
         if role == "assistant" and message.get("tool_calls") is not None:
             clean["tool_calls"] = assistant_tool_calls(message["tool_calls"], where)
         if role == "tool":
@@ -174,25 +176,45 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _content(content: Any, role: str, where: str, message: dict[str, Any]) -> str:
+def one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading run of ``system`` and ``developer`` messages as one system message (joined
+    by a blank line: several templates, e.g. Mistral's, Gemma's and newer Qwen's, refuse a
+    second system message, and none renders ``developer``); a later one as a ``user``
+    message, its content as it is. The chat and Responses APIs both merge here."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    rest = [{**m, "role": "user"} if m["role"] in ("system", "developer") else m for m in messages[lead:]]
+    if not lead:
+        return rest
+    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}, *rest]
+
+
+def _content(content: Any, role: str, where: str, message: dict[str, Any], omitted: Omissions) -> str:
+    """A string, or the text of an array of parts: ``text``; an ``image_url`` or ``file``
+    part becomes a line naming what was left out (``router.media_placeholders``)."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant" and message.get("tool_calls"):
         return ""
-    if isinstance(content, list):
-        texts: list[str] = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad_request(
-                    f"{where}.content[{j}] must be a text part (only text is supported)",
-                    f"{where}.content",
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content")
-            texts.append(text)
-        return "".join(texts)
-    raise bad_request(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or an array of content parts", f"{where}.content")
+    parts: list[str] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and isinstance(part.get("image_url"), dict):
+            parts.append(omitted.openai_image(part["image_url"].get("url")))
+        elif kind == "file" and isinstance(part.get("file"), dict):
+            file = part["file"]
+            parts.append(omitted.openai_file(file.get("file_data"), file.get("filename"), file.get("file_id")))
+        elif kind != "text":
+            raise bad_request(f"{where}.content[{j}] must be a text, image_url or file part "
+                              f"(got {kind!r})", f"{where}.content")
+        elif not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content")
+        else:
+            parts.append(part["text"])
+    return join_text(parts)
 
 
 def _prompt(prompt: Any) -> str | list[int]:

@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.sessions import SessionRecord
+from router.sessions import SessionBranch
 from talaria.protocol import InstanceState, ModelState, Residency
 
 
@@ -25,7 +25,7 @@ class PlacementCall:
     """What placement needs to know of a call."""
 
     model: str
-    session_id: str
+    session_id: str  # as the instance knows it: the call's branch (router.sessions.branch_key)
     prompt_len: int
     block_hashes: list[int]  # of the prompt's full blocks (router.tokenization.block_hashes)
     block_size: int
@@ -105,7 +105,7 @@ class PlacementPolicy(Protocol):
     def choose(
         self,
         call: PlacementCall,
-        session: SessionRecord | None,
+        session: SessionBranch | None,
         states: Mapping[str, InstanceState],
         healthy: Collection[str],
     ) -> list[str]: ...
@@ -144,7 +144,7 @@ class _Base:
         )
 
     def local_tokens(
-        self, instance_id: str, call: PlacementCall, session: SessionRecord | None,
+        self, instance_id: str, call: PlacementCall, session: SessionBranch | None,
         states: Mapping[str, InstanceState],
     ) -> tuple[int, int]:
         """(prefix tokens on the device, further tokens in the host KV store) for the call."""
@@ -155,7 +155,7 @@ class _Base:
         if ms is not None and ms.residency != Residency.ACTIVE:
             device = 0  # the model was switched out: its KV left the device
         host = 0
-        owner = session.session_id if session is not None else call.session_id  # or a parent's
+        owner = session.key if session is not None else call.session_id  # its branch, or a parent's
         kv = state.sessions.get(owner) if state is not None else None
         if kv is not None and kv.model == call.model:
             reported = max(kv.device_tokens, kv.host_tokens)
@@ -188,7 +188,7 @@ class LoadOnly(_Base):
     def choose(
         self,
         call: PlacementCall,
-        session: SessionRecord | None,
+        session: SessionBranch | None,
         states: Mapping[str, InstanceState],
         healthy: Collection[str],
     ) -> list[str]:
@@ -203,7 +203,7 @@ class CacheAware(_Base):
     def choose(
         self,
         call: PlacementCall,
-        session: SessionRecord | None,
+        session: SessionBranch | None,
         states: Mapping[str, InstanceState],
         healthy: Collection[str],
     ) -> list[str]:
@@ -245,7 +245,7 @@ class Talaria(_Base):
     def choose(
         self,
         call: PlacementCall,
-        session: SessionRecord | None,
+        session: SessionBranch | None,
         states: Mapping[str, InstanceState],
         healthy: Collection[str],
     ) -> list[str]:
@@ -256,7 +256,7 @@ class Talaria(_Base):
         return [e.instance_id for e in estimates]
 
     def estimate(
-        self, instance_id: str, call: PlacementCall, session: SessionRecord | None,
+        self, instance_id: str, call: PlacementCall, session: SessionBranch | None,
         states: Mapping[str, InstanceState],
     ) -> TtftEstimate:
         state = states.get(instance_id)

@@ -9,7 +9,7 @@ exactly when their ``h[k]`` are equal, and "shares the first n blocks" is monoto
   (5000 Python ints, ~200 KB, for an 80k-token session). How many leading blocks another
   chain shares with it is a binary search on the sampled indices: exact at them, else the
   largest sampled index below (placement then counts a little less KV than is there).
-- :class:`KnownChains`: the whole chains of the sessions whose calls ended most recently,
+- :class:`KnownChains`: the whole chains of the session branches whose calls ended most recently,
   bounded in blocks (least recently used out), each with digests of the tokens its prefixes
   name. A session's next prompt is checked against them with one digest pass over its
   tokens (C speed, ~1.5 ms for 80k tokens) and only its new blocks are hashed (blake2b per
@@ -109,36 +109,33 @@ class KnownChains:
     def __len__(self) -> int:
         return len(self._known)
 
-    def hash_prompt(self, session_id: str | None, prompt: Sequence[int]) -> PromptHashes:
-        """``prompt``'s chain, its leading blocks reused from ``session_id``'s known chain as
-        far as a checkpoint's digest shows the prompt repeats its tokens."""
+    def hash_prompt(self, keys: Sequence[str] | None, prompt: Sequence[int]) -> PromptHashes:
+        """``prompt``'s chain, its leading blocks reused from the known chain (of those named
+        by ``keys``: its session's branches) whose checkpoint digests show the prompt repeats
+        the most of its tokens. ``keys`` None: the call has no session (yet), so nothing to
+        reuse and nothing to remember it for."""
         bs = self.block_size
         full = len(prompt) // bs * bs
-        if not session_id:  # nothing to reuse, and no session to remember it for
+        if keys is None:
             return PromptHashes(block_hashes(prompt[:full], bs))
+        known = [k for k in (self._known.get(key) for key in keys) if k is not None]
         tokens = memoryview(array("q", prompt[:full]))
-        digest = hashlib.sha256()  # hardware-assisted where the CPU has SHA extensions
-        known = self._known.get(session_id)
-        done = reused = 0
-        for count, expected in known.checkpoints if known is not None else ():
-            if count > full:
-                break
-            digest.update(tokens[done:count])
-            done = count
-            if digest.digest() != expected:
-                break
-            reused = count // bs
+        best, reused, digest, done = None, 0, hashlib.sha256(), 0  # sha256: hardware-assisted
+        for chain in known:
+            n, chain_digest, chain_done = _reusable(chain, tokens, full, bs)
+            if best is None or n > reused:
+                best, reused, digest, done = chain, n, chain_digest, chain_done
         digest.update(tokens[done:])
-        head = known.chain[:reused].tolist() if known is not None and reused else []
+        head = best.chain[:reused].tolist() if best is not None and reused else []
         parent = head[-1] if head else None
         return PromptHashes(head + block_hashes(prompt[reused * bs:full], bs, parent), digest, reused)
 
     def remember(
-        self, session_id: str, prompt: PromptHashes, tail: Sequence[int], tail_hashes: Sequence[int]
+        self, key: str, prompt: PromptHashes, tail: Sequence[int], tail_hashes: Sequence[int]
     ) -> None:
         """The session's chain after its call: the prompt's, then ``tail_hashes`` (the full
         blocks of ``tail``: the prompt's partial block and the answer)."""
-        self.forget(session_id)
+        self.forget(key)
         if self.max_blocks == 0 or prompt.digest is None:
             return
         prompt_tokens = len(prompt.hashes) * self.block_size
@@ -148,12 +145,29 @@ class KnownChains:
             digest.update(array("q", tail[: len(tail_hashes) * self.block_size]))
             checkpoints.append((prompt_tokens + len(tail_hashes) * self.block_size, digest.digest()))
         known = _Known(array("Q", prompt.hashes) + array("Q", tail_hashes), tuple(checkpoints))
-        self._known[session_id] = known
+        self._known[key] = known
         self.blocks += len(known.chain)
         while self.blocks > self.max_blocks and self._known:
             self.forget(next(iter(self._known)))
 
-    def forget(self, session_id: str) -> None:
-        known = self._known.pop(session_id, None)
+    def forget(self, key: str) -> None:
+        known = self._known.pop(key, None)
         if known is not None:
             self.blocks -= len(known.chain)
+
+
+def _reusable(known: _Known, tokens: memoryview, full: int, block_size: int) -> tuple[int, Any, int]:
+    """How many leading blocks of ``known`` the prompt's ``tokens`` (its ``full`` tokens in
+    whole blocks) repeat, by its checkpoints' digests; and the digest of the tokens read so
+    far, with how many that is (the prompt's own digest goes on from there)."""
+    digest = hashlib.sha256()
+    done = reused = 0
+    for count, expected in known.checkpoints:
+        if count > full:
+            break
+        digest.update(tokens[done:count])
+        done = count
+        if digest.digest() != expected:
+            break
+        reused = count // block_size
+    return reused, digest, done

@@ -25,7 +25,8 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   ``response.failed`` (``status: "failed"``, ``error.code: "server_error"``), never a silent
   truncation. There is no ``[DONE]`` line.
 - an answer that ran out of context when the client set no ``max_output_tokens`` (the router
-  then allows the whole remaining context) is a failure, not ``incomplete``: Codex retries
+  then allows the whole remaining context), or one larger than that room (clamped to it:
+  ``router.output_budget``), is a failure, not ``incomplete``: Codex retries
   an incomplete response as it is, which would rerun the same full-context generation. The
   stream ends with ``response.failed`` whose ``error.code`` is ``context_length_exceeded``
   (the code OpenAI sends and Codex reads; the openai SDK's ``ResponseError.code`` literal does
@@ -85,7 +86,9 @@ class _Shape:
         self.tools = parsed.tools
         self.model = parsed.body.model
         self.headers = {"X-Session-ID": call.session_id}
-        self.limited = parsed.body.max_tokens is not None  # the client set max_output_tokens
+        asked = parsed.body.max_tokens
+        # The client's max_output_tokens bounds the answer (not one clamped to the context's room).
+        self.limited = asked is not None and asked <= call.params.max_tokens
         self.id = f"resp_{call.call_id}"
         self.created_at = int(time.time())
 

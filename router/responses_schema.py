@@ -4,9 +4,8 @@ A Responses body is translated into the chat body the chat template takes and th
 by the same parser as ``/v1/chat/completions`` (``openai_schema.parse_chat``), so the APIs
 accept and render alike:
 - ``instructions`` and the leading run of ``system`` / ``developer`` messages -> one system
-  message (joined by a blank line: several templates, e.g. Mistral's, Gemma's and newer
-  Qwen's, refuse a second system message); a later ``system`` or ``developer`` message ->
-  a ``user`` message, its content as it is;
+  message, a later one -> a ``user`` message (``openai_schema.one_system``, as on the chat
+  API);
 - ``input`` as a string (one user message) or a list of items: ``message`` items (``type``
   may be left out) of role ``system``, ``developer``, ``user`` or ``assistant``, whose
   content is a string or ``input_text`` / ``output_text`` parts; ``function_call`` items
@@ -16,11 +15,11 @@ accept and render alike:
   ``function_call_output`` and ``custom_tool_call_output`` items (``call_id``, ``output``: a
   string or a content list) -> ``tool`` messages; ``reasoning`` items are dropped (an open
   model's template has no slot for another model's reasoning, ``encrypted_content`` included);
-- images and files: an ``input_image`` part, in a message or a tool output, is replaced by
-  the text ``[image omitted: this model reads text only]`` (an ``input_file`` part by
-  ``[file omitted: ...]``), on a line of its own, not refused: Codex resends the whole
-  history every turn, so one image (a screenshot a tool returned) would fail the
-  conversation for good;
+- images and files: an ``input_image`` or ``input_file`` part, in a message or a tool
+  output, is replaced by a line naming it (``router.media_placeholders``: its type and size,
+  e.g. ``[image omitted: image/png, 48.2 KB; this model reads text only]``), not refused:
+  Codex resends the whole history every turn, so one image (a screenshot a tool returned)
+  would fail the conversation for good;
 - ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a function or custom tool by
   name), ``parallel_tool_calls``: see ``router.responses_tools`` (custom tools become a
   function of one string ``input``, their grammar not enforced; namespace tools are flattened;
@@ -53,6 +52,7 @@ from typing import Any
 import structlog
 
 from router import openai_schema
+from router.media_placeholders import Omissions, join_text
 from router.openai_tools import json_arguments
 from router.responses_tools import CUSTOM_INPUT, Tools, parse_tools, tool_choice
 from talaria.protocol.errors import bad_request
@@ -69,8 +69,6 @@ _READ = frozenset({"input", "instructions", "tools", "tool_choice", "max_output_
 _AT_DEFAULT: dict[str, Any] = {"truncation": "disabled", "background": False, "top_logprobs": 0}
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TEXT_PARTS = frozenset({"input_text", "output_text"})
-_OMITTED_PARTS = {"input_image": "[image omitted: this model reads text only]",
-                  "input_file": "[file omitted: this model reads text only]"}
 _SKIPPED_ITEMS = frozenset({"reasoning"})
 _REFUSED_INCLUDES = frozenset({"message.output_text.logprobs"})
 
@@ -97,13 +95,15 @@ def parse_responses(data: Any) -> ResponsesRequest:
     _check_ignored(data)
     tools = parse_tools(data["tools"]) if data.get("tools") is not None else Tools()
     chat: dict[str, Any] = {key: data[key] for key in _PASSED if key in data}
-    chat["messages"] = _messages(data.get("input"), instructions, tools)
+    omitted = Omissions()
+    chat["messages"] = _messages(data.get("input"), instructions, tools, omitted)
     chat["max_tokens"] = max_output
     chat["tools"] = tools.chat
     if data.get("tool_choice") is not None:
         chat["tool_choice"] = tool_choice(data["tool_choice"], tools)
     body = openai_schema.parse_chat(chat)
     body.max_tokens_param = "max_output_tokens"
+    body.media.count += omitted.count
     if tools.skipped:
         log.info("router.responses.tools_skipped", types=tools.skipped)
     echo = {
@@ -156,7 +156,7 @@ def _check_ignored(data: dict[str, Any]) -> None:
                           "text.format")
 
 
-def _messages(value: Any, instructions: str | None, tools: Tools) -> list[dict[str, Any]]:
+def _messages(value: Any, instructions: str | None, tools: Tools, omitted: Omissions) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
@@ -178,31 +178,19 @@ def _messages(value: Any, instructions: str | None, tools: Tools) -> list[dict[s
             role = item.get("role")
             if not isinstance(role, str) or role not in _ROLES:
                 raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
-            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content", omitted)})
         elif kind in ("function_call", "custom_tool_call"):
             _call(out, item, where, tools)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                        "content": _text(item.get("output"), f"{where}.output")})
+                        "content": _text(item.get("output"), f"{where}.output", omitted)})
         elif kind not in _SKIPPED_ITEMS:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported (message, "
                               "function_call, function_call_output, custom_tool_call, "
                               "custom_tool_call_output and reasoning are)", where)
     if not any(m["role"] not in ("system", "developer") for m in out):
         raise bad_request("input holds no user, assistant or tool turn", "input")
-    return _one_system(out)
-
-
-def _one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The leading system and developer messages (after ``instructions``) as one system
-    message; later ones as user messages (several templates refuse a second system message)."""
-    lead = 0
-    while messages[lead]["role"] in ("system", "developer"):
-        lead += 1
-    rest = [{**m, "role": "user"} if m["role"] in ("system", "developer") else m for m in messages[lead:]]
-    if not lead:
-        return rest
-    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}, *rest]
+    return out  # parse_chat merges the system and developer messages (openai_schema.one_system)
 
 
 def _call(out: list[dict[str, Any]], item: dict[str, Any], where: str, tools: Tools) -> None:
@@ -235,25 +223,26 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, omitted: Omissions) -> str:
     """A string, or the text of an array of ``input_text`` / ``output_text`` parts (an image
-    or file part is a line saying it was left out)."""
+    or file part is a line saying what was left out)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or an array of text parts", where)
-    out, omitted = "", False  # omitted: the last part was left out, so text after it starts a line
+    parts: list[str] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind in _OMITTED_PARTS:
-            out += ("\n" if out and not out.endswith("\n") else "") + _OMITTED_PARTS[kind]
-            omitted = True
-            continue
-        if not isinstance(kind, str) or kind not in _TEXT_PARTS:
+        if kind == "input_image":
+            parts.append(omitted.openai_image(part.get("image_url"), part.get("file_id")))
+        elif kind == "input_file":
+            parts.append(omitted.openai_file(part.get("file_data"), part.get("filename"),
+                                             part.get("file_id"), part.get("file_url")))
+        elif not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise bad_request(f"{where}[{j}]: content of type {kind!r} is not supported (only input_text, "
                               "output_text, input_image and input_file are)", f"{where}[{j}]")
-        if not isinstance(part.get("text"), str):
+        elif not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
-        out += ("\n" if omitted and not part["text"].startswith("\n") else "") + part["text"]
-        omitted = False
-    return out
+        else:
+            parts.append(part["text"])
+    return join_text(parts)

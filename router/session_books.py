@@ -1,23 +1,29 @@
-"""The router's books on sessions, kept together: the session table (``router.sessions``), the
-sessions inferred from prompts (``router.session_inference``) and the chains known for reuse
-(``router.prefix_chain``). A session leaves all three at once, however it goes (its last
-call, idle past the TTL, evicted from a full table), and its SCT is observed then.
+"""The router's books on sessions, kept together: the session table and its branches
+(``router.sessions``), the sessions inferred from prompts (``router.session_inference``) and
+the chains known for reuse (``router.prefix_chain``, one per branch). A session leaves all
+three at once, however it goes (its last call, idle past the TTL, evicted from a full
+table), and its SCT is observed then; a branch dropped from its session takes its known
+chain with it.
 
 A call is named here when it names no session: the session its prompt continues when
-inference is on, else a session of one (``anon-<call id>``, ended with the call). An
-inferred session's first call is tentative: it goes to the instance as its session's last
-call (no soft reservation, no KV pinned for a return that one-shot calls never make) until a
-second call continues it; the router keeps the session all the same, so that call can.
+inference is on, else a session of one (``anon-<call id>``, ended with the call). The call
+the instance receives names the call's branch (``SessionBranch.key``), not the session.
+First calls are tentative: an inferred session's first call, and the first call of a
+session's second or later branch (a side call, most of the time), go to the instance as
+their chain's last call (no soft reservation, no KV pinned for a return that one-shot calls
+never make) until a second call continues them; the router keeps them all the same, so that
+call can.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.prefix_chain import ChainSample, KnownChains, PromptHashes
 from router.session_inference import SessionInference
-from router.sessions import SessionRecord, SessionTable
+from router.sessions import SessionBranch, SessionRecord, SessionTable
 from talaria.protocol import CallRequest
 from talaria.protocol.text import block_hashes
 
@@ -28,9 +34,12 @@ __all__ = ["SessionBooks", "SessionCall"]
 class SessionCall:
     """One call's place in its session, from its start to its end."""
 
-    record: SessionRecord  # the session's record (as it was before this call's placement)
-    parent: SessionRecord | None  # a subagent's first call: its parent's record
+    record: SessionRecord
+    branch: SessionBranch  # the chain the call continues (as it was before the call ran)
+    view: SessionBranch  # what placement reads: the branch, or a subagent's first call's parent's
+    affinity: str | None  # an instance preferred among equals (a subagent's parent's)
     prompt: PromptHashes
+    sent: CallRequest  # the call as the instance receives it (its branch's key, tentative or not)
     ends_session: bool  # the client said this is its session's last call
 
 
@@ -45,16 +54,34 @@ class SessionBooks:
     ) -> None:
         self.table = table
         table.on_evict = self._dropped
+        table.on_branch_drop = self._branch_dropped
         self.inference = inference
         self.block_size = block_size
         self.chains = KnownChains(block_size, known_chain_blocks)
         self._on_end = on_end
 
+    def chain_keys(self, call: CallRequest) -> list[str] | None:
+        """The known chains ``call``'s prompt may reuse: its session's branches of its model
+        (None: the call names no session yet; ``KnownChains.hash_prompt``)."""
+        if not call.session_id:
+            return None
+        record = self.table.get(call.session_id)
+        return [b.key for b in record.branches.values() if b.model == call.model] if record else []
+
     def start(self, call: CallRequest, prompt: PromptHashes, now: float) -> SessionCall:
         """Name the call's session if it names none, and record the call's arrival."""
-        ends_session = self._name(call, prompt.hashes) if not call.session_id else call.last_call
-        record = self.table.start_call(call.session_id, call.model, now, len(call.prompt_token_ids))
-        return SessionCall(record, self._parent(call, record), prompt, ends_session)
+        tentative = False
+        if not call.session_id:
+            ends_session, tentative = self._name(call, prompt.hashes)
+        else:
+            ends_session = call.last_call
+        record, branch, new = self.table.start_call(
+            call.session_id, call.model, now, call.prompt_token_ids, prompt.hashes)
+        tentative = tentative or (new and record.calls > 1)  # a new chain in a known session
+        parent = self._parent(call, record, prompt.hashes)
+        sent = dataclasses.replace(call, session_id=branch.key, last_call=call.last_call or tentative)
+        return SessionCall(record, branch, parent or branch, parent.instance_id if parent else None,
+                           prompt, sent, ends_session)
 
     def end(
         self, call: CallRequest, books: SessionCall, instance_id: str | None, now: float,
@@ -65,23 +92,21 @@ class SessionBooks:
         hashes = books.prompt.hashes
         tail = call.prompt_token_ids[len(hashes) * self.block_size:] + list(outputs)
         more: list[int] = []
+        branch = books.branch
         if instance_id is not None:
             more = block_hashes(tail, self.block_size, parent=hashes[-1] if hashes else None)
-        kv = ChainSample.of(hashes + more, marks=(len(hashes) - 1,))
-        session_id = call.session_id
-        record = self.table.end_call(
-            session_id, instance_id, now, kv, len(call.prompt_token_ids) + len(outputs),
-            last_call=books.ends_session,
-        )
-        if session_id not in self.table:
-            if record is not None:
-                self._on_end(record)
-            self._forget(session_id)
+            kv = ChainSample.of(hashes + more, marks=(len(hashes) - 2, len(hashes) - 1))
+            branch.ran_on(instance_id, call.prompt_token_ids, hashes, kv,
+                          len(call.prompt_token_ids) + len(outputs))
+        if self.table.end_call(books.record, branch, now, last_call=books.ends_session):
+            self._dropped(books.record)
             return more
-        if instance_id is not None:
-            self.chains.remember(session_id, books.prompt, tail, more)
+        if books.record.session_id not in self.table:
+            return more  # evicted while the call ran: forgotten then
+        if instance_id is not None and branch.key in books.record.branches:
+            self.chains.remember(branch.key, books.prompt, tail, more)
         if self.inference is not None:
-            self.inference.record_answer(session_id, outputs)
+            self.inference.record_answer(call.session_id, outputs)
         return more
 
     def cleanup(self, now: float) -> int:
@@ -93,29 +118,28 @@ class SessionBooks:
 
     def _dropped(self, record: SessionRecord) -> None:
         self._on_end(record)
-        self._forget(record.session_id)
-
-    def _forget(self, session_id: str) -> None:
-        self.chains.forget(session_id)
+        for branch in record.branches.values():
+            self.chains.forget(branch.key)
         if self.inference is not None:
-            self.inference.forget(session_id)
+            self.inference.forget(record.session_id)
 
-    def _name(self, call: CallRequest, hashes: list[int]) -> bool:
-        """Name the call's session; returns whether the session ends with this call here
-        (``call.last_call`` is what the instance is told)."""
+    def _branch_dropped(self, branch: SessionBranch) -> None:
+        self.chains.forget(branch.key)
+
+    def _name(self, call: CallRequest, hashes: list[int]) -> tuple[bool, bool]:
+        """Name the call's session; returns whether the session ends with this call here, and
+        whether the call is tentative (an inferred session's first)."""
         if self.inference is None:
             call.session_id, call.last_call = f"anon-{call.call_id}", True
-            return True
-        ends_session = call.last_call
+            return True, False
         call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes)
-        if self.inference.calls(call.session_id) == 1:
-            call.last_call = True  # tentative until a second call continues it
-        return ends_session
+        return call.last_call, self.inference.calls(call.session_id) == 1
 
-    def _parent(self, call: CallRequest, record: SessionRecord) -> SessionRecord | None:
-        """The parent's record for a subagent's first call (placement reads it as the call's
-        session: the parent's instance and KV); None otherwise."""
+    def _parent(self, call: CallRequest, record: SessionRecord, hashes: list[int]) -> SessionBranch | None:
+        """The parent's branch for a subagent's first call (placement reads it as the call's
+        session: the parent's instance and KV; the branch whose KV the prompt shares most);
+        None otherwise."""
         if record.calls != 1 or not call.parent_session_id or call.parent_session_id == call.session_id:
             return None
         parent = self.table.get(call.parent_session_id)
-        return parent if parent is not None and parent.model == call.model else None
+        return parent.nearest(call.model, hashes) if parent is not None else None

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from router.template_roles import TemplateRoles
 from talaria.protocol.text import IncrementalDetokenizer
 
 T = TypeVar("T")
@@ -38,6 +39,7 @@ class ModelTokenizer:
         self.context_len = context_len
         self.vocab_size = len(tokenizer)
         self.large_prompt_bytes = large_prompt_bytes
+        self.roles = TemplateRoles(name)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}")
         self._large: tuple[ThreadPoolExecutor, Any] | None = None  # made on first use
 
@@ -52,7 +54,7 @@ class ModelTokenizer:
         """``encode_chat`` in the lane for a prompt of ``size`` bytes."""
         executor, tokenizer = self._lane(size)
         return await asyncio.get_running_loop().run_in_executor(
-            executor, _encode_chat, tokenizer, self.name, messages, tools, prefill
+            executor, _encode_chat, tokenizer, self.name, messages, tools, prefill, self.roles
         )
 
     async def tokenize_text(self, text: str, size: int) -> list[int]:
@@ -100,8 +102,9 @@ class ModelTokenizer:
     ) -> list[int]:
         """The chat template applied (with ``tools`` when given, through transformers, whose
         ``tojson`` the templates expect), the generation prompt added and ``prefill``
-        written after it as the start of the answer; then tokenized."""
-        return _encode_chat(self.tokenizer, self.name, messages, tools, prefill)
+        written after it as the start of the answer; then tokenized. A role the template
+        would drop is a ValueError (``router.template_roles``)."""
+        return _encode_chat(self.tokenizer, self.name, messages, tools, prefill, self.roles)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return _encode_text(self.tokenizer, text, add_special_tokens)
@@ -128,10 +131,11 @@ def _chat_template(tokenizer: Any) -> str | None:
 
 def _encode_chat(
     tokenizer: Any, name: str, messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None, prefill: str,
+    tools: list[dict[str, Any]] | None, prefill: str, roles: TemplateRoles,
 ) -> list[int]:
     if _chat_template(tokenizer) is None:
         raise ValueError(f"model {name!r} has no chat template; use /v1/completions")
+    roles.check(tokenizer, messages)
     text = tokenizer.apply_chat_template(
         messages, tools=tools or None, tokenize=False, add_generation_prompt=True
     )

@@ -13,6 +13,7 @@ first_token_timeout_s = 300.0   # a call's first token, else retry on another in
 stall_timeout_s = 60.0  # between two tokens of a call, else an error event
 max_inflight_calls = 1024       # beyond: 429 with Retry-After
 infer_sessions = true   # calls naming no session join the one their prompt extends
+max_tokens_overflow = "clamp"   # a max_tokens beyond the context's room: clamp to it, or "refuse"
 session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the default list
 
 [engine]                # all optional; shared by every instance
@@ -23,6 +24,7 @@ dtype = "auto"
 path = "/models/my-model"   # relative paths are relative to this file
 max_model_len = 8192
 tool_format = "hermes"      # how it writes tool calls (default: found in its chat template)
+max_tokens_overflow = "refuse"  # this model's rule (default: the router's)
 
 [[instances]]           # none: one instance on the CPU
 id = "i0"
@@ -70,6 +72,7 @@ __all__ = [
 ]
 
 _PLACEMENT_POLICIES = ("talaria", "load", "cache_aware")
+_OVERFLOW_RULES = ("clamp", "refuse")  # router.output_budget's (serve config stays router-free)
 _DEFAULT_KV_BLOCKS = 512
 _DEFAULT_HOST_KV_BYTES = 256 << 20
 
@@ -95,6 +98,7 @@ class RouterSection:
     body_timeout_s: float = 30.0
     infer_sessions: bool = True
     session_headers: list[str] | None = None  # None: the router's default list
+    max_tokens_overflow: str = "clamp"
 
 
 @dataclass
@@ -112,6 +116,7 @@ class ModelEntry:
     path: str
     max_model_len: int | None = None
     tool_format: str | None = None
+    max_tokens_overflow: str | None = None  # None: the router's rule
 
 
 @dataclass
@@ -212,6 +217,12 @@ class ServeConfig:
                 raise ConfigError(f"[router].{key} must be >= 1, got {getattr(r, key)}")
         if r.instance_key is not None and len(r.instance_key) < 16:
             raise ConfigError("[router].instance_key must be at least 16 characters")
+        rules = {"[router].max_tokens_overflow": r.max_tokens_overflow, **{
+            f"[models.{n}].max_tokens_overflow": m.max_tokens_overflow
+            for n, m in self.models.items() if m.max_tokens_overflow is not None}}
+        for key, rule in rules.items():
+            if rule not in _OVERFLOW_RULES:
+                raise ConfigError(f"{key} must be one of {list(_OVERFLOW_RULES)}, got {rule!r}")
         headers = r.session_headers
         if headers is not None and (not isinstance(headers, list) or not headers
                                     or not all(isinstance(h, str) and h.strip() for h in headers)):

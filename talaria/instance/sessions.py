@@ -1,5 +1,11 @@
 """An instance's per-session state: history, where each session's KV is, soft reservations.
 
+A session here is one KV chain, named by the call's ``session_id``. The router sends each
+chain of a client's session under its own id (``router.sessions``: the main loop under the
+session id, a side call that does not continue it under ``<session id>#<n>``), so a side
+call never shares a record, a reservation or the engine's remembered chain with the main
+loop: everything below keyed by session id is keyed by chain.
+
 It carries out the reservation life cycle described in ``talaria.policies.reservations``
 (create on call end, consume on admission, expire, yield under memory pressure, unpin on a
 switch away, release on shutdown). All engine calls go through the executor, from the

@@ -39,11 +39,17 @@ def test_a_catalog_written_before_tools_gets_the_current_template(tmp_path: Path
     # The serve config names the router's session headers, inference and a model's tool format.
     toml = tmp_path / "serve.toml"
     toml.write_text(f'[router]\ninfer_sessions = false\nsession_headers = ["x-my-session"]\n'
-                    f'[models.m]\npath = "{paths["tiny-llama"]}"\ntool_format = "hermes"\n')
+                    f'max_tokens_overflow = "refuse"\n'
+                    f'[models.m]\npath = "{paths["tiny-llama"]}"\ntool_format = "hermes"\n'
+                    f'max_tokens_overflow = "clamp"\n')
     config = load_serve_config(toml)
     router = _router_app(config, {"i0": "http://127.0.0.1:1"})[CONFIG_KEY]
     assert router.session_headers.session == ("x-my-session",) and not router.infer_sessions
     assert router.tool_formats == {"m": "hermes"}
+    assert router.overflow_rule("m") == "clamp" and router.max_tokens_overflow == "refuse"
+    toml.write_text('[router]\nmax_tokens_overflow = "truncate"\n')
+    with pytest.raises(ConfigError, match="max_tokens_overflow"):
+        load_serve_config(toml)
     toml.write_text('[router]\nsession_headers = "x-one"\n')
     with pytest.raises(ConfigError, match="session_headers"):
         load_serve_config(toml)

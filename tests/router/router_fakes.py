@@ -8,6 +8,8 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from router.prefix_chain import ChainSample
+from router.sessions import SessionBranch, SessionRecord, SessionTable
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -19,6 +21,7 @@ from talaria.protocol import (
     Overloaded,
     Residency,
 )
+from talaria.protocol.text import block_hashes
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -154,3 +157,20 @@ class ScriptedInstance(FakeInstance):
                 usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens,
                                 self.restored_tokens) if last else None,
             )
+
+
+def book_call(
+    table: SessionTable, session_id: str, prompt: list[int], start: float, end: float | None = None,
+    instance: str | None = "i", model: str = "m", output: int = 0, last: bool = False, block_size: int = 16,
+) -> tuple[SessionRecord, SessionBranch]:
+    """A call through ``table`` as the router books it: its start, and its end at ``end`` (if
+    given) on ``instance`` (None: it ran nowhere) with ``output`` more tokens."""
+    hashes = block_hashes(prompt, block_size)
+    record, branch, _new = table.start_call(session_id, model, start, prompt, hashes)
+    if end is not None:
+        if instance is not None:
+            chain = block_hashes(prompt + [1] * output, block_size)
+            branch.ran_on(instance, prompt, hashes, ChainSample.of(chain, marks=(len(hashes) - 1,)),
+                          len(prompt) + output)
+        table.end_call(record, branch, end, last_call=last)
+    return record, branch

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 from multidict import CIMultiDict
-from router_fakes import FakeInstance
+from router_fakes import FakeInstance, book_call
 from test_api import chat_body, reply, serve
 
 from router.anthropic_schema import metadata_session_id
 from router.app import CORE_KEY
 from router.core import RouterCore
 from router.limits import RouterLimits
-from router.prefix_chain import ChainSample
 from router.session_identity import SessionHeaders, SessionIdentity, resolve_session
 from router.session_inference import SessionInference
 from router.sessions import SessionTable
@@ -98,8 +97,7 @@ async def test_a_subagent_goes_where_its_parent_kv_is_on_host() -> None:
     for parent_id, expected in (("p", "b"), (None, "a")):
         a, b = FakeInstance("a", [5, 6]), FakeInstance("b", [5, 6])
         core = RouterCore({"a": a, "b": b}, "talaria", refresh_after_call=False, block_size=16)
-        core.sessions.start_call("p", "m", 0.0, len(prompt))
-        core.sessions.end_call("p", "b", 1.0, ChainSample.of(block_hashes(prompt, 16)), len(prompt))
+        book_call(core.sessions, "p", prompt, 0.0, 1.0, instance="b")
         for iid in ("a", "b"):
             core.update_state(InstanceState(iid, block_size=16))
         core.states["b"].sessions["p"] = SessionKV("p", "m", host_tokens=len(prompt))

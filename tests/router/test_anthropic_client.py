@@ -113,7 +113,7 @@ async def test_stop_reasons_prefill_and_errors(tiny_tokenizer: ModelTokenizer, t
             await client.messages.create(model="nope", max_tokens=5, messages=USER)
         with pytest.raises(anthropic.BadRequestError, match="not supported"):
             await client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": [
-                {"type": "image", "source": {"type": "url", "url": "https://example.com/x.png"}}]}])
+                {"type": "search_result", "source": "https://example.com", "title": "x", "content": []}]}])
         wrong = anthropic.AsyncAnthropic(base_url=root, api_key="wrong", max_retries=0)
         with pytest.raises(anthropic.AuthenticationError):
             await wrong.messages.create(model="tiny", max_tokens=5, messages=USER)

@@ -41,8 +41,8 @@ async def test_streams_events_tagged_with_instance_and_updates_books() -> None:
     assert all(e.instance_id == "a" for e in events)
     assert events[-1].finished and events[-1].usage.cached_tokens == 7
     rec = core.sessions.get("s")
-    assert rec is not None and rec.instance_id == "a" and rec.kv_tokens == 45
-    assert rec.kv.blocks == 45 // 16
+    assert rec is not None and rec.instance_id == "a" and rec.main.kv_tokens == 45
+    assert rec.main.kv.blocks == 45 // 16
     assert core.context.outstanding_tokens["a"] == 0
     assert core.metrics.requests.get(model="m", instance="a", outcome="ok") == 1
     assert core.metrics.completion_tokens.get(model="m") == 5

@@ -6,11 +6,10 @@ import asyncio
 import contextlib
 
 import pytest
-from router_fakes import FakeInstance
+from router_fakes import FakeInstance, book_call
 
 from router.core import RouterCore
 from router.health import HealthPoller
-from router.prefix_chain import ChainSample
 from router.sessions import SessionTable
 from talaria.protocol import InstanceState
 
@@ -27,8 +26,7 @@ async def test_poll_marks_down_and_up_and_cleans_sessions() -> None:
     b.state_obj = InstanceState("b")
     await poller.poll_once()
     assert core.healthy == {"b"}
-    core.sessions.start_call("s", "m", 0.0, 10)
-    core.sessions.end_call("s", "b", 1.0, ChainSample.of([]), 10)
+    book_call(core.sessions, "s", [1] * 10, 0.0, 1.0, instance="b")
     now[0] = 20.0
     await poller.poll_once()
     assert "s" not in core.sessions

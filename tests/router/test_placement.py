@@ -14,7 +14,7 @@ from router.placement import (
     make_policy,
 )
 from router.prefix_chain import ChainSample
-from router.sessions import SessionTable
+from router.sessions import SessionBranch
 from talaria.protocol import InstanceState, Residency, SessionKV
 from talaria.protocol.text import block_hashes
 
@@ -130,8 +130,7 @@ def test_host_kv_restore_is_cheaper_than_prefill() -> None:
 
 
 def test_a_session_stays_with_its_kv_and_new_sessions_go_to_the_least_loaded() -> None:
-    sessions = SessionTable()
-    record = sessions.start_call("s1", "m", 0.0, 4096)
+    record = SessionBranch("s1", "m")
     states = {
         "a": InstanceState("a", models={"m": model_state("m", prefill_tokens_per_s=10_000.0)},
                            sessions={"s1": SessionKV("s1", "m", device_tokens=4000)}),
@@ -149,7 +148,7 @@ def test_a_session_stays_with_its_kv_and_new_sessions_go_to_the_least_loaded() -
     assert policy.choose(call(), record, states, {"b"}) == ["b"]
     # a new session (no KV anywhere) goes to the least loaded instance, whatever the model's
     # residency; at equal load the estimate prefers the active model
-    other = SessionTable().start_call("s2", "m", 0.0, 4096)
+    other = SessionBranch("s2", "m")
     states["a"].models["m"].queued_tokens = 0
     states["b"].models["m"].residency = Residency.HOST
     policy.ctx.add("a", 100, 5000)
@@ -186,8 +185,7 @@ def test_prefix_index_counts_only_when_model_active() -> None:
 def test_reported_session_kv_counts_only_as_far_as_the_prompt_extends_it() -> None:
     states = {"a": InstanceState("a", models={"m": model_state("m")},
                                  sessions={"s1": SessionKV("s1", "m", device_tokens=4000, host_tokens=4000)})}
-    sessions = SessionTable()
-    record = sessions.start_call("s1", "m", 0.0, 4096)
+    record = SessionBranch("s1", "m")
     c = call()
     diverged = c.block_hashes[:10] + [12345] * 200  # diverged after block 10
     record.kv = ChainSample.of(diverged, marks=(9,))  # where its prompt ended: sampled

@@ -45,7 +45,7 @@ def test_a_continuation_reuses_the_known_chain_and_always_gets_its_own() -> None
     known = KnownChains(BS)
     prompt = tokens(rng, 1000)
     answer = tokens(rng, 90)
-    first = known.hash_prompt("s", prompt)
+    first = known.hash_prompt(["s"], prompt)
     assert first.reused == 0 and first.hashes == block_hashes(prompt, BS)
     full = len(first.hashes) * BS
     tail = prompt[full:] + answer
@@ -57,11 +57,18 @@ def test_a_continuation_reuses_the_known_chain_and_always_gets_its_own() -> None
         "is shorter": (prompt[:500], 0),
     }
     for name, (new, reused) in cases.items():
-        got = known.hash_prompt("s", new)
+        got = known.hash_prompt(["s"], new)
         assert got.hashes == block_hashes(new, BS), name
         assert got.reused == reused, name
-    assert known.hash_prompt("other", prompt + answer).reused == 0
-    assert known.hash_prompt("", prompt).hashes == first.hashes
+    assert known.hash_prompt(["other"], prompt + answer).reused == 0
+    assert known.hash_prompt(None, prompt).hashes == first.hashes and known.hash_prompt(None, prompt).digest is None
+    # A session's branches: the chain the prompt repeats the most of is the one reused.
+    side = tokens(rng, 300)
+    known.remember("s#1", known.hash_prompt([], side), [], [])
+    for keys in (["s#1", "s"], ["s", "s#1"]):
+        got = known.hash_prompt(keys, prompt + answer + side)
+        assert got.reused == len(prompt + answer) // BS and got.hashes == block_hashes(prompt + answer + side, BS)
+    assert known.hash_prompt(["s", "s#1"], side + prompt).reused == len(side) // BS
 
 
 def test_known_chains_are_bounded_in_blocks() -> None:
@@ -69,7 +76,7 @@ def test_known_chains_are_bounded_in_blocks() -> None:
     known = KnownChains(BS, max_blocks=100)
     for sid in "abcd":
         prompt = tokens(rng, 40 * BS)
-        known.remember(sid, known.hash_prompt(sid, prompt), [], [])
+        known.remember(sid, known.hash_prompt([sid], prompt), [], [])
     assert known.blocks == 80 and len(known) == 2  # the two least recent went
     known.forget("d")
     assert known.blocks == 40
@@ -99,8 +106,8 @@ async def test_a_named_continuation_hashes_only_its_new_blocks(monkeypatch: pyte
     assert len(hashed) == new_blocks + tail_blocks  # not the 4000-token prompt again
     assert hashed.count("MainThread") == tail_blocks  # the prompt's on the hashing thread
     record = core.sessions.get("s")
-    assert record is not None and record.kv.blocks == (len(longer) + len(answer)) // BS
-    assert len(record.kv.indices) < 64  # a sample, not the chain
+    assert record is not None and record.main.kv.blocks == (len(longer) + len(answer)) // BS
+    assert len(record.main.kv.indices) < 64 and len(record.branches) == 1  # a sample, not the chain
     await core.close()
 
 

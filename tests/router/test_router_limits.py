@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from router_fakes import FakeInstance
+from router_fakes import FakeInstance, book_call
 from test_api import chat_body, reply, serve
 
 from router.app import CORE_KEY
-from router.prefix_chain import ChainSample
 from router.sessions import SessionTable
 from router.tokenization import ModelTokenizer
 
@@ -196,15 +195,13 @@ async def test_calls_beyond_the_cap_get_429_with_retry_after(tokenizer: ModelTok
 
 def test_the_session_table_evicts_the_least_recently_seen_idle_session() -> None:
     table = SessionTable(ttl_s=1000.0, max_sessions=3)
-    for i, sid in enumerate(["a", "b", "c"]):
-        table.start_call(sid, "m", float(i), 10)
-    table.end_call("a", "i", 3.0, ChainSample.of([]), 10)
-    table.end_call("b", "i", 4.0, ChainSample.of([]), 10)
-    table.start_call("a", "m", 5.0, 12)  # a is seen again: b is now the least recent idle
-    table.end_call("a", "i", 6.0, ChainSample.of([]), 12)
-    table.start_call("d", "m", 7.0, 10)
+    calls = {sid: book_call(table, sid, [1] * 10, float(i)) for i, sid in enumerate(["a", "b", "c"])}
+    table.end_call(*calls["a"], 3.0)
+    table.end_call(*calls["b"], 4.0)
+    book_call(table, "a", [1] * 12, 5.0, 6.0)  # a is seen again: b is now the least recent idle
+    book_call(table, "d", [1] * 10, 7.0)
     assert [s for s in "abcd" if s in table] == ["a", "c", "d"] and table.evicted == 1
-    table.start_call("e", "m", 8.0, 10)  # c and d are busy: a (idle) goes
+    book_call(table, "e", [1] * 10, 8.0)  # c and d are busy: a (idle) goes
     assert "a" not in table and len(table) == 3
 
 

@@ -1,4 +1,4 @@
-"""Block hashes, incremental detokenisation, stop strings, the session table."""
+"""Block hashes, incremental detokenisation, stop strings."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.prefix_chain import ChainSample
-from router.sessions import SessionTable
 from router.tokenization import ModelTokenizer
 from talaria.protocol.text import StopMatcher, block_hashes
 
@@ -73,31 +71,3 @@ def test_stop_matcher_cuts_exactly_at_first_stop(text: str, cuts: list[int]) -> 
     expected = text[: min(hits)] if hits else text
     assert "".join(out) == expected
     assert matcher.stopped == bool(hits)
-
-
-def test_session_table_books_and_ttl() -> None:
-    table = SessionTable(ttl_s=100.0)
-    table.start_call("s", "m", 0.0, 100)
-    table.end_call("s", "a", 10.0, ChainSample.of([1, 2]), 140)
-    rec = table.start_call("s", "m", 12.5, 150)
-    assert rec.last_finish == 10.0 and rec.instance_id == "a" and rec.calls == 2
-    table.end_call("s", "a", 20.0, ChainSample.of([1, 2, 3]), 170)
-    table.start_call("s", "m", 21.5, 180)
-    rec = table.get("s")
-    assert rec is not None and rec.active_calls == 1 and rec.prompt_tokens == 180
-    table.end_call("s", "a", 30.0, ChainSample.of([1]), 190)
-    assert rec.kv_tokens == 190 and rec.kv.last_hash == 1 and rec.kv.blocks == 1
-    # A different model starts the session afresh.
-    assert table.start_call("s", "other", 31.0, 10).calls == 1
-    table.end_call("s", "b", 32.0, ChainSample.of([]), 10)
-    assert table.cleanup(100.0) == [] and "s" in table
-    assert [r.session_id for r in table.cleanup(133.0)] == ["s"] and len(table) == 0
-
-
-def test_session_ends_on_last_call() -> None:
-    table = SessionTable()
-    table.start_call("s", "m", 0.0, 10)
-    assert table.end_call("s", "a", 1.0, ChainSample.of([]), 10, last_call=True) is not None
-    assert "s" not in table
-    with pytest.raises(ValueError, match="ttl_s"):
-        SessionTable(ttl_s=0)

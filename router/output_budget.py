@@ -1,0 +1,62 @@
+"""How many tokens a call may write: one rule for every API (chat, completions, Messages,
+Responses).
+
+Agents send one output limit whatever the model: Claude Code asks for ``max_tokens`` 32000
+(64000 for some model names) unless ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` is set, so on a model
+whose context is smaller than that every call would be refused and the agent could not
+start. The room a call has is ``context length - prompt tokens``:
+- no limit asked: the room;
+- a limit that fits: that limit;
+- a limit beyond the room, under the rule ``"clamp"`` (the default): the room. The response
+  names the clamp in the header ``X-Talaria-Max-Tokens-Clamped: <asked>-><room>``, and an
+  answer that reaches it ends as each API ends an answer cut by its limit
+  (``finish_reason: "length"``, ``stop_reason: "max_tokens"``; the Responses API's
+  ``context_length_exceeded``, as when no limit was asked, since the context, not the
+  client's limit, ended it);
+- under ``"refuse"`` (per model or for the router: the behaviour before clamping), a 400
+  naming the field and the room.
+Counting tokens (``/v1/messages/count_tokens``) asks for no output and is not affected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from talaria.protocol.errors import bad_request
+
+__all__ = ["CLAMP_HEADER", "OVERFLOW_RULES", "OutputBudget", "output_budget"]
+
+OVERFLOW_RULES = ("clamp", "refuse")
+CLAMP_HEADER = "X-Talaria-Max-Tokens-Clamped"
+
+
+@dataclass(frozen=True)
+class OutputBudget:
+    max_tokens: int  # what the instance is asked to write at most
+    asked: int | None = None  # the client's limit (None: none asked)
+
+    @property
+    def clamped(self) -> bool:
+        return self.asked is not None and self.asked > self.max_tokens
+
+    def headers(self) -> dict[str, str]:
+        """The response header that names a clamp (none when the client's limit stood)."""
+        return {CLAMP_HEADER: f"{self.asked}->{self.max_tokens}"} if self.clamped else {}
+
+
+def output_budget(
+    asked: int | None, prompt_tokens: int, context_len: int, rule: str, param: str, model: str,
+) -> OutputBudget:
+    """The output budget of a call whose prompt has ``prompt_tokens`` tokens (fewer than
+    ``context_len``; checked before); ``param`` names the client's field in a refusal."""
+    if rule not in OVERFLOW_RULES:
+        raise ValueError(f"unknown max_tokens overflow rule {rule!r}; choose from {OVERFLOW_RULES}")
+    room = context_len - prompt_tokens
+    if asked is None or asked <= room:
+        return OutputBudget(asked if asked is not None else room, asked)
+    if rule == "refuse":
+        raise bad_request(
+            f"{param} is {asked} but the prompt has {prompt_tokens} tokens and the context length "
+            f"of {model!r} is {context_len}: at most {room} tokens fit", param,
+        )
+    return OutputBudget(room, asked)
