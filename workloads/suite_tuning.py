@@ -1,0 +1,89 @@
+"""The baseline and the peers at their best in hindsight, per scenario and per figure.
+
+``tune_suite`` runs every row of ``TUNED_ROWS`` over its grid of slot-closing rules and quanta
+(``SUITE_QUANTA``; Aegaeon over its quota grid) in every scenario, and keeps, for p50, p95
+and the mean separately, the setting with the lowest value (ties to the earlier grid point).
+Talaria is not tuned: it runs one configuration everywhere. The result is cached in
+``SUITE_SETTINGS_PATH`` under a key of the suite's configuration, so ``make replay`` runs each
+row at its best settings without the grids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from talaria.config import SLOT_CLOSE_RULES
+from workloads.suite import SuiteConfig, scenarios
+from workloads.suite_run import BASELINE, FIGURES, SuiteSettings, run_suite
+from workloads.systems import PEERS, PREEMPT_QUANTA, SYSTEMS
+
+__all__ = ["SUITE_QUANTA", "SUITE_SETTINGS_PATH", "TUNED_ROWS", "load_suite_settings",
+           "suite_key", "tune_suite"]
+
+SUITE_SETTINGS_PATH = Path(__file__).parent / "data" / "suite_settings.json"
+TUNED_ROWS: tuple[str, ...] = (BASELINE, *PEERS)
+# A slot of 15 s to one that outlasts most sessions.
+SUITE_QUANTA: tuple[float, ...] = (15.0, 60.0, 240.0, 960.0)
+
+
+def suite_key(config: SuiteConfig) -> str:
+    """What tuned settings depend on: the suite's scenarios, sizes, seed and cluster."""
+    spec = config.spec
+    parts = [list(config.traces), list(config.loads), list(config.servers),
+             config.sessions_per_server, config.pooled_sessions, config.seed,
+             [spec.server, spec.tp, list(spec.models), spec.block_size,
+              spec.max_fused_decode_steps]]
+    return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:16]
+
+
+def _grid(row: str) -> list[dict[str, Any]]:
+    quanta = PREEMPT_QUANTA if SYSTEMS[row].grid == "preempt" else SUITE_QUANTA
+    return [{"slot_close": rule, "slot_quantum_s": q} for q in quanta for rule in SLOT_CLOSE_RULES]
+
+
+def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, workers: int = 1,
+               progress: bool = False, path: Path = SUITE_SETTINGS_PATH) -> SuiteSettings:
+    """Run every tuned row's grid in every scenario; write and return the best settings."""
+    points = {row: _grid(row) for row in TUNED_ROWS}
+    best: dict[str, dict[str, dict[str, Any]]] = {}
+    width = max(len(g) for g in points.values())
+    for i in range(width):
+        # grid point i of every row at once: each pass is a complete suite (its Poisson
+        # rates come from the baseline at its fallback setting, the same in every pass)
+        chosen = {row: g[min(i, len(g) - 1)] for row, g in points.items()}
+        settings = SuiteSettings({s.name: {row: {f: chosen[row] for f in FIGURES}
+                                           for row in TUNED_ROWS}
+                                  for s in scenarios(config)}, fallback)
+        result = run_suite(config, settings, rows=TUNED_ROWS, workers=workers,
+                           progress=progress)
+        for name, res in result.scenarios.items():
+            for row, r in res.rows.items():
+                for f in FIGURES:
+                    current = best.setdefault(name, {}).setdefault(row, {}).get(f)
+                    if current is None or r.values[f] < current["value"]:
+                        best[name][row][f] = {"value": r.values[f], "setting": chosen[row]}
+    tuned = {name: {row: {f: v["setting"] for f, v in by_fig.items()}
+                    for row, by_fig in rows.items()} for name, rows in best.items()}
+    data = {"suite_key": suite_key(config), "criterion": "per figure, the lowest over the grid",
+            "settings": tuned,
+            "values": {name: {row: {f: v["value"] for f, v in by_fig.items()}
+                              for row, by_fig in rows.items()} for name, rows in best.items()}}
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+    return SuiteSettings(tuned, fallback)
+
+
+def load_suite_settings(config: SuiteConfig, fallback: dict[str, dict[str, Any]],
+                        path: Path = SUITE_SETTINGS_PATH) -> SuiteSettings:
+    """The cached settings when made for this suite configuration, else none (each row then
+    runs at ``fallback``, its default-trace setting, marked untuned)."""
+    tuned: dict[str, Any] = {}
+    if path.exists():
+        data = orjson.loads(path.read_bytes())
+        if data.get("suite_key") == suite_key(config):
+            tuned = data["settings"]
+    return SuiteSettings(tuned, fallback)
+
