@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 __all__ = ["OutputLengths"]
 
 # Before a model has answered here: the order of a coding agent's answer (the shared real
-# trace's calls: median 113, p90 556 output tokens; ../shared/traces/README.md).
+# trace's calls: median 113, p90 556 output tokens; workloads/data/traces/README.md).
 DEFAULT_PRIOR_TOKENS = 256.0
 
 

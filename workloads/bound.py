@@ -51,7 +51,7 @@ from workloads.cluster import ClusterSpec
 from workloads.report import percentile
 from workloads.trace import Session
 
-__all__ = ["GRID", "LowerBound", "SessionBound", "lower_bound", "session_bounds"]
+__all__ = ["GRID", "LowerBound", "SessionBound", "lower_bound", "pooled_bound", "session_bounds"]
 
 # (lam, shares): lam weighs compute against memory; shares split a step's fixed cost by
 # tokens, by decodes and by decode context (``workloads.call_work.WorkModel``).
@@ -79,6 +79,7 @@ class LowerBound:
     sct_mean_s: float
     binding: dict[str, str] = field(default_factory=dict)
     order_stats: list[float] = field(default_factory=list)  # k-th smallest SCT's bound
+    order_sources: list[str] = field(default_factory=list)  # which fact gives each
 
 
 def session_bounds(
@@ -154,7 +155,29 @@ def lower_bound(sessions: Sequence[Session], spec: ClusterSpec) -> LowerBound:
         binding={"p50": _binding(stats, source, 50), "p95": _binding(stats, source, 95),
                  "mean": mean_source},
         order_stats=stats,
+        order_sources=source,
     )
+
+
+def pooled_bound(bounds: Sequence[LowerBound]) -> LowerBound:
+    """The bound of independent runs' sessions taken together: each run's SCTs, sorted, are
+    at least its order-statistic bounds one by one, so the union's are at least the union's
+    bounds; the mean is the runs' means weighted by their sessions."""
+    if not bounds:
+        raise ValueError("nothing to pool")
+    if len(bounds) == 1:
+        return bounds[0]
+    pairs = sorted((v, src) for b in bounds
+                   for v, src in zip(b.order_stats, b.order_sources, strict=True))
+    stats, sources = [v for v, _ in pairs], [src for _, src in pairs]
+    sizes = [len(b.order_stats) for b in bounds]
+    mean = sum(b.sct_mean_s * n for b, n in zip(bounds, sizes, strict=True)) / sum(sizes)
+    means = {b.binding["mean"] for b in bounds}
+    return LowerBound(
+        percentile(stats, 50), percentile(stats, 95), mean,
+        {"p50": _binding(stats, sources, 50), "p95": _binding(stats, sources, 95),
+         "mean": "capacity" if "capacity" in means else "critical path"},
+        stats, sources)
 
 
 def _binding(stats: list[float], source: list[str], q: float) -> str:

@@ -17,7 +17,7 @@ containment; this puts the median growth about a fifth above the real trace's +4
 median prompt at a given turn up to ~10% above the real one).
 
 Source of the calibration data: the public AgentCgroup traces (arXiv 2602.09345, repository
-yunwei37/agentcgroup at 5af9e7b8f37a, GPL-2.0), as reduced in /work/shared/traces.
+yunwei37/agentcgroup at 5af9e7b8f37a, GPL-2.0), as reduced in ``workloads/data/traces/``.
 """
 
 from __future__ import annotations

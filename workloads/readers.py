@@ -3,8 +3,9 @@
 - the shared real trace (``swe-claude-code.jsonl``: per-session ``calls`` with ``gap_s``);
 - CSV (``session_id,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms``);
 - Mooncake JSONL with sessions (Dynamo's agentic traces): ``workloads.mooncake``;
-``load_any_trace`` picks the reader from the file. The real trace is found beside the
-repository (``../shared/traces/``) or wherever ``TALARIA_REAL_TRACE`` points.
+``load_any_trace`` picks the reader from the file. The real trace ships in
+``workloads/data/traces/`` (with its source and licence) unless ``TALARIA_REAL_TRACE`` points
+elsewhere.
 """
 
 from __future__ import annotations
@@ -25,18 +26,22 @@ from workloads.trace import (
     validate_sessions,
 )
 
-__all__ = ["CSV_COLUMNS", "load_any_trace", "read_csv_trace", "read_real_trace", "real_trace_path"]
+__all__ = ["CSV_COLUMNS", "TRACES_DIR", "load_any_trace", "read_csv_trace", "read_real_trace",
+           "real_trace_path"]
 
 REAL_TRACE_NAME = "swe-claude-code.jsonl"
 
 
+TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
+
+
 def real_trace_path() -> Path:
-    """Where the shared real trace is: ``$TALARIA_REAL_TRACE``, else
-    ``<repository>/../shared/traces/swe-claude-code.jsonl`` (it may not exist)."""
+    """Where the real trace is: ``$TALARIA_REAL_TRACE``, else the copy shipped in
+    ``workloads/data/traces/``."""
     env = os.environ.get("TALARIA_REAL_TRACE")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / REAL_TRACE_NAME
+    return TRACES_DIR / REAL_TRACE_NAME
 
 
 def load_any_trace(path: str | Path) -> list[Session]:

@@ -18,6 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from workloads import suite_cli
+
 __all__ = ["register", "run_replay_command"]
 
 
@@ -84,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="live: prompt token ids are drawn from [1, this)")
     p.add_argument("--max-sessions", type=int, default=None, help="use the first N sessions")
     p.add_argument("--api-key", default=None, help="live: bearer key of the router")
+    suite_cli.add_arguments(p)
     p.set_defaults(func=run_replay_command)
 
 
@@ -302,6 +305,12 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     if sweeps:
         print()
         print(regime_summary(sweeps[0]))
+    if args.trace is None and args.policies is None and args.servers == 1:
+        suite = suite_cli.run_from_args(args, spec, {s.name: s.setting for s in systems})
+        if suite is not None:
+            print()
+            print(suite[0])
+            extra.update(suite[1])
     if args.json_path:
         write_json(to_json(bench, extra), args.json_path)
         print(f"wrote {args.json_path}")

@@ -1,0 +1,158 @@
+"""The scenario suite: its scenarios and draws, figures and intervals, the headline's
+reading of rows, capacity at the SLO, and one small suite end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from workloads.bound import LowerBound, pooled_bound
+from workloads.suite import Scenario, SuiteConfig, burst_runs, poisson_run, saturation_rate, scenarios
+from workloads.suite_cli import capacity
+from workloads.suite_report import best_other, format_suite, not_ahead, suite_json
+from workloads.suite_run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
+from workloads.suite_stats import figure, interval
+from workloads.suite_tuning import suite_key
+from workloads.trace_split import dev_half, in_report_half, report_half
+
+
+def test_scenarios_list_bursts_first_and_name_each_one() -> None:
+    config = SuiteConfig(traces=("miniswe", "claude-code"), loads=(0.5, 1.0), servers=(1, 4))
+    listed = scenarios(config)
+    assert len(listed) == 2 * 2 * 3
+    assert all(s.load is None for s in listed[:4]) and all(s.load is not None for s in listed[4:])
+    assert Scenario("miniswe", 4, 0.5).name == "miniswe/poisson-0.5/4srv"
+    assert Scenario("claude-code", 1).name == "claude-code/burst/1srv"
+    assert Scenario("miniswe", 1).split == "dev" and Scenario("claude-code", 1).split == "report"
+    with pytest.raises(ValueError, match="unknown suite trace"):
+        SuiteConfig(traces=("nope",))
+
+
+def test_burst_runs_pool_enough_sessions_with_distinct_ids() -> None:
+    config = SuiteConfig(traces=("miniswe",), sessions_per_server=5, pooled_sessions=12)
+    one = burst_runs(Scenario("miniswe", 1), config)
+    assert [len(r) for r in one] == [5, 5, 5]  # three runs of 5 pool 15 >= 12
+    ids = [s.session_id for r in one for s in r]
+    assert len(ids) == len(set(ids))
+    assert all(s.arrival_s == 0.0 for r in one for s in r)
+    four = burst_runs(Scenario("miniswe", 4), config)
+    assert [len(r) for r in four] == [20]
+    assert [s.session_id for s in burst_runs(Scenario("miniswe", 1), config)[0]] == \
+        [s.session_id for s in one[0]]  # seeded
+
+
+def test_poisson_run_arrives_at_the_given_fraction_of_saturation() -> None:
+    config = SuiteConfig(traces=("miniswe",), pooled_sessions=200)
+    run = poisson_run(Scenario("miniswe", 1, 0.5), config, saturation=0.1)
+    assert len(run) == 200
+    arrivals = [s.arrival_s for s in run]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    rate = (len(run) - 1) / arrivals[-1]
+    assert rate == pytest.approx(0.05, rel=0.2)
+    assert saturation_rate([(30, 600.0), (30, 400.0)]) == pytest.approx(0.06)
+
+
+def test_the_real_trace_splits_in_two_fixed_halves() -> None:
+    from workloads.readers import read_real_trace
+
+    sessions = read_real_trace()
+    dev, report = dev_half(sessions), report_half(sessions)
+    assert len(dev) + len(report) == len(sessions) and min(len(dev), len(report)) > 60
+    assert {s.session_id for s in dev}.isdisjoint(s.session_id for s in report)
+    assert all(in_report_half(s.session_id) for s in report)
+
+
+def test_figures_and_their_bootstrap_intervals() -> None:
+    scts = [float(v) for v in range(1, 101)]
+    assert figure(scts, "p50") == pytest.approx(50.5)
+    assert figure(scts, "mean") == pytest.approx(50.5)
+    for name in ("p50", "p95", "mean"):
+        lo, hi = interval(scts, name)
+        assert lo <= figure(scts, name) <= hi
+        assert hi - lo > 0
+    assert interval([7.0] * 10, "p95") == (7.0, 7.0)
+
+
+def test_pooled_bound_takes_the_union_of_order_statistics() -> None:
+    a = LowerBound(2.0, 3.0, 2.0, {"p50": "critical path", "p95": "capacity",
+                                   "mean": "capacity"}, [1.0, 3.0], ["critical path", "capacity"])
+    b = LowerBound(5.0, 6.0, 5.0, {"p50": "critical path", "p95": "critical path",
+                                   "mean": "critical path"}, [4.0, 6.0],
+                   ["critical path", "critical path"])
+    pooled = pooled_bound([a, b])
+    assert pooled.order_stats == [1.0, 3.0, 4.0, 6.0]
+    assert pooled.sct_p50_s == pytest.approx(3.5)
+    assert pooled.sct_mean_s == pytest.approx(3.5)
+    assert pooled.binding["mean"] == "capacity"
+
+
+def _row(name: str, p50: float, p95: float, mean: float, tuned: bool = True) -> RowResult:
+    values = {"p50": p50, "p95": p95, "mean": mean}
+    return RowResult(name, values, {k: (v, v) for k, v in values.items()},
+                     {k: {"slot_close": "drained", "slot_quantum_s": 60.0} for k in values}, tuned)
+
+
+def _scenario(load: float | None, rows: dict[str, RowResult], iso95: float = 100.0,
+              rate: float | None = 0.01) -> ScenarioResult:
+    bound = LowerBound(50.0, 90.0, 60.0, {"p50": "critical path", "p95": "critical path",
+                                          "mean": "capacity"}, [50.0], ["critical path"])
+    return ScenarioResult(Scenario("claude-code", 1, load), rows, bound, iso95, 10, rate)
+
+
+def test_the_headline_reads_the_best_other_row_per_figure() -> None:
+    rows = {"baseline": _row("baseline", 100, 400, 200), "aegaeon": _row("aegaeon", 120, 300, 190),
+            "talaria": _row("talaria", 110, 290, 150)}
+    res = _scenario(None, rows)
+    assert best_other(res, "p50") == ("baseline", 100)
+    assert best_other(res, "p95") == ("aegaeon", 300)
+    assert not_ahead(res) == ["p50"]
+    suite = SuiteResult(SuiteConfig(traces=("claude-code",)), {res.scenario.name: res},
+                        {"claude-code/1srv": 0.01})
+    text = format_suite(suite)
+    assert "talaria is not ahead in: claude-code/burst/1srv (p50)" in text
+    data = suite_json(suite)["claude-code/burst/1srv"]
+    assert data["rows"]["talaria"]["sct_p95_s"] == 290
+    assert data["lower_bound"]["sct_mean_s"] == 60.0
+
+
+def test_capacity_is_read_off_the_load_points() -> None:
+    def point(load: float, p95: dict[str, float]) -> ScenarioResult:
+        return _scenario(load, {r: _row(r, 1, v, 1) for r, v in p95.items()}, iso95=100.0,
+                         rate=0.02)
+
+    points = [point(0.25, {"baseline": 150, "talaria": 120}),
+              point(0.5, {"baseline": 250, "talaria": 150}),
+              point(1.0, {"baseline": 400, "talaria": 180})]
+    suite = SuiteResult(SuiteConfig(traces=("claude-code",), servers=(1,)),
+                        {p.scenario.name: p for p in points}, {})
+    caps = capacity(suite)["1"]
+    # baseline: 0.75 of its SLO at 0.25, 1.25 at 0.5: crosses at 0.375 of saturation
+    assert caps["baseline"]["load"] == pytest.approx(0.375)
+    assert caps["baseline"]["sessions_per_s"] == pytest.approx(0.375 * 0.02)
+    assert not caps["baseline"]["at_least"]
+    assert caps["talaria"] == {"sessions_per_s": pytest.approx(0.02), "load": 1.0,
+                               "at_least": True}
+
+
+def test_suite_key_changes_with_what_tuning_depends_on() -> None:
+    assert suite_key(SuiteConfig()) == suite_key(SuiteConfig())
+    assert suite_key(SuiteConfig()) != suite_key(SuiteConfig(pooled_sessions=60))
+    assert suite_key(SuiteConfig()) != suite_key(SuiteConfig(seed=1))
+
+
+def test_a_small_suite_runs_end_to_end() -> None:
+    config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
+                         pooled_sessions=4)
+    settings = SuiteSettings(fallback={"baseline": {"slot_close": "quantum",
+                                                    "slot_quantum_s": 60.0}})
+    result = run_suite(config, settings, rows=("baseline", "talaria"))
+    assert list(result.scenarios) == ["miniswe/burst/1srv", "miniswe/poisson-1/1srv"]
+    burst = result.scenarios["miniswe/burst/1srv"]
+    assert burst.sessions == 4 and not burst.rows["baseline"].tuned
+    assert burst.rows["talaria"].settings["p50"]["slot_quantum_s"] == 240.0
+    assert result.saturation["miniswe/1srv"] > 0
+    for res in result.scenarios.values():
+        for row in res.rows.values():
+            assert row.failed_calls == 0
+            assert row.values["p50"] >= res.bound.sct_p50_s
+            assert row.values["p95"] >= res.bound.sct_p95_s
+            assert row.values["mean"] >= res.bound.sct_mean_s
