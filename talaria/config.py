@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 __all__ = [
-    "LADDER", "LEAVE_ONE_OUT", "MECHANISMS", "MODEL_ORDERS", "PolicyConfig", "PRESETS",
+    "ADMISSIONS", "LADDER", "LEAVE_ONE_OUT", "MECHANISMS", "MODEL_ORDERS", "PolicyConfig", "PRESETS",
     "QUEUE_ORDERS", "RESERVATION_TTLS", "Rung", "SLOT_CLOSE_RULES", "preset",
 ]
 
@@ -22,14 +22,22 @@ __all__ = [
 SLOT_CLOSE_RULES = ("empty", "drained", "quantum")
 # Admission order within a model: arrival; program-level FCFS, sessions holding a pin first
 # (Continuum); program-level least attained service (Autellix's PLAS); fewest expected
-# remaining calls (Talaria's session-level priority, talaria.policies.priority).
-QUEUE_ORDERS = ("fifo", "program_fcfs", "las", "remaining")
+# remaining calls (Talaria's session-level priority, talaria.policies.priority); longest
+# prefix cached on the device first (SGLang's schedule_policy "lpm").
+QUEUE_ORDERS = ("fifo", "program_fcfs", "las", "remaining", "lpm")
 # Which model gets the next slot: round robin; the model of the waiting session with the
 # least attained service (Autellix's PLAS across the models of one server); the model of the
 # waiting session that comes first by the queue order (Talaria).
 MODEL_ORDERS = ("round", "las", "priority")
 # How long a soft reservation lives: reservation_ttl_s; Continuum's TTL rule.
 RESERVATION_TTLS = ("fixed", "continuum")
+# How queued calls of the active model enter the engine: Talaria's budget (a call's prompt
+# and expected answer must fit the KV region beside the calls running and the reservations
+# kept, yielding reservations to make room); or as a vLLM-style engine admits them on its
+# own (vLLM V1's scheduler: in queue order while fewer than max_num_seqs run and the free KV
+# blocks hold the prompt, no room kept for the answer; a decode that finds no block preempts
+# the latest admitted call, recomputed later: vllm/v1/core/sched/scheduler.py).
+ADMISSIONS = ("budget", "engine")
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ class PolicyConfig:
     output_prior_tokens: int = 256
     gap_ewma_alpha: float = 0.5
     # admission budget
+    admission: str = "budget"  # ADMISSIONS: Talaria's budget, or the engine's own
     max_queue_calls: int = 1024  # queued (not yet admitted) calls beyond which Overloaded
     max_running_calls: int = 256
     # measured rates
@@ -112,7 +121,8 @@ class PolicyConfig:
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"PolicyConfig.{f.name} must be a bool, got {value!r}")
         for key, allowed in (("slot_close", SLOT_CLOSE_RULES), ("queue_order", QUEUE_ORDERS),
-                             ("model_order", MODEL_ORDERS), ("reservation_ttl", RESERVATION_TTLS)):
+                             ("model_order", MODEL_ORDERS), ("reservation_ttl", RESERVATION_TTLS),
+                             ("admission", ADMISSIONS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"PolicyConfig.{key} must be one of {allowed}, got "
                                  f"{getattr(self, key)!r}")

@@ -15,7 +15,10 @@ plane.
   run twice.
 - Peers, the systems a user would deploy instead (constants sourced in
   ``engine.sim.switching`` and ``engine.sim.kv_tier``; ``talaria.policies.priority`` and
-  ``talaria.policies.ttl`` for their scheduling rules):
+  ``talaria.policies.ttl`` for their scheduling rules). Each admits as its own engine does
+  (``PolicyConfig.admission`` "engine": vLLM V1's scheduler, in queue order while the free
+  KV blocks hold the prompt and fewer than max_num_seqs run, preempting and recomputing
+  the latest call when a decode finds no block), not by Talaria's budget:
 
   - ``vllm_sleep``: one vLLM engine per model (each model's KV region is what its own weights
     leave), switched on demand by sleep mode level 1: the outgoing engine sleeps (weights
@@ -29,7 +32,8 @@ plane.
     previously tuned setting).
   - ``sglang_hicache``: SGLang engines (release/resume memory occupation: the same sleep and
     wake), HiCache write-through host tier with layer-overlapped loads, flushed on every
-    release; SGLang's cache-aware router.
+    release; its longest-prefix-match queue order (``schedule_policy="lpm"``); SGLang's
+    cache-aware router.
   - ``continuum_ttl``: vLLM sleep-mode engines running Continuum: KV pinned on the device
     after each call for the TTL of its rule (a call that does not fit waits rather than
     evict a pin, unless nothing runs), program-level FCFS with pinned sessions first.
@@ -42,7 +46,8 @@ plane.
     across a switch. Its optional prefetch of the next model is off: on this server the
     memory it needs comes out of KV, and it measured worse with it (see the row).
 
-The bounds are not systems: ``workloads.lower_bound`` (``isolated``) and ``workloads.ideal``.
+The bounds are not systems: ``workloads.bound`` (the proven lower bound),
+``workloads.lower_bound`` (``isolated``) and ``workloads.ideal`` (an oracle schedule).
 
 Every row of the table runs at the slot-closing rule and quantum that suit it best on the
 trace (``workloads.tuning``); ``grid`` names the settings it may take.
@@ -208,10 +213,11 @@ def _leave_one_out() -> dict[str, SystemConfig]:
 
 LEAVE_ONE_OUT_ROWS: dict[str, SystemConfig] = _leave_one_out()
 
-# A plain engine's policy: none of Talaria's mechanisms.
+# A plain engine's policy: none of Talaria's mechanisms, and the engine's own admission
+# (vLLM V1's and SGLang's schedulers admit by free KV for the prompt, up to max_num_seqs).
 _PLAIN = dict(session_prefill=False, soft_reservations=False, host_kv=False, d2d_staging=False,
               session_priority=False, priority_switch=False, kv_demotion=False,
-              lend_staging=False)
+              lend_staging=False, admission="engine")
 _SLEEP = dict(stable_substrate=False, switch="sleep_wake")
 
 
@@ -230,8 +236,9 @@ PEERS: dict[str, SystemConfig] = {
               "sleep; layer-wise)", "load", {}, host_kv=True, kv_tier="lmcache_layerwise",
               **_SLEEP),
         _peer("sglang_hicache", "SGLang engines (release/resume) + HiCache host tier "
-              "(flushed on release); cache-aware router", "cache_aware", {}, host_kv=True,
-              kv_tier="hicache", **_SLEEP),
+              "(flushed on release), longest-prefix-match scheduling; cache-aware router",
+              "cache_aware", {"queue_order": "lpm"}, host_kv=True, kv_tier="hicache",
+              **_SLEEP),
         _peer("continuum_ttl", "vllm_sleep + Continuum: KV pinned for its TTL rule, "
               "program-level FCFS", "load",
               {"soft_reservations": True, "reservation_ttl": "continuum", "hard_pins": True,

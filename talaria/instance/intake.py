@@ -64,6 +64,9 @@ class Intake:
     now: Callable[[], float]
     finish: Callable[..., None]  # AdmissionLoop.finish(pending, reason, event, error=None)
     _service: Callable[[PendingCall], Service]
+    # prompt blocks handed to the engine since its last step (engine admission): the engine
+    # gives them blocks only when it schedules them
+    handed_blocks: int
 
     async def _admit_queue(self, model: str) -> None:
         """Admit queued calls of ``model`` in the policy's order while the budget allows."""
@@ -128,9 +131,12 @@ class Intake:
     async def _make_room(self, pending: PendingCall) -> Room:
         """Whether ``pending`` fits the admission budget, yielding other sessions'
         reservations (least valuable first; offloaded to host when host KV is on) if that
-        makes it fit. A call larger than the whole KV region fails (and leaves its queue)."""
+        makes it fit. A call larger than the whole KV region fails (and leaves its queue).
+        Under the engine's own admission, whether the engine would take it now."""
         if len(self.calls.running) >= self.policy.max_running_calls:
             return Room.WAIT
+        if self.policy.admission == "engine":
+            return await self._engine_room(pending)
         model = pending.call.model
         total = self.stats.num_total_blocks
         if pending.need_blocks > total > 0:
@@ -147,6 +153,23 @@ class Intake:
             victims = self._yield_order(model, pending.call.session_id)
             if not victims or (self.policy.hard_pins and self.calls.running):
                 return Room.WAIT  # hard pins yield only when nothing runs (deadlock guard)
+            await self.sessions.yield_reservation(victims[0])
+
+    async def _engine_room(self, pending: PendingCall) -> Room:
+        """A vLLM-style engine's admission (``PolicyConfig.admission`` "engine"): the call
+        goes in while the engine's free blocks, less the prompts handed to it since its last
+        step, hold its prompt; nothing is kept for its answer (the engine preempts when a
+        decode finds no block). Pinned reservations are the engine's own pins: they yield as
+        in the budget (a hard pin only when nothing runs, Continuum's deadlock guard)."""
+        bs = max(1, self.stats.block_size)
+        prompt = -(-len(pending.call.prompt_token_ids) // bs)
+        while True:
+            if prompt + self.handed_blocks <= self.executor.stats().num_free_blocks:
+                self.handed_blocks += prompt
+                return Room.FITS
+            victims = self._yield_order(pending.call.model, pending.call.session_id)
+            if not victims or (self.policy.hard_pins and self.calls.running):
+                return Room.WAIT if self.calls.running else Room.FITS
             await self.sessions.yield_reservation(victims[0])
 
     def _yield_order(self, model: str, exclude: str) -> list[Reservation]:

@@ -79,6 +79,7 @@ class AdmissionLoop(Intake):
         self.slot: Slot | None = None
         self.residency: dict[str, Residency] = {}
         self.stats = EngineStats()
+        self.handed_blocks = 0
         self.healthy = True
         self.aborts: list[str] = []
         self.stopping = False
@@ -342,6 +343,7 @@ class AdmissionLoop(Intake):
 
     async def _step(self) -> None:
         result: StepResult = await self.executor.step()
+        self.handed_blocks = 0
         if result.events:
             self.faults.budget.progress()
         for event in result.events:

@@ -84,8 +84,9 @@ class SessionKeeper:
         pinned = res is not None and res.pinned
         if hist is None:
             return Service(0.0, waiting_s, 0.0, pinned)
+        cached = self.kv_tokens.get(session_id, (0, 0))[0] if self.policy.queue_order == "lpm" else 0
         return Service(hist.attained_s, hist.waited_s + waiting_s, hist.first_arrival, pinned,
-                       hist.calls)
+                       hist.calls, cached)
 
     def on_call_end(
         self, call: CallRequest, output_tokens: int, now: float, waited_s: float = 0.0,

@@ -8,6 +8,10 @@ next. Pure decisions on what a session has had so far (``Service``).
   session whose earlier calls have had the least execution time first; a session whose
   total wait has reached ``starvation_ratio`` times its service is promoted ahead of all
   (Autellix's anti-starvation rule, Alg. 1).
+- ``lpm`` (SGLang's ``schedule_policy="lpm"``, python/sglang/srt/managers/schedule_policy.py):
+  the call whose session has the longest prefix cached on the device first (its radix tree's
+  longest prefix match), arrival order among equals. SGLang's default is now ``fcfs``; LPM is
+  the policy it offers for prefix reuse, the one agents' growing prompts suit.
 - ``remaining`` (Talaria): the session with the fewest expected remaining calls first, by the
   calls it has made and a prior on session length (``talaria.policies.session_length``):
   shortest expected remaining work. The same starvation guard as ``las`` promotes a session
@@ -54,6 +58,7 @@ class Service:
     first_arrival: float
     pinned: bool = False
     calls: int = 0
+    device_cached_tokens: int = 0  # its KV on the device (read only under ``lpm``)
 
 
 def priority_key(order: str, service: Service, starvation_ratio: float) -> tuple[float, ...]:
@@ -62,6 +67,8 @@ def priority_key(order: str, service: Service, starvation_ratio: float) -> tuple
         return ()
     if order == "program_fcfs":
         return (0.0 if service.pinned else 1.0, service.first_arrival)
+    if order == "lpm":
+        return (-float(service.device_cached_tokens),)
     starved = service.waited_s >= starvation_ratio * service.attained_s > 0
     if order == "las":
         return (0.0 if starved else 1.0, service.attained_s)
