@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from workloads.bound import LowerBound, pooled_bound
-from workloads.suite import Scenario, SuiteConfig, burst_runs, poisson_run, saturation_rate, scenarios
+from workloads.suite import (
+    Scenario,
+    SuiteConfig,
+    burst_runs,
+    poisson_run,
+    saturation_rate,
+    scenarios,
+)
 from workloads.suite_cli import capacity
 from workloads.suite_report import best_other, format_suite, not_ahead, suite_json
 from workloads.suite_run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
