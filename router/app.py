@@ -16,7 +16,6 @@ requests may take: ``router.limits``.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +62,7 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import bearer_matches, next_or_gone, read_body
+from talaria.protocol.http import bearer_matches, key_matches, next_or_gone, read_body
 
 log = structlog.get_logger(__name__)
 
@@ -199,7 +198,7 @@ def _key_matches(request: web.Request, key: str) -> bool:
     """``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (Anthropic's clients send
     that instead), compared in constant time."""
     other = request.headers.get("x-api-key", "").strip()
-    return bearer_matches(request, key) or hmac.compare_digest(other.encode(), key.encode())
+    return bearer_matches(request, key) or key_matches(other, key)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
