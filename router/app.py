@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
@@ -28,6 +29,7 @@ from aiohttp import web
 
 from router import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
 from router import openai_schema as schema
+from router.body_limits import BODY_DECODER_KEY, BodyDecoder
 from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.deadlines import Deadlines
 from router.health import HealthPoller
@@ -65,6 +67,9 @@ from talaria.protocol.errors import (
 from talaria.protocol.http import bearer_matches, key_matches, next_or_gone, read_body
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+_LARGE_KEY = web.RequestKey("router_large_body", bool)
 
 
 @dataclass
@@ -134,6 +139,7 @@ def create_app(
             for name, path in config.models.items()
         }
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-hash")
+    decoder = BodyDecoder(config.limits.max_body_items, config.limits.large_body_bytes)
     core = RouterCore(
         clients,
         config.policy,
@@ -154,6 +160,7 @@ def create_app(
     app[CORE_KEY] = core
     app[TOKENIZERS_KEY] = tokenizers
     app[LIMITS_KEY] = config.limits
+    app[BODY_DECODER_KEY] = decoder
     app[GATE_KEY] = InflightGate(config.limits.max_inflight_calls, config.limits.busy_retry_after_s)
     if config.poll_interval_s is not None:
         poller = HealthPoller(core, config.poll_interval_s)
@@ -163,6 +170,7 @@ def create_app(
     async def close(_app: web.Application) -> None:
         await core.close()
         hasher.shutdown(wait=False)
+        decoder.close()
         for client in owned:
             await client.close()
 
@@ -202,31 +210,31 @@ def _key_matches(request: web.Request, key: str) -> bool:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, schema.parse_chat(await _json_body(request)))
+    return await _complete(request, await _body(request, schema.parse_chat))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, schema.parse_completion(await _json_body(request)))
+    return await _complete(request, await _body(request, schema.parse_completion))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    parsed = anthropic_schema.parse_messages(await _json_body(request))
+    parsed = await _body(request, anthropic_schema.parse_messages)
     return await _complete(request, parsed.body, parsed.prefill, anthropic_api.respond,
                            anthropic_api.TOOL_ID_PREFIX)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    parsed = responses_schema.parse_responses(await _json_body(request))
+    parsed = await _body(request, responses_schema.parse_responses)
     return await _complete(request, parsed.body, respond=responses_api.responder(parsed))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    parsed = anthropic_schema.parse_count_tokens(await _json_body(request))
+    parsed = await _body(request, anthropic_schema.parse_count_tokens)
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
     with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
-        ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
-                              request.app[LIMITS_KEY])
+        ids = await _tokenize(request, tok, parsed.body,
+                              parsed.prefill + (answer.prefill if answer else ""))
     return _json({"input_tokens": len(ids)})
 
 
@@ -269,14 +277,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-async def _json_body(request: web.Request) -> Any:
+async def _body(request: web.Request, parse: Callable[[Any], T]) -> T:
+    """The body read (under its deadline), decoded within ``router.body_limits`` and parsed
+    by its API's ``parse``; a large one off the event loop."""
     raw = await read_body(request, request.app[LIMITS_KEY].body_timeout_s)
-    if not raw:
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    request[_LARGE_KEY] = len(raw) > request.app[LIMITS_KEY].large_body_bytes
+    return await request.app[BODY_DECODER_KEY].decode(raw, parse)
+
+
+async def _off_loop_if_large(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a walk over the request's body: off the event loop for a large body."""
+    return await request.app[BODY_DECODER_KEY].run(request.get(_LARGE_KEY, False), fn, *args)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -301,7 +312,7 @@ async def _complete(
     answer = _answer_parser(request.app[CONFIG_KEY], body, tok, tool_id_prefix)
     limits = request.app[LIMITS_KEY]
     with request.app[GATE_KEY].admit():
-        prompt_ids = await _tokenize(tok, body, prefill + (answer.prefill if answer else ""), limits)
+        prompt_ids = await _tokenize(request, tok, body, prefill + (answer.prefill if answer else ""))
         call = _call_request(request, body, tok, prompt_ids)
         events = request.app[CORE_KEY].submit(call)
         async with contextlib.aclosing(events):
@@ -327,11 +338,15 @@ def _answer_parser(
 
 
 async def _tokenize(
-    tok: ModelTokenizer, body: schema.CompletionBody, prefill: str, limits: RouterLimits
+    request: web.Request, tok: ModelTokenizer, body: schema.CompletionBody, prefill: str
 ) -> list[int]:
-    """Token ids of the request's prompt, its size checked first (``router.limits``)."""
+    """Token ids of the request's prompt, its size checked first (``router.limits``): the
+    bytes of its text, or the count of its token ids before any id is looked at."""
+    limits = request.app[LIMITS_KEY]
     param = "messages" if body.kind == "chat" else "prompt"
-    size = prompt_bytes(body.messages, body.prompt, body.tools.tools) + len(prefill.encode())
+    size = await _off_loop_if_large(request, prompt_bytes, body.messages, body.prompt,
+                                    body.tools.tools)
+    size += len(prefill.encode())
     check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
@@ -339,6 +354,7 @@ async def _tokenize(
         elif isinstance(body.prompt, str):
             ids = await tok.tokenize_text(body.prompt, size)
         elif body.prompt is not None:
+            _check_prompt_len(len(body.prompt), tok, param)
             tok.check_token_ids(body.prompt)
             ids = list(body.prompt)
         else:
@@ -351,13 +367,17 @@ async def _tokenize(
         raise bad_request(f"cannot apply the chat template: {exc}", param) from exc
     if not ids:
         raise bad_request("the prompt tokenizes to nothing", param)
-    if len(ids) >= tok.context_len:
+    _check_prompt_len(len(ids), tok, param)
+    return ids
+
+
+def _check_prompt_len(n: int, tok: ModelTokenizer, param: str) -> None:
+    if n >= tok.context_len:
         raise bad_request(
-            f"the prompt has {len(ids)} tokens; model {tok.name!r} allows at most "
+            f"the prompt has {n} tokens; model {tok.name!r} allows at most "
             f"{tok.context_len - 1} prompt tokens (context length {tok.context_len})",
             param,
         )
-    return ids
 
 
 def _call_request(

@@ -9,7 +9,9 @@
 - at most ``max_inflight_calls`` calls are in the router at once (tokenizing, waiting or
   streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
 - the session table holds at most ``max_sessions`` (least recently seen idle ones go first);
-- a request body must arrive within ``body_timeout_s`` (408).
+- a request body must arrive within ``body_timeout_s`` (408), hold at most ``max_body_items``
+  JSON values (counted by its commas before it is parsed; 413) and nest at most 64 levels
+  (400); one over ``large_body_bytes`` is parsed off the event loop (``router.body_limits``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class RouterLimits:
     max_sessions: int = 100_000
     max_prompt_bytes_per_token: int = 32
     body_timeout_s: float = 30.0
+    max_body_items: int = 2_000_000
+    large_body_bytes: int = 256 * 1024
     busy_retry_after_s: float = 1.0
     disconnect_poll_s: float = 0.5  # how often a waiting call checks its client is there
 

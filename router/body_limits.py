@@ -1,0 +1,109 @@
+"""Bounds on a request body, checked before and while it is decoded, so that nothing in
+proportion to a request's size runs on the event loop unbounded:
+
+- its length: aiohttp's ``client_max_size`` (413) before it is read;
+- its items: at most ``max_items`` commas (an upper bound on its JSON values: strings' commas
+  count too), counted in C before it is parsed (413 beyond). Parsing is what a body's size
+  costs: a 30 MB array of token ids is five million values, parsed holding the
+  interpreter's lock, so on a thread too it would hold up the loop;
+- its nesting: at most :data:`MAX_JSON_DEPTH` levels, in the body and in every JSON string the
+  router parses (tool-call arguments: :func:`check_depth`), else a 400 naming the field. The
+  recursive walks behind (the prompt's size, the chat template, the echo of ``metadata``,
+  orjson's 255 levels when answering) stay far from any recursion limit;
+- a body over ``large_bytes`` is decoded, checked and parsed by the API's parser on a worker
+  thread (:class:`BodyDecoder`), and so are the later walks over it (``run``), which then
+  share the loop's time instead of holding it; smaller bodies are handled inline (a thread
+  hop costs more than they do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+
+from talaria.protocol.errors import ApiError, bad_request
+
+__all__ = ["BODY_DECODER_KEY", "MAX_JSON_DEPTH", "BodyDecoder", "check_depth", "decode"]
+
+T = TypeVar("T")
+
+MAX_JSON_DEPTH = 64  # a tool's JSON schema nests about 10; Python recurses 1000 deep
+_NAMED_LEVELS = 3  # how much of a too-deep value's path an error names
+
+
+class BodyDecoder:
+    """Decodes request bodies within the bounds above; one worker thread for large ones."""
+
+    def __init__(self, max_items: int, large_bytes: int) -> None:
+        self.max_items = max_items
+        self.large_bytes = large_bytes
+        self._pool: ThreadPoolExecutor | None = None  # made on first use
+
+    async def decode(self, raw: bytes, parse: Callable[[Any], T]) -> T:
+        """``parse(json)`` of the body, every bound checked; ApiError otherwise."""
+        items = raw.count(b",") + 1
+        if items > self.max_items:
+            raise ApiError(
+                413, f"the request body holds up to {items} JSON values (commas counted); at "
+                f"most {self.max_items} are accepted", code="request_too_large",
+            )
+        return await self.run(len(raw) > self.large_bytes, decode, raw, parse)
+
+    async def run(self, large: bool, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: on the worker thread when ``large``, else here."""
+        if not large:
+            return fn(*args)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-parse")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def decode(raw: bytes, parse: Callable[[Any], T]) -> T:
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    check_depth(data)
+    return parse(data)
+
+
+def check_depth(value: Any, where: str | None = None, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 when ``value`` nests objects and arrays more than ``limit`` levels deep (its own
+    level is 1), naming the field (``where``, then up to three levels of the path in it).
+    Walked with a stack, not recursion."""
+    if not isinstance(value, dict | list):
+        return
+    stack: list[tuple[Any, int, str | None]] = [(value, 1, where)]
+    while stack:
+        item, depth, path = stack.pop()
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in children:
+            if not isinstance(child, dict | list):
+                continue
+            named = _child_path(path, key) if depth <= _NAMED_LEVELS else path
+            if depth >= limit:
+                raise bad_request(
+                    f"{named or 'the request body'} is nested more than {limit} levels deep",
+                    named,
+                )
+            stack.append((child, depth + 1, named))
+
+
+def _child_path(path: str | None, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{path or ''}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+BODY_DECODER_KEY = web.AppKey("router_body_decoder", BodyDecoder)
