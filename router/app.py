@@ -38,6 +38,7 @@ from router.limits import (
     LIMITS_KEY,
     InflightGate,
     RouterLimits,
+    body_items_bound,
     check_prompt_bytes,
     prompt_bytes,
 )
@@ -139,7 +140,8 @@ def create_app(
             for name, path in config.models.items()
         }
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-hash")
-    decoder = BodyDecoder(config.limits.max_body_items, config.limits.large_body_bytes)
+    decoder = BodyDecoder(body_items_bound(config.limits, (t.context_len for t in tokenizers.values())),
+                          config.limits.large_body_bytes)
     core = RouterCore(
         clients,
         config.policy,
