@@ -34,6 +34,7 @@ from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
+from router.kv_room import OutputRoom, kv_capacity, output_room
 from router.limits import (
     LIMITS_KEY,
     InflightGate,
@@ -382,15 +383,29 @@ def _check_prompt_len(n: int, tok: ModelTokenizer, param: str) -> None:
         )
 
 
+def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:
+    """A call refused for its size: the client's error, counted by what bounds it."""
+    core.metrics.rejected.inc(model=model, reason="kv_capacity" if room.kv_bound else "context_length")
+
+
 def _call_request(
     request: web.Request, body: schema.CompletionBody, tok: ModelTokenizer, prompt_ids: list[int]
 ) -> CallRequest:
-    room = tok.context_len - len(prompt_ids)
-    max_tokens = body.max_tokens if body.max_tokens is not None else room
-    if max_tokens > room:
+    core = request.app[CORE_KEY]
+    room = output_room(tok.name, len(prompt_ids), tok.context_len,
+                       kv_capacity(core.states, core.clients, tok.name))
+    if room.tokens < 1:
+        _count_refusal(core, tok.name, room)
+        raise bad_request(
+            f"the prompt has {len(prompt_ids)} tokens and {room.limit}: none is left for output",
+            "messages" if body.kind == "chat" else "prompt",
+        )
+    max_tokens = body.max_tokens if body.max_tokens is not None else room.tokens
+    if max_tokens > room.tokens:
+        _count_refusal(core, tok.name, room)
         raise bad_request(
             f"{body.max_tokens_param} is {max_tokens} but the prompt has {len(prompt_ids)} tokens and "
-            f"the context length of {tok.name!r} is {tok.context_len}: at most {room} tokens fit",
+            f"{room.limit}: at most {room.tokens} tokens fit",
             body.max_tokens_param,
         )
     identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,

@@ -3,7 +3,9 @@
 Routes:
 - ``POST /internal/v1/calls`` (body: ``CallRequest.to_dict()`` JSON): 200 streams NDJSON, one
   ``CallEvent`` per line, the last with ``finished`` set; 400 malformed body / bad params /
-  prompt too long / token id outside the vocabulary; 404 unknown model; 429 queue full
+  prompt too long / prompt and ``max_tokens`` beyond the model's KV capacity here (so a
+  call that can never fit is the client's error, not a failure after it was accepted) /
+  token id outside the vocabulary; 404 unknown model; 429 queue full
   (``{"error": {...}, "retry_after_s": x}`` and a ``Retry-After`` header); 503 not accepting.
 - ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}``.
 - ``GET /internal/v1/state`` -> ``InstanceState`` JSON; ``GET /health`` -> ``{"status": "ok"}``.
@@ -276,24 +278,33 @@ def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, Mode
         )
     if not call.prompt_token_ids:
         raise ApiError(400, "prompt_token_ids is empty", param="prompt_token_ids")
-    limit = limits.get(call.model)
-    if limit is None:
-        return
     n = len(call.prompt_token_ids)
-    if n >= limit.max_model_len:
+    limit = limits.get(call.model)
+    if limit is not None and n >= limit.max_model_len:
         raise ApiError(
             400,
             f"the prompt has {n} tokens; model {call.model!r} allows at most "
             f"{limit.max_model_len - 1} (max_model_len {limit.max_model_len})",
             param="prompt_token_ids",
         )
-    if n + call.params.max_tokens > limit.max_model_len:
+    if limit is not None and n + call.params.max_tokens > limit.max_model_len:
         raise ApiError(
             400,
             f"the prompt has {n} tokens and max_tokens is {call.params.max_tokens}: model "
             f"{call.model!r} holds {limit.max_model_len} (at most {limit.max_model_len - n} fit)",
             param="max_tokens",
         )
+    capacity = instance.kv_capacity_tokens.get(call.model, 0)
+    if capacity and n + call.params.max_tokens > capacity:
+        raise ApiError(
+            400,
+            f"the prompt has {n} tokens and max_tokens is {call.params.max_tokens}: the KV "
+            f"cache of instance {instance.instance_id!r} holds {capacity} tokens of one call "
+            f"of {call.model!r}",
+            param="max_tokens" if n < capacity else "prompt_token_ids",
+        )
+    if limit is None:
+        return
     bad = next((t for t in call.prompt_token_ids if not 0 <= t < limit.vocab_size), None)
     if bad is not None:
         raise ApiError(

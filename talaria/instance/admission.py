@@ -73,6 +73,10 @@ class Instance:
             {m: engine.kv_bytes_per_token(m) for m in self.models},
         )
         self.executor.on_report.append(self.rates.observe)
+        block_size = engine.stats().block_size
+        # What one call may hold whenever it runs: the KV region without the staging region
+        # (lent to it only at some switches), so a call within it always fits.
+        self.kv_capacity_tokens = {m: engine.kv_capacity_blocks(m) * block_size for m in self.models}
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {
             "switches": 0,

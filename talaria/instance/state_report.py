@@ -42,6 +42,9 @@ class ReportSource(InstanceView, Protocol):
     @property
     def est(self) -> Estimator: ...
 
+    @property
+    def kv_capacity_tokens(self) -> dict[str, int]: ...
+
 
 def build_state(inst: ReportSource) -> InstanceState:
     """Assemble an InstanceState from the loop's bookkeeping (no engine call: safe while
@@ -71,6 +74,7 @@ def build_state(inst: ReportSource) -> InstanceState:
             switch_staged_s=rates.switch_staged_s.value,
             kv_restore_bytes_per_s=inst.rates.kv_offload_bytes_per_s.value,
             kv_bytes_per_token=int(round(inst.rates.kv_bytes_per_token[name])),
+            kv_capacity_tokens=inst.kv_capacity_tokens.get(name, 0),
         )
     sessions: dict[str, SessionKV] = {}
     book = inst.sessions.reservations
