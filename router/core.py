@@ -103,7 +103,7 @@ class RouterCore:
         self._clock = clock
         self.books = SessionBooks(
             sessions if sessions is not None else SessionTable(), inference, block_size,
-            known_chain_blocks, self._observe_sct,
+            known_chain_blocks, self._session_ended,
         )
         self.sessions = self.books.table
         self.inference = inference
@@ -403,9 +403,16 @@ class RouterCore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _observe_sct(self, record: SessionRecord) -> None:
+    def _session_ended(self, record: SessionRecord) -> None:
+        """A session left the router's books (its last call, idle past the TTL, evicted): its
+        SCT is observed and its instance told to forget it, when its client can be told
+        (``forget_sessions``; the in-process clients of the simulator are not)."""
         if record.last_finish is not None:
             self.metrics.sct.observe(record.last_finish - record.started_at, model=record.model)
+        client = self.clients.get(record.instance_id) if record.instance_id is not None else None
+        forget = getattr(client, "forget_sessions", None)
+        if forget is not None:
+            forget([record.session_id])
 
 
 def _outcome(exc: BaseException, opened: bool) -> str:

@@ -8,7 +8,10 @@ Routes:
   token id outside the vocabulary; 404 unknown model; 429 queue full
   (``{"error": {...}, "retry_after_s": x}`` and a ``Retry-After`` header); 503 not accepting.
 - ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}``.
-- ``GET /internal/v1/state`` -> ``InstanceState`` JSON; ``GET /health`` -> ``{"status": "ok"}``.
+- ``GET /internal/v1/state`` -> ``InstanceState`` JSON (every session); ``POST
+  /internal/v1/state`` (a ``StateAsk``) -> the sessions changed since the version the poller
+  holds, and the sessions it names forgotten (``talaria.protocol.state_delta``);
+  ``GET /health`` -> ``{"status": "ok"}``.
 
 Every route needs ``Authorization: Bearer <key>`` when the settings hold a key (``talaria
 serve`` generates one and gives it to the router and its instances); 401 otherwise. A call's
@@ -45,6 +48,7 @@ from talaria.instance.calls import CallHandle
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
 from talaria.protocol.errors import ApiError, error_middleware, overloaded
 from talaria.protocol.http import client_gone, key_middleware, next_or_gone, read_body
+from talaria.protocol.state_delta import StateAsk, encode_report
 
 log = structlog.get_logger("talaria.instance_server")
 
@@ -136,6 +140,7 @@ def create_instance_app(
     app.router.add_post("/internal/v1/calls", _submit)
     app.router.add_post("/internal/v1/calls/{call_id}/abort", _abort)
     app.router.add_get("/internal/v1/state", _state)
+    app.router.add_post("/internal/v1/state", _state_since)
     app.router.add_get("/health", _health)
     return app
 
@@ -243,6 +248,19 @@ async def _abort(request: web.Request) -> web.Response:
 async def _state(request: web.Request) -> web.Response:
     state = request.app[INSTANCE_KEY].state()
     return web.Response(body=to_json(state), content_type="application/json")
+
+
+async def _state_since(request: web.Request) -> web.Response:
+    raw = await read_body(request, request.app[SETTINGS_KEY].body_timeout_s)
+    try:
+        ask = StateAsk.from_dict(orjson.loads(raw or b"{}"))
+    except (orjson.JSONDecodeError, ValueError) as exc:
+        raise ApiError(400, f"bad state ask: {exc}") from exc
+    instance = request.app[INSTANCE_KEY]
+    instance.forget_sessions(ask.forget)
+    state = instance.state()
+    delta = instance.sessions.report.since(ask.epoch, ask.since)
+    return web.Response(body=encode_report(state, delta), content_type="application/json")
 
 
 async def _health(request: web.Request) -> web.Response:

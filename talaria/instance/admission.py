@@ -260,3 +260,10 @@ class Instance:
 
     def state(self) -> InstanceState:
         return build_state(self)
+
+    def forget_sessions(self, session_ids: Sequence[str]) -> None:
+        """The router no longer holds these sessions: the loop forgets them here too (it
+        alone touches the engine)."""
+        if session_ids:
+            self.loop.to_forget.update(session_ids)
+            self.loop.wake.set()

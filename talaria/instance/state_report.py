@@ -10,7 +10,7 @@ from talaria.instance.estimates import Estimator
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.policies.view import InstanceView
-from talaria.protocol import InstanceState, ModelState, SessionKV
+from talaria.protocol import InstanceState, ModelState
 
 __all__ = ["ReportSource", "build_state"]
 
@@ -76,21 +76,9 @@ def build_state(inst: ReportSource) -> InstanceState:
             kv_bytes_per_token=int(round(inst.rates.kv_bytes_per_token[name])),
             kv_capacity_tokens=inst.kv_capacity_tokens.get(name, 0),
         )
-    sessions: dict[str, SessionKV] = {}
+    report = inst.sessions.report
+    report.sync()  # only the sessions changed since the last report are recomputed
     book = inst.sessions.reservations
-    for session_id, hist in inst.sessions.gaps.sessions.items():
-        device, host = inst.sessions.kv_tokens.get(session_id, (0, 0))
-        res = book.get(session_id)
-        if device == 0 and host == 0 and res is None:
-            continue
-        sessions[session_id] = SessionKV(
-            session_id=session_id,
-            model=hist.model,
-            device_tokens=device,
-            host_tokens=host,
-            reserved_until=res.expires if res is not None else None,
-            expected_return=res.expected_return if res is not None else None,
-        )
     model = inst.active_model
     return InstanceState(
         instance_id=inst.instance_id,
@@ -98,7 +86,7 @@ def build_state(inst: ReportSource) -> InstanceState:
         healthy=inst.healthy,
         active_model=model,
         models=models,
-        sessions=sessions,
+        sessions=dict(report.entries),
         total_kv_blocks=inst.stats.num_total_blocks,
         free_kv_blocks=inst.stats.num_free_blocks,
         reserved_kv_blocks=book.pinned_blocks(model) if model is not None else 0,

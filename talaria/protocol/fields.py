@@ -41,7 +41,7 @@ def printable_id(value: Any, name: str, max_chars: int = MAX_ID_CHARS) -> str:
         raise ValueError(rule)
     if len(value) > max_chars:
         raise ValueError(f"{rule}; it has {len(value)}")
-    if not all(" " <= ch <= "~" for ch in value):
+    if not (value.isascii() and value.isprintable()):  # for ASCII: exactly space to tilde
         raise ValueError(f"{rule} (no control or non-ASCII characters)")
     return value
 
