@@ -38,7 +38,7 @@ from talaria.protocol import (
     InstanceUnreachable,
     Overloaded,
 )
-from talaria.protocol.state_delta import MAX_FORGET, SessionsCursor
+from talaria.protocol.state_delta import MAX_FORGET, SessionsCursor, SessionsDelta, parse_report
 
 MAX_PENDING_FORGET = 1 << 20
 LARGE_REPORT_BYTES = 256 * 1024  # about a thousand sessions: parsed on a worker thread
@@ -197,21 +197,22 @@ class HttpInstanceClient:
                     raise InstanceUnavailable(f"{self.instance_id}: state HTTP {response.status}")
                 raw = await response.read()
             if len(raw) > LARGE_REPORT_BYTES:  # a whole table (a first poll): off the loop
-                state = await asyncio.get_running_loop().run_in_executor(None, self._apply, raw)
+                parsed = await asyncio.get_running_loop().run_in_executor(None, self._parse, raw)
             else:
-                state = self._apply(raw)
+                parsed = self._parse(raw)
+            state = self._cursor.merge(*parsed)  # here: a cancelled poll leaves it as it was
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError, KeyError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: state poll failed: {exc!r}") from exc
         for session_id in forget:
             self._forget.pop(session_id, None)
         return state
 
-    def _apply(self, raw: bytes) -> InstanceState:
+    def _parse(self, raw: bytes) -> tuple[InstanceState, SessionsDelta | None]:
         data = orjson.loads(raw)
         if not isinstance(data, dict):
             raise ValueError(f"the state is a {type(data).__name__}, not an object")
         data.setdefault("instance_id", self.instance_id)
-        return self._cursor.apply(data)
+        return parse_report(data)
 
     async def health(self) -> bool:
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)

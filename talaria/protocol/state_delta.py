@@ -24,7 +24,9 @@ import orjson
 from talaria.protocol.fields import boolean, check_keys, integer, printable_id
 from talaria.protocol.messages import InstanceState, SessionKV
 
-__all__ = ["MAX_FORGET", "SessionsCursor", "SessionsDelta", "StateAsk", "encode_report"]
+__all__ = [
+    "MAX_FORGET", "SessionsCursor", "SessionsDelta", "StateAsk", "encode_report", "parse_report",
+]
 
 MAX_FORGET = 4096
 
@@ -82,29 +84,45 @@ class SessionsCursor:
         return StateAsk(self.epoch, self.version, forget)
 
     def apply(self, data: Any) -> InstanceState:
-        """Parse an answer (ValueError if malformed) and merge its sessions; the state with
-        every session the poller now holds. A whole table replaces what was held."""
-        state = InstanceState.from_dict(data)
-        if "sessions_epoch" not in data:  # a plain report (an instance without deltas)
+        """Parse an answer (ValueError if malformed) and merge it (``merge``)."""
+        return self.merge(*parse_report(data))
+
+    def merge(self, state: InstanceState, delta: SessionsDelta | None) -> InstanceState:
+        """Merge a parsed answer's sessions; the state with every session the poller now
+        holds. A whole table (or a plain report, ``delta`` None) replaces what was held."""
+        if delta is None:
             self.epoch, self.version, self.sessions = None, None, dict(state.sessions)
             return state
-        epoch = printable_id(data.get("sessions_epoch"), "sessions_epoch")
-        version = integer(data.get("sessions_version"), "sessions_version", lo=0)
-        full = boolean(data.get("sessions_full"), "sessions_full")
-        removed = data.get("sessions_removed")
-        if not isinstance(removed, list):
-            raise ValueError("sessions_removed must be a list of session ids")
-        gone = [printable_id(s, "sessions_removed[]") for s in removed]
-        if not full and (epoch != self.epoch or self.version is None or version < self.version):
-            message = (f"a delta from version {version} of {epoch!r} does not follow "
-                       f"version {self.version} of {self.epoch!r}")
+        if not delta.full and (delta.epoch != self.epoch or self.version is None
+                               or delta.version < self.version):
+            message = (f"a delta from version {delta.version} of {delta.epoch!r} does not "
+                       f"follow version {self.version} of {self.epoch!r}")
             self.epoch = self.version = None  # the next poll asks for the whole table
             raise ValueError(message)
-        if full:
+        if delta.full:
             self.sessions = {}
-        for session_id in gone:
+        for session_id in delta.removed:
             self.sessions.pop(session_id, None)
-        self.sessions.update(state.sessions)
-        self.epoch, self.version = epoch, version
+        self.sessions.update(delta.sessions)
+        self.epoch, self.version = delta.epoch, delta.version
         state.sessions = dict(self.sessions)
         return state
+
+
+def parse_report(data: Any) -> tuple[InstanceState, SessionsDelta | None]:
+    """An answer to a state ask, checked (ValueError): the state (its sessions the answer's)
+    and the delta's fields (None for a plain report, without them). Reads no poller state,
+    so it may run on any thread."""
+    state = InstanceState.from_dict(data)
+    if "sessions_epoch" not in data:
+        return state, None
+    removed = data.get("sessions_removed")
+    if not isinstance(removed, list):
+        raise ValueError("sessions_removed must be a list of session ids")
+    return state, SessionsDelta(
+        epoch=printable_id(data.get("sessions_epoch"), "sessions_epoch"),
+        version=integer(data.get("sessions_version"), "sessions_version", lo=0),
+        full=boolean(data.get("sessions_full"), "sessions_full"),
+        sessions=state.sessions,
+        removed=[printable_id(s, "sessions_removed[]") for s in removed],
+    )
