@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from real_engine import LLAMA, QWEN, real_engine
-
-import orjson
 
 from engine.sampling_params import SamplingParams
 from talaria.config import PolicyConfig
