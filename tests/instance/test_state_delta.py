@@ -127,3 +127,19 @@ def test_the_state_report_bench_measures_each_kind_of_report() -> None:
     full, first, delta = rows
     assert delta.bytes * 10 < first.bytes and abs(first.bytes - full.bytes) < 200
     assert all(r.parse_ms > 0 and r.instance_ms > 0 for r in rows)
+
+
+def test_a_whole_report_reads_back_as_the_state_it_encodes() -> None:
+    from talaria.protocol import ModelState, Residency, to_json
+
+    sessions = {"s": SessionKV("s", "m", 16, 32, 5.5, None), "t": SessionKV("t", "n", 0, 48)}
+    state = InstanceState("i", now=3.25, active_model="m", sessions=sessions, free_kv_blocks=7,
+                          models={"m": ModelState("m", Residency.ACTIVE, kv_capacity_tokens=2048),
+                                  "n": ModelState("n", Residency.STAGED, wait_s=1.5)})
+    report = SessionReport(sessions.get)
+    for sid in sessions:
+        report.touch(sid)
+    report.sync()
+    encoded = orjson.loads(encode_report(state, report.since(None, None)))
+    assert InstanceState.from_dict(encoded) == state
+    assert {k: v for k, v in encoded.items() if not k.startswith("sessions_")} == orjson.loads(to_json(state))
