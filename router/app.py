@@ -18,10 +18,9 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 import structlog
@@ -29,7 +28,7 @@ from aiohttp import web
 
 from router import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
 from router import openai_schema as schema
-from router.body_limits import BODY_DECODER_KEY, BodyDecoder
+from router.body_limits import BODY_DECODER_KEY, BodyDecoder, off_loop_if_large, parsed_body
 from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.deadlines import Deadlines
 from router.health import HealthPoller
@@ -66,12 +65,9 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import bearer_matches, key_matches, next_or_gone, read_body
+from talaria.protocol.http import bearer_matches, key_matches, next_or_gone
 
 log = structlog.get_logger(__name__)
-
-T = TypeVar("T")
-_LARGE_KEY = web.RequestKey("router_large_body", bool)
 
 
 @dataclass
@@ -213,26 +209,26 @@ def _key_matches(request: web.Request, key: str) -> bool:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, await _body(request, schema.parse_chat))
+    return await _complete(request, await parsed_body(request, schema.parse_chat))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, await _body(request, schema.parse_completion))
+    return await _complete(request, await parsed_body(request, schema.parse_completion))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    parsed = await _body(request, anthropic_schema.parse_messages)
+    parsed = await parsed_body(request, anthropic_schema.parse_messages)
     return await _complete(request, parsed.body, parsed.prefill, anthropic_api.respond,
                            anthropic_api.TOOL_ID_PREFIX)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    parsed = await _body(request, responses_schema.parse_responses)
+    parsed = await parsed_body(request, responses_schema.parse_responses)
     return await _complete(request, parsed.body, respond=responses_api.responder(parsed))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    parsed = await _body(request, anthropic_schema.parse_count_tokens)
+    parsed = await parsed_body(request, anthropic_schema.parse_count_tokens)
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
     with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
@@ -278,19 +274,6 @@ async def metrics(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
     text = core.metrics.render(core.states, core.healthy, len(core.sessions))
     return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-
-async def _body(request: web.Request, parse: Callable[[Any], T]) -> T:
-    """The body read (under its deadline), decoded within ``router.body_limits`` and parsed
-    by its API's ``parse``; a large one off the event loop."""
-    raw = await read_body(request, request.app[LIMITS_KEY].body_timeout_s)
-    request[_LARGE_KEY] = len(raw) > request.app[LIMITS_KEY].large_body_bytes
-    return await request.app[BODY_DECODER_KEY].decode(raw, parse)
-
-
-async def _off_loop_if_large(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``, a walk over the request's body: off the event loop for a large body."""
-    return await request.app[BODY_DECODER_KEY].run(request.get(_LARGE_KEY, False), fn, *args)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -347,8 +330,8 @@ async def _tokenize(
     bytes of its text, or the count of its token ids before any id is looked at."""
     limits = request.app[LIMITS_KEY]
     param = "messages" if body.kind == "chat" else "prompt"
-    size = await _off_loop_if_large(request, prompt_bytes, body.messages, body.prompt,
-                                    body.tools.tools)
+    size = await off_loop_if_large(request, prompt_bytes, body.messages, body.prompt,
+                                   body.tools.tools)
     size += len(prefill.encode())
     check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:

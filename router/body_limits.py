@@ -26,9 +26,14 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
+from router.limits import LIMITS_KEY
 from talaria.protocol.errors import ApiError, bad_request
+from talaria.protocol.http import read_body
 
-__all__ = ["BODY_DECODER_KEY", "MAX_JSON_DEPTH", "BodyDecoder", "check_depth", "decode"]
+__all__ = [
+    "BODY_DECODER_KEY", "MAX_JSON_DEPTH", "BodyDecoder", "check_depth", "decode", "parsed_body",
+    "off_loop_if_large",
+]
 
 T = TypeVar("T")
 
@@ -107,3 +112,17 @@ def _child_path(path: str | None, key: Any) -> str:
 
 
 BODY_DECODER_KEY = web.AppKey("router_body_decoder", BodyDecoder)
+_LARGE_KEY = web.RequestKey("router_large_body", bool)
+
+
+async def parsed_body(request: web.Request, parse: Callable[[Any], T]) -> T:
+    """The request's body read (under its deadline), decoded within these bounds and parsed
+    by its API's ``parse``; a large one off the event loop."""
+    raw = await read_body(request, request.app[LIMITS_KEY].body_timeout_s)
+    request[_LARGE_KEY] = len(raw) > request.app[LIMITS_KEY].large_body_bytes
+    return await request.app[BODY_DECODER_KEY].decode(raw, parse)
+
+
+async def off_loop_if_large(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a walk over the request's body: off the event loop for a large body."""
+    return await request.app[BODY_DECODER_KEY].run(request.get(_LARGE_KEY, False), fn, *args)

@@ -18,8 +18,9 @@ way. After the first event a failure (a broken or malformed stream, a missed sta
 deadline) ends the stream with an error event (``finish_reason="error"``): never a silent
 truncation. An instance marked down for not answering cuts the calls waiting on it within
 ``Deadlines.down_grace_s`` (``router.instance_waits``): one with no event yet is re-placed
-(that does not count as its retry), one with events gets its error event. A call that missed a deadline is aborted on its instance, and so is one whose
-consumer stops iterating early (``aclose``). Every failure counts against the instance's
+(that does not count as its retry), one with events gets its error event. A call that
+missed a deadline is aborted on its instance, and so is one whose consumer stops iterating
+early (``aclose``). Every failure counts against the instance's
 health (``router.call_health``); deadlines are ``router.deadlines.Deadlines``.
 """
 
