@@ -28,6 +28,7 @@ from aiohttp import web
 
 from router.limits import LIMITS_KEY
 from talaria.protocol.errors import ApiError, bad_request
+from talaria.protocol.fields import MAX_JSON_DEPTH, DepthError, json_depth
 from talaria.protocol.http import read_body
 
 __all__ = [
@@ -37,8 +38,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-MAX_JSON_DEPTH = 64  # a tool's JSON schema nests about 10; Python recurses 1000 deep
-_NAMED_LEVELS = 3  # how much of a too-deep value's path an error names
 
 
 class BodyDecoder:
@@ -84,31 +83,12 @@ def decode(raw: bytes, parse: Callable[[Any], T]) -> T:
 
 
 def check_depth(value: Any, where: str | None = None, limit: int = MAX_JSON_DEPTH) -> None:
-    """400 when ``value`` nests objects and arrays more than ``limit`` levels deep (its own
-    level is 1), naming the field (``where``, then up to three levels of the path in it).
-    Walked with a stack, not recursion."""
-    if not isinstance(value, dict | list):
-        return
-    stack: list[tuple[Any, int, str | None]] = [(value, 1, where)]
-    while stack:
-        item, depth, path = stack.pop()
-        children = item.items() if isinstance(item, dict) else enumerate(item)
-        for key, child in children:
-            if not isinstance(child, dict | list):
-                continue
-            named = _child_path(path, key) if depth <= _NAMED_LEVELS else path
-            if depth >= limit:
-                raise bad_request(
-                    f"{named or 'the request body'} is nested more than {limit} levels deep",
-                    named,
-                )
-            stack.append((child, depth + 1, named))
-
-
-def _child_path(path: str | None, key: Any) -> str:
-    if isinstance(key, int):
-        return f"{path or ''}[{key}]"
-    return f"{path}.{key}" if path else str(key)
+    """400 when ``value`` nests deeper than ``limit`` (``talaria.protocol.fields.json_depth``),
+    naming the field."""
+    try:
+        json_depth(value, where, limit)
+    except DepthError as exc:
+        raise bad_request(str(exc), exc.path) from None
 
 
 BODY_DECODER_KEY = web.AppKey("router_body_decoder", BodyDecoder)

@@ -47,6 +47,7 @@ from talaria.instance.admission import Instance
 from talaria.instance.calls import CallHandle
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
 from talaria.protocol.errors import ApiError, error_middleware, overloaded
+from talaria.protocol.fields import json_depth
 from talaria.protocol.http import client_gone, key_middleware, next_or_gone, read_body
 from talaria.protocol.state_delta import StateAsk, encode_report
 
@@ -282,7 +283,9 @@ def _parse_call(raw: bytes) -> CallRequest:
     if not raw:
         raise ApiError(400, "the request body is empty; send a CallRequest JSON object")
     try:
-        return CallRequest.from_dict(orjson.loads(raw))
+        data = orjson.loads(raw)
+        json_depth(data)  # before any field's check can repr a deep value
+        return CallRequest.from_dict(data)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     except ValueError as exc:

@@ -238,6 +238,10 @@ async def test_bad_requests_get_clear_json_errors_and_leak_nothing(
         # accepted and then failed by the admission loop.
         (orjson.dumps({**good, "params": {**good["params"], "max_tokens": 2100}}), 400,
          f"the KV cache of instance 'e2e' holds {NUM_BLOCKS * BLOCK} tokens"),
+        # 1020 levels (orjson reads up to 1024): the seed's error message was a RecursionError
+        (orjson.dumps({**good, "params": {"seed": 0}}).replace(
+            b'"seed":0', b'"seed":' + b"[" * 1020 + b"0" + b"]" * 1020), 400,
+         "params.seed[0] is nested more than 64 levels deep"),
     ]
     for body, status, needle in cases:
         got, data = await post_raw(server, body)
