@@ -16,7 +16,6 @@ requests may take: ``router.limits``.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -29,14 +28,17 @@ from aiohttp import web
 
 from router import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
 from router import openai_schema as schema
+from router.body_limits import BODY_DECODER_KEY, BodyDecoder, off_loop_if_large, parsed_body
 from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.instance_http import HttpInstanceClient
+from router.kv_room import OutputRoom, kv_capacity, output_room
 from router.limits import (
     LIMITS_KEY,
     InflightGate,
     RouterLimits,
+    body_items_bound,
     check_prompt_bytes,
     prompt_bytes,
 )
@@ -64,7 +66,7 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import bearer_matches, next_or_gone, read_body
+from talaria.protocol.http import bearer_matches, key_matches, next_or_gone
 
 log = structlog.get_logger(__name__)
 
@@ -151,6 +153,8 @@ def create_app(
             for name, path in config.models.items()
         }
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-hash")
+    decoder = BodyDecoder(body_items_bound(config.limits, (t.context_len for t in tokenizers.values())),
+                          config.limits.large_body_bytes)
     core = RouterCore(
         clients,
         config.policy,
@@ -172,6 +176,7 @@ def create_app(
     app[CORE_KEY] = core
     app[TOKENIZERS_KEY] = tokenizers
     app[LIMITS_KEY] = config.limits
+    app[BODY_DECODER_KEY] = decoder
     app[GATE_KEY] = InflightGate(config.limits.max_inflight_calls, config.limits.busy_retry_after_s)
     if config.poll_interval_s is not None:
         poller = HealthPoller(core, config.poll_interval_s)
@@ -181,6 +186,7 @@ def create_app(
     async def close(_app: web.Application) -> None:
         await core.close()
         hasher.shutdown(wait=False)
+        decoder.close()
         for client in owned:
             await client.close()
 
@@ -223,36 +229,36 @@ def _key_matches(request: web.Request, key: str) -> bool:
     """``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (Anthropic's clients send
     that instead), compared in constant time."""
     other = request.headers.get("x-api-key", "").strip()
-    return bearer_matches(request, key) or hmac.compare_digest(other.encode(), key.encode())
+    return bearer_matches(request, key) or key_matches(other, key)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, schema.parse_chat(await _json_body(request)))
+    return await _complete(request, await parsed_body(request, schema.parse_chat))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, schema.parse_completion(await _json_body(request)))
+    return await _complete(request, await parsed_body(request, schema.parse_completion))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    parsed = anthropic_schema.parse_messages(await _json_body(request))
+    parsed = await parsed_body(request, anthropic_schema.parse_messages)
     return await _complete(request, parsed.body, parsed.prefill, anthropic_api.respond,
                            anthropic_api.TOOL_ID_PREFIX)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    parsed = responses_schema.parse_responses(await _json_body(request))
+    parsed = await parsed_body(request, responses_schema.parse_responses)
     return await _complete(request, parsed.body, respond=responses_api.responder(parsed))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    parsed = anthropic_schema.parse_count_tokens(await _json_body(request))
+    parsed = await parsed_body(request, anthropic_schema.parse_count_tokens)
     request[ANSWER_HEADERS_KEY] = parsed.body.media.headers()
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
     with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
-        ids = await _tokenize(tok, parsed.body, parsed.prefill + (answer.prefill if answer else ""),
-                              request.app[LIMITS_KEY])
+        ids = await _tokenize(request, tok, parsed.body,
+                              parsed.prefill + (answer.prefill if answer else ""))
     return _json({"input_tokens": len(ids)})
 
 
@@ -295,16 +301,6 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await read_body(request, request.app[LIMITS_KEY].body_timeout_s)
-    if not raw:
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
-
-
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
@@ -327,8 +323,8 @@ async def _complete(
     answer = _answer_parser(request.app[CONFIG_KEY], body, tok, tool_id_prefix)
     limits = request.app[LIMITS_KEY]
     with request.app[GATE_KEY].admit():
-        prompt_ids = await _tokenize(tok, body, prefill + (answer.prefill if answer else ""), limits)
-        budget = _output_budget(request.app[CONFIG_KEY], body, tok, len(prompt_ids))
+        prompt_ids = await _tokenize(request, tok, body, prefill + (answer.prefill if answer else ""))
+        budget = _output_budget(request, body, tok, len(prompt_ids))
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
         call = _call_request(request, body, prompt_ids, budget)
         events = request.app[CORE_KEY].submit(call)
@@ -355,11 +351,15 @@ def _answer_parser(
 
 
 async def _tokenize(
-    tok: ModelTokenizer, body: schema.CompletionBody, prefill: str, limits: RouterLimits
+    request: web.Request, tok: ModelTokenizer, body: schema.CompletionBody, prefill: str
 ) -> list[int]:
-    """Token ids of the request's prompt, its size checked first (``router.limits``)."""
+    """Token ids of the request's prompt, its size checked first (``router.limits``): the
+    bytes of its text, or the count of its token ids before any id is looked at."""
+    limits = request.app[LIMITS_KEY]
     param = "messages" if body.kind == "chat" else "prompt"
-    size = prompt_bytes(body.messages, body.prompt, body.tools.tools) + len(prefill.encode())
+    size = await off_loop_if_large(request, prompt_bytes, body.messages, body.prompt,
+                                   body.tools.tools)
+    size += len(prefill.encode())
     check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
@@ -367,6 +367,7 @@ async def _tokenize(
         elif isinstance(body.prompt, str):
             ids = await tok.tokenize_text(body.prompt, size)
         elif body.prompt is not None:
+            _check_prompt_len(len(body.prompt), tok, param)
             tok.check_token_ids(body.prompt)
             ids = list(body.prompt)
         else:
@@ -379,21 +380,47 @@ async def _tokenize(
         raise bad_request(f"cannot apply the chat template: {exc}", param) from exc
     if not ids:
         raise bad_request("the prompt tokenizes to nothing", param)
-    if len(ids) >= tok.context_len:
-        raise bad_request(
-            f"the prompt has {len(ids)} tokens; model {tok.name!r} allows at most "
-            f"{tok.context_len - 1} prompt tokens (context length {tok.context_len})",
-            param,
-        )
+    _check_prompt_len(len(ids), tok, param)
     return ids
 
 
+def _check_prompt_len(n: int, tok: ModelTokenizer, param: str) -> None:
+    if n >= tok.context_len:
+        raise bad_request(
+            f"the prompt has {n} tokens; model {tok.name!r} allows at most "
+            f"{tok.context_len - 1} prompt tokens (context length {tok.context_len})",
+            param,
+        )
+
+
+def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:
+    """A call refused for its size: the client's error, counted by what bounds it."""
+    core.metrics.rejected.inc(model=model, reason="kv_capacity" if room.kv_bound else "context_length")
+
+
 def _output_budget(
-    config: RouterConfig, body: schema.CompletionBody, tok: ModelTokenizer, prompt_tokens: int
+    request: web.Request, body: schema.CompletionBody, tok: ModelTokenizer, prompt_tokens: int
 ) -> OutputBudget:
-    """The call's output limit by the one rule of every API (``router.output_budget``)."""
-    return output_budget(body.max_tokens, prompt_tokens, tok.context_len,
-                         config.overflow_rule(tok.name), body.max_tokens_param, tok.name)
+    """The call's output limit by the one rule of every API (``router.output_budget``), in
+    the room the context and the serving instances' KV caches leave (``router.kv_room``). A
+    prompt that leaves no room, or a limit beyond it under the rule ``refuse``, is a 400
+    counted as a refusal."""
+    core = request.app[CORE_KEY]
+    room = output_room(tok.name, prompt_tokens, tok.context_len,
+                       kv_capacity(core.states, core.clients, tok.name))
+    if room.tokens < 1:
+        _count_refusal(core, tok.name, room)
+        raise bad_request(
+            f"the prompt has {prompt_tokens} tokens and {room.limit}: none is left for output",
+            "messages" if body.kind == "chat" else "prompt",
+        )
+    try:
+        return output_budget(body.max_tokens, prompt_tokens, room.tokens, room.limit,
+                             request.app[CONFIG_KEY].overflow_rule(tok.name),
+                             body.max_tokens_param)
+    except ApiError:
+        _count_refusal(core, tok.name, room)
+        raise
 
 
 def _call_request(

@@ -19,8 +19,11 @@ instance is unreachable, answers an error, breaks the stream, or misses the firs
 deadline) is retried once on the next-best instance; an overloaded one is skipped the same
 way. After the first event a failure (a broken or malformed stream, a missed stall
 deadline) ends the stream with an error event (``finish_reason="error"``): never a silent
-truncation. A call that missed a deadline is aborted on its instance, and so is one whose
-consumer stops iterating early (``aclose``). Every failure counts against the instance's
+truncation. An instance marked down for not answering cuts the calls waiting on it within
+``Deadlines.down_grace_s`` (``router.instance_waits``): one with no event yet is re-placed
+(that does not count as its retry), one with events gets its error event. A call that
+missed a deadline is aborted on its instance, and so is one whose consumer stops iterating
+early (``aclose``). Every failure counts against the instance's
 health (``router.call_health``); deadlines are ``router.deadlines.Deadlines``.
 """
 
@@ -35,7 +38,8 @@ from typing import Any
 import structlog
 
 from router.call_health import CallHealth, HealthRules
-from router.deadlines import DeadlineMissed, Deadlines, first_token_deadline, next_event
+from router.deadlines import DeadlineMissed, Deadlines, first_token_deadline
+from router.instance_waits import InstanceMarkedDown, InstanceWaits
 from router.metrics import RouterMetrics
 from router.output_lengths import OutputLengths
 from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
@@ -101,10 +105,11 @@ class RouterCore:
         self.refresh_after_call = refresh_after_call
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.call_health = CallHealth(health_rules if health_rules is not None else HealthRules())
+        self.waits = InstanceWaits(self.deadlines.down_grace_s)
         self._clock = clock
         self.books = SessionBooks(
             sessions if sessions is not None else SessionTable(), inference, block_size,
-            known_chain_blocks, self._observe_sct,
+            known_chain_blocks, self._session_ended,
         )
         self.sessions = self.books.table
         self.inference = inference
@@ -127,6 +132,7 @@ class RouterCore:
         in a cooldown (see ``router.health``)."""
         self.states[state.instance_id] = state
         if state.healthy:
+            self.waits.up(state.instance_id)  # it answers: its calls keep their deadlines
             if self.call_health.may_come_back(state.instance_id, self.now()):
                 self.mark_up(state.instance_id)
             elif state.instance_id not in self.healthy:
@@ -140,9 +146,13 @@ class RouterCore:
             log.info("router.instance_up", instance=instance_id)
             self.healthy.add(instance_id)
 
-    def mark_down(self, instance_id: str, reason: str) -> None:
+    def mark_down(self, instance_id: str, reason: str, answering: bool = False) -> None:
         """The instance is down: it takes no calls, and the prefixes it held no longer count
-        (an instance that comes back has lost its KV)."""
+        (an instance that comes back has lost its KV). Unless it still ``answering`` (its
+        calls' failures put it in a cooldown), the calls waiting on it are cut within the
+        grace (``router.instance_waits``)."""
+        if not answering:
+            self.waits.down(instance_id)
         self.suspect.discard(instance_id)
         if instance_id in self.healthy:
             log.warning("router.instance_down", instance=instance_id, reason=reason)
@@ -177,7 +187,7 @@ class RouterCore:
         self.metrics.call_failures.inc(instance=instance_id, kind=kind)
         log.warning("router.call_failed", instance=instance_id, kind=kind, error=str(exc))
         if kind == "unreachable" or self.call_health.failure(instance_id, self.now()):
-            self.mark_down(instance_id, f"call failed ({kind}): {exc}")
+            self.mark_down(instance_id, f"call failed ({kind}): {exc}", answering=kind != "unreachable")
 
     def cleanup_sessions(self) -> int:
         return self.books.cleanup(self.now())
@@ -227,8 +237,9 @@ class RouterCore:
         outcome = "error"
         finished = False
         prefilling = True  # the call's prompt still counts as outstanding prefill
+        tried: list[str] = []  # the instances the call was sent to, in order
         try:
-            instance_id, stream, first = await self._open(sent, ranked, pcall)
+            instance_id, stream, first = await self._open(sent, ranked, pcall, tried)
             self.metrics.placements.inc(
                 instance=instance_id, returning="yes" if previous == instance_id else "no"
             )
@@ -251,12 +262,14 @@ class RouterCore:
                 if finished:
                     break
                 event = await self._next(stream, call, instance_id)
-        except BaseException:
-            if instance_id is not None and not finished:
-                outcome = "aborted"
+        except BaseException as exc:
+            if not finished:
+                outcome = _outcome(exc, opened=instance_id is not None)
             raise
         finally:
-            await self._finish(call, books, instance_id, stream, start, outputs, outcome, pcall, prefilling)
+            label = instance_id or (tried[-1] if tried and outcome != "error" else "none")
+            await self._finish(call, books, instance_id, stream, start, outputs, outcome, pcall,
+                               prefilling, label)
 
     async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
         """The prompt's block hashes, reusing a known chain of its session's (``router.prefix_chain``);
@@ -269,22 +282,35 @@ class RouterCore:
         )
 
     async def _open(
-        self, call: CallRequest, ranked: list[str], pcall: PlacementCall
+        self, call: CallRequest, ranked: list[str], pcall: PlacementCall, tried: list[str]
     ) -> tuple[str, AsyncIterator[CallEvent], CallEvent]:
+        """Send the call down ``ranked`` until one instance gives its first event: at most
+        ``MAX_ATTEMPTS`` failures (an instance marked down meanwhile costs none, and is
+        skipped when not yet tried); ``tried`` gets each instance as it is tried."""
         if not ranked:
             raise NoHealthyInstance(f"no healthy instance can serve model {call.model!r}")
         errors: list[Exception] = []
-        for attempt, instance_id in enumerate(ranked[:MAX_ATTEMPTS]):
-            if attempt:
+        failures = 0
+        for instance_id in ranked:
+            if failures >= MAX_ATTEMPTS:
+                break
+            if tried:
+                if instance_id not in self.candidates():
+                    continue  # marked down since the call was ranked
                 self.metrics.retries.inc(model=call.model)
+            tried.append(instance_id)
             stream = aiter(self.clients[instance_id].submit(call))
             self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.expected_output)
             try:
                 deadline = first_token_deadline(
                     self.deadlines, self.states.get(instance_id), call.model
                 )
-                first = await next_event(stream, deadline, "first token")
+                first = await self.waits.next_event(instance_id, stream, deadline, "first token")
+            except InstanceMarkedDown as exc:
+                self._cut(instance_id, call.call_id, exc)
+                errors.append(exc)
             except (InstanceUnavailable, StopAsyncIteration) as exc:
+                failures += 1
                 failure = (exc if isinstance(exc, InstanceUnavailable)
                            else InstanceUnavailable("the stream ended with no event"))
                 self.call_failed(instance_id, failure)
@@ -292,6 +318,7 @@ class RouterCore:
                 if isinstance(exc, DeadlineMissed):
                     await self._abort_quietly(instance_id, call.call_id)
             except Overloaded as exc:
+                failures += 1
                 errors.append(exc)
             except BaseException:  # cancelled (its client left): the call goes everywhere
                 self._release(instance_id, pcall)
@@ -312,16 +339,28 @@ class RouterCore:
     async def _next(self, stream: AsyncIterator[CallEvent], call: CallRequest, instance_id: str) -> CallEvent:
         """The call's next event; a failure becomes its error event."""
         try:
-            return await next_event(stream, self.deadlines.stall_s, "event after the last")
+            return await self.waits.next_event(
+                instance_id, stream, self.deadlines.stall_s, "event after the last"
+            )
         except StopAsyncIteration:
             failure = InstanceUnavailable("the instance closed the stream before the call finished")
         except (InstanceUnavailable, Overloaded, ConnectionError, TimeoutError) as exc:
             failure = exc if isinstance(exc, InstanceUnavailable) else InstanceUnavailable(str(exc))
-        self.call_failed(instance_id, failure)
+        if isinstance(failure, InstanceMarkedDown):
+            self._cut(instance_id, call.call_id, failure)
+        else:
+            self.call_failed(instance_id, failure)
         if isinstance(failure, DeadlineMissed):
             await self._abort_quietly(instance_id, call.call_id)
         message = f"instance {instance_id} failed mid-call: {failure}"
         return CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error=message)
+
+    def _cut(self, instance_id: str, call_id: str, exc: InstanceMarkedDown) -> None:
+        """A call cut from an instance marked down: counted (not against its health: the mark
+        is already made) and aborted there in the background (it may not answer for long)."""
+        self.metrics.call_failures.inc(instance=instance_id, kind="marked_down")
+        log.warning("router.call_cut", instance=instance_id, call_id=call_id, error=str(exc))
+        self._background(self._abort_quietly(instance_id, call_id))
 
     async def _abort_quietly(self, instance_id: str, call_id: str) -> None:
         """Best effort: the instance also aborts a call whose connection closed."""
@@ -350,7 +389,7 @@ class RouterCore:
     async def _finish(
         self, call: CallRequest, books: SessionCall, instance_id: str | None,
         stream: AsyncIterator[CallEvent] | None, start: float, outputs: list[int], outcome: str,
-        pcall: PlacementCall, prefilling: bool,
+        pcall: PlacementCall, prefilling: bool, label: str,
     ) -> None:
         now = self.now()
         if instance_id is not None and stream is not None:
@@ -359,7 +398,7 @@ class RouterCore:
                 await self._abort_quietly(instance_id, call.call_id)
             await _close(stream)
             self.metrics.call_time.observe(now - start, model=call.model)
-        self.metrics.requests.inc(model=call.model, instance=instance_id or "none", outcome=outcome)
+        self.metrics.requests.inc(model=call.model, instance=label, outcome=outcome)
         more = self.books.end(call, books, instance_id, now, outputs)
         if instance_id is not None:
             self.context.prefix_index.insert(instance_id, call.model, more)
@@ -372,9 +411,30 @@ class RouterCore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _observe_sct(self, record: SessionRecord) -> None:
+    def _session_ended(self, record: SessionRecord) -> None:
+        """A session left the router's books (its last call, idle past the TTL, evicted): its
+        SCT is observed and its instance told to forget it, when its client can be told
+        (``forget_sessions``; the in-process clients of the simulator are not)."""
         if record.last_finish is not None:
             self.metrics.sct.observe(record.last_finish - record.started_at, model=record.model)
+        client = self.clients.get(record.instance_id) if record.instance_id is not None else None
+        forget = getattr(client, "forget_sessions", None)
+        if forget is not None:
+            forget([record.session_id])
+
+
+def _outcome(exc: BaseException, opened: bool) -> str:
+    """How a call that raised before its last event ends in the metrics: ``aborted`` (its
+    consumer stopped after the first event: a client gone or a stop string), ``client_left``
+    (cancelled before its first event), ``rejected`` (the instance refused it as invalid: the
+    client's error), ``overloaded``, else ``error``."""
+    if opened:
+        return "aborted"
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "client_left"
+    if isinstance(exc, CallRejected):
+        return "rejected"
+    return "overloaded" if isinstance(exc, Overloaded) else "error"
 
 
 async def _close(stream: AsyncIterator[CallEvent]) -> None:

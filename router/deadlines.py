@@ -8,6 +8,9 @@
 - ``stall_s``: between two events of a call after its first. Missed: the call is aborted
   there and its client gets an error event (a retry could repeat tokens already sent).
 - ``state_s``: one poll of an instance's state. Missed: the poll counts as failed.
+- ``down_grace_s``: once an instance is marked down for not answering, how long any wait of
+  a call on it may still last (``router.instance_waits``). Missed: re-placed before the
+  first event, an error event after it.
 
 Either call deadline missed counts against the instance's health (``router.health``). A call
 deadline of None means none: the simulated cluster runs so (its instances never hang, and a
@@ -16,13 +19,11 @@ call may rightly wait minutes for its model's slot: that wait is what the benchm
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from talaria.protocol import CallEvent, InstanceState, InstanceUnavailable
+from talaria.protocol import InstanceState, InstanceUnavailable
 
-__all__ = ["Deadlines", "DeadlineMissed", "first_token_deadline", "next_event"]
+__all__ = ["Deadlines", "DeadlineMissed", "first_token_deadline"]
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,12 @@ class Deadlines:
     first_token_s: float | None = 300.0
     stall_s: float | None = 60.0
     state_s: float = 2.0
+    down_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("first_token_s", "stall_s", "state_s"):
+        for name in ("first_token_s", "stall_s", "state_s", "down_grace_s"):
             value = getattr(self, name)
-            if value is None and name != "state_s":
+            if value is None and name in ("first_token_s", "stall_s"):
                 continue
             if not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -62,15 +64,3 @@ def first_token_deadline(
 
 class DeadlineMissed(InstanceUnavailable):
     """An instance did not produce a call's next event in time."""
-
-
-async def next_event(
-    stream: AsyncIterator[CallEvent], seconds: float | None, what: str
-) -> CallEvent:
-    """The stream's next event within ``seconds`` (None: no deadline); DeadlineMissed
-    otherwise (the wait is cancelled, which closes the stream's connection)."""
-    try:
-        async with asyncio.timeout(seconds):
-            return await anext(stream)
-    except TimeoutError:
-        raise DeadlineMissed(f"no {what} within {seconds:g} s") from None

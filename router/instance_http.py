@@ -5,8 +5,11 @@
 mean the call is invalid; a refused connection or a stream whose connection breaks means
 the instance is unreachable; 5xx, timeouts and lines that are not a well-formed event mean
 it is unavailable.
-``POST /internal/v1/calls/{id}/abort``, ``GET /internal/v1/state``, ``GET /health``. Every
-request carries ``Authorization: Bearer <key>`` when the client has the instances' key.
+``POST /internal/v1/calls/{id}/abort``, ``POST /internal/v1/state`` (the sessions changed
+since the last poll, merged here into the client's copy: ``talaria.protocol.state_delta``; the
+sessions the router let go, ``forget_sessions``, ride along; a large answer, the whole table
+of a first poll, is parsed on a worker thread), ``GET /health``. Every request
+carries ``Authorization: Bearer <key>`` when the client has the instances' key.
 
 Two connection pools per instance: a call's stream holds its connection for the call's whole
 life (queued on the instance included), so call streams, and the aborts of calls, get a pool
@@ -18,8 +21,9 @@ connection and miss their deadline.
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
@@ -34,6 +38,10 @@ from talaria.protocol import (
     InstanceUnreachable,
     Overloaded,
 )
+from talaria.protocol.state_delta import MAX_FORGET, SessionsCursor, SessionsDelta, parse_report
+
+MAX_PENDING_FORGET = 1 << 20
+LARGE_REPORT_BYTES = 256 * 1024  # about a thousand sessions: parsed on a worker thread
 
 
 class HttpInstanceClient:
@@ -63,6 +71,9 @@ class HttpInstanceClient:
         self._request_timeout_s = request_timeout_s
         self._control_connections = control_connections
         self._max_event_bytes = max_event_bytes
+        self._cursor = SessionsCursor()
+        self._forget: dict[str, None] = {}  # sessions to forget, oldest first
+        self._state_lock: asyncio.Lock | None = None  # one state poll at a time (the cursor)
 
     def _stream_http(self) -> aiohttp.ClientSession:
         """The pool for call streams and aborts: no connection limit."""
@@ -157,20 +168,51 @@ class HttpInstanceClient:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: abort failed: {exc!r}") from exc
 
+    def forget_sessions(self, session_ids: Iterable[str]) -> None:
+        """Sessions the router let go: the next state polls tell the instance to forget them."""
+        for session_id in session_ids:
+            self._forget[session_id] = None
+        while len(self._forget) > MAX_PENDING_FORGET:  # the instance forgets idle ones too
+            del self._forget[next(iter(self._forget))]
+
     async def state(self) -> InstanceState:
+        """The instance's state, its sessions merged from what changed since the last poll."""
+        if self._state_lock is None:
+            self._state_lock = asyncio.Lock()
+        async with self._state_lock:
+            return await self._poll_state()
+
+    async def _poll_state(self) -> InstanceState:
         url = f"{self.base_url}/internal/v1/state"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
+        forget = list(self._forget)[:MAX_FORGET]
+        ask = self._cursor.ask(forget)
+        body = orjson.dumps({"epoch": ask.epoch, "since": ask.since, "forget": ask.forget})
         try:
-            async with self._control_http().get(url, headers=self._headers, timeout=timeout) as response:
+            async with self._control_http().post(
+                url, data=body, headers={**self._headers, "Content-Type": "application/json"},
+                timeout=timeout,
+            ) as response:
                 if response.status != 200:
                     raise InstanceUnavailable(f"{self.instance_id}: state HTTP {response.status}")
-                data = orjson.loads(await response.read())
-            if not isinstance(data, dict):
-                raise ValueError(f"the state is a {type(data).__name__}, not an object")
-            data.setdefault("instance_id", self.instance_id)
-            return InstanceState.from_dict(data)
+                raw = await response.read()
+            if len(raw) > LARGE_REPORT_BYTES:  # a whole table (a first poll): off the loop
+                parsed = await asyncio.get_running_loop().run_in_executor(None, self._parse, raw)
+            else:
+                parsed = self._parse(raw)
+            state = self._cursor.merge(*parsed)  # here: a cancelled poll leaves it as it was
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError, KeyError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: state poll failed: {exc!r}") from exc
+        for session_id in forget:
+            self._forget.pop(session_id, None)
+        return state
+
+    def _parse(self, raw: bytes) -> tuple[InstanceState, SessionsDelta | None]:
+        data = orjson.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError(f"the state is a {type(data).__name__}, not an object")
+        data.setdefault("instance_id", self.instance_id)
+        return parse_report(data)
 
     async def health(self) -> bool:
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)

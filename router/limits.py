@@ -10,12 +10,16 @@
   streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
 - the session table holds at most ``max_sessions`` (least recently seen idle ones go first),
   each with at most ``max_branches_per_session`` KV chains (``router.sessions``);
-- a request body must arrive within ``body_timeout_s`` (408).
+- a request body must arrive within ``body_timeout_s`` (408), hold at most ``max_body_items``
+  JSON values (counted by its commas before it is parsed; 413; by default twice the longest
+  context of the catalog, at least 262144: a token-id prompt is one value a token, and a
+  conversation far fewer) and nest at most 64 levels (400); one over ``large_body_bytes`` is
+  parsed off the event loop (``router.body_limits``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
@@ -27,13 +31,15 @@ from talaria.protocol.errors import bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
 
 __all__ = [
-    "LIMITS_KEY", "InflightGate", "RouterLimits", "check_prompt_bytes", "check_session_id",
+    "LIMITS_KEY", "InflightGate", "RouterLimits", "body_items_bound", "check_prompt_bytes",
+    "check_session_id",
     "prompt_bytes",
 ]
 
 
 # Two of them scoped (<session>:<agent>) and a branch's suffix (router.sessions.branch_key) fit.
 MAX_SESSION_ID_CHARS = (MAX_ID_CHARS - 1 - BRANCH_SUFFIX_CHARS) // 2
+MIN_BODY_ITEMS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,15 @@ class RouterLimits:
     max_branches_per_session: int = 4
     max_prompt_bytes_per_token: int = 32
     body_timeout_s: float = 30.0
+    max_body_items: int | None = None  # None: body_items_bound of the catalog's contexts
+    large_body_bytes: int = 256 * 1024
     busy_retry_after_s: float = 1.0
     disconnect_poll_s: float = 0.5  # how often a waiting call checks its client is there
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if getattr(self, f.name) is None and f.name == "max_body_items":
+                continue
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)!r}")
         if self.max_session_id_chars > MAX_SESSION_ID_CHARS:
@@ -60,6 +70,14 @@ class RouterLimits:
 
 
 LIMITS_KEY = web.AppKey("router_limits", RouterLimits)
+
+
+def body_items_bound(limits: RouterLimits, context_lens: Iterable[int]) -> int:
+    """The most JSON values a body may hold: ``max_body_items``, else twice the longest
+    context (at least ``MIN_BODY_ITEMS``)."""
+    if limits.max_body_items is not None:
+        return limits.max_body_items
+    return max(MIN_BODY_ITEMS, 2 * max(context_lens, default=0))
 
 
 def check_session_id(value: Any, max_chars: int, param: str = "session_id") -> str:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import orjson
 
+from router.body_limits import check_depth
 from talaria.protocol.errors import bad_request
 
 
@@ -132,4 +133,5 @@ def json_arguments(raw: str, where: str) -> dict[str, Any]:
         raise bad_request(f"{where} is not valid JSON", where) from None
     if not isinstance(parsed, dict):
         raise bad_request(f"{where} must be a JSON object", where)
+    check_depth(parsed, where)  # the chat template walks it
     return parsed

@@ -4,7 +4,8 @@ Responses).
 Agents send one output limit whatever the model: Claude Code asks for ``max_tokens`` 32000
 (64000 for some model names) unless ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` is set, so on a model
 whose context is smaller than that every call would be refused and the agent could not
-start. The room a call has is ``context length - prompt tokens``:
+start. The room a call has is what the context leaves after the prompt, or less where the KV
+cache of every instance serving the model holds less (``router.kv_room``):
 - no limit asked: the room;
 - a limit that fits: that limit;
 - a limit beyond the room, under the rule ``"clamp"`` (the default): the room. The response
@@ -45,18 +46,18 @@ class OutputBudget:
 
 
 def output_budget(
-    asked: int | None, prompt_tokens: int, context_len: int, rule: str, param: str, model: str,
+    asked: int | None, prompt_tokens: int, room: int, limit: str, rule: str, param: str,
 ) -> OutputBudget:
-    """The output budget of a call whose prompt has ``prompt_tokens`` tokens (fewer than
-    ``context_len``; checked before); ``param`` names the client's field in a refusal."""
+    """The output budget of a call whose prompt has ``prompt_tokens`` tokens and leaves
+    ``room`` (>= 1; checked before) under ``limit`` (what bounds it, in words); ``param``
+    names the client's field in a refusal."""
     if rule not in OVERFLOW_RULES:
         raise ValueError(f"unknown max_tokens overflow rule {rule!r}; choose from {OVERFLOW_RULES}")
-    room = context_len - prompt_tokens
     if asked is None or asked <= room:
         return OutputBudget(asked if asked is not None else room, asked)
     if rule == "refuse":
         raise bad_request(
-            f"{param} is {asked} but the prompt has {prompt_tokens} tokens and the context length "
-            f"of {model!r} is {context_len}: at most {room} tokens fit", param,
+            f"{param} is {asked} but the prompt has {prompt_tokens} tokens and {limit}: at most "
+            f"{room} tokens fit", param,
         )
     return OutputBudget(room, asked)

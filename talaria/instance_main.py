@@ -4,7 +4,9 @@
 engine starts its own tensor-parallel workers (if any) and stops them when it is shut down.
 When the process is ready it writes ``ready_file`` (JSON: id, pid, url) atomically, so the
 parent learns the port it got (port 0 picks a free one). SIGINT / SIGTERM drain and stop.
-Every route of its API needs ``[router].instance_key`` (``talaria serve`` generates it). When
+Every route of its API needs ``[router].instance_key``, or when the config has none the key
+in the environment variable ``INSTANCE_KEY_ENV`` (how ``talaria serve`` passes the one it
+generates; the variable is removed once read, so the engine's workers do not inherit it). When
 the admission loop gives up (engine faults in a row) the process exits with status 1, and
 when an engine operation wedges (the instance's watchdog, ``engine_op_timeout_s``) it exits
 at once with status 1; either way its supervisor starts a fresh one.
@@ -27,6 +29,7 @@ import structlog
 from aiohttp import web
 
 from talaria.clock import new_live_loop
+from talaria.protocol.http import JsonErrorRunner
 from talaria.serve_config import ConfigError, InstanceEntry, ServeConfig
 
 if TYPE_CHECKING:
@@ -34,7 +37,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("talaria.instance_main")
 
-__all__ = ["build_engine", "run_instance", "die_with_parent"]
+__all__ = ["INSTANCE_KEY_ENV", "build_engine", "run_instance", "die_with_parent"]
+
+INSTANCE_KEY_ENV = "TALARIA_INSTANCE_KEY"
 
 
 def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
@@ -82,11 +87,12 @@ def run_instance(
     )
 
     entry = config.instance(instance_id)
-    key = config.router.instance_key
+    key = config.router.instance_key or os.environ.pop(INSTANCE_KEY_ENV, None)
     if not key:
         raise ConfigError(
-            "[router].instance_key is not set: the instance's API needs the secret the router "
-            "sends (`talaria serve` generates one; set it when starting instances by hand)"
+            f"[router].instance_key is not set (nor {INSTANCE_KEY_ENV}): the instance's API needs "
+            "the secret the router sends (`talaria serve` generates one; set it when starting "
+            "instances by hand)"
         )
     log.info("instance.building", instance=instance_id, device=entry.device,
              models=list(config.models), tp=entry.tensor_parallel_size)
@@ -120,7 +126,7 @@ async def _serve(
         loop.add_signal_handler(sig, stop.set)
     # Draining is ours (on_shutdown, bounded by drain_timeout_s); aiohttp only waits a little
     # for handlers that are still writing their last event.
-    runner = web.AppRunner(app, shutdown_timeout=5.0, access_log=None)
+    runner = JsonErrorRunner(app, shutdown_timeout=5.0, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, entry.host, entry.port)

@@ -3,10 +3,15 @@
 Routes:
 - ``POST /internal/v1/calls`` (body: ``CallRequest.to_dict()`` JSON): 200 streams NDJSON, one
   ``CallEvent`` per line, the last with ``finished`` set; 400 malformed body / bad params /
-  prompt too long / token id outside the vocabulary; 404 unknown model; 429 queue full
+  prompt too long / prompt and ``max_tokens`` beyond the model's KV capacity here (so a
+  call that can never fit is the client's error, not a failure after it was accepted) /
+  token id outside the vocabulary; 404 unknown model; 429 queue full
   (``{"error": {...}, "retry_after_s": x}`` and a ``Retry-After`` header); 503 not accepting.
 - ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}``.
-- ``GET /internal/v1/state`` -> ``InstanceState`` JSON; ``GET /health`` -> ``{"status": "ok"}``.
+- ``GET /internal/v1/state`` -> ``InstanceState`` JSON (every session); ``POST
+  /internal/v1/state`` (a ``StateAsk``) -> the sessions changed since the version the poller
+  holds, and the sessions it names forgotten (``talaria.protocol.state_delta``);
+  ``GET /health`` -> ``{"status": "ok"}``.
 
 Every route needs ``Authorization: Bearer <key>`` when the settings hold a key (``talaria
 serve`` generates one and gives it to the router and its instances); 401 otherwise. A call's
@@ -42,7 +47,9 @@ from talaria.instance.admission import Instance
 from talaria.instance.calls import CallHandle
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
 from talaria.protocol.errors import ApiError, error_middleware, overloaded
+from talaria.protocol.fields import json_depth
 from talaria.protocol.http import client_gone, key_middleware, next_or_gone, read_body
+from talaria.protocol.state_delta import StateAsk, encode_report
 
 log = structlog.get_logger("talaria.instance_server")
 
@@ -134,6 +141,7 @@ def create_instance_app(
     app.router.add_post("/internal/v1/calls", _submit)
     app.router.add_post("/internal/v1/calls/{call_id}/abort", _abort)
     app.router.add_get("/internal/v1/state", _state)
+    app.router.add_post("/internal/v1/state", _state_since)
     app.router.add_get("/health", _health)
     return app
 
@@ -239,8 +247,24 @@ async def _abort(request: web.Request) -> web.Response:
 
 
 async def _state(request: web.Request) -> web.Response:
-    state = request.app[INSTANCE_KEY].state()
-    return web.Response(body=to_json(state), content_type="application/json")
+    """The whole table (encoded by orjson itself: at 10k sessions 1 ms, not 100 ms)."""
+    instance = request.app[INSTANCE_KEY]
+    state = instance.state()
+    full = instance.sessions.report.since(None, None)
+    return web.Response(body=encode_report(state, full), content_type="application/json")
+
+
+async def _state_since(request: web.Request) -> web.Response:
+    raw = await read_body(request, request.app[SETTINGS_KEY].body_timeout_s)
+    try:
+        ask = StateAsk.from_dict(orjson.loads(raw or b"{}"))
+    except (orjson.JSONDecodeError, ValueError) as exc:
+        raise ApiError(400, f"bad state ask: {exc}") from exc
+    instance = request.app[INSTANCE_KEY]
+    instance.forget_sessions(ask.forget)
+    state = instance.state()
+    delta = instance.sessions.report.since(ask.epoch, ask.since)
+    return web.Response(body=encode_report(state, delta), content_type="application/json")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -259,7 +283,9 @@ def _parse_call(raw: bytes) -> CallRequest:
     if not raw:
         raise ApiError(400, "the request body is empty; send a CallRequest JSON object")
     try:
-        return CallRequest.from_dict(orjson.loads(raw))
+        data = orjson.loads(raw)
+        json_depth(data)  # before any field's check can repr a deep value
+        return CallRequest.from_dict(data)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     except ValueError as exc:
@@ -276,24 +302,33 @@ def _check_call(call: CallRequest, instance: Instance, limits: Mapping[str, Mode
         )
     if not call.prompt_token_ids:
         raise ApiError(400, "prompt_token_ids is empty", param="prompt_token_ids")
-    limit = limits.get(call.model)
-    if limit is None:
-        return
     n = len(call.prompt_token_ids)
-    if n >= limit.max_model_len:
+    limit = limits.get(call.model)
+    if limit is not None and n >= limit.max_model_len:
         raise ApiError(
             400,
             f"the prompt has {n} tokens; model {call.model!r} allows at most "
             f"{limit.max_model_len - 1} (max_model_len {limit.max_model_len})",
             param="prompt_token_ids",
         )
-    if n + call.params.max_tokens > limit.max_model_len:
+    if limit is not None and n + call.params.max_tokens > limit.max_model_len:
         raise ApiError(
             400,
             f"the prompt has {n} tokens and max_tokens is {call.params.max_tokens}: model "
             f"{call.model!r} holds {limit.max_model_len} (at most {limit.max_model_len - n} fit)",
             param="max_tokens",
         )
+    capacity = instance.kv_capacity_tokens.get(call.model, 0)
+    if capacity and n + call.params.max_tokens > capacity:
+        raise ApiError(
+            400,
+            f"the prompt has {n} tokens and max_tokens is {call.params.max_tokens}: the KV "
+            f"cache of instance {instance.instance_id!r} holds {capacity} tokens of one call "
+            f"of {call.model!r}",
+            param="max_tokens" if n < capacity else "prompt_token_ids",
+        )
+    if limit is None:
+        return
     bad = next((t for t in call.prompt_token_ids if not 0 <= t < limit.vocab_size), None)
     if bad is not None:
         raise ApiError(

@@ -1,8 +1,10 @@
 """`talaria serve`: the router in this process, one child process per instance.
 
-Start-up: instances asking for port 0 get a free port; the resolved config is written as
-JSON to a private temp dir; each instance is
-``python -m talaria.cli instance --config that.json --id ID --ready-file ...``; when every
+Start-up: instances asking for port 0 get a free port; the resolved config, without its
+keys, is written as JSON to a private temp dir (the dir 0700, the file 0600); each instance is
+``python -P -m talaria.cli instance --config that.json --id ID --ready-file ...`` (``-P``:
+the working directory is not on its import path, so a stray module there cannot shadow one it
+imports); when every
 ready file is there (progress on stderr) and each instance answers ``/health``, the router
 app (built by the injected ``router_factory``: ``talaria`` does not import ``router``, the
 composition root does) listens and ``ROUTER_READY <url>`` is printed on stdout, followed by
@@ -16,13 +18,16 @@ with backoff (``talaria.supervisor``); meanwhile the router marks it down and pl
 sessions elsewhere, and re-adds it once it answers again.
 
 The router and the instances share a secret (``[router].instance_key``, generated here when
-the config has none, passed in the private config file): every instance route requires it.
+the config has none): every instance route requires it. It reaches each instance in its
+environment (``INSTANCE_KEY_ENV``), never on disk, so a ``serve`` killed with SIGKILL (no
+clean-up runs) leaves no key behind; the router's ``api_key`` stays in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -42,12 +47,15 @@ import structlog
 from aiohttp import web
 
 from talaria.clock import new_live_loop
+from talaria.instance_main import INSTANCE_KEY_ENV
+from talaria.protocol.http import JsonErrorRunner
 from talaria.serve_config import ServeConfig
 from talaria.supervisor import Supervisor
 
 log = structlog.get_logger("talaria.serve")
 
-__all__ = ["RouterFactory", "InstanceProcess", "serve", "run_router", "instance_urls"]
+__all__ = ["RouterFactory", "InstanceProcess", "serve", "run_router", "instance_urls",
+           "instance_command"]
 
 RouterFactory = Callable[[ServeConfig, dict[str, str]], web.Application]
 
@@ -97,16 +105,17 @@ def serve(
     if config.router.instance_key is None:
         config.router.instance_key = secrets.token_urlsafe(32)
     config_file = workdir / "serve.json"
-    config_file.write_bytes(config.to_json())
+    _write_private(config_file, _without_keys(config).to_json())
+    key = config.router.instance_key
     drain = max((e.drain_timeout_s for e in config.instances), default=0.0)
     kill_after = kill_after_s if kill_after_s is not None else drain + 10.0
     children: list[InstanceProcess] = []
     try:
         for entry in config.instances:
-            children.append(_spawn(entry.id, config_file, workdir))
+            children.append(_spawn(entry.id, config_file, workdir, key))
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
             return runner.run(_run(config, children, router_factory, start_timeout_s,
-                                   lambda iid: _restart(iid, config, config_file, workdir)))
+                                   lambda iid: _restart(iid, config, config_file, workdir, key)))
     finally:
         _stop_children(children, kill_after)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -132,24 +141,45 @@ def run_router(config: ServeConfig, router_factory: RouterFactory) -> int:
 # internals --------------------------------------------------------------------------------
 
 
-def _spawn(instance_id: str, config_file: Path, workdir: Path) -> InstanceProcess:
-    ready = workdir / f"{instance_id}.ready"
-    ready.unlink(missing_ok=True)  # a restart: the dead process's file
-    cmd = [
-        sys.executable, "-m", "talaria.cli", "instance",
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a file only its owner can read (mode 0600 from its creation)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+def _without_keys(config: ServeConfig) -> ServeConfig:
+    """The config the instances read: the router's API key and the instance key left out."""
+    return dataclasses.replace(
+        config, router=dataclasses.replace(config.router, api_key=None, instance_key=None)
+    )
+
+
+def instance_command(instance_id: str, config_file: Path, ready: Path) -> list[str]:
+    """How an instance process is started: ``-P`` keeps the working directory off its
+    import path."""
+    return [
+        sys.executable, "-P", "-m", "talaria.cli", "instance",
         "--config", str(config_file), "--id", instance_id,
         "--ready-file", str(ready), "--parent-pid", str(os.getpid()),
     ]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def _spawn(instance_id: str, config_file: Path, workdir: Path, key: str | None) -> InstanceProcess:
+    ready = workdir / f"{instance_id}.ready"
+    ready.unlink(missing_ok=True)  # a restart: the dead process's file
+    env = {**os.environ, INSTANCE_KEY_ENV: key or ""}
+    proc = subprocess.Popen(instance_command(instance_id, config_file, ready), env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     log.info("serve.instance_started", instance=instance_id, pid=proc.pid)
     return InstanceProcess(instance_id, proc, ready)
 
 
 def _restart(
-    instance_id: str, config: ServeConfig, config_file: Path, workdir: Path
+    instance_id: str, config: ServeConfig, config_file: Path, workdir: Path, key: str | None
 ) -> InstanceProcess:
     """A fresh process for a dead instance, on the port its predecessor had."""
-    child = _spawn(instance_id, config_file, workdir)
+    child = _spawn(instance_id, config_file, workdir, key)
     entry = config.instance(instance_id)
     child.url = f"http://{entry.host}:{entry.port}"
     return child
@@ -252,7 +282,7 @@ async def _healthy(http: aiohttp.ClientSession, url: str, key: str) -> bool:
 
 
 async def _start_router(config: ServeConfig, app: web.Application) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None)
+    runner = JsonErrorRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.router.host, config.router.port)
     try:

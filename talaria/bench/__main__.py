@@ -6,6 +6,9 @@ Sections (each can be chosen with ``--only``):
 - tp:         TP=2 step time vs TP=1 with the time spent in collectives
 - switch:     substrate copy rates (H2D, staging, D2D) vs a plain torch copy
 - multimodel: live model switch from host / staging, KV restore vs recompute
+- state:      the instance's state report per poll at 1k and 10k sessions: the router's parse
+              and the instance's side, the whole table (every poll before it was sent as
+              deltas; the first poll now) against a delta
 Models are the "small" tiny checkpoints (tens of millions of parameters), written on
 first use into the cache directory.
 """
@@ -112,11 +115,26 @@ def bench_multimodel(models: dict[str, Path], args: argparse.Namespace) -> None:
         )
 
 
+def bench_state(models: dict[str, Path], args: argparse.Namespace) -> None:
+    from talaria.bench.state_report import bench_state_report
+
+    changed = 16
+    _section(f"state report per instance and poll ({changed} sessions changed between polls, "
+             "best of 5)")
+    names = {"full": "whole table (every poll before)", "first": "whole table (first poll now)",
+             "delta": f"delta ({changed} changed)"}
+    print(f"  {'sessions':>8s}  {'report':32s} {'bytes':>10s} {'router parse':>13s} {'instance':>9s}")
+    for r in bench_state_report(changed=changed):
+        print(f"  {r.sessions:8d}  {names[r.kind]:32s} {r.bytes:10d} {r.parse_ms:10.2f} ms "
+              f"{r.instance_ms:6.2f} ms")
+
+
 SECTIONS: dict[str, Callable[[dict[str, Path], argparse.Namespace], None]] = {
     "engine": bench_engine,
     "tp": bench_tp,
     "switch": bench_switch,
     "multimodel": bench_multimodel,
+    "state": bench_state,
 }
 
 

@@ -73,6 +73,10 @@ class Instance:
             {m: engine.kv_bytes_per_token(m) for m in self.models},
         )
         self.executor.on_report.append(self.rates.observe)
+        block_size = engine.stats().block_size
+        # What one call may hold whenever it runs: the KV region without the staging region
+        # (lent to it only at some switches), so a call within it always fits.
+        self.kv_capacity_tokens = {m: engine.kv_capacity_blocks(m) * block_size for m in self.models}
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {
             "switches": 0,
@@ -257,3 +261,10 @@ class Instance:
 
     def state(self) -> InstanceState:
         return build_state(self)
+
+    def forget_sessions(self, session_ids: Sequence[str]) -> None:
+        """The router no longer holds these sessions: the loop forgets them here too (it
+        alone touches the engine)."""
+        if session_ids:
+            self.loop.to_forget.update(session_ids)
+            self.loop.wake.set()

@@ -82,6 +82,7 @@ class AdmissionLoop(Intake):
         self.handed_blocks = 0
         self.healthy = True
         self.aborts: list[str] = []
+        self.to_forget: set[str] = set()  # sessions the router no longer holds
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
@@ -411,6 +412,9 @@ class AdmissionLoop(Intake):
         if aborted:
             self.stats = self.executor.stats()
         self.sessions.expire(self.now())
+        if self.to_forget:
+            forget, self.to_forget = self.to_forget, set()
+            self.sessions.drop(forget, self.calls.sessions())
 
     def refresh_engine_view(self, all_sessions: bool = False) -> None:
         self.stats = self.executor.stats()

@@ -9,7 +9,9 @@ loop: everything below keyed by session id is keyed by chain.
 It carries out the reservation life cycle described in ``talaria.policies.reservations``
 (create on call end, consume on admission, expire, yield under memory pressure, unpin on a
 switch away, release on shutdown). All engine calls go through the executor, from the
-admission loop's task only.
+admission loop's task only. ``report`` keeps each session's entry of the state report as its
+KV map, reservation or model changes (``talaria.instance.session_report``); a session the
+router no longer holds is dropped here too (``drop``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import structlog
 from talaria.config import PolicyConfig
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.rates import RateBook
+from talaria.instance.session_report import SessionReport, TouchingDict
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.priority import Service
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.policies.ttl import continuum_ttl
-from talaria.protocol import CallRequest
+from talaria.protocol import CallRequest, SessionKV
 
 log = structlog.get_logger("talaria.sessions")
 
@@ -47,13 +50,16 @@ class SessionKeeper:
         self.rates = rates
         self.counters = counters
         self.gaps = GapPredictor(policy.default_gap_s, policy.gap_ewma_alpha)
-        self.reservations = ReservationBook()
-        self.kv_tokens: dict[str, tuple[int, int]] = {}  # session -> (device, host) tokens
+        self.report = SessionReport(self._entry)
+        self.reservations = ReservationBook(on_change=self.report.touch)
+        # session -> (device, host) tokens; a change marks the session's report entry
+        self.kv_tokens: dict[str, tuple[int, int]] = TouchingDict(self.report.touch)
         self.recent_waits: deque[float] = deque(maxlen=QUEUE_DELAY_WINDOW)
         for key in ("reservations", "reservations_consumed", "reservations_expired"):
             counters.setdefault(key, 0)
         counters.setdefault("reservations_yielded", 0)
         counters.setdefault("reservations_yielded_dropped", 0)
+        counters.setdefault("sessions_dropped", 0)
 
     def model_of(self, session_id: str) -> str | None:
         hist = self.gaps.get(session_id)
@@ -64,6 +70,7 @@ class SessionKeeper:
         hist = self.gaps.get(call.session_id)
         continuation = hist is not None and hist.calls > 0 and hist.model == call.model
         self.gaps.on_arrival(call.session_id, call.model, len(call.prompt_token_ids), now)
+        self.report.touch(call.session_id)  # its model may have changed
         return continuation
 
     def on_admit(self, session_id: str) -> None:
@@ -223,4 +230,36 @@ class SessionKeeper:
     def forget(self, session_id: str) -> None:
         self.gaps.forget(session_id)
         self.kv_tokens.pop(session_id, None)
+        self.report.touch(session_id)
         self.executor.forget_session(session_id)
+
+    def drop(self, session_ids: set[str], live_sessions: set[str]) -> None:
+        """Sessions the router no longer holds: forgotten here too, reservations released
+        first, unless a call of theirs is here (then they are current again)."""
+        for session_id in sorted(session_ids - live_sessions):
+            if self.gaps.get(session_id) is None and session_id not in self.reservations:
+                continue
+            res = self.reservations.pop(session_id)
+            if res is not None and res.pinned:
+                self.executor.unpin_session_kv(session_id)
+            self.forget(session_id)
+            self.counters["sessions_dropped"] += 1
+
+    def _entry(self, session_id: str) -> SessionKV | None:
+        """The session's entry in the state report: where its KV is and its reservation;
+        None for a session with neither."""
+        hist = self.gaps.get(session_id)
+        if hist is None:
+            return None
+        device, host = self.kv_tokens.get(session_id, (0, 0))
+        res = self.reservations.get(session_id)
+        if device == 0 and host == 0 and res is None:
+            return None
+        return SessionKV(
+            session_id=session_id,
+            model=hist.model,
+            device_tokens=device,
+            host_tokens=host,
+            reserved_until=res.expires if res is not None else None,
+            expected_return=res.expected_return if res is not None else None,
+        )

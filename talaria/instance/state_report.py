@@ -10,7 +10,7 @@ from talaria.instance.estimates import Estimator
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.policies.view import InstanceView
-from talaria.protocol import InstanceState, ModelState, SessionKV
+from talaria.protocol import InstanceState, ModelState
 
 __all__ = ["ReportSource", "build_state"]
 
@@ -42,6 +42,9 @@ class ReportSource(InstanceView, Protocol):
     @property
     def est(self) -> Estimator: ...
 
+    @property
+    def kv_capacity_tokens(self) -> dict[str, int]: ...
+
 
 def build_state(inst: ReportSource) -> InstanceState:
     """Assemble an InstanceState from the loop's bookkeeping (no engine call: safe while
@@ -71,22 +74,11 @@ def build_state(inst: ReportSource) -> InstanceState:
             switch_staged_s=rates.switch_staged_s.value,
             kv_restore_bytes_per_s=inst.rates.kv_offload_bytes_per_s.value,
             kv_bytes_per_token=int(round(inst.rates.kv_bytes_per_token[name])),
+            kv_capacity_tokens=inst.kv_capacity_tokens.get(name, 0),
         )
-    sessions: dict[str, SessionKV] = {}
+    report = inst.sessions.report
+    report.sync()  # only the sessions changed since the last report are recomputed
     book = inst.sessions.reservations
-    for session_id, hist in inst.sessions.gaps.sessions.items():
-        device, host = inst.sessions.kv_tokens.get(session_id, (0, 0))
-        res = book.get(session_id)
-        if device == 0 and host == 0 and res is None:
-            continue
-        sessions[session_id] = SessionKV(
-            session_id=session_id,
-            model=hist.model,
-            device_tokens=device,
-            host_tokens=host,
-            reserved_until=res.expires if res is not None else None,
-            expected_return=res.expected_return if res is not None else None,
-        )
     model = inst.active_model
     return InstanceState(
         instance_id=inst.instance_id,
@@ -94,7 +86,7 @@ def build_state(inst: ReportSource) -> InstanceState:
         healthy=inst.healthy,
         active_model=model,
         models=models,
-        sessions=sessions,
+        sessions=dict(report.entries),
         total_kv_blocks=inst.stats.num_total_blocks,
         free_kv_blocks=inst.stats.num_free_blocks,
         reserved_kv_blocks=book.pinned_blocks(model) if model is not None else 0,

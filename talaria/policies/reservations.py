@@ -19,6 +19,7 @@ switch then loses nothing and has nothing left to copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Reservation", "ReservationBook", "demotion_due", "yield_offload_pays"]
@@ -36,8 +37,12 @@ class Reservation:
 
 
 class ReservationBook:
-    def __init__(self) -> None:
+    """Live reservations by session; ``on_change(session_id)`` hears of each one added or
+    removed (the state report recomputes that session's entry)."""
+
+    def __init__(self, on_change: Callable[[str], None] | None = None) -> None:
         self._by_session: dict[str, Reservation] = {}
+        self._on_change = on_change
 
     def __len__(self) -> int:
         return len(self._by_session)
@@ -52,9 +57,14 @@ class ReservationBook:
         if reservation.session_id in self._by_session:
             raise ValueError(f"session {reservation.session_id!r} already has a reservation")
         self._by_session[reservation.session_id] = reservation
+        if self._on_change is not None:
+            self._on_change(reservation.session_id)
 
     def pop(self, session_id: str) -> Reservation | None:
-        return self._by_session.pop(session_id, None)
+        res = self._by_session.pop(session_id, None)
+        if res is not None and self._on_change is not None:
+            self._on_change(session_id)
+        return res
 
     def all(self) -> list[Reservation]:
         return list(self._by_session.values())

@@ -12,11 +12,49 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 __all__ = [
-    "MAX_ID_CHARS", "boolean", "check_keys", "integer", "int_list", "is_int", "is_number",
-    "number", "optional_text", "printable_id",
+    "MAX_ID_CHARS", "MAX_JSON_DEPTH", "DepthError", "boolean", "check_keys", "integer",
+    "int_list", "is_int", "is_number", "json_depth", "number", "optional_text", "printable_id",
 ]
 
 MAX_ID_CHARS = 1024  # call and session ids on the internal API (the router's bound is lower)
+MAX_JSON_DEPTH = 64  # a tool's JSON schema nests about 10; Python recurses 1000 deep
+_NAMED_LEVELS = 3  # how much of a too-deep value's path an error names
+
+
+class DepthError(ValueError):
+    """A JSON value nested too deep; ``path`` names where."""
+
+    def __init__(self, message: str, path: str | None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def json_depth(value: Any, where: str | None = None, limit: int = MAX_JSON_DEPTH) -> None:
+    """DepthError when ``value`` nests objects and arrays more than ``limit`` levels deep (its
+    own level is 1), naming the field (``where``, then up to three levels of the path in it).
+    Walked with a stack, not recursion: every recursive walk after it (a repr in an error
+    message, a template, orjson's 255 levels) then stays within its limits."""
+    if not isinstance(value, dict | list):
+        return
+    stack: list[tuple[Any, int, str | None]] = [(value, 1, where)]
+    while stack:
+        item, depth, path = stack.pop()
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in children:
+            if not isinstance(child, dict | list):
+                continue
+            named = _child_path(path, key) if depth <= _NAMED_LEVELS else path
+            if depth >= limit:
+                raise DepthError(
+                    f"{named or 'the request body'} is nested more than {limit} levels deep", named
+                )
+            stack.append((child, depth + 1, named))
+
+
+def _child_path(path: str | None, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{path or ''}[{key}]"
+    return f"{path}.{key}" if path else str(key)
 
 
 def is_int(value: Any) -> bool:
@@ -41,7 +79,7 @@ def printable_id(value: Any, name: str, max_chars: int = MAX_ID_CHARS) -> str:
         raise ValueError(rule)
     if len(value) > max_chars:
         raise ValueError(f"{rule}; it has {len(value)}")
-    if not all(" " <= ch <= "~" for ch in value):
+    if not (value.isascii() and value.isprintable()):  # for ASCII: exactly space to tilde
         raise ValueError(f"{rule} (no control or non-ASCII characters)")
     return value
 

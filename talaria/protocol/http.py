@@ -1,6 +1,9 @@
 """What both servers (the router's public API, the instance's internal API) do alike over HTTP:
-check a bearer key in constant time, read a body under a deadline, and notice a client that
-has gone away while its call waits for its next event."""
+check a bearer key in constant time (on the header's bytes as they came: a key that is not
+UTF-8 is a wrong key, never an error), read a body under a deadline, notice a client that
+has gone away while its call waits for its next event, and answer the requests aiohttp cannot
+parse (a header over its size limit, a bad request line) in JSON like every other error
+(:class:`JsonErrorRunner`)."""
 
 from __future__ import annotations
 
@@ -10,18 +13,33 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from talaria.protocol.errors import ApiError, unauthorized
 
-__all__ = ["bearer_matches", "client_gone", "key_middleware", "next_or_gone", "read_body"]
+__all__ = [
+    "JsonErrorRunner", "bearer_matches", "client_gone", "header_bytes", "key_matches",
+    "key_middleware", "next_or_gone", "read_body",
+]
 
 T = TypeVar("T")
+
+
+def header_bytes(value: str) -> bytes:
+    """A header value's bytes: aiohttp decodes headers as UTF-8 with ``surrogateescape``, so
+    bytes that are not UTF-8 arrive as lone surrogates, which a plain ``encode()`` refuses."""
+    return value.encode("utf-8", "surrogatepass")
+
+
+def key_matches(value: str, key: str) -> bool:
+    """Whether a header's ``value`` is ``key``, compared in constant time on bytes."""
+    return hmac.compare_digest(header_bytes(value), key.encode())
 
 
 def bearer_matches(request: web.Request, key: str) -> bool:
     """``Authorization: Bearer <key>``, compared in constant time."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return scheme.lower() == "bearer" and key_matches(token.strip(), key)
 
 
 def key_middleware(key: str, protects: Callable[[str], bool]) -> Any:
@@ -107,3 +125,37 @@ class _ClientWatch:
 
 
 _WATCH_KEY = web.RequestKey("talaria_client_watch", _ClientWatch)
+
+
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering its own errors in the APIs' JSON shape."""
+
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises once a reply began
+        if status >= 500:
+            text = "internal error"
+        else:
+            detail = getattr(exc, "message", None) or message or (str(exc) if exc else "")
+            text = f"the request cannot be parsed as HTTP: {detail}".rstrip(": ")
+        response = ApiError(status, text, code="bad_http_request" if status < 500 else None).response()
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class JsonErrorRunner(web.AppRunner):
+    """An AppRunner whose connections answer what never reaches the app (a request aiohttp
+    cannot parse: a header over 8190 bytes, a bad request line) with the JSON error body the
+    app's middleware gives everything else, not aiohttp's text/plain."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # the same server; only its handler class differs
+        return server

@@ -181,6 +181,9 @@ class ModelState:
     switch_staged_s: float = 0.0  # activation from the staging region (D2D)
     kv_restore_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
+    # The most tokens (prompt and output) one call of the model can hold in the instance's
+    # KV cache whenever it runs; 0: not reported.
+    kv_capacity_tokens: int = 0
 
 
 @dataclass
@@ -290,6 +293,7 @@ _MODEL_READERS: dict[str, _Reader] = {
     "switch_staged_s": _rate,
     "kv_restore_bytes_per_s": _rate,
     "kv_bytes_per_token": _count,
+    "kv_capacity_tokens": _count,
 }
 _SESSION_READERS: dict[str, _Reader] = {
     "device_tokens": _count,

@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,13 +60,17 @@ class ServeProcess:
         return "".join(self.stderr_lines[-60:])
 
 
-def launch_serve(cache: Path, config: Path | None = None) -> ServeProcess:
-    """Start `talaria serve --port 0` with its output collected (not waiting for it)."""
-    env = {**os.environ, "TALARIA_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "talaria.cli", "serve", "--port", "0"]
+def launch_serve(
+    cache: Path, config: Path | None = None, cwd: Path = REPO, env: dict[str, str] | None = None
+) -> ServeProcess:
+    """Start `talaria serve --port 0` with its output collected (not waiting for it); ``cwd``
+    and ``env`` (added to this process's) as given. The serve process itself runs with
+    ``-P``, as the ``talaria`` script does (its directory, not ``cwd``, on its path)."""
+    env = {**os.environ, "TALARIA_CACHE": str(cache), "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, "-P", "-m", "talaria.cli", "serve", "--port", "0"]
     if config is not None:
         cmd += ["--config", str(config)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     serve = ServeProcess(proc)
     assert proc.stderr is not None and proc.stdout is not None
@@ -75,10 +80,10 @@ def launch_serve(cache: Path, config: Path | None = None) -> ServeProcess:
 
 
 def start_serve(
-    cache: Path, config: Path | None = None, timeout_s: float = 180.0
+    cache: Path, config: Path | None = None, timeout_s: float = 180.0, **launch: Any
 ) -> ServeProcess:
     """Start `talaria serve` and wait until its router and every instance are ready."""
-    serve = launch_serve(cache, config)
+    serve = launch_serve(cache, config, **launch)
     proc, lines = serve.proc, serve.stdout_lines
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -234,6 +234,14 @@ async def test_bad_requests_get_clear_json_errors_and_leak_nothing(
         (orjson.dumps({**good, "params": {**good["params"], "temperature": -1}}), 400, "temperature"),
         (orjson.dumps({**good, "params": {**good["params"], "max_tokens": 0}}), 400, "max_tokens"),
         (orjson.dumps({**good, "params": {"beam_width": 4}}), 400, "beam_width"),
+        # Within the context (4096) but beyond the KV cache (128 blocks of 16): it would be
+        # accepted and then failed by the admission loop.
+        (orjson.dumps({**good, "params": {**good["params"], "max_tokens": 2100}}), 400,
+         f"the KV cache of instance 'e2e' holds {NUM_BLOCKS * BLOCK} tokens"),
+        # 1020 levels (orjson reads up to 1024): the seed's error message was a RecursionError
+        (orjson.dumps({**good, "params": {"seed": 0}}).replace(
+            b'"seed":0', b'"seed":' + b"[" * 1020 + b"0" + b"]" * 1020), 400,
+         "params.seed[0] is nested more than 64 levels deep"),
     ]
     for body, status, needle in cases:
         got, data = await post_raw(server, body)
@@ -245,6 +253,7 @@ async def test_bad_requests_get_clear_json_errors_and_leak_nothing(
             assert r.status == 404 and "error" in orjson.loads(await r.read())
     state = await wait_idle(app, server)
     assert state.models[LLAMA].queued_calls == 0 and state.switches == 0
+    assert state.models[LLAMA].kv_capacity_tokens == NUM_BLOCKS * BLOCK
     # Still serving after all that.
     client = HttpInstanceClient("e2e", str(server.make_url("/")))
     try:

@@ -1,9 +1,12 @@
 """A randomized state machine (hypothesis) over an instance on the real multi-model engine (two
 tiny models, CPU): calls submitted for either model (so the loop switches models, offloads the
 outgoing model's KV to host and restores it when a session returns), calls aborted by their
-client, clients that leave while their call waits, and time passing (reservations expire).
+client, clients that leave while their call waits, sessions the router lets go, and time
+passing (reservations expire).
 
-After every step the admission loop is alive and healthy. At the end every call has ended
+After every step the admission loop is alive and healthy, and the state report's sessions,
+kept as they change and sent as deltas, are what a rebuild from the session books gives (as
+the report was built before it was kept incrementally). At the end every call has ended
 with exactly one terminal event, no KV block is left referenced once the instance stops, and
 the host KV store's byte count equals the sum of what it holds, within its capacity."""
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -22,7 +26,8 @@ from engine.sampling_params import SamplingParams
 from talaria.config import PolicyConfig
 from talaria.instance.admission import Instance
 from talaria.instance.calls import CallHandle
-from talaria.protocol import CallEvent, CallRequest
+from talaria.protocol import CallEvent, CallRequest, SessionKV
+from talaria.protocol.state_delta import SessionsCursor, encode_report
 
 MODELS = [LLAMA, QWEN]
 
@@ -43,6 +48,7 @@ class InstanceMachine(RuleBasedStateMachine):
         self.events: dict[str, list[CallEvent]] = {}
         self.collectors: list[asyncio.Task[None]] = []
         self.n = 0
+        self.cursor = SessionsCursor()  # a router's copy of the sessions, by deltas
 
     @initialize()
     def one_session_per_model(self) -> None:
@@ -90,11 +96,27 @@ class InstanceMachine(RuleBasedStateMachine):
     def time_passes(self, seconds: float) -> None:
         self.loop.run_until_complete(asyncio.sleep(seconds))
 
+    @rule(model=st.sampled_from(MODELS), session=st.integers(0, 2))
+    def router_lets_go(self, model: str, session: int) -> None:
+        """The router dropped the session: the instance forgets it (unless a call of it is
+        here), its reservation released."""
+        self.inst.forget_sessions([f"s{session}-{model}"])
+        self.prompts.pop(f"s{session}-{model}", None)
+        self.loop.run_until_complete(asyncio.sleep(0.01))
+
     @invariant()
     def loop_alive(self) -> None:
         task = self.inst._task
         assert task is not None and not task.done()
         assert self.inst.healthy and self.inst.counters["engine_faults"] == 0
+
+    @invariant()
+    def report_is_the_books(self) -> None:
+        state = self.inst.state()
+        assert state.sessions == rebuilt(self.inst)
+        delta = self.inst.sessions.report.since(self.cursor.epoch, self.cursor.version)
+        polled = self.cursor.apply(orjson.loads(encode_report(state, delta)))
+        assert polled.sessions == state.sessions
 
     def teardown(self) -> None:
         try:
@@ -121,6 +143,21 @@ class InstanceMachine(RuleBasedStateMachine):
         finally:
             self.engine.shutdown()
             self.loop.close()
+
+
+def rebuilt(inst: Instance) -> dict[str, SessionKV]:
+    """The report's sessions rebuilt from the books: every session with KV here or a
+    reservation."""
+    books = inst.sessions
+    out: dict[str, SessionKV] = {}
+    for session_id, hist in books.gaps.sessions.items():
+        kv = books.kv_tokens.get(session_id, (0, 0))
+        res = books.reservations.get(session_id)
+        if kv != (0, 0) or res is not None:
+            out[session_id] = SessionKV(session_id, hist.model, *kv,
+                                        None if res is None else res.expires,
+                                        None if res is None else res.expected_return)
+    return out
 
 
 @pytest.fixture

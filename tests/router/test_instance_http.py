@@ -88,6 +88,7 @@ def fake_instance_app(mode: dict[str, str], model: str = "m") -> web.Application
     app.router.add_post("/internal/v1/calls", calls)
     app.router.add_post("/internal/v1/calls/{call_id}/abort", abort)
     app.router.add_get("/internal/v1/state", state)
+    app.router.add_post("/internal/v1/state", state)  # the router polls by POST
     app.router.add_get("/health", health)
     return app
 
@@ -173,6 +174,7 @@ def held_streams_app(release: asyncio.Event, opened: list[str]) -> web.Applicati
     app = web.Application()
     app.router.add_post("/internal/v1/calls", calls)
     app.router.add_get("/internal/v1/state", state)
+    app.router.add_post("/internal/v1/state", state)  # the router polls by POST
     app.router.add_post("/internal/v1/calls/{call_id}/abort", abort)
     app.router.add_get("/health", lambda _r: web.json_response({"status": "ok"}))  # type: ignore[arg-type, return-value]
     return app
@@ -263,6 +265,7 @@ async def test_a_bad_state_is_a_failed_poll_and_a_state_naming_another_instance_
 
     app = web.Application()
     app.router.add_get("/internal/v1/state", state)
+    app.router.add_post("/internal/v1/state", state)  # the router polls by POST
     async with TestServer(app) as server:
         client = HttpInstanceClient("i0", str(server.make_url("/")))
         core = RouterCore({"i0": client}, "load", refresh_after_call=False)

@@ -196,6 +196,7 @@ def skewed_instance(lines: list[bytes]) -> web.Application:
     app = web.Application()
     app.router.add_post("/internal/v1/calls", calls)
     app.router.add_get("/internal/v1/state", state)
+    app.router.add_post("/internal/v1/state", state)  # the router polls by POST
     app.router.add_post("/internal/v1/calls/{call_id}/abort", state)
     return app
 
