@@ -1,13 +1,15 @@
 """How many more calls a coding-agent session is expected to make, from how many it has made.
 
 A prior on the number of calls per session (its quantiles), fixed once for all traces: the
-SWE-bench Claude Code sessions of the shared real trace (179 sessions; the same table as
-``workloads/data/swe_calibration.json``'s ``calls_per_session``, repeated here because policies
-must not read ``workloads``). Between two quantiles the number of calls is linear in the
-quantile, so the expected residual is exact for that piecewise-linear distribution.
+SWE-bench Claude Code sessions of the real trace's development half (83 sessions,
+``workloads.trace_split``; the report half, which the benchmark's headline shows, is not in
+it). Policies must not read ``workloads``, so the table is written here and a test
+(``tests/policies/test_session_length.py``) holds it equal to the trace's. Between two
+quantiles the number of calls is linear in the quantile, so the expected residual is exact
+for that piecewise-linear distribution.
 
 The prior's mean residual life falls as a session goes on: a fresh session is expected to make
-about 43 more calls, one that has made 40 about 27, one that has made 100 about 16. A session
+about 42 more calls, one that has made 40 about 25, one that has made 100 about 9. A session
 that has made more calls is nearer its end, so "fewest expected remaining calls first" is the
 shortest-expected-remaining-work rule on this distribution, and it serves the most advanced
 sessions first: the opposite of least-attained-service, which is right only when the
@@ -22,16 +24,16 @@ from functools import lru_cache
 
 __all__ = ["SWE_AGENT_CALLS", "SessionLengthPrior", "swe_agent_prior"]
 
-# Calls per session at percentiles 0, 1, ..., 100 (179 real SWE-bench agent sessions).
+# Calls per session at percentiles 0, 1, ..., 100 (the real trace's development half).
 SWE_AGENT_CALLS: tuple[float, ...] = (
-    2.0, 2.78, 3.0, 3.34, 6.0, 6.0, 8.0, 9.0, 9.24, 10.04, 12.8, 13.58, 14.0, 14.0, 14.92,
-    15.0, 16.0, 16.0, 16.0, 16.82, 18.0, 18.38, 19.0, 19.0, 19.0, 19.5, 20.0, 20.06, 21.0,
-    21.62, 22.0, 22.18, 23.96, 25.0, 25.52, 26.0, 26.08, 27.0, 27.0, 28.0, 28.2, 29.0, 30.0,
-    30.54, 31.32, 32.1, 33.88, 34.0, 34.44, 36.22, 38.0, 38.0, 39.68, 41.0, 42.0, 42.0, 43.0,
-    43.46, 44.0, 44.02, 45.0, 46.0, 46.72, 48.14, 49.92, 52.0, 52.48, 53.26, 54.0, 54.82,
-    55.0, 56.0, 58.0, 58.0, 59.72, 60.0, 61.28, 62.0, 62.0, 64.0, 64.4, 65.18, 66.0, 66.74,
-    67.0, 69.0, 69.08, 70.86, 75.84, 82.84, 85.4, 87.98, 90.0, 94.16, 99.64, 104.7, 111.88,
-    113.32, 119.88, 124.64, 145.0,
+    2.0, 2.0, 3.28, 4.92, 6.0, 6.2, 7.84, 8.74, 9.0, 9.38, 10.6, 13.02, 13.84, 14.0, 14.0,
+    14.0, 14.12, 14.94, 15.76, 16.0, 16.4, 17.44, 19.0, 19.0, 19.68, 20.0, 20.32, 21.0, 21.0,
+    22.56, 23.6, 24.42, 25.24, 26.06, 26.88, 27.0, 27.52, 28.34, 29.16, 29.98, 31.6, 32.0,
+    32.44, 33.26, 34.0, 34.0, 34.72, 35.54, 36.72, 38.0, 38.0, 40.46, 41.0, 41.46, 42.28, 43.1,
+    43.92, 44.0, 44.0, 44.38, 45.6, 48.02, 48.84, 49.66, 50.96, 52.0, 52.36, 54.82, 55.0, 55.0,
+    55.4, 56.88, 60.08, 61.72, 62.0, 62.0, 62.64, 64.0, 64.0, 64.78, 65.0, 65.42, 66.24, 67.12,
+    68.76, 69.0, 69.0, 69.68, 71.16, 71.98, 81.6, 84.62, 85.88, 87.78, 90.16, 91.8, 97.04,
+    101.7, 106.52, 112.98, 122.0,
 )
 
 
