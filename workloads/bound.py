@@ -48,7 +48,7 @@ from substrate.devices import server_preset
 from talaria.clock import VIRTUAL_CLOCK_RESOLUTION_S
 from workloads.call_work import WorkModel, call_shapes, critical_seconds
 from workloads.cluster import ClusterSpec
-from workloads.report import percentile
+from workloads.suite_stats import percentile
 from workloads.trace import Session
 
 __all__ = ["GRID", "LowerBound", "SessionBound", "lower_bound", "pooled_bound", "session_bounds"]

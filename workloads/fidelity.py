@@ -31,7 +31,7 @@ from workloads.cluster import ClusterSpec, ClusterTotals
 from workloads.live import run_live_replay, scale_sessions
 from workloads.live_serve import COUNTER_GAUGES, instance_counters, running_serve
 from workloads.replay import ReplayResult, run_sim
-from workloads.report import percentile
+from workloads.suite_stats import percentile
 from workloads.systems import system
 from workloads.trace import Session
 

@@ -293,7 +293,9 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
              "no_staging": args.no_staging, "sleep_efficiency": args.sleep_efficiency,
              "aegaeon_fixed_s": args.aegaeon_fixed_s,
              "settings": source}
-    bench = benchmark(results, lower, best, setup, ideal=ideal,
+    from workloads.bound import lower_bound
+
+    bench = benchmark(results, lower, best, setup, ideal=ideal, bound=lower_bound(sessions, spec),
                       settings={**{s.name: s.setting for s in systems}, "ideal": ideal_setting})
     print(format_table(bench))
     print()

@@ -4,8 +4,11 @@ Per policy: the setting it ran at; SCT p50 / p95 / mean; per-call TTFT p50 / p95
 switches; prompt tokens recomputed (KV an earlier call of the session had computed, prefilled
 again) vs restored from host vs served from the device prefix cache; speedups of p50 and p95
 SCT against the baseline (and against the baseline at its best slot quantum, when a quantum
-sweep ran); p50 and p95 as multiples of both bounds (``ideal``, ``isolated``); and where each
-session's time went (``workloads.breakdown``), mean per session, overall and per model.
+sweep ran); p50 and p95 as multiples of the lower bound (``workloads.bound``: a proof that no
+schedule does better) and of ``isolated`` (each session alone); the oracle schedule (the best
+of a family of heuristic schedules on an idealised machine, ``workloads.ideal``) as a row; and
+where each session's time went (``workloads.breakdown``), mean per session, overall and per
+model.
 Percentiles interpolate linearly between order statistics.
 """
 
@@ -19,13 +22,14 @@ from typing import Any
 
 import orjson
 
+from workloads.bound import LowerBound
 from workloads.breakdown import PARTS, session_parts
 from workloads.replay import ReplayResult
+from workloads.suite_stats import percentile
 
 __all__ = [
     "PolicyStats",
     "Benchmark",
-    "percentile",
     "own_durations",
     "summarize",
     "format_table",
@@ -35,20 +39,7 @@ __all__ = [
 ]
 
 BASELINE = "baseline"
-IDEAL_ROW = "ideal"
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear between order statistics."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    pos = q / 100 * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+IDEAL_ROW = "oracle"
 
 
 @dataclass
@@ -73,10 +64,11 @@ class PolicyStats:
     speedup_p95: float | None = None
     speedup_p50_best_q: float | None = None  # best-quantum baseline p50 / this p50
     speedup_p95_best_q: float | None = None
-    p50_over_lower_bound: float | None = None
-    p95_over_lower_bound: float | None = None
-    p50_over_ideal: float | None = None
-    p95_over_ideal: float | None = None
+    p50_over_bound: float | None = None
+    p95_over_bound: float | None = None
+    mean_over_bound: float | None = None
+    p50_over_isolated: float | None = None
+    p95_over_isolated: float | None = None
     counters: dict[str, int] = field(default_factory=dict)
     setting: dict[str, Any] = field(default_factory=dict)
     breakdown: dict[str, float] = field(default_factory=dict)  # mean seconds per session
@@ -138,24 +130,25 @@ def summarize(
 
 @dataclass
 class Benchmark:
-    """Every policy's stats, the two bounds, and (after a quantum sweep) the baseline's
-    best quantum for p50 and for p95."""
+    """Every policy's stats, the isolated row, the oracle schedule's row, the lower bound, and
+    (after a quantum sweep) the baseline's best quantum for p50 and for p95."""
 
     policies: dict[str, PolicyStats]
-    lower_bound: PolicyStats | None = None
+    isolated: PolicyStats | None = None
     best_quantum: dict[str, Any] = field(default_factory=dict)  # {"p50": (q, s), "p95": ...}
     setup: dict[str, Any] = field(default_factory=dict)
     ideal: PolicyStats | None = None
+    bound: LowerBound | None = None
 
     def __post_init__(self) -> None:
         self.relate()
 
     def relate(self) -> None:
         base = self.policies.get(BASELINE)
-        lb = self.lower_bound
+        iso = self.isolated
         best50 = self.best_quantum.get("p50")
         best95 = self.best_quantum.get("p95")
-        bounds = [b for b in (self.ideal, lb) if b is not None]
+        bounds = [b for b in (self.ideal, iso) if b is not None]
         for st in [*self.policies.values(), *bounds]:
             if base is not None:
                 st.speedup_p50 = _ratio(base.sct_p50_s, st.sct_p50_s)
@@ -164,24 +157,27 @@ class Benchmark:
                 st.speedup_p50_best_q = _ratio(best50[1], st.sct_p50_s)
             if best95 is not None:
                 st.speedup_p95_best_q = _ratio(best95[1], st.sct_p95_s)
-            if lb is not None:
-                st.p50_over_lower_bound = _ratio(st.sct_p50_s, lb.sct_p50_s)
-                st.p95_over_lower_bound = _ratio(st.sct_p95_s, lb.sct_p95_s)
-            if self.ideal is not None:
-                st.p50_over_ideal = _ratio(st.sct_p50_s, self.ideal.sct_p50_s)
-                st.p95_over_ideal = _ratio(st.sct_p95_s, self.ideal.sct_p95_s)
+            if iso is not None:
+                st.p50_over_isolated = _ratio(st.sct_p50_s, iso.sct_p50_s)
+                st.p95_over_isolated = _ratio(st.sct_p95_s, iso.sct_p95_s)
+            if self.bound is not None:
+                st.p50_over_bound = _ratio(st.sct_p50_s, self.bound.sct_p50_s)
+                st.p95_over_bound = _ratio(st.sct_p95_s, self.bound.sct_p95_s)
+                st.mean_over_bound = _ratio(st.sct_mean_s, self.bound.sct_mean_s)
 
 
 def benchmark(
-    results: Sequence[ReplayResult], lower_bound: ReplayResult | None = None,
+    results: Sequence[ReplayResult], isolated: ReplayResult | None = None,
     best_quantum: Mapping[str, Any] | None = None, setup: Mapping[str, Any] | None = None,
     ideal: Mapping[str, ReplayResult] | None = None,
     settings: Mapping[str, Mapping[str, Any]] | None = None,
+    bound: LowerBound | None = None,
 ) -> Benchmark:
-    """``settings``: the setting each policy ran at (printed beside it; for the ideal, by
-    percentile). ``ideal``: the ideal bound's run that bounds p50 (``"p50"``) and the one
-    that bounds p95 (``"p95"``; the same run when one is best at both)."""
-    own = own_durations(lower_bound) if lower_bound is not None else None
+    """``settings``: the setting each policy ran at (printed beside it; for the oracle, by
+    percentile). ``ideal``: the oracle schedule's run best at p50 (``"p50"``) and the one
+    best at p95 (``"p95"``; the same run when one is best at both). ``bound``: the lower
+    bound (``workloads.bound``)."""
+    own = own_durations(isolated) if isolated is not None else None
     settings = settings or {}
     ideal_stats = None
     if ideal:
@@ -190,10 +186,11 @@ def benchmark(
         ideal_stats.sct_p95_s = percentile([s.sct_s for s in ideal["p95"].sessions], 95)
     return Benchmark(
         {r.policy: summarize(r, own, settings.get(r.policy)) for r in results},
-        summarize(lower_bound, is_isolated=True) if lower_bound is not None else None,
+        summarize(isolated, is_isolated=True) if isolated is not None else None,
         dict(best_quantum or {}),
         dict(setup or {}),
         ideal_stats,
+        bound,
     )
 
 
@@ -236,7 +233,7 @@ def _layout(rows: list[list[str]]) -> list[str]:
 
 def _all_rows(bench: Benchmark) -> list[tuple[PolicyStats, bool]]:
     rows = [(st, False) for st in bench.policies.values()]
-    rows += [(b, True) for b in (bench.ideal, bench.lower_bound) if b is not None]
+    rows += [(b, True) for b in (bench.ideal, bench.isolated) if b is not None]
     return rows
 
 
@@ -246,7 +243,7 @@ def format_table(bench: Benchmark) -> str:
     head = ["policy", "setting", "SCT p50", "SCT p95", "x p50", "x p95"]
     if has_best:
         head += ["x p50 bq", "x p95 bq"]
-    head += ["p50/ideal", "p95/ideal", "p50/iso", "p95/iso", "TTFT p50", "switch", "recomp",
+    head += ["p50/bound", "p95/bound", "p50/iso", "p95/iso", "TTFT p50", "switch", "recomp",
              "restored", "dev-hit", "fail"]
     rows = [head]
     for st, bound in _all_rows(bench):
@@ -256,16 +253,25 @@ def format_table(bench: Benchmark) -> str:
         if has_best:
             r += ["" if bound else _fmt(st.speedup_p50_best_q, ".2f"),
                   "" if bound else _fmt(st.speedup_p95_best_q, ".2f")]
-        r += [_fmt(st.p50_over_ideal, ".2f"), _fmt(st.p95_over_ideal, ".2f"),
-              _fmt(st.p50_over_lower_bound, ".2f"), _fmt(st.p95_over_lower_bound, ".2f"),
+        r += [_fmt(st.p50_over_bound, ".2f"), _fmt(st.p95_over_bound, ".2f"),
+              _fmt(st.p50_over_isolated, ".2f"), _fmt(st.p95_over_isolated, ".2f"),
               _fmt(st.ttft_p50_s, ".2f"), _fmt(st.switches, "d"), _tokens(st.tokens_recomputed),
               _tokens(st.tokens_restored), _tokens(st.tokens_device_cached), str(st.failed_calls)]
         rows.append(r)
+    if bench.bound is not None:
+        b = bench.bound
+        rows.append(["lower bound", f"{b.binding['p50']}|{b.binding['p95']}",
+                     _fmt(b.sct_p50_s, ".1f"), _fmt(b.sct_p95_s, ".1f"), "", "",
+                     *([""] * (2 if has_best else 0)), "1.00", "1.00",
+                     _fmt(_ratio(b.sct_p50_s, bench.isolated.sct_p50_s) if bench.isolated else None, ".2f"),
+                     _fmt(_ratio(b.sct_p95_s, bench.isolated.sct_p95_s) if bench.isolated else None, ".2f"),
+                     "", "", "", "", "", ""])
     notes = [
         "SCT/TTFT in seconds; setting: slot-closing rule / quantum the row ran at (empty: "
         "close when its queue is empty; drained: and none of its calls in flight; quantum: "
-        "only at the quantum); x p50/x p95: speedup vs baseline; p50/ideal, p95/iso...: "
-        "multiples of the bounds; switch: model switches (first loads not counted); recomp: "
+        "only at the quantum); x p50/x p95: speedup vs baseline; p50/bound, p95/iso...: "
+        "multiples of the lower bound and of isolated; switch: model switches (first loads not "
+        "counted); recomp: "
         "prompt tokens recomputed though an earlier call had their KV; restored: from host "
         "KV; dev-hit: from the device prefix cache",
     ]
@@ -273,34 +279,41 @@ def format_table(bench: Benchmark) -> str:
         q50, q95 = bench.best_quantum["p50"][0], bench.best_quantum["p95"][0]
         notes.append(f"bq: vs the baseline at its best slot quantum ({q50:g} s for p50, "
                      f"{q95:g} s for p95)")
+    if bench.bound is not None:
+        notes.append("lower bound: no schedule under the simulator's physics does better "
+                     "(workloads.bound; setting: what binds p50|p95, each session's critical "
+                     "path or the server's capacity)")
     if bench.ideal is not None:
         family = (bench.ideal.setting or {}).get("family")
         of = f" of {family}" if family else ""
-        notes.append("ideal: every model resident, free switches and KV, GPU steps "
-                     "time-shared between models, perfect batching within each; the best "
-                     f"of its schedules{of} per percentile (setting: the one bounding "
-                     "p50|p95): an estimate of the capacity bound from a finite family of "
-                     "schedules, not a proof")
-    if bench.lower_bound is not None:
+        notes.append("oracle: an oracle schedule, not a bound: every model resident with "
+                     "unlimited KV, free switches, GPU steps time-shared between models, "
+                     f"perfect batching within each; the best of its schedules{of} per "
+                     "percentile (setting: the one best at p50|p95)")
+    if bench.isolated is not None:
         notes.append("isolated: each session alone, its model resident, no contention")
     below = below_bounds(bench)
     if below:
-        notes.append("!! below a bound (the bound is then not one; see workloads/ideal.py): "
+        notes.append("!! below a bound (the bound is then not one; see workloads/bound.py): "
                      + "; ".join(below))
     return "\n".join(_layout(rows) + [""] + notes)
 
 
 def below_bounds(bench: Benchmark) -> list[str]:
-    """Rows whose p50 or p95 beats ``ideal`` or ``isolated`` (more than rounding)."""
+    """Rows whose p50, p95 or mean beats the lower bound or the isolated row (more than
+    rounding): a defect of the bound's proof or of the simulator."""
     out = []
-    for st in bench.policies.values():
-        for bound in (bench.ideal, bench.lower_bound):
+    for st in [*bench.policies.values(), *([bench.ideal] if bench.ideal else [])]:
+        for name, bound in (("lower bound", bench.bound), ("isolated", bench.isolated)):
             if bound is None:
                 continue
             for q, mine, theirs in (("p50", st.sct_p50_s, bound.sct_p50_s),
-                                    ("p95", st.sct_p95_s, bound.sct_p95_s)):
+                                    ("p95", st.sct_p95_s, bound.sct_p95_s),
+                                    ("mean", st.sct_mean_s, bound.sct_mean_s)):
+                if name == "isolated" and q == "mean":
+                    continue
                 if mine < theirs * (1 - 1e-6):
-                    out.append(f"{st.name} {q} {mine:.1f} < {bound.name} {theirs:.1f}")
+                    out.append(f"{st.name} {q} {mine:.1f} < {name} {theirs:.1f}")
     return out
 
 
@@ -328,9 +341,9 @@ def format_breakdown(bench: Benchmark) -> str:
 _KEYS = ("sessions", "calls", "failed_calls", "sct_p50_s", "sct_p95_s", "sct_mean_s",
          "ttft_p50_s", "ttft_p95_s", "makespan_s", "switches", "tokens_prefilled",
          "tokens_recomputed", "tokens_restored", "tokens_device_cached", "speedup_p50",
-         "speedup_p95", "speedup_p50_best_q", "speedup_p95_best_q", "p50_over_lower_bound",
-         "p95_over_lower_bound", "p50_over_ideal", "p95_over_ideal", "wall_s", "counters",
-         "setting")
+         "speedup_p95", "speedup_p50_best_q", "speedup_p95_best_q", "p50_over_bound",
+         "p95_over_bound", "mean_over_bound", "p50_over_isolated", "p95_over_isolated", "wall_s",
+         "counters", "setting")
 
 
 def _stats_dict(st: PolicyStats) -> dict[str, Any]:
@@ -342,12 +355,18 @@ def _stats_dict(st: PolicyStats) -> dict[str, Any]:
     return out
 
 
+def _bound_dict(b: LowerBound) -> dict[str, Any]:
+    return {"sct_p50_s": b.sct_p50_s, "sct_p95_s": b.sct_p95_s, "sct_mean_s": b.sct_mean_s,
+            "binding": dict(b.binding)}
+
+
 def to_json(bench: Benchmark, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {
         "setup": bench.setup,
         "policies": {name: _stats_dict(st) for name, st in bench.policies.items()},
-        "lower_bound": _stats_dict(bench.lower_bound) if bench.lower_bound else None,
-        "ideal": _stats_dict(bench.ideal) if bench.ideal else None,
+        "lower_bound": _bound_dict(bench.bound) if bench.bound else None,
+        "isolated": _stats_dict(bench.isolated) if bench.isolated else None,
+        "oracle": _stats_dict(bench.ideal) if bench.ideal else None,
     }
     if bench.best_quantum:
         data["baseline_best_quantum"] = {

@@ -56,7 +56,7 @@ def plot_breakdown(bench: Benchmark, path: str | Path) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
-    rows = [st for st in [*bench.policies.values(), bench.ideal, bench.lower_bound]
+    rows = [st for st in [*bench.policies.values(), bench.ideal, bench.isolated]
             if st is not None and st.breakdown]
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     names = [st.name for st in rows]

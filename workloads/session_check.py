@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from workloads.cluster import ClusterSpec
 from workloads.replay import ReplayResult, SessionResult, run_sim
-from workloads.report import percentile
+from workloads.suite_stats import percentile
 from workloads.systems import SystemConfig
 from workloads.trace import Session
 

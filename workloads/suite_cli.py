@@ -35,10 +35,10 @@ _SIZES = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=("full", "quick", "off"), default="full",
-                   help="the scenario suite after the default trace's table (default full: "
+    p.add_argument("--suite", choices=("full", "quick", "off"), default="quick",
+                   help="the scenario suite after the default trace's table (full: "
                    "every trace x burst and Poisson at 0.25-1.0 of saturation x 1 and 4 "
-                   "servers; quick: loads 0.5 and 1.0, 60 sessions a scenario)")
+                   "servers; quick, the default: loads 0.5 and 1.0, 60 sessions a scenario)")
     p.add_argument("--tune-suite", action="store_true",
                    help="first tune the baseline and every peer in every scenario of the "
                    "suite, per figure (writes workloads/data/suite_settings.json)")

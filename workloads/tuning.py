@@ -30,7 +30,7 @@ from talaria.instance.device import DeviceSchedule
 from workloads.cluster import ClusterSpec
 from workloads.ideal import ideal_schedules
 from workloads.replay import ReplayResult
-from workloads.report import percentile
+from workloads.suite_stats import percentile
 from workloads.sweep import Job, run_many
 from workloads.systems import PREEMPT_QUANTA, ROUND_QUANTA, SystemConfig
 from workloads.trace import Session

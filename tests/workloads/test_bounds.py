@@ -24,7 +24,8 @@ from workloads.cluster import ClusterSpec
 from workloads.ideal import ideal_schedules, run_ideal
 from workloads.lower_bound import run_isolated, simulate_isolated
 from workloads.replay import ReplayResult, run_sim
-from workloads.report import own_durations, percentile, summarize
+from workloads.report import own_durations, summarize
+from workloads.suite_stats import percentile
 from workloads.systems import SYSTEMS, SystemConfig
 from workloads.trace import Call, Session
 
@@ -215,7 +216,10 @@ def test_the_report_flags_a_row_below_a_bound() -> None:
     def stats(name: str, p50: float, p95: float) -> PolicyStats:
         return PolicyStats(name, 1, 1, 0, p50, p95, p50, 0.0, 0.0, p95, 0, 0, 0, 0, 0, 0.0)
 
+    bound = LowerBound(260.0, 700.0, 200.0, {"p50": "capacity", "p95": "critical path",
+                                             "mean": "capacity"}, [260.0])
     bench = Benchmark({"good": stats("good", 300.0, 800.0), "odd": stats("odd", 250.0, 800.0)},
-                      stats("isolated", 175.0, 541.0), {}, {}, stats("ideal", 276.0, 702.0))
-    assert below_bounds(bench) == ["odd p50 250.0 < ideal 276.0"]
+                      stats("isolated", 175.0, 541.0), {}, {}, stats("oracle", 276.0, 702.0),
+                      bound)
+    assert below_bounds(bench) == ["odd p50 250.0 < lower bound 260.0"]
     assert "!! below a bound" in format_table(bench)

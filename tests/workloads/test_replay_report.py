@@ -6,8 +6,10 @@ import orjson
 import pytest
 
 from talaria.config import PolicyConfig
+from workloads.bound import LowerBound
 from workloads.replay import CallRecord, ReplayResult, SessionResult
-from workloads.report import benchmark, format_table, percentile, summarize, to_json
+from workloads.report import benchmark, format_table, summarize, to_json
+from workloads.suite_stats import percentile
 from workloads.sweep import LoadPoint, SweepResult, best_quantum, poisson_arrivals
 from workloads.sweep_report import format_sweep, regime_summary, sweep_json
 from workloads.systems import (
@@ -59,19 +61,27 @@ def test_speedups_lower_bound_and_best_quantum() -> None:
     base = _result("baseline", [100.0, 200.0, 400.0])
     fast = _result("talaria", [25.0, 50.0, 100.0])
     lower = _result("isolated", [10.0, 20.0, 30.0])
-    bench = benchmark([base, fast], lower, {"p50": (10.0, 150.0), "p95": (20.0, 300.0)})
+    bound = LowerBound(15.0, 25.0, 18.0, {"p50": "critical path", "p95": "capacity",
+                                          "mean": "capacity"}, [10.0, 15.0, 30.0])
+    bench = benchmark([base, fast], lower, {"p50": (10.0, 150.0), "p95": (20.0, 300.0)},
+                      bound=bound)
     t = bench.policies["talaria"]
     assert t.speedup_p50 == pytest.approx(4.0)
     assert t.speedup_p95 == pytest.approx(
         percentile([100, 200, 400], 95) / percentile([25, 50, 100], 95))
     assert t.speedup_p50_best_q == pytest.approx(3.0)
-    assert t.p50_over_lower_bound == pytest.approx(2.5)
+    assert t.p50_over_isolated == pytest.approx(2.5)
+    assert t.p50_over_bound == pytest.approx(50.0 / 15.0)
+    assert t.mean_over_bound == pytest.approx((175.0 / 3) / 18.0)
     table = format_table(bench)
     assert "talaria" in table and "isolated" in table and "x p50 bq" in table
+    assert "lower bound" in table and "critical path|capacity" in table
     data = orjson.loads(orjson.dumps(to_json(bench)))
     assert data["policies"]["talaria"]["sct_p50_s"] == 50.0
     assert data["policies"]["baseline"]["speedup_p50"] == 1.0
-    assert data["lower_bound"]["sct_p50_s"] == 20.0
+    assert data["isolated"]["sct_p50_s"] == 20.0
+    assert data["lower_bound"] == {"sct_p50_s": 15.0, "sct_p95_s": 25.0, "sct_mean_s": 18.0,
+                                   "binding": bound.binding}
     assert data["baseline_best_quantum"]["p50"] == {"slot_quantum_s": 10.0, "sct_s": 150.0}
 
 
