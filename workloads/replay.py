@@ -314,6 +314,7 @@ class SimTarget:
 
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
         loop = asyncio.get_running_loop()
+        request.step_events = False  # collect_outcome reads the first token and the finish
         for _ in range(MAX_OVERLOAD_RETRIES):
             try:
                 async with contextlib.aclosing(self.router.submit(request)) as events:
