@@ -116,7 +116,7 @@ class KnownChains:
         full = len(prompt) // bs * bs
         if not session_id:  # nothing to reuse, and no session to remember it for
             return PromptHashes(block_hashes(prompt[:full], bs))
-        tokens = memoryview(array("q", prompt[:full]))
+        tokens = memoryview(array("q", prompt))[:full]  # no slice copy of the list first
         digest = hashlib.sha256()  # hardware-assisted where the CPU has SHA extensions
         known = self._known.get(session_id)
         done = reused = 0
