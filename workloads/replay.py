@@ -176,10 +176,14 @@ def next_prompt(
 ) -> list[int]:
     """Call k+1's prompt: the first ``input_tokens`` of prompt + output (its first ``keep``
     tokens when given) + fresh tool tokens."""
-    base = (prev_prompt + prev_output)[:keep]
+    base = prev_prompt + prev_output  # a new list, cut and extended in place (one copy)
+    if keep is not None:
+        del base[keep:]
     if input_tokens <= len(base):
-        return base[:input_tokens]
-    return base + tokens.take(input_tokens - len(base))
+        del base[input_tokens:]
+        return base
+    base.extend(tokens.take(input_tokens - len(base)))
+    return base
 
 
 async def drive(
@@ -240,10 +244,11 @@ async def drive(
                 prompt = prompt + tokens.take(call.input_tokens - len(prompt))
             else:
                 computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
-                base = board.tokens(call.prefix_from) if call.prefix_from else prompt + output
-                keep = min(len(base) if call.prefix_tokens is None else call.prefix_tokens, computed)
+                prev, out = (board.tokens(call.prefix_from), []) if call.prefix_from else (prompt, output)
+                base_len = len(prev) + len(out)
+                keep = min(base_len if call.prefix_tokens is None else call.prefix_tokens, computed)
                 reusable = min(keep, call.input_tokens - 1) // block_size * block_size
-                prompt = next_prompt(base, [], call.input_tokens, tokens, call.prefix_tokens)
+                prompt = next_prompt(prev, out, call.input_tokens, tokens, call.prefix_tokens)
             max_tokens = call.output_tokens
             if context is not None:
                 if len(prompt) >= context:
