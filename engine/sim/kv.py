@@ -118,6 +118,8 @@ class SimSessions:
         device = 0
         if sess.model == active and kv is not None:
             device = kv.session_cached_blocks(session_id) * bs
+        if self.host_kv.capacity_bytes == 0:  # an index without room never holds a block
+            return (device, 0)
         return (device, self._host.lookup(session_id, sess.model, sess.block_hashes) * bs)
 
     def forget(self, session_id: str) -> None:
