@@ -14,6 +14,7 @@ entry per hash of each chain registered (chains leave with ``drop``).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from itertools import repeat
 
 __all__ = ["PrefixPresence"]
 
@@ -23,7 +24,9 @@ class PrefixPresence:
         self._present = present
         self._chains: dict[str, Sequence[Hashable]] = {}
         self._counts: dict[str, int] = {}
-        self._where: dict[Hashable, dict[str, int]] = {}  # hash -> {chain name: its index}
+        # hash -> where chains hold it: (name, index) for one chain (the usual case, as
+        # chained hashes name whole prefixes), {name: index} for several
+        self._where: dict[Hashable, tuple[str, int] | dict[str, int]] = {}
 
     def __contains__(self, name: object) -> bool:
         return name in self._chains
@@ -44,13 +47,23 @@ class PrefixPresence:
         if old is not None:
             self._unregister(name, old, keep)
         where = self._where
-        for index in range(keep, len(chain)):
-            h = chain[index]
-            names = where.get(h)
-            if names is None:
-                where[h] = {name: index}
-            else:
-                names.setdefault(name, index)  # a repeated hash counts at its first place
+        new = chain[keep:]
+        if where.keys().isdisjoint(new):
+            # no other chain holds them: one C-level update (reversed, so a hash repeated
+            # within the chain keeps its first index)
+            where.update(zip(reversed(new),
+                             zip(repeat(name), range(len(chain) - 1, keep - 1, -1))))
+        else:
+            for index in range(keep, len(chain)):
+                h = chain[index]
+                held = where.get(h)
+                if held is None:
+                    where[h] = (name, index)
+                elif isinstance(held, tuple):
+                    if held[0] != name:
+                        where[h] = {held[0]: held[1], name: index}
+                else:
+                    held.setdefault(name, index)  # a repeated hash counts at its first place
         self._chains[name] = chain
         self._counts[name] = min(self._counts.get(name, 0), keep)
         self._extend(name)
@@ -65,11 +78,17 @@ class PrefixPresence:
     def _unregister(self, name: str, chain: Sequence[Hashable], start: int) -> None:
         where = self._where
         for index in range(start, len(chain)):
-            names = where.get(chain[index])
-            if names is not None and names.get(name) == index:
-                del names[name]
-                if not names:
-                    del where[chain[index]]
+            h = chain[index]
+            held = where.get(h)
+            if held is None:
+                continue
+            if isinstance(held, tuple):
+                if held[0] == name and held[1] == index:
+                    del where[h]
+            elif held.get(name) == index:
+                del held[name]
+                if not held:
+                    del where[h]
 
     def clear(self) -> None:
         self._chains.clear()
@@ -78,20 +97,30 @@ class PrefixPresence:
 
     def added(self, h: Hashable) -> None:
         """The set now holds ``h``: chains whose count stopped just before it go further."""
-        names = self._where.get(h)
-        if names:
-            for name, index in names.items():
-                if self._counts[name] == index:
-                    self._extend(name)
+        held = self._where.get(h)
+        if held is None:
+            return
+        if isinstance(held, tuple):
+            if self._counts[held[0]] == held[1]:
+                self._extend(held[0])
+            return
+        for name, index in held.items():
+            if self._counts[name] == index:
+                self._extend(name)
 
     def removed(self, h: Hashable) -> None:
         """The set no longer holds ``h``: chains that held it end before it."""
-        names = self._where.get(h)
-        if names:
-            counts = self._counts
-            for name, index in names.items():
-                if counts[name] > index:
-                    counts[name] = index
+        held = self._where.get(h)
+        if held is None:
+            return
+        counts = self._counts
+        if isinstance(held, tuple):
+            if counts[held[0]] > held[1]:
+                counts[held[0]] = held[1]
+            return
+        for name, index in held.items():
+            if counts[name] > index:
+                counts[name] = index
 
     def _extend(self, name: str) -> None:
         chain = self._chains[name]
