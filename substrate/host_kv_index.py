@@ -120,14 +120,16 @@ class HostKVIndex:
         are inserted and the rest dropped (an unreachable tail is worthless)."""
         if block_nbytes <= 0:
             raise ValueError(f"a KV block must have > 0 bytes, got {block_nbytes}")
-        chain_keys = {(model, h) for h in block_hashes}
         new: list[int] = []
         seen: set[int] = set()
         for h in block_hashes:
             if (model, h) not in self._entries and h not in seen:
                 new.append(h)
                 seen.add(h)
-        evicted = self._make_room(len(new) * block_nbytes, protect=chain_keys)
+        evicted: list[HostKVEntry] = []
+        if len(new) * block_nbytes > self.free_bytes:  # the chain's own blocks stay
+            evicted = self._make_room(len(new) * block_nbytes,
+                                      protect={(model, h) for h in block_hashes})
         fits = min(len(new), max(0, self.free_bytes) // block_nbytes)
         inserted = new[:fits]
         for h in inserted:
