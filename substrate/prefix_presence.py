@@ -51,8 +51,8 @@ class PrefixPresence:
         if where.keys().isdisjoint(new):
             # no other chain holds them: one C-level update (reversed, so a hash repeated
             # within the chain keeps its first index)
-            where.update(zip(reversed(new),
-                             zip(repeat(name), range(len(chain) - 1, keep - 1, -1))))
+            indices = zip(repeat(name), range(len(chain) - 1, keep - 1, -1), strict=False)
+            where.update(zip(reversed(new), indices, strict=True))
         else:
             for index in range(keep, len(chain)):
                 h = chain[index]
