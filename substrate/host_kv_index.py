@@ -120,31 +120,40 @@ class HostKVIndex:
         are inserted and the rest dropped (an unreachable tail is worthless)."""
         if block_nbytes <= 0:
             raise ValueError(f"a KV block must have > 0 bytes, got {block_nbytes}")
+        entries = self._entries
+        keys = [(model, h) for h in block_hashes]
+        found = list(map(entries.get, keys))  # one lookup per block, reused below
         new: list[int] = []
-        seen: set[int] = set()
-        for h in block_hashes:
-            if (model, h) not in self._entries and h not in seen:
-                new.append(h)
-                seen.add(h)
+        if None in found:
+            seen: set[int] = set()
+            for h, entry in zip(block_hashes, found, strict=True):
+                if entry is None and h not in seen:
+                    new.append(h)
+                    seen.add(h)
         evicted: list[HostKVEntry] = []
         if len(new) * block_nbytes > self.free_bytes:  # the chain's own blocks stay
-            evicted = self._make_room(len(new) * block_nbytes,
-                                      protect={(model, h) for h in block_hashes})
+            evicted = self._make_room(len(new) * block_nbytes, protect=set(keys))
         fits = min(len(new), max(0, self.free_bytes) // block_nbytes)
         inserted = new[:fits]
         for h in inserted:
             entry = HostKVEntry(model, h, block_nbytes)
-            self._entries[entry.key] = entry
+            entries[entry.key] = entry
             self.version += 1
             self._add_bytes(model, block_nbytes)
             for watcher in self._watchers:
                 watcher.added(model, h)
+        if inserted:
+            found = list(map(entries.get, keys))
         if session_id is not None:
-            for h in block_hashes:
-                entry = self._entries.get((model, h))
+            for entry in found:
                 if entry is not None:
                     entry.sessions.add(session_id)
-        self.touch(model, block_hashes)
+        # touch (as ``touch``): the head ends most recent
+        for key, entry in zip(reversed(keys), reversed(found), strict=True):
+            if entry is not None:
+                self._clock += 1
+                entry.stamp = self._clock
+                entries.move_to_end(key)
         return ChainInsert(inserted, evicted)
 
     def remove(self, model: str, block_hash: int) -> HostKVEntry | None:
