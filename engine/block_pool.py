@@ -22,7 +22,7 @@ Ids are deterministic: a fresh pool hands out 0, 1, 2, ... in order.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from substrate.prefix_presence import PrefixPresence
 
@@ -65,8 +65,10 @@ class BlockPool:
         """The block holding the prefix named by ``block_hash``, if still cached."""
         return self._cached.get(block_hash)
 
-    def holds_hash(self, block_hash: int) -> bool:
-        return block_hash in self._cached
+    def hash_membership(self) -> Callable[[int], bool]:
+        """Whether a hash is in the prefix map, as a function that does not keep the pool
+        alive (a ``presence`` built on it makes no reference cycle with the pool)."""
+        return self._cached.__contains__
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (first is evicted first)."""

@@ -77,7 +77,7 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[int]] = {}
         self._req_num_hashed: dict[str, int] = {}
         # each session's remembered chain, and how much of it the prefix map still holds
-        self._sessions = PrefixPresence(self.pool.holds_hash)
+        self._sessions = PrefixPresence(self.pool.hash_membership())
         self.pool.presence = self._sessions
         self._pins: dict[str, list[int]] = {}
 

@@ -215,7 +215,9 @@ class ChainLookups:
     (``PrefixPresence``), so a lookup costs no walk. One entry per key until ``forget``."""
 
     def __init__(self, index: HostKVIndex) -> None:
-        self.index = index
+        # The index tells this object its changes; this keeps only the index's entries (no
+        # reference cycle: both go as soon as their engine does).
+        self._entries = index._entries
         self._models: dict[str, PrefixPresence] = {}
         self._model_of: dict[str, str] = {}
         index._watchers.append(self)
@@ -223,7 +225,7 @@ class ChainLookups:
     def lookup(self, key: str, model: str, chain: Sequence[int]) -> int:
         presence = self._models.get(model)
         if presence is None:
-            entries = self.index._entries
+            entries = self._entries
             presence = self._models[model] = PrefixPresence(
                 lambda h: (model, h) in entries)
         known = presence.chain(key) if self._model_of.get(key) == model else None

@@ -7,8 +7,8 @@ time; :class:`PrefixPresence` instead keeps each chain's count and is told when 
 (``added``) or loses (``removed``) a hash, touching only the chains that hold that hash.
 
 Invariant: ``count(name)`` equals the number of leading hashes of ``name``'s chain that
-``present`` says are in the set, as long as every change of the set is told. Memory is one
-entry per hash of each chain registered (chains leave with ``drop``).
+``present`` says are in the set, as long as every change of the set is told. Memory is two
+dict entries per hash of each chain registered (chains leave with ``drop``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ class PrefixPresence:
         self._present = present
         self._chains: dict[str, Sequence[Hashable]] = {}
         self._counts: dict[str, int] = {}
-        # hash -> where chains hold it: (name, index) for one chain (the usual case, as
-        # chained hashes name whole prefixes), {name: index} for several
-        self._where: dict[Hashable, tuple[str, int] | dict[str, int]] = {}
+        # Per hash nothing is allocated but dict entries (no tuple, no dict: millions of small
+        # containers cost the garbage collector more than the bookkeeping itself):
+        self._pos: dict[str, dict[Hashable, int]] = {}  # chain -> {hash: its first index}
+        self._owner: dict[Hashable, str | set[str]] = {}  # hash -> the chain(s) holding it
 
     def __contains__(self, name: object) -> bool:
         return name in self._chains
@@ -46,24 +47,27 @@ class PrefixPresence:
         keep = _common_prefix(old, chain) if old is not None else 0
         if old is not None:
             self._unregister(name, old, keep)
-        where = self._where
+        pos = self._pos.setdefault(name, {})
+        owner = self._owner
         new = chain[keep:]
-        if where.keys().isdisjoint(new):
-            # no other chain holds them: one C-level update (reversed, so a hash repeated
-            # within the chain keeps its first index)
-            indices = zip(repeat(name), range(len(chain) - 1, keep - 1, -1), strict=False)
-            where.update(zip(reversed(new), indices, strict=True))
+        if pos.keys().isdisjoint(new):  # reversed: a hash repeated in it keeps its first index
+            indices = range(len(chain) - 1, keep - 1, -1)
+            pos.update(zip(reversed(new), indices, strict=True))
         else:
             for index in range(keep, len(chain)):
-                h = chain[index]
-                held = where.get(h)
+                pos.setdefault(chain[index], index)
+        if owner.keys().isdisjoint(new):  # no other chain holds them: one C-level update
+            owner.update(zip(new, repeat(name)))
+        else:
+            for h in new:
+                held = owner.get(h)
                 if held is None:
-                    where[h] = (name, index)
-                elif isinstance(held, tuple):
-                    if held[0] != name:
-                        where[h] = {held[0]: held[1], name: index}
+                    owner[h] = name
+                elif isinstance(held, str):
+                    if held != name:
+                        owner[h] = {held, name}
                 else:
-                    held.setdefault(name, index)  # a repeated hash counts at its first place
+                    held.add(name)
         self._chains[name] = chain
         self._counts[name] = min(self._counts.get(name, 0), keep)
         self._extend(name)
@@ -74,51 +78,47 @@ class PrefixPresence:
             return
         del self._counts[name]
         self._unregister(name, chain, 0)
+        del self._pos[name]
 
     def _unregister(self, name: str, chain: Sequence[Hashable], start: int) -> None:
-        where = self._where
+        pos = self._pos[name]
+        owner = self._owner
         for index in range(start, len(chain)):
             h = chain[index]
-            held = where.get(h)
-            if held is None:
-                continue
-            if isinstance(held, tuple):
-                if held[0] == name and held[1] == index:
-                    del where[h]
-            elif held.get(name) == index:
-                del held[name]
-                if not held:
-                    del where[h]
+            if pos.get(h) != index:
+                continue  # a repeat: registered at its first index
+            del pos[h]
+            held = owner.get(h)
+            if isinstance(held, str):
+                del owner[h]
+            elif held is not None:
+                held.discard(name)
+                if len(held) == 1:
+                    owner[h] = next(iter(held))
 
     def clear(self) -> None:
         self._chains.clear()
         self._counts.clear()
-        self._where.clear()
+        self._pos.clear()
+        self._owner.clear()
 
     def added(self, h: Hashable) -> None:
         """The set now holds ``h``: chains whose count stopped just before it go further."""
-        held = self._where.get(h)
+        held = self._owner.get(h)
         if held is None:
             return
-        if isinstance(held, tuple):
-            if self._counts[held[0]] == held[1]:
-                self._extend(held[0])
-            return
-        for name, index in held.items():
-            if self._counts[name] == index:
+        for name in (held,) if isinstance(held, str) else held:
+            if self._counts[name] == self._pos[name][h]:
                 self._extend(name)
 
     def removed(self, h: Hashable) -> None:
         """The set no longer holds ``h``: chains that held it end before it."""
-        held = self._where.get(h)
+        held = self._owner.get(h)
         if held is None:
             return
         counts = self._counts
-        if isinstance(held, tuple):
-            if counts[held[0]] > held[1]:
-                counts[held[0]] = held[1]
-            return
-        for name, index in held.items():
+        for name in (held,) if isinstance(held, str) else held:
+            index = self._pos[name][h]
             if counts[name] > index:
                 counts[name] = index
 
