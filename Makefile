@@ -9,7 +9,7 @@ TRACE ?=
 SERVERS ?= 1
 ARGS ?=
 
-.PHONY: venv test test-fast bench replay calibrate fidelity demo serve models lint clean
+.PHONY: venv test test-fast bench bench-sim replay calibrate fidelity demo serve models lint clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m talaria.bench $(ARGS)
+
+# The simulator's own speed: simulated calls/s (wall and CPU) and peak RSS at 1, 16 and 64
+# servers (the trace replicated onto each; --bench-servers to choose).
+bench-sim: $(STAMP)
+	$(VENV)/bin/talaria replay --bench-sim $(if $(TRACE),--trace $(TRACE)) $(ARGS)
 
 replay: $(STAMP)
 	$(VENV)/bin/talaria replay $(if $(TRACE),--trace $(TRACE)) --servers $(SERVERS) $(ARGS)

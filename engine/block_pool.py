@@ -14,12 +14,17 @@ Block lifetimes:
   holds; the first block registered under a hash wins, a duplicate stays unhashed.
 
 Ids are deterministic: a fresh pool hands out 0, 1, 2, ... in order.
+
+``presence`` (optional) is told each hash that enters or leaves the prefix map (not on
+``reset``, whose caller clears it), so it can keep prefix counts without walking chains.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+from substrate.prefix_presence import PrefixPresence
 
 
 class BlockPool:
@@ -32,6 +37,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}
         self._num_free_hashed = 0
+        self.presence: PrefixPresence | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -58,6 +64,11 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         """The block holding the prefix named by ``block_hash``, if still cached."""
         return self._cached.get(block_hash)
+
+    def hash_membership(self) -> Callable[[int], bool]:
+        """Whether a hash is in the prefix map, as a function that does not keep the pool
+        alive (a ``presence`` built on it makes no reference cycle with the pool)."""
+        return self._cached.__contains__
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (first is evicted first)."""
@@ -109,6 +120,8 @@ class BlockPool:
             return False
         self._cached[block_hash] = block_id
         self._hash[block_id] = block_hash
+        if self.presence is not None:
+            self.presence.added(block_hash)
         return True
 
     def reset(self, num_blocks: int | None = None) -> None:
@@ -137,3 +150,5 @@ class BlockPool:
             self._num_free_hashed -= 1
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
+                if self.presence is not None:
+                    self.presence.removed(block_hash)

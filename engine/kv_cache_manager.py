@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool
 from engine.request import Request
+from substrate.prefix_presence import PrefixPresence
 
 
 @runtime_checkable
@@ -75,7 +76,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._req_blocks: dict[str, list[int]] = {}
         self._req_num_hashed: dict[str, int] = {}
-        self._session_chains: dict[str, list[int]] = {}
+        # each session's remembered chain, and how much of it the prefix map still holds
+        self._sessions = PrefixPresence(self.pool.hash_membership())
+        self.pool.presence = self._sessions
         self._pins: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ hashes
@@ -179,7 +182,7 @@ class KVCacheManager:
         self._req_num_hashed.pop(rid, None)
         if remember_session and request.session_id is not None and self.enable_prefix_caching:
             num_full = request.num_computed_tokens // self.block_size
-            self._session_chains[request.session_id] = list(self.block_hashes(request)[:num_full])
+            self._sessions.set_chain(request.session_id, list(self.block_hashes(request)[:num_full]))
         if blocks:
             self.pool.free(reversed(blocks))
 
@@ -192,17 +195,17 @@ class KVCacheManager:
     # ----------------------------------------------------------------- sessions
     def session_block_hashes(self, session_id: str) -> list[int]:
         """Hash chain of the session's last finished request (prompt + output full blocks)."""
-        return list(self._session_chains.get(session_id, []))
+        return list(self._sessions.chain(session_id) or [])
+
+    def session_cached_blocks(self, session_id: str) -> int:
+        """How many leading blocks of the session's remembered prefix are still cached."""
+        return self._sessions.count(session_id)
 
     def session_block_ids(self, session_id: str) -> list[int]:
         """Device blocks of the session's remembered prefix that are still cached."""
-        out: list[int] = []
-        for h in self._session_chains.get(session_id, []):
-            block_id = self.pool.lookup(h)
-            if block_id is None:
-                break
-            out.append(block_id)
-        return out
+        chain = self._sessions.chain(session_id) or []
+        lookup = self.pool.lookup
+        return [b for h in chain[: self._sessions.count(session_id)] if (b := lookup(h)) is not None]
 
     def pin_session(self, session_id: str) -> int:
         """Reference the session's cached blocks so they cannot be evicted; returns how
@@ -221,7 +224,7 @@ class KVCacheManager:
 
     def forget_session(self, session_id: str) -> None:
         self.unpin_session(session_id)
-        self._session_chains.pop(session_id, None)
+        self._sessions.drop(session_id)
 
     @property
     def pinned_sessions(self) -> list[str]:
@@ -242,7 +245,7 @@ class KVCacheManager:
             )
         for session_id in list(self._pins):
             self.unpin_session(session_id)
-        self._session_chains.clear()
+        self._sessions.clear()
         self.pool.reset(num_blocks)
 
     # -------------------------------------------------------------------- stats

@@ -119,7 +119,7 @@ class KnownChains:
         if keys is None:
             return PromptHashes(block_hashes(prompt[:full], bs))
         known = [k for k in (self._known.get(key) for key in keys) if k is not None]
-        tokens = memoryview(array("q", prompt[:full]))
+        tokens = memoryview(array("q", prompt))[:full]  # no slice copy of the list first
         best, reused, digest, done = None, 0, hashlib.sha256(), 0  # sha256: hardware-assisted
         for chain in known:
             n, chain_digest, chain_done = _reusable(chain, tokens, full, bs)

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from substrate.prefix_presence import PrefixPresence
+
 HostKVKey = tuple[str, int]
 
 
@@ -59,7 +61,7 @@ class HostKVIndex:
         self._clock = 0
         self._model_bytes: dict[str, int] = {}
         self.version = 0  # bumped whenever the set of stored blocks changes
-
+        self._watchers: list[ChainLookups] = []  # told each block stored or removed
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -118,27 +120,40 @@ class HostKVIndex:
         are inserted and the rest dropped (an unreachable tail is worthless)."""
         if block_nbytes <= 0:
             raise ValueError(f"a KV block must have > 0 bytes, got {block_nbytes}")
-        chain_keys = {(model, h) for h in block_hashes}
+        entries = self._entries
+        keys = [(model, h) for h in block_hashes]
+        found = list(map(entries.get, keys))  # one lookup per block, reused below
         new: list[int] = []
-        seen: set[int] = set()
-        for h in block_hashes:
-            if (model, h) not in self._entries and h not in seen:
-                new.append(h)
-                seen.add(h)
-        evicted = self._make_room(len(new) * block_nbytes, protect=chain_keys)
+        if None in found:
+            seen: set[int] = set()
+            for h, entry in zip(block_hashes, found, strict=True):
+                if entry is None and h not in seen:
+                    new.append(h)
+                    seen.add(h)
+        evicted: list[HostKVEntry] = []
+        if len(new) * block_nbytes > self.free_bytes:  # the chain's own blocks stay
+            evicted = self._make_room(len(new) * block_nbytes, protect=set(keys))
         fits = min(len(new), max(0, self.free_bytes) // block_nbytes)
         inserted = new[:fits]
         for h in inserted:
             entry = HostKVEntry(model, h, block_nbytes)
-            self._entries[entry.key] = entry
+            entries[entry.key] = entry
             self.version += 1
             self._add_bytes(model, block_nbytes)
+            for watcher in self._watchers:
+                watcher.added(model, h)
+        if inserted:
+            found = list(map(entries.get, keys))
         if session_id is not None:
-            for h in block_hashes:
-                entry = self._entries.get((model, h))
+            for entry in found:
                 if entry is not None:
                     entry.sessions.add(session_id)
-        self.touch(model, block_hashes)
+        # touch (as ``touch``): the head ends most recent
+        for key, entry in zip(reversed(keys), reversed(found), strict=True):
+            if entry is not None:
+                self._clock += 1
+                entry.stamp = self._clock
+                entries.move_to_end(key)
         return ChainInsert(inserted, evicted)
 
     def remove(self, model: str, block_hash: int) -> HostKVEntry | None:
@@ -146,6 +161,8 @@ class HostKVIndex:
         self.version += 1
         if entry is not None:
             self._add_bytes(model, -entry.nbytes)
+            for watcher in self._watchers:
+                watcher.removed(model, block_hash)
         return entry
 
     def drop_model(self, model: str) -> list[HostKVEntry]:
@@ -192,22 +209,44 @@ class HostKVIndex:
 
 class ChainLookups:
     """``HostKVIndex.lookup`` (read-only) for chains asked about again and again, such as
-    every session's at each state refresh: an answer is recomputed only when the index's
-    content changed (its ``version``) or the chain did (a chain of chained hashes is named by
-    its length and last hash). One entry per key (a session id) until ``forget``."""
+    every session's at each state refresh: each key's chain (a session id's) is registered
+    once (again when it changes: a chain of chained hashes is named by its length and last
+    hash) and its answer kept up to date as the index stores and removes blocks
+    (``PrefixPresence``), so a lookup costs no walk. One entry per key until ``forget``."""
 
     def __init__(self, index: HostKVIndex) -> None:
-        self.index = index
-        self._answers: dict[str, tuple[tuple[int, str, int, int | None], int]] = {}
+        # The index tells this object its changes; this keeps only the index's entries (no
+        # reference cycle: both go as soon as their engine does).
+        self._entries = index._entries
+        self._models: dict[str, PrefixPresence] = {}
+        self._model_of: dict[str, str] = {}
+        index._watchers.append(self)
 
     def lookup(self, key: str, model: str, chain: Sequence[int]) -> int:
-        tag = (self.index.version, model, len(chain), chain[-1] if chain else None)
-        known = self._answers.get(key)
-        if known is not None and known[0] == tag:
-            return known[1]
-        n = self.index.lookup(model, chain, touch=False) if chain else 0
-        self._answers[key] = (tag, n)
-        return n
+        presence = self._models.get(model)
+        if presence is None:
+            entries = self._entries
+            presence = self._models[model] = PrefixPresence(
+                lambda h: (model, h) in entries)
+        known = presence.chain(key) if self._model_of.get(key) == model else None
+        if known is None or len(known) != len(chain) or (chain and known[-1] != chain[-1]):
+            if self._model_of.get(key) != model:
+                self.forget(key)
+            presence.set_chain(key, list(chain))
+            self._model_of[key] = model
+        return presence.count(key)
 
     def forget(self, key: str) -> None:
-        self._answers.pop(key, None)
+        model = self._model_of.pop(key, None)
+        if model is not None:
+            self._models[model].drop(key)
+
+    def added(self, model: str, block_hash: int) -> None:
+        presence = self._models.get(model)
+        if presence is not None:
+            presence.added(block_hash)
+
+    def removed(self, model: str, block_hash: int) -> None:
+        presence = self._models.get(model)
+        if presence is not None:
+            presence.removed(block_hash)

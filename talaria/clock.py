@@ -13,8 +13,10 @@ timers are pending, so simulated engines are called directly, never through thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import selectors
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -101,9 +103,28 @@ def new_live_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+# A simulation allocates many small containers per simulated step (events, requests, step
+# records), most freed at once by reference counting: the collector's young generation need
+# not be scanned every 700 of them (the default), which cost ~8% of a replay.
+_VIRTUAL_GC_THRESHOLD0 = 10_000
+
+
+@contextlib.contextmanager
+def _young_gc_threshold(threshold0: int) -> Iterator[None]:
+    saved = gc.get_threshold()
+    gc.set_threshold(max(threshold0, saved[0]), *saved[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+
+
 def run_virtual(coro: Coroutine[Any, Any, T], start: float = 0.0, debug: bool = False) -> T:
-    """Run ``coro`` to completion under a fresh virtual-time loop."""
-    with asyncio.Runner(debug=debug, loop_factory=lambda: VirtualTimeLoop(start)) as runner:
+    """Run ``coro`` to completion under a fresh virtual-time loop (the garbage collector's
+    young generation collected less often meanwhile; restored after)."""
+    with _young_gc_threshold(_VIRTUAL_GC_THRESHOLD0), asyncio.Runner(
+        debug=debug, loop_factory=lambda: VirtualTimeLoop(start)
+    ) as runner:
         return runner.run(coro)
 
 

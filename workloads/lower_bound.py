@@ -53,6 +53,7 @@ class InstanceTarget:
 
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
         inst = self.instances[request.session_id]
+        request.step_events = False  # collect_outcome reads the first token and the finish
         return await collect_outcome(inst.stream(request), inst.instance_id)
 
 

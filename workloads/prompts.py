@@ -37,7 +37,11 @@ def next_prompt(
 ) -> list[int]:
     """Call k+1's prompt: the first ``input_tokens`` of prompt + output (its first ``keep``
     tokens when given) + fresh tool tokens."""
-    base = (prev_prompt + prev_output)[:keep]
+    base = prev_prompt + prev_output  # a new list, cut and extended in place (one copy)
+    if keep is not None:
+        del base[keep:]
     if input_tokens <= len(base):
-        return base[:input_tokens]
-    return base + tokens.take(input_tokens - len(base))
+        del base[input_tokens:]
+        return base
+    base.extend(tokens.take(input_tokens - len(base)))
+    return base

@@ -220,10 +220,11 @@ async def drive(
                 prompt = prompt + tokens.take(call.input_tokens - len(prompt))
             else:
                 computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
-                base = board.tokens(call.prefix_from) if call.prefix_from else prompt + output
-                keep = min(len(base) if call.prefix_tokens is None else call.prefix_tokens, computed)
+                prev, out = (board.tokens(call.prefix_from), []) if call.prefix_from else (prompt, output)
+                base_len = len(prev) + len(out)
+                keep = min(base_len if call.prefix_tokens is None else call.prefix_tokens, computed)
                 reusable = min(keep, call.input_tokens - 1) // block_size * block_size
-                prompt = next_prompt(base, [], call.input_tokens, tokens, call.prefix_tokens)
+                prompt = next_prompt(prev, out, call.input_tokens, tokens, call.prefix_tokens)
             max_tokens = call.output_tokens if answers is None else AGENT_MAX_TOKENS
             if context is not None:
                 if len(prompt) >= context:
@@ -301,6 +302,7 @@ class SimTarget:
 
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
         loop = asyncio.get_running_loop()
+        request.step_events = False  # collect_outcome reads the first token and the finish
         for _ in range(MAX_OVERLOAD_RETRIES):
             try:
                 async with contextlib.aclosing(self.router.submit(request)) as events:

@@ -77,6 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                    help="with --strip-session-ids: every session's first prompt starts with "
                    "this many shared tokens (an agent's system prompt and tools)")
+    p.add_argument("--bench-sim", action="store_true",
+                   help="benchmark the simulator instead: the first policy (default talaria) "
+                   "on the trace replicated onto each of --bench-servers, each run in its own "
+                   "process; prints simulated calls per second (wall and CPU) and peak RSS")
+    p.add_argument("--bench-servers", default="1,16,64",
+                   help="with --bench-sim: server counts, e.g. 1,16,64 (default)")
     p.add_argument("--live", metavar="URL", help="replay against the router at URL instead")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="live: multiply arrivals and tool gaps by this")
@@ -222,6 +228,8 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         sessions = assign_models(sessions, catalog, skew=args.skew, seed=args.seed)
         print(f"note: trace models are not in the catalog; assigned {catalog} with Zipf "
               f"skew {args.skew}", file=sys.stderr)
+    if args.bench_sim:
+        return _bench_sim(args, sessions, systems, spec)
     sessions = replicate(sessions, args.servers)
     progress = not args.no_progress
     if args.strip_session_ids:
@@ -321,6 +329,24 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     print(f"wall {time.perf_counter() - wall:.1f} s", file=sys.stderr)
     failed = sum(r.failed_calls for r in [*results, lower, *ideal.values()])
     return 1 if failed else 0
+
+
+def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any],
+               spec: Any) -> int:
+    from workloads.sim_bench import bench_sim
+    from workloads.systems import parse_policies
+    from workloads.tuning import apply_settings, load_settings
+
+    servers = [int(x) for x in args.bench_servers.split(",") if x.strip()]
+    chosen = systems[0] if args.policies else parse_policies("talaria")[0]
+    tuned = load_settings(None, Path(args.settings)) if args.settings else load_settings(None)
+    chosen = apply_settings([chosen], tuned.settings if tuned else {})[0]
+    calls = sum(s.num_calls for s in sessions)
+    print(f"simulator speed: {chosen.name} at {chosen.setting}, {len(sessions)} sessions "
+          f"({calls} calls) per server, replicated onto {servers} servers of {args.server} "
+          "(one process per run)", flush=True)
+    rows = bench_sim(sessions, chosen, spec, servers, seed=args.seed)
+    return 1 if any(r.failed_calls for r in rows) else 0
 
 
 def _plots(path_text: str, results: list[Any], bounds: list[Any], bench: Any,

@@ -99,7 +99,7 @@ class SimSessions:
         for sid, sess in self.records.items():
             if sess.model != model or (wanted is not None and sid not in wanted):
                 continue
-            on_device = len(kv.session_block_ids(sid))
+            on_device = kv.session_cached_blocks(sid)
             if on_device:
                 result = self.host_kv.insert_chain(
                     model, sess.block_hashes[:on_device], block_bytes, session_id=sid
@@ -117,7 +117,9 @@ class SimSessions:
         bs = self.block_size
         device = 0
         if sess.model == active and kv is not None:
-            device = len(kv.session_block_ids(session_id)) * bs
+            device = kv.session_cached_blocks(session_id) * bs
+        if self.host_kv.capacity_bytes == 0:  # an index without room never holds a block
+            return (device, 0)
         return (device, self._host.lookup(session_id, sess.model, sess.block_hashes) * bs)
 
     def forget(self, session_id: str) -> None:

@@ -24,6 +24,10 @@ __all__ = ["CallBook", "CallHandle", "PendingCall", "terminal_event", "token_eve
 class CallHandle:
     """Events of one call, in order; the last one has ``finished`` set and carries usage.
 
+    A call sent with ``step_events`` False gets its events up to the first one with tokens,
+    then only its last: the tokens of the steps between are held and sent with it (the
+    consumer sees the same tokens in the same order, in fewer events).
+
     Iterating ends after the finishing event. ``abort()`` (or leaving an ``async with``
     block early) aborts the call if it has not finished: its queue entry or engine request
     is dropped and its KV blocks are freed.
@@ -38,14 +42,44 @@ class CallHandle:
         self.client_gone: Callable[[], bool] | None = None
         self._consumed = False
         self._abort = abort
+        self._held: list[int] | None = None  # held tokens, once holding has started
+        self._held_logprobs: list[float] | None = None
 
     @property
     def call_id(self) -> str:
         return self.call.call_id
 
+    @property
+    def holds_steps(self) -> bool:
+        """Whether a step's tokens are held for the last event instead of sent now."""
+        return self._held is not None
+
+    def hold(self, token_ids: list[int], logprobs: list[float] | None) -> None:
+        """Keep a step's tokens for the last event (only while ``holds_steps``)."""
+        assert self._held is not None
+        if logprobs is None or (self._held and self._held_logprobs is None):
+            self._held_logprobs = None
+        else:
+            self._held_logprobs = (self._held_logprobs or []) + list(logprobs)
+        self._held.extend(token_ids)
+
     def put(self, event: CallEvent) -> None:
         if self.done:
             return
+        if self._held is not None:
+            if not event.finished:
+                self.hold(event.token_ids, event.logprobs)
+                return
+            if self._held:
+                held_lp, lp = self._held_logprobs, event.logprobs
+                if held_lp is None or (lp is None and event.token_ids):
+                    event.logprobs = None  # logprobs for some tokens only: none
+                else:
+                    event.logprobs = held_lp + list(lp or [])
+                event.token_ids = self._held + event.token_ids
+                self._held = []
+        elif event.token_ids and not event.finished and not self.call.step_events:
+            self._held = []  # the first tokens go now, the rest with the last event
         self.done = event.finished
         self.queue.put_nowait(event)
 

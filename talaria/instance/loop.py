@@ -375,7 +375,10 @@ class AdmissionLoop(Intake):
             restored_tokens=event.num_restored_tokens,
         )
         if not event.finished:
-            pending.handle.put(token_event(pending, event, self.instance_id))
+            if pending.handle.holds_steps:  # its consumer reads the ends only
+                pending.handle.hold(event.new_token_ids, event.logprobs)
+            else:
+                pending.handle.put(token_event(pending, event, self.instance_id))
             return
         reason = event.finish_reason.value if event.finish_reason is not None else "stop"
         self.finish(pending, reason, event)

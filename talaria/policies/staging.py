@@ -55,13 +55,14 @@ def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
 
 
 def staging_target(view: InstanceView) -> str | None:
-    """The model to start staging now, or None."""
-    nxt = predicted_next(view)
-    if nxt is None:
-        return None
+    """The model to start staging now, or None. The prediction (which ranks every queued
+    call) is made only when some model could be staged at all."""
     if any(r == Residency.STAGING for r in view.residency.values()):
         return None
-    if view.residency.get(nxt) != Residency.HOST or not view.can_stage(nxt):
+    if not any(r == Residency.HOST and view.can_stage(m) for m, r in view.residency.items()):
+        return None
+    nxt = predicted_next(view)
+    if nxt is None or view.residency.get(nxt) != Residency.HOST or not view.can_stage(nxt):
         return None
     return nxt
 

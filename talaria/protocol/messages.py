@@ -69,6 +69,10 @@ class CallRequest:
     expected_gap_s: float | None = None  # client hint: tool gap expected after this call
     last_call: bool = False  # client hint: the session ends after this call
     parent_session_id: str | None = None  # a subagent's session: the session that spawned it
+    # False: the caller reads only the first token's time and the finish (a simulated
+    # replay), so after the first event with tokens the instance holds each step's tokens
+    # and sends them with the last event instead of one event per engine step.
+    step_events: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +106,7 @@ class CallRequest:
                 None if data.get("parent_session_id") is None
                 else printable_id(data["parent_session_id"], "parent_session_id")
             ),
+            step_events=boolean(data.get("step_events", True), "step_events"),
         )
 
 

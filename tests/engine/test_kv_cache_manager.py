@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.block_hash import block_hashes, hash_block_tokens
 from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
@@ -164,3 +166,44 @@ def test_prefix_caching_disabled() -> None:
     kv.free(a)
     assert kv.get_computed_blocks(req("b", list(range(9)))).num_tokens == 0
     assert kv.pool.num_hashed_blocks == 0
+
+
+def _walk(kv: KVCacheManager, session: str) -> int:
+    """The session's cached blocks found the slow way: its chain walked in the prefix map."""
+    n = 0
+    for h in kv.session_block_hashes(session):
+        if kv.pool.lookup(h) is None:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["s1", "s2", "s3", None]),
+                              st.lists(st.integers(0, 3), min_size=1, max_size=14),
+                              st.sampled_from(["run", "forget", "pin"])), max_size=25))
+def test_session_cached_blocks_follow_every_eviction_and_reuse(
+    ops: list[tuple[str | None, list[int], str]],
+) -> None:
+    """The kept count of each session's cached prefix (no walk per question) equals a walk of
+    its chain, through prefix reuse, eviction under pressure, pins and forgetting."""
+    kv = KVCacheManager(6, BS)
+    for i, (session, tokens, op) in enumerate(ops):
+        if op == "forget" and session is not None:
+            kv.forget_session(session)
+        elif op == "pin" and session is not None:
+            kv.pin_session(session)
+        else:
+            r = req(f"r{i}", tokens, session=session)
+            prefix = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, r.num_tokens - prefix.num_tokens, prefix):
+                r.num_computed_tokens = r.num_tokens
+                kv.cache_computed_blocks(r)
+                kv.free(r, remember_session=True)
+        for s in ("s1", "s2", "s3"):
+            assert kv.session_cached_blocks(s) == _walk(kv, s)
+            assert len(kv.session_block_ids(s)) == _walk(kv, s)
+    for s in ("s1", "s2", "s3"):
+        kv.unpin_session(s)
+    kv.reset()
+    assert all(kv.session_cached_blocks(s) == 0 for s in ("s1", "s2", "s3"))

@@ -301,3 +301,35 @@ def test_a_call_too_big_for_the_kv_region_fails_alone_and_the_next_one_runs() ->
     failed, events = run_virtual(main())
     assert failed[-1].finish_reason == "error" and "KV blocks" in (failed[-1].error or "")
     assert events[-1].finished and events[-1].finish_reason == "length"
+
+
+def test_a_call_without_step_events_gets_the_same_tokens_and_times_in_two_events() -> None:
+    """``step_events=False``: the first event with tokens goes at once, the steps after it
+    are held and come with the last event: same tokens in order, same first-token and
+    finish times, same usage; an abort mid-call still delivers the held tokens."""
+
+    async def main(step_events: bool, abort_at: float | None = None):  # type: ignore[no-untyped-def]
+        inst = Instance("i", _engine(), preset("baseline"))
+        await inst.start()
+        req = call("c0", "s0", "a", 40, max_tokens=30)
+        req.step_events = step_events
+        task = asyncio.ensure_future(run_call(inst, req))
+        if abort_at is not None:
+            await asyncio.sleep(abort_at)
+            inst.abort("c0")
+        timed = await task
+        await inst.stop()
+        return timed
+
+    every, ends = run_virtual(main(True)), run_virtual(main(False))
+    assert len(every.events) > 3 and len(ends.events) == 2
+    tokens = [t for e in every.events for t in e.token_ids]
+    assert [t for e in ends.events for t in e.token_ids] == tokens and len(tokens) == 30
+    assert ends.events[0].token_ids == every.events[0].token_ids
+    assert (ends.first, ends.done) == (every.first, every.done)
+    assert ends.last.usage == every.last.usage and ends.last.finish_reason == "length"
+    aborted_every, aborted = run_virtual(main(True, 3.05)), run_virtual(main(False, 3.05))
+    assert aborted.last.finish_reason == "abort" and len(aborted.events) == 2
+    assert 0 < len(aborted.last.token_ids) < 30
+    assert ([t for e in aborted.events for t in e.token_ids]
+            == [t for e in aborted_every.events for t in e.token_ids])

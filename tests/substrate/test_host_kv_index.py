@@ -121,18 +121,36 @@ def test_index_and_ledger_import_without_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
-def test_chain_lookups_answer_again_only_when_the_index_or_the_chain_changed() -> None:
-    index = HostKVIndex(capacity_bytes=10 * 100)
-    index.insert_chain("m", [1, 2, 3], 100)
+_CHAIN_OPS = st.lists(
+    st.tuples(st.sampled_from(["insert", "remove", "drop", "rechain", "forget"]),
+              st.sampled_from(["a", "b"]), st.lists(st.integers(0, 2), max_size=6),
+              st.sampled_from(["s1", "s2", "s3"])),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_CHAIN_OPS)
+def test_chain_lookups_answer_as_a_walk_of_the_index_does(
+    ops: list[tuple[str, str, list[int], str]],
+) -> None:
+    """Kept up to date by the index's inserts, evictions and removals (no walk per lookup),
+    a lookup answers what ``index.lookup`` would: the leading blocks present."""
+    index = HostKVIndex(capacity_bytes=8 * 10)  # small: inserts evict
     lookups = ChainLookups(index)
-    calls = []
-    real = index.lookup
-    index.lookup = lambda *a, **k: calls.append(a) or real(*a, **k)  # type: ignore[method-assign]
-    assert lookups.lookup("s", "m", [1, 2, 3, 4]) == 3
-    assert lookups.lookup("s", "m", [1, 2, 3, 4]) == 3 and len(calls) == 1  # cached
-    assert lookups.lookup("s", "m", [1, 2, 3, 4, 5]) == 3 and len(calls) == 2  # chain grew
-    index.insert_chain("m", [1, 2, 3, 4], 100)
-    assert lookups.lookup("s", "m", [1, 2, 3, 4, 5]) == 4 and len(calls) == 3  # index changed
-    assert lookups.lookup("s", "other", [1, 2, 3, 4, 5]) == 0  # another model's blocks
-    lookups.forget("s")
-    assert lookups.lookup("s", "m", []) == 0
+    chains: dict[str, tuple[str, list[int]]] = {}
+    for op, model, tokens, key in ops:
+        hashes = [hash(tuple(tokens[: k + 1])) for k in range(len(tokens))]  # a chain
+        if op == "insert":
+            index.insert_chain(model, hashes, 10)
+        elif op == "remove" and hashes:
+            index.remove(model, hashes[0])
+        elif op == "drop":
+            index.drop_model(model)
+        elif op == "rechain":
+            chains[key] = (model, hashes)
+        elif key in chains:
+            del chains[key]
+            lookups.forget(key)
+        for k, (m, chain) in chains.items():
+            assert lookups.lookup(k, m, chain) == index.lookup(m, chain, touch=False)

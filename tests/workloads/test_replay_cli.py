@@ -121,3 +121,19 @@ def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
 def test_the_real_trace_format_is_recognised() -> None:
     sessions = load_any_trace(real_trace_path())
     assert len(sessions) == 179
+
+
+def test_bench_sim_runs_each_server_count_on_the_replicated_trace(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--bench-sim`` replays the trace once per server count (copies of it, in a fresh
+    process each) and prints a row per count: its sessions and calls scale with the count,
+    and the simulated replay is the one ``--servers N`` runs (its makespan)."""
+    rc = main(["replay", "--bench-sim", "--bench-servers", "1,2", "--max-sessions", "2",
+               "--no-progress"])
+    assert rc == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("1", "2"), ("2", "4")]
+    assert int(rows[1][2]) == 2 * int(rows[0][2])  # calls
+    assert all(float(r[7]) > 0 and float(r[8]) > 0 for r in rows)  # peak RSS, simulated s
