@@ -9,7 +9,7 @@ TRACE ?=
 SERVERS ?= 1
 ARGS ?=
 
-.PHONY: venv test test-fast bench bench-sim replay calibrate fidelity demo serve models lint clean
+.PHONY: venv test test-fast bench bench-sim replay calibrate fidelity demo serve lint layout clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The suite without the multi-process and end-to-end tests (marked slow): for quick checks.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) -m talaria.bench $(ARGS)
@@ -50,7 +54,11 @@ serve: $(STAMP)
 	$(VENV)/bin/talaria serve $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check talaria engine substrate router workloads tests
+	$(VENV)/bin/ruff check talaria engine substrate router workloads tests tools
+
+# DESIGN.md section 3: layering, import cycles (type-only too), module sizes.
+layout:
+	$(PYTHON) tools/check_layout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

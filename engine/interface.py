@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from substrate.moves import MoveRecord
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # aborted by the caller
@@ -116,7 +116,7 @@ class EngineCoreProtocol(Protocol):
     def stats(self) -> EngineStats: ...
 
 
-class Residency(str, enum.Enum):
+class Residency(enum.StrEnum):
     """Where a model's weights are on an instance."""
 
     ACTIVE = "active"  # in the weight region: requests can run
