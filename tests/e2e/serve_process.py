@@ -59,10 +59,12 @@ class ServeProcess:
         return "".join(self.stderr_lines[-60:])
 
 
-def launch_serve(cache: Path, config: Path | None = None) -> ServeProcess:
-    """Start `talaria serve --port 0` with its output collected (not waiting for it)."""
+def launch_serve(
+    cache: Path, config: Path | None = None, args: tuple[str, ...] = ()
+) -> ServeProcess:
+    """Start `talaria serve --port 0 *args` with its output collected (not waiting for it)."""
     env = {**os.environ, "TALARIA_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "talaria.cli", "serve", "--port", "0"]
+    cmd = [sys.executable, "-m", "talaria.cli", "serve", "--port", "0", *args]
     if config is not None:
         cmd += ["--config", str(config)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
@@ -75,10 +77,11 @@ def launch_serve(cache: Path, config: Path | None = None) -> ServeProcess:
 
 
 def start_serve(
-    cache: Path, config: Path | None = None, timeout_s: float = 180.0
+    cache: Path, config: Path | None = None, timeout_s: float = 180.0,
+    args: tuple[str, ...] = (),
 ) -> ServeProcess:
     """Start `talaria serve` and wait until its router and every instance are ready."""
-    serve = launch_serve(cache, config)
+    serve = launch_serve(cache, config, args)
     proc, lines = serve.proc, serve.stdout_lines
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
