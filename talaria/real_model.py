@@ -5,11 +5,13 @@ dependencies would build llama-cpp-python, which is never used).
 The file is found through the package's installed-file list (``importlib.metadata``), never
 by importing the package. It is converted once into the cache (``engine.models.
 checkpoint_cache``) with :data:`CHAT_TEMPLATE` in place of the file's own template: that one
-renders only ``role`` and string ``content``, so it cannot offer tools, show an assistant's
-tool calls or return a tool's result. This one renders every tool-less conversation exactly
-as the file's does (the default system prompt included; a test checks it) and adds tools in
-the Hermes form (``<tools>`` in the system prompt, ``<tool_call>`` / ``<tool_response>``),
-which the router already parses.
+renders only ``role`` and string ``content``, so it cannot offer tools or show an
+assistant's tool calls. This one renders every tool-less conversation exactly as the file's
+does (the default system prompt included; a test checks it) and adds tools in the Hermes form
+(``<tools>`` in the system prompt, ``<tool_call>`` in assistant turns), which the router
+already parses. A tool's result stays a ``tool`` turn, as the file's template writes it: given
+the result that way the model answers from it, where inside a user turn's ``<tool_response>``
+(the Qwen form) it only repeats it.
 """
 
 from __future__ import annotations
@@ -58,10 +60,6 @@ CHAT_TEMPLATE = """\
 {{- '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + text_of(message.content) + '\\n</tool_response>' }}
-{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
 {%- else %}
 {{- '<|im_start|>' + message.role + '\\n' + text_of(message.content) + '<|im_end|>\\n' }}
 {%- endif %}

