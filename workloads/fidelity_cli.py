@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="leave out the run with the real model (SmolLM2-135M-Instruct)")
     p.add_argument("--real-policies", default="talaria",
                    help="policies of the real model's replay (default talaria)")
+    p.add_argument("--real-model-only", action="store_true",
+                   help="only the run with the real model (after calibrating if needed)")
     p.set_defaults(func=run_fidelity_command)
 
 
@@ -81,10 +83,10 @@ def run_fidelity_command(args: argparse.Namespace) -> int:
             write_spec(server, info, spec_path)
             print(f"wrote {spec_path}", flush=True)
         out["server"] = str(spec_path)
-        if not args.skip_steps:
+        if not args.skip_steps and not args.real_model_only:
             out["step_time"] = _step_time(spec_path, args.repeats)
             out["load_average"]["after_step_time"] = _load()
-        if not args.skip_replay:
+        if not args.skip_replay and not args.real_model_only:
             setup = ReplaySetup(sessions=args.sessions, kv_blocks=args.kv_blocks)
             out["replay"] = _replay(spec_path, args.policies.split(","), args.threads, setup)
             out["load_average"]["after_replay"] = _load()
