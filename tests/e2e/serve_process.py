@@ -60,9 +60,11 @@ class ServeProcess:
 
 
 def launch_serve(
-    cache: Path, config: Path | None = None, args: tuple[str, ...] = ()
+    cache: Path, config: Path | None = None, args: tuple[str, ...] = ("--tiny-only",)
 ) -> ServeProcess:
-    """Start `talaria serve --port 0 *args` with its output collected (not waiting for it)."""
+    """Start `talaria serve --port 0 *args` with its output collected (not waiting for it).
+    By default the catalog (when the config names none) is the tiny models alone: the tests
+    of the real model pass ``args=()``."""
     env = {**os.environ, "TALARIA_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "talaria.cli", "serve", "--port", "0", *args]
     if config is not None:
@@ -78,7 +80,7 @@ def launch_serve(
 
 def start_serve(
     cache: Path, config: Path | None = None, timeout_s: float = 180.0,
-    args: tuple[str, ...] = (),
+    args: tuple[str, ...] = ("--tiny-only",),
 ) -> ServeProcess:
     """Start `talaria serve` and wait until its router and every instance are ready."""
     serve = launch_serve(cache, config, args)

@@ -51,7 +51,7 @@ def test_a_catalog_written_before_tools_gets_the_current_template(tmp_path: Path
 
 @pytest.mark.slow
 def test_agents_against_talaria_serve(serve_cache: Path) -> None:
-    serve = start_serve(serve_cache, args=("--tiny-only",))
+    serve = start_serve(serve_cache)
     try:
         client = openai.OpenAI(base_url=serve.url, api_key="unused", max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "Read parser.py"}]

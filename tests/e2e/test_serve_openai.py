@@ -16,7 +16,7 @@ MAX = 5
 
 
 def test_openai_client_against_talaria_serve(serve_cache: Path) -> None:
-    serve = start_serve(serve_cache, args=("--tiny-only",))
+    serve = start_serve(serve_cache)
     try:
         pids = serve.descendants()
         assert {pid for pid, _ in serve.instances.values()} <= pids

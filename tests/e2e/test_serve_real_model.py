@@ -41,7 +41,7 @@ def _switches(root: str) -> int:
 
 
 def test_real_model_answers_through_openai_and_anthropic(serve_cache: Path) -> None:
-    serve = start_serve(serve_cache, timeout_s=300)
+    serve = start_serve(serve_cache, timeout_s=300, args=())
     try:
         root = serve.url.removesuffix("/v1")
         client = openai.OpenAI(base_url=serve.url, api_key="unused", max_retries=0, timeout=120)
