@@ -143,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m talaria.bench", description=__doc__)
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--real-requests", type=int, default=16,
+    parser.add_argument("--real-requests", type=int, default=8,
                         help="requests of the engine-real section (SmolLM2-135M)")
     parser.add_argument("--min-prompt-len", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=448)

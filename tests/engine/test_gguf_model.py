@@ -46,6 +46,17 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """Both sides on one torch thread: on a 2-core machine shared with other work, every
+    two-thread op of a 135M model waits for its second thread to be scheduled (a decode
+    step's attention took 26 ms instead of 0.06 ms), and this test counts tokens, not speed."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The file converted with its own chat template, into a fresh cache."""
@@ -105,6 +116,7 @@ def _engine_tokens(path: Path, prompts: list[list[int]], tp: int) -> list[list[i
         llm.shutdown()
 
 
+@pytest.mark.timeout(900)  # the oracle's 640 greedy steps are set up inside it
 def test_greedy_tokens_equal_transformers_at_tp1(
     converted: Path, prompts: list[list[int]], expected: list[list[int]], oracle: Any
 ) -> None:
@@ -116,6 +128,7 @@ def test_greedy_tokens_equal_transformers_at_tp1(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_greedy_tokens_equal_transformers_at_tp3(
     converted: Path, prompts: list[list[int]], expected: list[list[int]]
 ) -> None:
