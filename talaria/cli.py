@@ -26,10 +26,14 @@ def _cmd_make_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from talaria.demo import run_demo
+    if args.library:
+        from talaria.demo import run_demo
 
-    run_demo(size=args.size, max_tokens=args.max_tokens)
-    return 0
+        run_demo(size=args.size, max_tokens=args.max_tokens or 24)
+        return 0
+    from talaria.demo_agent import run_agent_demo
+
+    return run_agent_demo(args.url, max_tokens=args.max_tokens or 128)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -83,9 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_models)
 
-    p = sub.add_parser("demo", help="generate from the tiny models with the engine library")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p = sub.add_parser("demo", help="an agent session against talaria serve on SmolLM2-135M "
+                       "(--library: generate from the tiny models with the engine library)")
+    p.add_argument("--url", help="a running talaria serve's OpenAI base URL (default: start one)")
+    p.add_argument("--library", action="store_true")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny", help="with --library")
+    p.add_argument("--max-tokens", type=int)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("calibrate", help="measure this machine as a server spec the simulator "

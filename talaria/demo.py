@@ -1,4 +1,5 @@
-"""`talaria demo`: generate from the tiny models with the engine used as a library."""
+"""`talaria demo --library`: generate from the tiny models with the engine used as a library
+(`talaria demo` without it is the agent session on the real model: ``demo_agent.py``)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,18 @@
-"""Where Talaria keeps files it writes on first use (the tiny demo models)."""
+"""Where Talaria keeps files it writes on first use (the tiny demo models, converted GGUF
+checkpoints)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from engine.models.checkpoint_cache import default_cache_dir
 
 TINY_MODEL_NAMES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
 
 
 def cache_dir() -> Path:
     """``$TALARIA_CACHE``, else ``$XDG_CACHE_HOME/talaria``, else ``~/.cache/talaria``."""
-    explicit = os.environ.get("TALARIA_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "talaria"
+    return default_cache_dir()
 
 
 def default_models_dir(size: str = "tiny") -> Path:

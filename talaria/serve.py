@@ -97,6 +97,7 @@ def serve(
     kill_after_s: float | None = None,
 ) -> int:
     """Run instances and router until SIGINT/SIGTERM; returns the exit status."""
+    config.convert_gguf_models()
     for name, path in config.model_paths().items():
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model {name!r}: no config.json in {path!r}")
@@ -124,6 +125,7 @@ def serve(
 def run_router(config: ServeConfig, router_factory: RouterFactory) -> int:
     """`talaria router`: the router alone, over instances already running at fixed ports."""
     urls = instance_urls(config)
+    config.convert_gguf_models()
 
     async def main() -> int:
         stop = _stop_event()

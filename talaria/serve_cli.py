@@ -18,8 +18,11 @@ __all__ = ["add_serve_commands"]
 
 def add_serve_commands(sub: argparse._SubParsersAction, router_factory: RouterFactory) -> None:
     p = sub.add_parser("serve", help="run the router and one process per instance")
-    p.add_argument("--config", help="TOML serve config (default: tiny models, one CPU instance)")
+    p.add_argument("--config", help="TOML serve config (default: SmolLM2-135M-Instruct and the "
+                   "tiny models, one CPU instance)")
     p.add_argument("--port", type=int, help="router port (overrides [router].port; 0: free)")
+    p.add_argument("--tiny-only", action="store_true",
+                   help="without --config: serve the tiny models alone, not SmolLM2-135M")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=lambda a: _serve(a, router_factory))
 
@@ -44,7 +47,7 @@ def _serve(args: argparse.Namespace, router_factory: RouterFactory) -> int:
     from talaria.serve_config import load_serve_config
 
     configure_logging(args.log_level, process="serve")
-    config = load_serve_config(args.config)
+    config = load_serve_config(args.config, real_model=not args.tiny_only)
     if args.port is not None:
         config.router.port = args.port
         config.with_defaults()  # re-validates the port

@@ -20,8 +20,8 @@ session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the d
 block_size = 16
 dtype = "auto"
 
-[models.my-model]       # none: the tiny catalog, written on first use
-path = "/models/my-model"   # relative paths are relative to this file
+[models.my-model]       # none: the tiny catalog (written on first use) and SmolLM2-135M-Instruct
+path = "/models/my-model"   # an HF directory or a .gguf file; relative to this file
 max_model_len = 8192
 tool_format = "hermes"      # how it writes tool calls (default: found in its chat template)
 max_tokens_overflow = "refuse"  # this model's rule (default: the router's)
@@ -57,9 +57,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
 
 from substrate.ledger import STAGING_REGIONS
 from talaria.config import PolicyConfig
+
+log = structlog.get_logger("talaria.serve_config")
 
 __all__ = [
     "RouterSection",
@@ -153,6 +156,18 @@ class ServeConfig:
         known = ", ".join(e.id for e in self.instances)
         raise ConfigError(f"no instance with id {instance_id!r} in the config (ids: {known})")
 
+    def convert_gguf_models(self) -> None:
+        """Replace every ``.gguf`` model path by its converted directory (converted into the
+        cache on first use), so the router and every instance read the same directory."""
+        from engine.models.checkpoint_cache import model_dir
+        from talaria.paths import cache_dir
+
+        for name, model in self.models.items():
+            try:
+                model.path = str(model_dir(model.path, cache_dir()))
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"[models.{name}].path: {exc}") from exc
+
     def model_paths(self) -> dict[str, str]:
         return {name: m.path for name, m in self.models.items()}
 
@@ -185,12 +200,17 @@ class ServeConfig:
         config._validate()
         return config
 
-    def with_defaults(self) -> ServeConfig:
-        """Fill what was left out: the tiny catalog and one CPU instance."""
+    def with_defaults(self, real_model: bool = True) -> ServeConfig:
+        """Fill what was left out: one CPU instance and the default catalog, the tiny
+        random-weight models beside the real one (SmolLM2-135M-Instruct, converted from its
+        package's GGUF file on first use; left out with ``real_model=False``, or with a
+        warning when its package is not installed)."""
         if not self.models:
             from talaria.paths import ensure_tiny_models
 
             self.models = {n: ModelEntry(str(p)) for n, p in ensure_tiny_models().items()}
+            if real_model:
+                self.models.update(_real_model_entry())
         if not self.instances:
             self.instances = [InstanceEntry(id="i0", kv_blocks=_DEFAULT_KV_BLOCKS)]
         for entry in self.instances:
@@ -261,10 +281,11 @@ class ServeConfig:
                 raise ConfigError(f"{where}.device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {inst.device!r}")
 
 
-def load_serve_config(path: str | Path | None) -> ServeConfig:
-    """Read a TOML (or JSON) serve config; None: the defaults. Missing parts get defaults."""
+def load_serve_config(path: str | Path | None, real_model: bool = True) -> ServeConfig:
+    """Read a TOML (or JSON) serve config; None: the defaults. Missing parts get defaults
+    (``real_model``: see ``ServeConfig.with_defaults``)."""
     if path is None:
-        return ServeConfig().with_defaults()
+        return ServeConfig().with_defaults(real_model)
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"serve config {str(file)!r} does not exist")
@@ -273,7 +294,7 @@ def load_serve_config(path: str | Path | None) -> ServeConfig:
         data = orjson.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, orjson.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"serve config {str(file)!r} cannot be parsed: {exc}") from exc
-    return ServeConfig.from_dict(data, base_dir=file.parent.resolve()).with_defaults()
+    return ServeConfig.from_dict(data, base_dir=file.parent.resolve()).with_defaults(real_model)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -289,6 +310,16 @@ def parse_bytes(value: Any, key: str) -> int:
         if m and m.group(2).lower() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     raise ConfigError(f"{key} must be a byte count (an integer or e.g. \"512MiB\"), got {value!r}")
+
+
+def _real_model_entry() -> dict[str, ModelEntry]:
+    from talaria.real_model import CATALOG_NAME, ensure_real_model, missing_reason
+
+    path = ensure_real_model()
+    if path is None:
+        log.warning("serve.real_model_missing", reason=missing_reason())
+        return {}
+    return {CATALOG_NAME: ModelEntry(str(path))}
 
 
 # parsing helpers --------------------------------------------------------------------------

@@ -35,13 +35,19 @@ from workloads.suite_stats import percentile
 from workloads.systems import system
 from workloads.trace import Session
 
-__all__ = ["ReplaySetup", "FIDELITY_POLICIES", "fidelity_trace", "serve_config_text",
+__all__ = ["ReplaySetup", "FIDELITY_POLICIES", "fidelity_trace", "real_model_map", "serve_config_text",
            "replay_pair", "compare", "format_replay_table", "ranking"]
 
 FIDELITY_POLICIES = ("baseline", "+host_kv", "talaria")
 # The default trace's models, by role: the popular MoE, the other MoE, the dense one.
 MODEL_MAP = {"qwen3-235b-a22b": "tiny-qwen3-moe", "glm-4.5-air": "tiny-qwen3",
              "mistral-large-2407": "tiny-llama"}
+
+
+def real_model_map(real: str) -> dict[str, str]:
+    """The map of the run with the real model: the dense model's sessions go to it (``real``,
+    its catalog name), the MoE ones to the tiny MoE and tiny Qwen3 as before."""
+    return {**MODEL_MAP, "mistral-large-2407": real}
 
 
 @dataclass(frozen=True)
@@ -64,15 +70,18 @@ class ReplaySetup:
         return {"slot_close": self.slot_close, "slot_quantum_s": self.slot_quantum_s}
 
 
-def fidelity_trace(setup: ReplaySetup, catalog: Mapping[str, ModelSpec]) -> list[Session]:
+def fidelity_trace(
+    setup: ReplaySetup, catalog: Mapping[str, ModelSpec],
+    model_map: Mapping[str, str] = MODEL_MAP,
+) -> list[Session]:
     """The scaled trace both sides replay (see the module doc)."""
     from workloads.generator import default_trace
 
     chosen = default_trace()[: setup.sessions]
-    missing = sorted({MODEL_MAP.get(s.model, s.model) for s in chosen} - set(catalog))
+    missing = sorted({model_map.get(s.model, s.model) for s in chosen} - set(catalog))
     if missing:
         raise ValueError(f"the fidelity catalog lacks {missing}")
-    mapped = [dataclasses.replace(s, model=MODEL_MAP.get(s.model, s.model),
+    mapped = [dataclasses.replace(s, model=model_map.get(s.model, s.model),
                                   calls=s.calls[: setup.max_calls]) for s in chosen]
     context = min(spec.max_position_embeddings for spec in catalog.values())
     scaled, _dropped = scale_sessions(mapped, setup.token_scale, context)

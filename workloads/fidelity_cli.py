@@ -9,6 +9,9 @@ engine on this machine.
 3. Replay: the same small trace live (``talaria serve`` per policy + the live replay client)
    and simulated with that spec (``workloads.fidelity``): SCT p50 / p95 per policy, the
    counts both sides report, and the ranking of the policies on each side.
+4. The real model (unless ``--no-real-model``): steps 2 and 3 again with SmolLM2-135M-Instruct,
+   which the calibration never saw, its step times in their own table and the replay with the
+   dense model's sessions on it (``--real-policies``, default talaria).
 Prints both tables and writes ``--json`` (default ``fidelity.json``). Every timing carries
 the load average it was measured under: on a shared machine they are noisy, so rerun it on
 an idle one.
@@ -46,6 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "fewer puts the KV under pressure)")
     p.add_argument("--skip-steps", action="store_true", help="no step-time comparison")
     p.add_argument("--skip-replay", action="store_true", help="no replay comparison")
+    p.add_argument("--no-real-model", action="store_true",
+                   help="leave out the run with the real model (SmolLM2-135M-Instruct)")
+    p.add_argument("--real-policies", default="talaria",
+                   help="policies of the real model's replay (default talaria)")
+    p.add_argument("--real-model-only", action="store_true",
+                   help="only the run with the real model (after calibrating if needed)")
     p.set_defaults(func=run_fidelity_command)
 
 
@@ -74,13 +83,16 @@ def run_fidelity_command(args: argparse.Namespace) -> int:
             write_spec(server, info, spec_path)
             print(f"wrote {spec_path}", flush=True)
         out["server"] = str(spec_path)
-        if not args.skip_steps:
+        if not args.skip_steps and not args.real_model_only:
             out["step_time"] = _step_time(spec_path, args.repeats)
             out["load_average"]["after_step_time"] = _load()
-        if not args.skip_replay:
+        if not args.skip_replay and not args.real_model_only:
             setup = ReplaySetup(sessions=args.sessions, kv_blocks=args.kv_blocks)
             out["replay"] = _replay(spec_path, args.policies.split(","), args.threads, setup)
             out["load_average"]["after_replay"] = _load()
+        if not args.no_real_model:
+            out["real_model"] = _real_model_run(spec_path, args)
+            out["load_average"]["after_real_model"] = _load()
     finally:
         torch.set_num_threads(saved_threads)
         structlog.configure(**saved_logs)
@@ -104,22 +116,57 @@ def _step_time(spec_path: Path, repeats: int) -> dict[str, Any]:
     return summarize(results)
 
 
+def _real_model_run(spec_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Step time and replay with SmolLM2-135M-Instruct, apart from the tiny models' tables
+    (the calibration never saw it: this is where the spec is checked off its fitting set)."""
+    from substrate.devices import load_server
+    from talaria.bench.step_fidelity import format_table, real_model_cases, run_cases, summarize
+    from talaria.paths import ensure_tiny_models
+    from talaria.real_model import CATALOG_NAME, ensure_real_model, missing_reason
+    from workloads.fidelity import real_model_map
+
+    path = ensure_real_model()
+    if path is None:
+        print(f"\n== the real model's run: skipped, {missing_reason()}")
+        return {"skipped": missing_reason()}
+    out: dict[str, Any] = {"model": CATALOG_NAME}
+    if not args.skip_steps:
+        print(f"\n== step time on {CATALOG_NAME}: predicted vs measured (load average "
+              f"{_load()})", flush=True)
+        results = run_cases(real_model_cases(CATALOG_NAME), load_server(spec_path),
+                            lambda _size: {CATALOG_NAME: path}, repeats=args.repeats,
+                            log=lambda line: print(line, flush=True))
+        print(format_table(results))
+        out["step_time"] = summarize(results)
+    if not args.skip_replay:
+        small = ensure_tiny_models("small")
+        models = {"tiny-qwen3-moe": small["tiny-qwen3-moe"], "tiny-qwen3": small["tiny-qwen3"],
+                  CATALOG_NAME: path}
+        setup = ReplaySetup(sessions=args.sessions, kv_blocks=args.kv_blocks)
+        out["replay"] = _replay(spec_path, args.real_policies.split(","), args.threads, setup,
+                                models, real_model_map(CATALOG_NAME))
+    return out
+
+
 def _replay(
-    spec_path: Path, policies: list[str], threads: int, setup: ReplaySetup
+    spec_path: Path, policies: list[str], threads: int, setup: ReplaySetup,
+    models: dict[str, Path] | None = None, model_map: dict[str, str] | None = None,
 ) -> dict[str, dict[str, float]]:
     from engine.sim.model_spec import ModelSpec
     from talaria.paths import ensure_tiny_models
     from workloads.fidelity import (
+        MODEL_MAP,
         compare,
         fidelity_trace,
         format_replay_table,
         replay_pair,
     )
 
-    models = ensure_tiny_models("small")
+    models = models if models is not None else ensure_tiny_models("small")
     catalog = {name: ModelSpec.from_hf_config(path, name) for name, path in models.items()}
-    sessions = fidelity_trace(setup, catalog)
-    print(f"\n== replay: {len(sessions)} sessions, {sum(s.num_calls for s in sessions)} calls, "
+    sessions = fidelity_trace(setup, catalog, model_map if model_map is not None else MODEL_MAP)
+    print(f"\n== replay on {', '.join(models)}: {len(sessions)} sessions, "
+          f"{sum(s.num_calls for s in sessions)} calls, "
           f"tokens x{setup.token_scale}, time x{setup.time_scale}, {setup.kv_blocks} KV "
           f"blocks per model, live and simulated "
           f"(load average {_load()})", flush=True)

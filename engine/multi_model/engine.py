@@ -35,6 +35,7 @@ from engine.interface import (
     TokenEvent,
 )
 from engine.model_runner import resolve_device
+from engine.models.checkpoint_cache import model_dir
 from engine.multi_model.catalog import read_catalog
 from engine.multi_model.config import MultiModelConfig
 from engine.multi_model.rank import RankModels
@@ -59,6 +60,7 @@ class MultiModelEngine(ServesModels):
             raise ValueError("MultiModelEngine needs a MultiModelConfig (KV sizing)")
         self.config = config
         self.device = resolve_device(config.device)
+        models = {name: model_dir(path) for name, path in models.items()}  # GGUF: converted
         self.rank = _build_rank(models, config, self.device)
         self.catalog = self.rank.catalog
         try:

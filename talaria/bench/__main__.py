@@ -3,6 +3,8 @@
 Sections (each can be chosen with ``--only``):
 - engine:     engine throughput vs transformers generate (one at a time / padded batch) on
               mixed prompt lengths, and the decode step's fraction of the memory bandwidth
+- engine-real: the same on SmolLM2-135M-Instruct (the default catalog's real model, its GGUF
+              dequantized to fp32 and given to both), with fewer requests
 - tp:         TP=2 step time vs TP=1 with the time spent in collectives
 - switch:     substrate copy rates (H2D, staging, D2D) vs a plain torch copy
 - multimodel: live model switch from host / staging, KV restore vs recompute
@@ -10,7 +12,7 @@ Sections (each can be chosen with ``--only``):
               and the instance's side, the whole table (every poll before it was sent as
               deltas; the first poll now) against a delta
 Models are the "small" tiny checkpoints (tens of millions of parameters), written on
-first use into the cache directory.
+first use into the cache directory, and (engine-real) SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -29,18 +31,18 @@ def _section(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
-def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
+def _engine_throughput(model_dir: Path, label: str, requests: int, args: argparse.Namespace) -> None:
     from talaria.bench.engine_throughput import bench_engine_throughput
 
     _section(
-        f"engine throughput: {args.requests} requests x {args.min_prompt_len}-"
+        f"engine throughput: {requests} requests x {args.min_prompt_len}-"
         f"{args.max_prompt_len} prompt tokens (uniform), {args.output_len} output tokens, "
-        f"small tiny-llama, fp32, greedy, {torch.get_num_threads()} threads; engine and padded "
+        f"{label}, fp32, greedy, {torch.get_num_threads()} threads; engine and padded "
         "batch: best of 2 interleaved runs"
     )
     result = bench_engine_throughput(
-        models["tiny-llama"],
-        args.requests,
+        model_dir,
+        requests,
         args.min_prompt_len,
         args.max_prompt_len,
         args.output_len,
@@ -58,6 +60,22 @@ def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
         f"per step: {d.achieved_bytes_per_s / 1e9:.1f} GB/s = {d.fraction:.0%} of the "
         f"{d.copy_bytes_per_s / 1e9:.1f} GB/s host copy rate (read + write)"
     )
+
+
+def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
+    _engine_throughput(models["tiny-llama"], "small tiny-llama", args.requests, args)
+
+
+def bench_engine_real(models: dict[str, Path], args: argparse.Namespace) -> None:
+    """The same comparison on the real checkpoint (both sides on its dequantized weights)."""
+    from talaria.real_model import ensure_real_model, missing_reason
+
+    path = ensure_real_model()
+    if path is None:
+        _section(f"engine throughput on SmolLM2-135M-Instruct: skipped, {missing_reason()}")
+        return
+    _engine_throughput(path, "SmolLM2-135M-Instruct (Q4_1 dequantized)", args.real_requests,
+                       args)
 
 
 def bench_tp(models: dict[str, Path], args: argparse.Namespace) -> None:
@@ -131,6 +149,7 @@ def bench_state(models: dict[str, Path], args: argparse.Namespace) -> None:
 
 SECTIONS: dict[str, Callable[[dict[str, Path], argparse.Namespace], None]] = {
     "engine": bench_engine,
+    "engine-real": bench_engine_real,
     "tp": bench_tp,
     "switch": bench_switch,
     "multimodel": bench_multimodel,
@@ -142,6 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m talaria.bench", description=__doc__)
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append")
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--real-requests", type=int, default=8,
+                        help="requests of the engine-real section (SmolLM2-135M)")
     parser.add_argument("--min-prompt-len", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=448)
     parser.add_argument("--output-len", type=int, default=64)

@@ -6,7 +6,8 @@ The grid: prefill chunks of 16 to 2048 tokens (and 256 after 2048 cached), decod
 The "small" catalog (tens of millions of parameters, what the fidelity replay serves) is
 where compute and memory matter; its decode batches are capped at ``SMALL_DECODE_TOKENS``
 context tokens in all (64 x 4000 would hold 8 GB of KV and gathered contexts). The "tiny"
-catalog (what ``talaria serve`` serves by default) is where the host overheads are the step.
+catalog (what ``talaria serve`` serves beside the real model) is where the host overheads are
+the step. ``real_model_cases`` adds the real checkpoint, SmolLM2-135M-Instruct.
 Each prediction prices the work the timed step actually ran (``talaria.bench.step_points``).
 """
 
@@ -22,7 +23,8 @@ from engine.sim.model_spec import ModelSpec
 from substrate.devices import ServerSpec
 from talaria.bench.step_points import MeasuredStep, StepPoint, measure_steps
 
-__all__ = ["Case", "PointResult", "default_cases", "run_cases", "summarize", "format_table"]
+__all__ = ["Case", "PointResult", "default_cases", "real_model_cases", "run_cases", "summarize",
+           "format_table"]
 
 PREFILL: tuple[tuple[int, int], ...] = (
     (16, 0), (64, 0), (256, 0), (1024, 0), (2048, 0), (256, 2048))
@@ -33,7 +35,7 @@ SMALL_DECODE_TOKENS = 40_000
 
 @dataclass(frozen=True)
 class Case:
-    size: str  # "small" | "tiny": which tiny catalog
+    size: str  # "small" | "tiny": which tiny catalog; "real": the real model
     model: str
     tp: int
     points: tuple[StepPoint, ...]
@@ -62,6 +64,15 @@ def default_cases() -> list[Case]:
     cases += [Case("tiny", m, 1, tiny) for m in ("tiny-llama", "tiny-qwen3-moe")]
     cases.append(Case("tiny", "tiny-llama", 2, tiny))
     return cases
+
+
+REAL_DECODE_TOKENS = 16_000  # SmolLM2-135M holds 46 KB of fp32 KV per token
+
+
+def real_model_cases(model: str) -> list[Case]:
+    """The real checkpoint (SmolLM2-135M-Instruct, catalog ``"real"``) at TP=1: wider than
+    the tiny models in every dimension but depth, and a 49k vocabulary."""
+    return [Case("real", model, 1, _grid(REAL_DECODE_TOKENS))]
 
 
 @dataclass(frozen=True)

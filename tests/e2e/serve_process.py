@@ -61,13 +61,16 @@ class ServeProcess:
 
 
 def launch_serve(
-    cache: Path, config: Path | None = None, cwd: Path = REPO, env: dict[str, str] | None = None
+    cache: Path, config: Path | None = None, cwd: Path = REPO, env: dict[str, str] | None = None,
+    args: tuple[str, ...] = ("--tiny-only",),
 ) -> ServeProcess:
-    """Start `talaria serve --port 0` with its output collected (not waiting for it); ``cwd``
-    and ``env`` (added to this process's) as given. The serve process itself runs with
-    ``-P``, as the ``talaria`` script does (its directory, not ``cwd``, on its path)."""
+    """Start `talaria serve --port 0 *args` with its output collected (not waiting for it);
+    ``cwd`` and ``env`` (added to this process's) as given. The serve process itself runs
+    with ``-P``, as the ``talaria`` script does (its directory, not ``cwd``, on its path). By
+    default the catalog (when the config names none) is the tiny models alone: the tests of
+    the real model pass ``args=()``."""
     env = {**os.environ, "TALARIA_CACHE": str(cache), "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-P", "-m", "talaria.cli", "serve", "--port", "0"]
+    cmd = [sys.executable, "-P", "-m", "talaria.cli", "serve", "--port", "0", *args]
     if config is not None:
         cmd += ["--config", str(config)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
@@ -82,7 +85,8 @@ def launch_serve(
 def start_serve(
     cache: Path, config: Path | None = None, timeout_s: float = 180.0, **launch: Any
 ) -> ServeProcess:
-    """Start `talaria serve` and wait until its router and every instance are ready."""
+    """Start `talaria serve` and wait until its router and every instance are ready
+    (``launch``: ``launch_serve``'s arguments)."""
     serve = launch_serve(cache, config, **launch)
     proc, lines = serve.proc, serve.stdout_lines
     deadline = time.monotonic() + timeout_s

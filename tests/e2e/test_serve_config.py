@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from talaria.real_model import CATALOG_NAME, packaged_gguf
 from talaria.serve import instance_urls
 from talaria.serve_config import ServeConfig, load_serve_config, parse_bytes
 
@@ -106,12 +107,15 @@ def test_file_errors(tmp_path: Path) -> None:
         load_serve_config(bad)
 
 
-def test_defaults_are_the_tiny_catalog_on_one_cpu_instance(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_defaults_are_the_tiny_catalog_and_smollm2_on_one_cpu_instance(
+    serve_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TALARIA_CACHE", str(tmp_path))
+    monkeypatch.setenv("TALARIA_CACHE", str(serve_cache))
+    tiny = {"tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"}
+    assert set(load_serve_config(None, real_model=False).models) == tiny
     config = load_serve_config(None)
-    assert set(config.models) == {"tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"}
+    real = {CATALOG_NAME} if packaged_gguf() is not None else set()
+    assert set(config.models) == tiny | real
     assert all(Path(m.path, "config.json").is_file() for m in config.models.values())
     (inst,) = config.instances
     assert inst.device == "cpu" and inst.port == 0 and inst.kv_blocks

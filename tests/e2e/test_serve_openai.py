@@ -1,5 +1,5 @@
 """The official `openai` client against a live `talaria serve` (subprocess, free ports, the
-default tiny models written into a temp TALARIA_CACHE): chat and completions, streaming and
+tiny models alone, `--tiny-only`, written into a temp TALARIA_CACHE): chat and completions, streaming and
 not, usage counts, sessions through X-Session-ID; then SIGINT stops every process."""
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ same calls and prompts, each with its cached and host-restored tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from workloads.fidelity import (
     fidelity_trace,
     format_replay_table,
     ranking,
+    real_model_map,
     replay_pair,
     serve_config_text,
 )
@@ -152,3 +154,15 @@ def test_live_counters_are_summed_over_the_instances_the_router_reports() -> Non
     text = RouterMetrics().render(states, {"i0", "i1"}, 0)
     assert parse_counters(text) == {"kv_demotions": 7, "staging_lends": 1}
     assert parse_counters("# HELP x\n") == {"kv_demotions": 0, "staging_lends": 0}
+
+
+def test_the_real_model_run_gives_it_the_dense_models_sessions(models: dict[str, Path]) -> None:
+    setup = dataclasses.replace(SETUP, sessions=16)
+    plain = fidelity_trace(setup, catalog(models))
+    with_real = catalog(models)
+    with_real["real"] = with_real.pop("tiny-llama")
+    real = fidelity_trace(setup, with_real, real_model_map("real"))
+    assert "real" in {s.model for s in real}
+    assert [s.model for s in real] == ["real" if s.model == "tiny-llama" else s.model
+                                       for s in plain]
+    assert [s.calls for s in real] == [s.calls for s in plain]

@@ -42,7 +42,7 @@ def test_base_url_accepts_the_openai_base() -> None:
 def _start_serve(cache: Path, timeout_s: float = 240.0) -> tuple[subprocess.Popen[str], str, list[str]]:
     env = {**os.environ, "TALARIA_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "talaria.cli", "serve", "--port", "0"], cwd=REPO, env=env,
+        [sys.executable, "-m", "talaria.cli", "serve", "--port", "0", "--tiny-only"], cwd=REPO, env=env,
         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )
     out: list[str] = []
