@@ -19,6 +19,12 @@ their neutral defaults, so the presets price exactly the roofline above:
   a tiled kernel's per-tile work unshared));
 - host overheads that grow with the work: per layer (launching its ops), per MoE layer, per
   scheduled sequence (bookkeeping, sampling), per step at TP > 1 (sending it to the ranks);
+  per token, layer and hidden unit (the element-wise work between the matrix products:
+  norms, rotary, activation, residual adds and the copies between them, which fused GPU
+  kernels hide and a CPU pays token by token), per decoding sequence and layer (decode
+  attention's own work per sequence: its cache writes, the per-sequence slices of its
+  batched kernel), and per context token of the decodes (a step's metadata and masks over
+  every decoding sequence's context, built once per step);
 - ``moe_dense_max_tokens``: an engine that runs every expert on batches up to that size.
 
 Switch times of the substrate (a model becoming active on the instance; other engines'
@@ -36,6 +42,11 @@ from dataclasses import dataclass, fields
 
 from engine.sim.model_spec import ModelSpec
 from substrate.devices import ServerSpec, server_preset
+
+# The host-overhead terms of Efficiency, each priced per unit of CostModel.overhead_counts.
+OVERHEAD_TERMS = ("step_overhead_s", "layer_overhead_s", "moe_layer_overhead_s", "seq_overhead_s",
+                  "tp_step_overhead_s", "elementwise_s_per_unit", "decode_seq_layer_overhead_s",
+                  "decode_context_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,9 @@ class Efficiency:
     moe_layer_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
     tp_step_overhead_s: float = 0.0
+    elementwise_s_per_unit: float = 0.0
+    decode_seq_layer_overhead_s: float = 0.0
+    decode_context_overhead_s: float = 0.0
     moe_dense_max_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -79,9 +93,7 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Efficiency.overlap must be in [0, 1], got {self.overlap!r}")
-        for name in ("allreduce_latency_s", "step_overhead_s", "layer_overhead_s",
-                     "moe_layer_overhead_s", "seq_overhead_s", "tp_step_overhead_s",
-                     "moe_dense_max_tokens"):
+        for name in ("allreduce_latency_s", *OVERHEAD_TERMS, "moe_dense_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Efficiency.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -151,6 +163,17 @@ class CostModel:
         self.model = model
         self.tp = tp
         self.eff = efficiency or Efficiency.of_server(server)
+        # a step's overhead as a constant plus one rate per variable of overhead_counts
+        # (each count is affine in one of them): the hot path multiplies four numbers
+        def priced(*shape: int) -> float:
+            counts = self.overhead_counts(*shape)
+            return sum(getattr(self.eff, term) * n for term, n in counts.items())
+
+        self._overhead_fixed_s = priced(0, 0, 0, 0)
+        self._overhead_per_token_s = priced(1, 0, 0, 0) - self._overhead_fixed_s
+        self._overhead_per_row_s = priced(0, 1, 0, 0) - self._overhead_fixed_s
+        self._overhead_per_decode_s = priced(0, 0, 1, 0) - self._overhead_fixed_s
+        self._overhead_per_context_s = priced(0, 0, 0, 1) - self._overhead_fixed_s
 
     @classmethod
     def from_names(
@@ -158,6 +181,21 @@ class CostModel:
     ) -> CostModel:
         """A cost model for a server preset and a bundled model, by name."""
         return cls(server_preset(server), ModelSpec.load(model), tp)
+
+    def overhead_counts(
+        self, tokens: int, rows: int, decode_seqs: int, decode_context: int
+    ) -> dict[str, float]:
+        """How many of each host-overhead term (``OVERHEAD_TERMS``) a step of ``tokens``
+        new tokens, ``rows`` sampling rows and ``decode_seqs`` decodes over
+        ``decode_context`` tokens pays: its overhead is the sum of each count times the
+        term's ``Efficiency`` value (and what a calibration fits those values from)."""
+        m = self.model
+        return {"step_overhead_s": 1.0, "layer_overhead_s": float(m.num_layers),
+                "moe_layer_overhead_s": float(m.num_moe_layers), "seq_overhead_s": float(rows),
+                "tp_step_overhead_s": 1.0 if self.tp > 1 else 0.0,
+                "elementwise_s_per_unit": float(tokens * m.num_layers * m.hidden_size),
+                "decode_seq_layer_overhead_s": float(decode_seqs * m.num_layers),
+                "decode_context_overhead_s": float(decode_context)}
 
     # --- memory -----------------------------------------------------------------------------
     def weight_bytes_per_gpu(self) -> int:
@@ -212,11 +250,11 @@ class CostModel:
 
     def _step(
         self, tokens: int, attention_pairs: float, kv_read_tokens: int, logit_rows: int,
-        decode_pairs: float = 0.0,
+        decode_pairs: float = 0.0, decode_seqs: int = 0,
     ) -> StepCost:
         """One forward pass over ``tokens`` new tokens. ``attention_pairs`` is the number of
         (query, key) pairs attention scores, ``decode_pairs`` of them the decodes' (one query
-        per sequence); ``kv_read_tokens`` the KV tokens it reads."""
+        per sequence, ``decode_seqs`` of them); ``kv_read_tokens`` the KV tokens it reads."""
         if tokens <= 0:
             return StepCost(0.0, 0.0, 0.0, 0.0)
         m, tp, dev, eff = self.model, self.tp, self.device, self.eff
@@ -236,13 +274,10 @@ class CostModel:
         kv_bytes = (kv_read_tokens + tokens) * self.kv_bytes_per_token_per_gpu()
         weights_s = weight_bytes / tp / hbm_rate
         kv_s = kv_bytes / (dev.kv_read_bytes_per_s or hbm_rate)
-        overhead_s = (
-            eff.step_overhead_s
-            + m.num_layers * eff.layer_overhead_s
-            + m.num_moe_layers * eff.moe_layer_overhead_s
-            + logit_rows * eff.seq_overhead_s
-            + (eff.tp_step_overhead_s if tp > 1 else 0.0)
-        )
+        overhead_s = (self._overhead_fixed_s + tokens * self._overhead_per_token_s
+                      + logit_rows * self._overhead_per_row_s
+                      + decode_seqs * self._overhead_per_decode_s
+                      + (decode_pairs - decode_seqs) * self._overhead_per_context_s)
         return StepCost(linear_s + attention_s + scores_s, weights_s + kv_s,
                         self._collective_seconds(tokens, logit_rows), overhead_s, eff.overlap,
                         (("linear", linear_s), ("attention", attention_s), ("scores", scores_s),
@@ -318,7 +353,7 @@ class CostModel:
             pairs += new * ctx + new * (new + 1) / 2.0
             kv_read += ctx
             rows += 1
-        return self._step(tokens, pairs, kv_read, rows, decode_pairs)
+        return self._step(tokens, pairs, kv_read, rows, decode_pairs, decode_seqs)
 
     # --- moving bytes -----------------------------------------------------------------------
     def switch_seconds_host(self) -> float:
