@@ -4,8 +4,9 @@ priced with the rates the micro-benchmarks measured.
 
 The steps are those of checkpoints made for it, of the two widths the tiny catalogs have
 (``tiny`` and ``small``), dense and MoE, of 1 and 4 layers (the catalogs' models have 2 and
-8): decodes of 1, 4 and 32 sequences after 16 tokens and of 4 and 16 after 1024 and 384,
-and prefill chunks of 48 and 320 tokens, shapes the step-time check does not time. Each term
+8): decodes of 1, 4 and 32 sequences after 16 tokens and of 4 after 1024 and 16 after 384
+and 2048 (where reading the KV is most of the step), and prefill chunks of 48 and 320
+tokens, shapes the step-time check does not time. Each term
 of ``CostModel.overhead_counts`` is one column, and so are the weight bytes a step reads,
 the decodes' KV bytes and their (query, key, head) scores: memory is priced at the rates
 the engine reads it at between its other ops (its weights slower than a loop of bare
@@ -39,8 +40,8 @@ __all__ = ["OVERHEAD_POINTS", "FitStep", "fit_engine", "fit_overheads", "nnls"]
 OVERHEAD_LAYERS = (1, 4)
 OVERHEAD_POINTS = (StepPoint("decode", 1, 16), StepPoint("decode", 4, 16),
                    StepPoint("decode", 32, 16), StepPoint("decode", 4, 1024),
-                   StepPoint("decode", 16, 384), StepPoint("prefill", 48, 0),
-                   StepPoint("prefill", 320, 0))
+                   StepPoint("decode", 16, 384), StepPoint("decode", 16, 2048),
+                   StepPoint("prefill", 48, 0), StepPoint("prefill", 320, 0))
 TP_POINT = StepPoint("decode", 1, 16)
 WEIGHTS_TERM = "weights_s_per_byte"
 KV_TERM = "kv_read_s_per_byte"

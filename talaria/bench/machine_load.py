@@ -5,8 +5,10 @@ descendants'), so that a timing can say whether it was taken on an idle machine.
 A sample is cheap (a few files read); ``CpuUse.between`` turns two into rates in cores:
 ``others`` (0 on an idle machine, up to the CPU count), ``ours``, and ``steal`` (time a
 hypervisor gave this virtual machine's CPUs to others). ``LoadWatch`` samples the 1-minute
-load average every few seconds in a thread, for its peak and mean over a run. Where
-``/proc`` is missing (not Linux) the CPU figures are None.
+load average every few seconds in a thread, for its peak and mean over a run. Per-thread
+CPU time of child processes (``thread_cpu_s``) says what a live engine's step thread
+computed however busy the machine was. Where ``/proc`` is missing (not Linux) the CPU
+figures are None or empty.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["CpuSample", "CpuUse", "LoadWatch", "cpu_sample"]
+__all__ = ["CpuSample", "CpuUse", "LoadWatch", "busiest_thread_cpu_s", "cpu_sample",
+           "descendants", "thread_cpu_s"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -66,14 +69,13 @@ def _proc_stat() -> tuple[float, float] | None:
     return sum(values) - idle - guest, steal
 
 
-def _descendants_cpu_s(root: int) -> float:
-    """CPU seconds of ``root``'s live descendants and of what they waited for."""
-    children: dict[int, list[int]] = {}
-    times: dict[int, float] = {}
+def _processes() -> dict[int, tuple[int, float]]:
+    """Every process: pid -> (parent pid, CPU seconds of it and of what it waited for)."""
+    out: dict[int, tuple[int, float]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return 0.0
+        return out
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -82,15 +84,51 @@ def _descendants_cpu_s(root: int) -> float:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        pid, ppid = int(entry), int(fields[1])
+        # utime stime cutime cstime
+        out[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / _TICK)
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    """The live processes below ``root`` (its children, theirs, ...)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _cpu) in _processes().items():
         children.setdefault(ppid, []).append(pid)
-        times[pid] = sum(int(x) for x in fields[11:15]) / _TICK  # utime stime cutime cstime
-    total, stack = 0.0, list(children.get(root, []))
+    out, stack = [], list(children.get(root, []))
     while stack:
         pid = stack.pop()
-        total += times.get(pid, 0.0)
+        out.append(pid)
         stack.extend(children.get(pid, []))
-    return total
+    return out
+
+
+def _descendants_cpu_s(root: int) -> float:
+    """CPU seconds of ``root``'s live descendants and of what they waited for."""
+    table = _processes()
+    return sum(table[pid][1] for pid in descendants(root) if pid in table)
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each live thread of process ``pid`` (empty if it is gone)."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+def busiest_thread_cpu_s(before: dict[int, dict[int, float]],
+                         after: dict[int, dict[int, float]]) -> float:
+    """The most CPU time one thread used between two snapshots (pid -> ``thread_cpu_s``)."""
+    return max((cpu - before.get(pid, {}).get(tid, 0.0)
+                for pid, threads in after.items() for tid, cpu in threads.items()), default=0.0)
 
 
 def cpu_sample() -> CpuSample:

@@ -6,6 +6,9 @@ figures."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -23,7 +26,15 @@ from talaria.bench.fidelity_rounds import (
     run_rounds,
     spread,
 )
-from talaria.bench.machine_load import CpuSample, CpuUse, LoadWatch, cpu_sample
+from talaria.bench.machine_load import (
+    CpuSample,
+    CpuUse,
+    LoadWatch,
+    busiest_thread_cpu_s,
+    cpu_sample,
+    descendants,
+    thread_cpu_s,
+)
 from talaria.bench.step_fidelity import Case, PointResult, price
 from talaria.bench.step_points import MeasuredStep, StepPoint, StepShape
 from talaria.bench.timing import THREAD_CPU, WALL, Clock, clock_for, median_seconds
@@ -183,5 +194,18 @@ def test_cpu_use_is_what_the_others_took_of_the_busy_time() -> None:
         assert later.busy_s is not None and later.busy_s >= now.busy_s  # type: ignore[operator]
     with LoadWatch(every_s=0.01) as watch:
         pass
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        before = {child.pid: {}}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and busiest_thread_cpu_s(
+                before, {child.pid: thread_cpu_s(child.pid)}) < 0.25:
+            time.sleep(0.05)
+        assert child.pid in descendants(os.getpid())
+        assert busiest_thread_cpu_s(before, {child.pid: thread_cpu_s(child.pid)}) >= 0.25
+    finally:
+        child.kill()
+        child.wait()
     summary = watch.summary()
     assert len(watch.samples) >= 2 and summary["max"] >= summary["mean"] >= 0

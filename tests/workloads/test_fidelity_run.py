@@ -52,7 +52,8 @@ def test_a_replay_only_run_recalibrates_unless_the_spec_holds_now(
 
 def row(live50: float, sim50: float, live95: float, sim95: float) -> dict[str, float]:
     return {"live_p50_s": live50, "sim_p50_s": sim50, "live_p95_s": live95, "sim_p95_s": sim95,
-            "p50_rel_err": sim50 / live50 - 1, "p95_rel_err": sim95 / live95 - 1}
+            "p50_rel_err": sim50 / live50 - 1, "p95_rel_err": sim95 / live95 - 1,
+            "live_engine_s": 30.0, "sim_engine_s": 28.5}
 
 
 def run(rows: dict[str, dict[str, float]], median: float = 0.12) -> dict[str, Any]:
@@ -81,6 +82,7 @@ def test_the_closing_table_sets_each_figure_against_the_bar() -> None:
     assert "median |err| 12% (<= 25%: met)" in text and "p90 |err| 40% (<= 50%: met)" in text
     assert "spread over 3 rounds: median |err| 10% to 14%" in text
     assert "NOT met" not in text and "DIFFERENT" not in text
+    assert "30.0/28.5   -5%" in text  # the engine: live CPU seconds / simulated
     assert "ranking by SCT p50: live talaria < +host_kv < baseline" in text
     bad = {**good, "talaria": row(28, 18, 40, 45)}  # -36% at p50; p95 now behind +host_kv
     checks = replay_checks(bad)
