@@ -26,6 +26,15 @@ def _cores(use: Mapping[str, Any] | None, cpus: int) -> str:
     return f"{use['others_cores']:.2f} of {cpus} cores (steal {use['steal_cores']:.2f})"
 
 
+def _ordered(rows: Mapping[str, Mapping[str, float]], order: list[str], side: str,
+             stat: str) -> str:
+    """The policies in ``order`` with the gap to the next one: "a <(1.2 s) b"."""
+    out = order[0]
+    for a, b in zip(order, order[1:], strict=False):
+        out += f" <({rows[b][f'{side}_{stat}_s'] - rows[a][f'{side}_{stat}_s']:.1f} s) {b}"
+    return out
+
+
 def replay_checks(rows: Mapping[str, Mapping[str, float]]) -> dict[str, bool]:
     """Whether every row is within the bar at p50 and p95, and whether the ranking by each
     is the same live and simulated."""
@@ -90,10 +99,7 @@ def format_summary(out: Mapping[str, Any]) -> str:
         checks = replay_checks(rows)
         for stat in ("p50", "p95"):
             live, sim = ranking(rows, "live", stat), ranking(rows, "sim", stat)
-            margins = ", ".join(f"{b} - {a} {rows[b][f'live_{stat}_s'] - rows[a][f'live_{stat}_s']:.1f} s"
-                                for a, b in zip(live, live[1:], strict=False))
-            lines.append(f"ranking by SCT {stat}: live {' < '.join(live)}; simulated "
-                         f"{' < '.join(sim)}: "
-                         f"{'same' if checks[f'same_ranking_{stat}'] else 'DIFFERENT'} "
-                         f"(live gaps: {margins})")
+            lines.append(f"ranking by SCT {stat}: live {_ordered(rows, live, 'live', stat)}; "
+                         f"simulated {_ordered(rows, sim, 'sim', stat)}: "
+                         f"{'same' if checks[f'same_ranking_{stat}'] else 'DIFFERENT'}")
     return "\n".join(lines)

@@ -83,7 +83,8 @@ def test_the_closing_table_sets_each_figure_against_the_bar() -> None:
     assert "spread over 3 rounds: median |err| 10% to 14%" in text
     assert "NOT met" not in text and "DIFFERENT" not in text
     assert "30.0/28.5   -5%" in text  # the engine: live CPU seconds / simulated
-    assert "ranking by SCT p50: live talaria < +host_kv < baseline" in text
+    assert "ranking by SCT p50: live talaria <(5.0 s) +host_kv <(12.0 s) baseline; simulated " \
+        "talaria <(4.0 s) +host_kv <(12.0 s) baseline: same" in text
     bad = {**good, "talaria": row(28, 18, 40, 45)}  # -36% at p50; p95 now behind +host_kv
     checks = replay_checks(bad)
     assert checks == {"rows_within": False, "same_ranking_p50": True, "same_ranking_p95": False}
