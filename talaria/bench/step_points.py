@@ -155,11 +155,12 @@ class _Prompts:
 
 class _ShapeRecorder:
     """Keeps the shape of the step the engine is about to run (wraps its scheduler) and
-    times its steps on ``clock`` (``step``)."""
+    times its steps on ``clock`` (``step``). It holds no reference to the engine: the
+    scheduler holds it, and a cycle back would keep the engine's KV cache (GBs) alive until
+    a garbage collection."""
 
     def __init__(self, core: EngineCore, clock: Clock) -> None:
         self.last = StepShape((), 0, 0)
-        self.core = core
         self.clock = clock
         schedule = core.scheduler.schedule
 
@@ -172,10 +173,10 @@ class _ShapeRecorder:
 
         core.scheduler.schedule = recording  # type: ignore[method-assign]
 
-    def step(self) -> _Timed:
-        """One engine step: its time on the clock, on the wall clock, its work and result."""
+    def step(self, core: EngineCore) -> _Timed:
+        """One step of ``core``: its time on the clock, on the wall clock, its work, result."""
         start = self.clock.read()
-        result = self.core.step()
+        result = core.step()
         return _Timed(self.clock.read() - start, result.seconds, self.last, result)
 
 
@@ -210,7 +211,7 @@ def _prefill(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: i
         prompt = context + prompts.fresh(point.tokens)
         params = SamplingParams(max_tokens=1, **_GREEDY)
         core.add_request(EngineRequest(f"chunk-{r}", prompt, params))
-        step = rec.step()
+        step = rec.step(core)
         if step.result.num_prefill_tokens:
             timed.append(step)
         _drain(core)
@@ -230,7 +231,7 @@ def _decode(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: in
     timed: list[_Timed] = []
     seen = 0
     while core.has_unfinished() and len(timed) < repeats:
-        step = rec.step()
+        step = rec.step(core)
         if step.shape.chunks or step.shape.decode_seqs != point.tokens:
             continue
         seen += 1
