@@ -25,6 +25,10 @@ their neutral defaults, so the presets price exactly the roofline above:
   attention's own work per sequence: its cache writes, the per-sequence slices of its
   batched kernel), and per context token of the decodes (a step's metadata and masks over
   every decoding sequence's context, built once per step);
+- ``gemm_s_per_weight_byte``: a matrix product of two or more rows costs this per byte of
+  its weights beyond its FLOPs (a blocked kernel's fixed work per weight: at a few rows a
+  CPU's products run far below their peak FLOP rate), which a one-row product (a
+  matrix-vector kernel, a decode of one sequence) does not pay;
 - ``moe_dense_max_tokens``: an engine that runs every expert on batches up to that size.
 
 Switch times of the substrate (a model becoming active on the instance; other engines'
@@ -85,6 +89,7 @@ class Efficiency:
     elementwise_s_per_unit: float = 0.0
     decode_seq_layer_overhead_s: float = 0.0
     decode_context_overhead_s: float = 0.0
+    gemm_s_per_weight_byte: float = 0.0
     moe_dense_max_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -93,7 +98,8 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Efficiency.overlap must be in [0, 1], got {self.overlap!r}")
-        for name in ("allreduce_latency_s", *OVERHEAD_TERMS, "moe_dense_max_tokens"):
+        for name in ("allreduce_latency_s", *OVERHEAD_TERMS, "gemm_s_per_weight_byte",
+                     "moe_dense_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Efficiency.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -262,15 +268,19 @@ class CostModel:
         hbm_rate = dev.hbm_bytes_per_s * eff.memory
         scores = m.num_layers * m.num_attention_heads * attention_pairs / tp
         decode_scores = m.num_layers * m.num_attention_heads * decode_pairs / tp
-        linear_s = self._linear_flops(tokens, logit_rows) / tp / flop_rate
+        layer_bytes = (
+            m.always_active_linear_params
+            + self._experts_touched_fraction(tokens) * m.routed_expert_params
+        ) * m.weight_dtype_bytes
+        head_bytes = m.vocab_size * m.hidden_size * max(2, m.weight_dtype_bytes)
+        gemm_bytes = (layer_bytes if tokens > 1 else 0.0) + (head_bytes if logit_rows > 1 else 0.0)
+        linear_s = (self._linear_flops(tokens, logit_rows) / tp / flop_rate
+                    + gemm_bytes / tp * eff.gemm_s_per_weight_byte)
         attention_s = 4.0 * m.head_dim * scores / (dev.attention_flops or flop_rate)
         prefill_rate, decode_rate = dev.attention_scores_per_s, dev.decode_scores_per_s
         scores_s = ((scores - decode_scores) / prefill_rate if prefill_rate else 0.0) + (
             decode_scores / decode_rate if decode_rate else 0.0)
-        weight_bytes = (
-            m.always_active_linear_params
-            + self._experts_touched_fraction(tokens) * m.routed_expert_params
-        ) * m.weight_dtype_bytes + m.vocab_size * m.hidden_size * max(2, m.weight_dtype_bytes)
+        weight_bytes = layer_bytes + head_bytes
         kv_bytes = (kv_read_tokens + tokens) * self.kv_bytes_per_token_per_gpu()
         weights_s = weight_bytes / tp / hbm_rate
         kv_s = kv_bytes / (dev.kv_read_bytes_per_s or hbm_rate)

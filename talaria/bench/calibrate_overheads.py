@@ -5,10 +5,12 @@ priced with the rates the micro-benchmarks measured.
 The steps are those of checkpoints made for it, of the two widths the tiny catalogs have
 (``tiny`` and ``small``), dense and MoE, of 1 and 4 layers (the catalogs' models have 2 and
 8): decodes of 1, 4 and 32 sequences after 16 tokens and of 4 after 1024 and 16 after 384
-and 2048 (where reading the KV is most of the step), and prefill chunks of 48 and 320
+and 2048 (where reading the KV is most of the step), and prefill chunks of 48 and 512
 tokens, shapes the step-time check does not time. Each term
 of ``CostModel.overhead_counts`` is one column, and so are the weight bytes a step reads,
-the decodes' KV bytes and their (query, key, head) scores: memory is priced at the rates
+those its products of two or more rows pay their fixed work on (``Efficiency.
+gemm_s_per_weight_byte``), the decodes' KV bytes and their (query, key, head) scores:
+memory is priced at the rates
 the engine reads it at between its other ops (its weights slower than a loop of bare
 products streams them: the ops between evict what the prefetcher brought), and decode
 attention at what the engine's own decode path costs. The fit is the non-negative
@@ -41,14 +43,15 @@ OVERHEAD_LAYERS = (1, 4)
 OVERHEAD_POINTS = (StepPoint("decode", 1, 16), StepPoint("decode", 4, 16),
                    StepPoint("decode", 32, 16), StepPoint("decode", 4, 1024),
                    StepPoint("decode", 16, 384), StepPoint("decode", 16, 2048),
-                   StepPoint("prefill", 48, 0), StepPoint("prefill", 320, 0))
+                   StepPoint("prefill", 48, 0), StepPoint("prefill", 512, 0))
 TP_POINT = StepPoint("decode", 1, 16)
 WEIGHTS_TERM = "weights_s_per_byte"
+GEMM_TERM = "gemm_s_per_weight_byte"
 KV_TERM = "kv_read_s_per_byte"
 DECODE_SCORE_TERM = "decode_s_per_score"
 # fitted at TP=1 (the TP step's own terms come after)
-TP1_TERMS = (*(t for t in OVERHEAD_TERMS if t != "tp_step_overhead_s"), WEIGHTS_TERM, KV_TERM,
-             DECODE_SCORE_TERM)
+TP1_TERMS = (*(t for t in OVERHEAD_TERMS if t != "tp_step_overhead_s"), GEMM_TERM, WEIGHTS_TERM,
+             KV_TERM, DECODE_SCORE_TERM)
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ def _with_coefficients(server: ServerSpec, coefficients: dict[str, float]) -> Se
     if kv > 0:
         device = replace(device, kv_read_bytes_per_s=1.0 / kv)
     device = replace(device, decode_scores_per_s=1.0 / per_score if per_score > 0 else None)
-    overheads = {t: v for t, v in coefficients.items() if t in OVERHEAD_TERMS}
+    overheads = {t: v for t, v in coefficients.items() if t in (*OVERHEAD_TERMS, GEMM_TERM)}
     return replace(server, device=device,
                    efficiency=tuple(sorted({**dict(server.efficiency), **overheads}.items())))
 
@@ -137,7 +140,9 @@ def _fit_step(server: ServerSpec, spec: ModelSpec, m: MeasuredStep) -> FitStep:
     chunks, seqs, context = list(m.shape.chunks), m.shape.decode_seqs, m.shape.decode_context
     unit = replace(server.device, hbm_bytes_per_s=1.0, kv_read_bytes_per_s=1.0,
                    decode_scores_per_s=1.0)
-    at_unit = CostModel(replace(server, device=unit), spec, 1).step_cost(chunks, seqs, context)
+    gemm = tuple(sorted({**dict(server.efficiency), GEMM_TERM: 1.0}.items()))
+    at_unit = CostModel(replace(server, device=unit, efficiency=gemm), spec, 1).step_cost(
+        chunks, seqs, context)
     no_decode = replace(server.device, decode_scores_per_s=None)
     cost = CostModel(replace(server, device=no_decode), spec, 1)
     base = cost.step_cost(chunks, seqs, context)
@@ -145,6 +150,7 @@ def _fit_step(server: ServerSpec, spec: ModelSpec, m: MeasuredStep) -> FitStep:
     tokens = sum(n for n, _ in chunks) + seqs
     rows = len([n for n, _ in chunks if n]) + seqs
     counts = {**cost.overhead_counts(tokens, rows, seqs, context),
+              GEMM_TERM: unit_parts["linear"] - base_parts["linear"],
               WEIGHTS_TERM: unit_parts["weights"], KV_TERM: unit_parts["kv"],
               DECODE_SCORE_TERM: unit_parts["scores"] - base_parts["scores"]}
     return FitStep(m.seconds - base.compute_s - base.allreduce_s, m.seconds, counts)
@@ -196,6 +202,8 @@ def _median_abs_error(steps: Sequence[FitStep], coefficients: dict[str, float]) 
 
 
 def _describe(name: str, value: float) -> str:
+    if name == GEMM_TERM:
+        return f"gemm {value * 1e12:.1f} ps/weight byte"
     if name == WEIGHTS_TERM:
         return f"weights read at {1 / value / 1e9:.2f} GB/s" if value else "weights read free"
     if name == KV_TERM:

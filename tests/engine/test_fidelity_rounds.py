@@ -158,7 +158,9 @@ def test_the_fit_recovers_the_terms_a_cost_model_priced() -> None:
              "decode_seq_layer_overhead_s": 5e-6, "decode_context_overhead_s": 3e-9}
     true_device = replace(DEVICE, hbm_bytes_per_s=4e9, kv_read_bytes_per_s=3e9,
                           decode_scores_per_s=5e8)
-    known = ServerSpec("truth", true_device, 2, efficiency=tuple(sorted({**BASE, **truth}.items())))
+    gemm = {"gemm_s_per_weight_byte": 4e-11}
+    known = ServerSpec("truth", true_device, 2,
+                       efficiency=tuple(sorted({**BASE, **truth, **gemm}.items())))
     points = [StepPoint("decode", b, c) for b in (1, 4, 32) for c in (16, 1024)]
     points += [StepPoint("prefill", n, 0) for n in (48, 320)]
     steps = []
@@ -171,7 +173,7 @@ def test_the_fit_recovers_the_terms_a_cost_model_priced() -> None:
             steps.append(_fit_step(SERVER, model, replace(m, seconds=s.seconds)))
     fitted = fit_overheads(steps)
     assert set(fitted) == set(TP1_TERMS)
-    for term, value in truth.items():
+    for term, value in {**truth, **gemm}.items():
         assert fitted[term] == pytest.approx(value, rel=1e-3), term
     assert 1 / fitted["weights_s_per_byte"] == pytest.approx(4e9, rel=1e-3)
     assert 1 / fitted["kv_read_s_per_byte"] == pytest.approx(3e9, rel=1e-3)

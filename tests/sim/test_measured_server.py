@@ -138,6 +138,16 @@ def test_a_steps_overhead_is_its_counts_times_the_terms(tp: int) -> None:
             assert set(counts) == set(OVERHEAD_TERMS)
             assert step.overhead_s == pytest.approx(sum(getattr(eff, t) * n
                                                         for t, n in counts.items()))
+    # a product of two or more rows pays its fixed work per weight byte; one row does not
+    gemm = dataclasses.replace(SERVER, efficiency=tuple(sorted({
+        **OVERHEADS, "gemm_s_per_weight_byte": 1e-11}.items())))
+    model = small_llama()
+    layers, head = model.always_active_linear_params * 4, model.vocab_size * model.hidden_size * 4
+    # the layers' products have a row per token, the LM head one per sampling sequence
+    for chunks, seqs, extra in (([], 1, 0.0), ([], 2, layers + head), ([(48, 0)], 0, layers)):
+        with_gemm = dict(CostModel(gemm, model, 1).step_cost(chunks, seqs, seqs * 64).parts)
+        without = dict(CostModel(SERVER, model, 1).step_cost(chunks, seqs, seqs * 64).parts)
+        assert with_gemm["linear"] - without["linear"] == pytest.approx(extra * 1e-11, rel=1e-6)
     assert CostModel.from_names().step_cost([(64, 0)], 4, 400).overhead_s == pytest.approx(
         Efficiency().step_overhead_s)  # the GPU presets: one per-step overhead, nothing else
 
