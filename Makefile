@@ -46,8 +46,9 @@ replay: $(STAMP)
 calibrate: $(STAMP)
 	$(VENV)/bin/talaria calibrate $(ARGS)
 
-# The simulator against the live engine here: step-time error and live vs simulated replay;
-# prints both tables, writes fidelity.json (calibrates first unless cpu_server.json exists).
+# The simulator against the live engine here: rounds of calibration + step-time error, then
+# live vs simulated replay; prints the tables and one closing summary, writes fidelity.json
+# and cpu_server.json (the median calibration, with the conditions it was measured under).
 fidelity: $(STAMP)
 	$(VENV)/bin/talaria fidelity $(ARGS)
 

@@ -24,7 +24,9 @@ never the prompt's last token, as the replay counts ``reusable``), and its outpu
   attending L cached tokens (the KV every decode of a step attends is on the device at
   once, at most K = the model's largest KV region). Each way gives out at most G(T) per
   step, and so does any mix. Prefill rows and KV reads are counted at their fewest (the
-  fewest chunks, the short one first).
+  fewest chunks, the short one first). The host's per-token, per-decode and per-context
+  overheads are sums too and count in full; a measured CPU's per-weight-byte product time
+  (``StepTerms.gemm``, 0 on the GPU presets) is left out, which only lowers the bound.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def critical_seconds(cost: CostModel, shape: CallShape, budget: int) -> float:
     memory = (sum(t.weights(n) for n, _ in chunks)
               + (sum(ctx for _, ctx in chunks) + new) * t.kv_per_token)
     rest = (rows * (t.collective_fixed + t.overhead_fixed + t.collective_per_row
-                    + t.overhead_per_row) + new * t.collective_per_token)
+                    + t.overhead_per_row) + new * (t.collective_per_token + t.overhead_per_token))
     return combine(compute, memory, t.overlap) + rest + _decode_alone(cost, shape)
 
 
@@ -135,7 +137,7 @@ class WorkModel:
 
     per_prefill_token: float
     per_decode_token: float
-    per_decode_context: float  # per cached token a decode attends (its share of the step)
+    per_decode_context: float  # per cached token a decode attends (its share of the step + host)
     per_row: float
     per_prefill_pair: float
     per_decode_pair: float
@@ -159,12 +161,14 @@ class WorkModel:
             return t.collective_fixed + t.overhead_fixed + (1.0 - lam) * t.weights(tokens)
 
         per_token = (lam * t.compute_per_token + (1.0 - lam) * t.kv_per_token
-                     + t.collective_per_token)
+                     + t.collective_per_token + t.overhead_per_token)
         token_share = by_tokens * fixed(budget) / budget
         return cls(
             per_prefill_token=per_token + token_share,
-            per_decode_token=per_token + token_share + by_decodes * fixed(seqs) / seqs,
-            per_decode_context=by_context * fixed(1) / kv_capacity_tokens,
+            per_decode_token=(per_token + token_share + by_decodes * fixed(seqs) / seqs
+                              + t.overhead_per_decode),
+            per_decode_context=(by_context * fixed(1) / kv_capacity_tokens
+                                + t.overhead_per_decode_context),
             per_row=lam * t.compute_per_row + t.collective_per_row + t.overhead_per_row,
             per_prefill_pair=lam * t.compute_per_prefill_pair,
             per_decode_pair=lam * t.compute_per_decode_pair,

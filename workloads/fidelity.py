@@ -13,7 +13,10 @@ replaced by stand-in ids on both sides (a live answer is text), and the same eng
 things: per call, prompt tokens served from cache and, of those, restored from host KV
 (the live side reads them from ``usage.prompt_tokens_details``); per run, how many sessions'
 KV each side demoted to host and how many slots lent the staging region (the live side's
-counts from the router's ``/metrics``).
+counts from the router's ``/metrics``), and the engine's time: the simulated engine's
+modelled busy seconds against the CPU seconds of the live instance's busiest thread (its
+engine thread, which runs every step, switch and KV copy), a figure the machine's other
+load does not inflate.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sim.model_spec import ModelSpec
+from talaria.bench.machine_load import busiest_thread_cpu_s, descendants, thread_cpu_s
 from workloads.cluster import ClusterSpec, ClusterTotals
 from workloads.live import run_live_replay, scale_sessions
 from workloads.live_serve import COUNTER_GAUGES, instance_counters, running_serve
@@ -132,13 +136,20 @@ def replay_pair(
         config.write_text(serve_config_text(setup, models, policy))
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         with running_serve(config, env=env) as url:
+            before = _threads_below_us()
             live, info = run_live_replay(sessions, url, time_scale=setup.time_scale,
                                          token_scale=1.0, vocab_size=setup.vocab,
                                          seed=setup.seed, progress=False)
-            live.totals = ClusterTotals(counters=instance_counters(url))
+            engine_cpu_s = busiest_thread_cpu_s(before, _threads_below_us())
+            live.totals = ClusterTotals(counters=instance_counters(url), busy_s=engine_cpu_s)
     log(f"  {policy}: live {live.wall_s:.0f} s wall ({info['retries']} re-sent), "
         f"simulated {simulated.wall_s:.1f} s wall")
     return live, simulated
+
+
+def _threads_below_us() -> dict[int, dict[int, float]]:
+    """CPU seconds of every thread of every process below this one."""
+    return {pid: thread_cpu_s(pid) for pid in descendants(os.getpid())}
 
 
 def _side(result: ReplayResult) -> dict[str, float]:
@@ -151,6 +162,7 @@ def _side(result: ReplayResult) -> dict[str, float]:
             "output_tokens": float(sum(c.output_tokens for c in calls)),
             "cached_tokens": float(sum(c.cached_tokens for c in calls)),
             "restored_tokens": float(sum(c.restored_tokens for c in calls)),
+            "engine_s": result.totals.busy_s if result.totals is not None else 0.0,
             **{key: float(counters.get(key, 0)) for key in COUNTER_GAUGES}}
 
 
@@ -161,7 +173,7 @@ def compare(live: ReplayResult, simulated: ReplayResult) -> dict[str, float]:
            "live_p95_s": a["p95_s"], "sim_p95_s": b["p95_s"],
            "p50_rel_err": b["p50_s"] / a["p50_s"] - 1.0, "p95_rel_err": b["p95_s"] / a["p95_s"] - 1.0}
     for key in ("calls", "failed_calls", "prompt_tokens", "output_tokens", "cached_tokens",
-                "restored_tokens", *COUNTER_GAUGES):
+                "restored_tokens", "engine_s", *COUNTER_GAUGES):
         row[f"live_{key}"], row[f"sim_{key}"] = a[key], b[key]
     return row
 

@@ -19,6 +19,16 @@ their neutral defaults, so the presets price exactly the roofline above:
   a tiled kernel's per-tile work unshared));
 - host overheads that grow with the work: per layer (launching its ops), per MoE layer, per
   scheduled sequence (bookkeeping, sampling), per step at TP > 1 (sending it to the ranks);
+  per token, layer and hidden unit (the element-wise work between the matrix products:
+  norms, rotary, activation, residual adds and the copies between them, which fused GPU
+  kernels hide and a CPU pays token by token), per decoding sequence and layer (decode
+  attention's own work per sequence: its cache writes, the per-sequence slices of its
+  batched kernel), and per context token of the decodes (a step's metadata and masks over
+  every decoding sequence's context, built once per step);
+- ``gemm_s_per_weight_byte``: a matrix product of two or more rows costs this per byte of
+  its weights beyond its FLOPs (a blocked kernel's fixed work per weight: at a few rows a
+  CPU's products run far below their peak FLOP rate), which a one-row product (a
+  matrix-vector kernel, a decode of one sequence) does not pay;
 - ``moe_dense_max_tokens``: an engine that runs every expert on batches up to that size.
 
 Switch times of the substrate (a model becoming active on the instance; other engines'
@@ -36,6 +46,11 @@ from dataclasses import dataclass, fields
 
 from engine.sim.model_spec import ModelSpec
 from substrate.devices import ServerSpec, server_preset
+
+# The host-overhead terms of Efficiency, each priced per unit of CostModel.overhead_counts.
+OVERHEAD_TERMS = ("step_overhead_s", "layer_overhead_s", "moe_layer_overhead_s", "seq_overhead_s",
+                  "tp_step_overhead_s", "elementwise_s_per_unit", "decode_seq_layer_overhead_s",
+                  "decode_context_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,10 @@ class Efficiency:
     moe_layer_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
     tp_step_overhead_s: float = 0.0
+    elementwise_s_per_unit: float = 0.0
+    decode_seq_layer_overhead_s: float = 0.0
+    decode_context_overhead_s: float = 0.0
+    gemm_s_per_weight_byte: float = 0.0
     moe_dense_max_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -79,8 +98,7 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Efficiency.overlap must be in [0, 1], got {self.overlap!r}")
-        for name in ("allreduce_latency_s", "step_overhead_s", "layer_overhead_s",
-                     "moe_layer_overhead_s", "seq_overhead_s", "tp_step_overhead_s",
+        for name in ("allreduce_latency_s", *OVERHEAD_TERMS, "gemm_s_per_weight_byte",
                      "moe_dense_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Efficiency.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -123,20 +141,25 @@ class StepCost:
 @dataclass(frozen=True)
 class StepTerms:
     """A step's time as sums over what it holds, per GPU: a step of T new tokens, R sampling
-    rows, P prefill and Q decode (query, key) pairs of attention, reading K cached KV tokens:
+    rows, P prefill and Q decode (query, key) pairs of attention, S decodes attending X cached
+    tokens (X = Q - S), reading K cached KV tokens:
 
     - compute ``C = T * compute_per_token + R * compute_per_row + P * compute_per_prefill_pair
-      + Q * compute_per_decode_pair``;
+      + Q * compute_per_decode_pair + gemm(T, R)`` (``gemm``: a measured CPU's blocked
+      products' time per weight byte, paid by the layers' products if T > 1 and the LM
+      head's if R > 1; 0 on the presets);
     - memory ``M = weights(T) + (K + T) * kv_per_token``;
     - ``collective_fixed + T * collective_per_token + R * collective_per_row`` (TP
-      collectives) and ``overhead_fixed + R * overhead_per_row``;
+      collectives) and ``overhead_fixed + T * overhead_per_token + R * overhead_per_row
+      + S * overhead_per_decode + X * overhead_per_decode_context``;
     - the step takes ``combine(C, M, overlap)`` plus those two.
 
     ``CostModel._step`` prices exactly this (a test holds them equal), except that an engine
     that runs every expert on small batches (``Efficiency.moe_dense_max_tokens``, a measured
     CPU's) computes more for T up to that size: ``compute_per_token`` is then the least.
     ``weights(T)``: the weight bytes a step of T tokens reads, over the HBM rate; concave in T
-    and ``weights(T) / T`` falls as T grows."""
+    and ``weights(T) / T`` falls as T grows. Every term is >= 0 and ``combine`` grows with
+    each argument, so leaving a term out prices a step at no more than it costs."""
 
     compute_per_token: float
     compute_per_row: float
@@ -146,10 +169,14 @@ class StepTerms:
     collective_per_token: float
     collective_per_row: float
     collective_fixed: float
+    overhead_per_token: float
     overhead_per_row: float
+    overhead_per_decode: float
+    overhead_per_decode_context: float
     overhead_fixed: float
     overlap: float
     weights: Callable[[int], float]
+    gemm: Callable[[int, int], float]
 
 
 def combine(compute_s: float, memory_s: float, overlap: float) -> float:
@@ -183,6 +210,17 @@ class CostModel:
         self.model = model
         self.tp = tp
         self.eff = efficiency or Efficiency.of_server(server)
+        # a step's overhead as a constant plus one rate per variable of overhead_counts
+        # (each count is affine in one of them): the hot path multiplies four numbers
+        def priced(*shape: int) -> float:
+            counts = self.overhead_counts(*shape)
+            return sum(getattr(self.eff, term) * n for term, n in counts.items())
+
+        self._overhead_fixed_s = priced(0, 0, 0, 0)
+        self._overhead_per_token_s = priced(1, 0, 0, 0) - self._overhead_fixed_s
+        self._overhead_per_row_s = priced(0, 1, 0, 0) - self._overhead_fixed_s
+        self._overhead_per_decode_s = priced(0, 0, 1, 0) - self._overhead_fixed_s
+        self._overhead_per_context_s = priced(0, 0, 0, 1) - self._overhead_fixed_s
 
     @classmethod
     def from_names(
@@ -190,6 +228,21 @@ class CostModel:
     ) -> CostModel:
         """A cost model for a server preset and a bundled model, by name."""
         return cls(server_preset(server), ModelSpec.load(model), tp)
+
+    def overhead_counts(
+        self, tokens: int, rows: int, decode_seqs: int, decode_context: int
+    ) -> dict[str, float]:
+        """How many of each host-overhead term (``OVERHEAD_TERMS``) a step of ``tokens``
+        new tokens, ``rows`` sampling rows and ``decode_seqs`` decodes over
+        ``decode_context`` tokens pays: its overhead is the sum of each count times the
+        term's ``Efficiency`` value (and what a calibration fits those values from)."""
+        m = self.model
+        return {"step_overhead_s": 1.0, "layer_overhead_s": float(m.num_layers),
+                "moe_layer_overhead_s": float(m.num_moe_layers), "seq_overhead_s": float(rows),
+                "tp_step_overhead_s": 1.0 if self.tp > 1 else 0.0,
+                "elementwise_s_per_unit": float(tokens * m.num_layers * m.hidden_size),
+                "decode_seq_layer_overhead_s": float(decode_seqs * m.num_layers),
+                "decode_context_overhead_s": float(decode_context)}
 
     # --- memory -----------------------------------------------------------------------------
     def weight_bytes_per_gpu(self) -> int:
@@ -244,11 +297,11 @@ class CostModel:
 
     def _step(
         self, tokens: int, attention_pairs: float, kv_read_tokens: int, logit_rows: int,
-        decode_pairs: float = 0.0,
+        decode_pairs: float = 0.0, decode_seqs: int = 0,
     ) -> StepCost:
         """One forward pass over ``tokens`` new tokens. ``attention_pairs`` is the number of
         (query, key) pairs attention scores, ``decode_pairs`` of them the decodes' (one query
-        per sequence); ``kv_read_tokens`` the KV tokens it reads."""
+        per sequence, ``decode_seqs`` of them); ``kv_read_tokens`` the KV tokens it reads."""
         if tokens <= 0:
             return StepCost(0.0, 0.0, 0.0, 0.0)
         m, tp, dev, eff = self.model, self.tp, self.device, self.eff
@@ -256,29 +309,35 @@ class CostModel:
         hbm_rate = dev.hbm_bytes_per_s * eff.memory
         scores = m.num_layers * m.num_attention_heads * attention_pairs / tp
         decode_scores = m.num_layers * m.num_attention_heads * decode_pairs / tp
-        linear_s = self._linear_flops(tokens, logit_rows) / tp / flop_rate
+        layer_bytes, head_bytes = self._gemm_bytes(tokens)
+        linear_s = (self._linear_flops(tokens, logit_rows) / tp / flop_rate
+                    + self._gemm_seconds(tokens, logit_rows))
         attention_s = 4.0 * m.head_dim * scores / (dev.attention_flops or flop_rate)
         prefill_rate, decode_rate = dev.attention_scores_per_s, dev.decode_scores_per_s
         scores_s = ((scores - decode_scores) / prefill_rate if prefill_rate else 0.0) + (
             decode_scores / decode_rate if decode_rate else 0.0)
-        weight_bytes = (
-            m.always_active_linear_params
-            + self._experts_touched_fraction(tokens) * m.routed_expert_params
-        ) * m.weight_dtype_bytes + m.vocab_size * m.hidden_size * max(2, m.weight_dtype_bytes)
+        weight_bytes = layer_bytes + head_bytes
         kv_bytes = (kv_read_tokens + tokens) * self.kv_bytes_per_token_per_gpu()
         weights_s = weight_bytes / tp / hbm_rate
         kv_s = kv_bytes / (dev.kv_read_bytes_per_s or hbm_rate)
-        overhead_s = (
-            eff.step_overhead_s
-            + m.num_layers * eff.layer_overhead_s
-            + m.num_moe_layers * eff.moe_layer_overhead_s
-            + logit_rows * eff.seq_overhead_s
-            + (eff.tp_step_overhead_s if tp > 1 else 0.0)
-        )
+        overhead_s = (self._overhead_fixed_s + tokens * self._overhead_per_token_s
+                      + logit_rows * self._overhead_per_row_s
+                      + decode_seqs * self._overhead_per_decode_s
+                      + (decode_pairs - decode_seqs) * self._overhead_per_context_s)
         return StepCost(linear_s + attention_s + scores_s, weights_s + kv_s,
                         self._collective_seconds(tokens, logit_rows), overhead_s, eff.overlap,
                         (("linear", linear_s), ("attention", attention_s), ("scores", scores_s),
                          ("weights", weights_s), ("kv", kv_s)))
+
+    def _gemm_bytes(self, tokens: int) -> tuple[float, float]:
+        """The weight bytes of the decoder layers a step of ``tokens`` tokens touches, and of
+        the LM head."""
+        m = self.model
+        layer_bytes = (
+            m.always_active_linear_params
+            + self._experts_touched_fraction(tokens) * m.routed_expert_params
+        ) * m.weight_dtype_bytes
+        return layer_bytes, m.vocab_size * m.hidden_size * max(2, m.weight_dtype_bytes)
 
     def terms(self) -> StepTerms:
         """This model's step time as sums over what a step holds (``StepTerms``)."""
@@ -304,13 +363,22 @@ class CostModel:
             collective_per_token=per_token_collective,
             collective_per_row=one_row - one_reduce,
             collective_fixed=one_reduce - per_token_collective,
-            overhead_per_row=eff.seq_overhead_s,
-            overhead_fixed=(eff.step_overhead_s + m.num_layers * eff.layer_overhead_s
-                            + m.num_moe_layers * eff.moe_layer_overhead_s
-                            + (eff.tp_step_overhead_s if tp > 1 else 0.0)),
+            overhead_per_token=self._overhead_per_token_s,
+            overhead_per_row=self._overhead_per_row_s,
+            overhead_per_decode=self._overhead_per_decode_s,
+            overhead_per_decode_context=self._overhead_per_context_s,
+            overhead_fixed=self._overhead_fixed_s,
             overlap=eff.overlap,
             weights=lambda tokens: dict(self._step(tokens, 0.0, 0, 0).parts)["weights"],
+            gemm=self._gemm_seconds,
         )
+
+    def _gemm_seconds(self, tokens: int, rows: int) -> float:
+        if not self.eff.gemm_s_per_weight_byte:
+            return 0.0
+        layer_bytes, head_bytes = self._gemm_bytes(tokens)
+        return ((layer_bytes if tokens > 1 else 0.0) + (head_bytes if rows > 1 else 0.0)
+                ) / self.tp * self.eff.gemm_s_per_weight_byte
 
     def _collective_seconds(self, tokens: int, logit_rows: int) -> float:
         """Two ring all-reduces per layer (after attention, after the MLP/MoE), one for the
@@ -382,7 +450,7 @@ class CostModel:
             pairs += new * ctx + new * (new + 1) / 2.0
             kv_read += ctx
             rows += 1
-        return self._step(tokens, pairs, kv_read, rows, decode_pairs)
+        return self._step(tokens, pairs, kv_read, rows, decode_pairs, decode_seqs)
 
     # --- moving bytes -----------------------------------------------------------------------
     def switch_seconds_host(self) -> float:

@@ -19,9 +19,10 @@ class DecodeLine:
 
     The cost model's compute and memory times of such a step are each affine in C (attention
     pairs and KV bytes read grow linearly; weights, LM head, all-reduces and overhead do
-    not), so two evaluations give both lines exactly and any run of consecutive decode steps
-    is priced without calling the cost model again. A step costs
-    ``overlap * max(c, m) + (1 - overlap) * (c + m)`` (``engine.sim.cost_model.combine``).
+    not, but for the host's per-context-token overhead), so two evaluations give the lines
+    exactly and any run of consecutive decode steps is priced without calling the cost model
+    again. A step costs ``overlap * max(c, m) + (1 - overlap) * (c + m)``
+    (``engine.sim.cost_model.combine``) plus the all-reduces and overhead.
     """
 
     num_seqs: int
@@ -29,8 +30,9 @@ class DecodeLine:
     compute_per_token: float
     memory0: float
     memory_per_token: float
-    fixed: float  # all-reduces + per-step overhead
+    fixed: float  # all-reduces + overhead, at C = 0
     overlap: float = 1.0
+    fixed_per_token: float = 0.0  # the overhead's growth with C
 
     _PROBE = 1 << 20  # context tokens at the second evaluation
 
@@ -46,6 +48,7 @@ class DecodeLine:
             (b.memory_s - a.memory_s) / cls._PROBE,
             a.allreduce_s + a.overhead_s,
             a.overlap,
+            (b.overhead_s - a.overhead_s) / cls._PROBE,
         )
 
     def seconds(self, context: int, num_steps: int = 1) -> float:
@@ -68,7 +71,9 @@ class DecodeLine:
         first, then = ((c0, dc), (m0, dm)) if compute_first else ((m0, dm), (c0, dc))
         larger = _affine_sum(*first, 0, cross) + _affine_sum(*then, cross, n)
         both = _affine_sum(c0 + m0, dc + dm, 0, n)
-        return self.overlap * larger + (1.0 - self.overlap) * both + n * self.fixed
+        fixed = _affine_sum(self.fixed + self.fixed_per_token * context,
+                            self.fixed_per_token * grow, 0, n)
+        return self.overlap * larger + (1.0 - self.overlap) * both + fixed
 
 
 def _affine_sum(a: float, d: float, lo: int, hi: int) -> float:

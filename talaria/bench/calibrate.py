@@ -15,40 +15,40 @@ few constants and nothing per data point (``talaria.bench.calibrate_kernels``):
 - the substrate's copies: a weight shard host -> weight region and staging -> weight region,
   KV blocks of the served catalog's shape offloaded to and restored from the host KV store;
 - gloo all-reduce latency and bandwidth between two single-thread processes;
-- the live engine's host overheads: decode steps of tiny-shape checkpoints of 1 and 4
-  layers (dense and MoE), of 1 and 32 sequences, at TP=1 and TP=2, less what the cost model
-  with the rates above predicts for them: per step, per layer, per MoE layer, per sequence,
-  per TP step, and the all-reduce latency inside a TP step (from the TP=2 cost per layer):
-  measured on this 2-core machine it is several times the isolated ping's, as a collective
-  there also waits for the slower rank (the driver's Python shares the cores with rank 1).
-The GPU presets are untouched: a CPU says nothing about an H200's constants.
+- the live engine's host overheads (``talaria.bench.calibrate_overheads``): steps of
+  checkpoints of 1 and 4 layers at both tiny widths, less what the cost model with the
+  rates above predicts for them, fitted term by term (per step, layer, MoE layer, sampled
+  sequence, layer and hidden unit, token-layer-unit of element-wise work, decoding sequence
+  and layer; per TP step, and the all-reduce latency inside a TP step).
+Everything in-process is timed on the clock of ``talaria.bench.timing`` (this thread's CPU
+time at one thread per rank), the median of a few runs. The spec records the conditions it
+was measured under (``talaria.bench.calibration_conditions``), so that a spec measured under
+others is not reused. The GPU presets are untouched: a CPU says nothing about an H200's
+constants.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.layers.moe import DENSE_MAX_TOKENS
-from engine.sim.cost_model import CostModel, combine
 from engine.sim.model_spec import ModelSpec
 from substrate.devices import DeviceSpec, ServerSpec, server_to_dict
 from talaria.bench import calibrate_kernels as k
-from talaria.bench.step_points import MeasuredStep, StepPoint, measure_steps
+from talaria.bench.calibrate_overheads import fit_engine
+from talaria.bench.calibration_conditions import current_conditions
+from talaria.bench.timing import clock_for
 
 __all__ = ["calibrate", "calibration_dict"]
 
 STREAM_BYTES = 128 << 20  # four times a 32 MiB last-level cache
-OVERHEAD_LAYERS = (1, 4)
-OVERHEAD_BATCH = 32
 
 
 def _shapes(spec: ModelSpec) -> k.LayerShapes:
@@ -74,16 +74,18 @@ def calibrate(
         raise ValueError(f"threads must be >= 1, got {threads}")
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
+    clock = clock_for(threads)
+    conditions = current_conditions(threads, clock.name)
     start = time.perf_counter()
     try:
         small, tiny = (ModelSpec.from_hf_config(p) for p in shape_models)
         specs = [ModelSpec.from_hf_config(p, name) for name, p in catalog.items()]
-        flops = k.matmul_flops(_shapes(small))
-        stream = k.weight_stream(_shapes(small), STREAM_BYTES)
+        flops = k.matmul_flops(_shapes(small), clock=clock)
+        stream = k.weight_stream(_shapes(small), STREAM_BYTES, clock=clock)
         overlap = _overlap(stream, flops)
         log(f"  matmul {flops / 1e9:.1f} GFLOP/s, weights streamed at "
             f"{stream.bytes_per_s / 1e9:.2f} GB/s, overlap {overlap:.2f}")
-        attn = k.attention_rates(_shapes(small), _shapes(tiny))
+        attn = k.attention_rates(_shapes(small), _shapes(tiny), clock=clock)
         def rate(r: float | None) -> str:
             return f"{r / 1e9:.2f} G scores/s" if r else "none"
 
@@ -91,10 +93,10 @@ def calibrate(
             f"{rate(attn.scores_per_s)}, decode {rate(attn.decode_scores_per_s)}; decode reads "
             f"KV at {attn.kv_read_bytes_per_s / 1e9:.2f} GB/s")
         shard = max(16 << 20, max(s.weight_bytes for s in specs))
-        copies = _weight_copies(shard)
+        copies = k.weight_copy_rates(shard, clock)
         biggest = max(specs, key=lambda s: s.kv_bytes_per_token)
         offload, restore = k.kv_copy_rates(biggest.num_layers, biggest.num_kv_heads,
-                                           biggest.head_dim)
+                                           biggest.head_dim, clock=clock)
         log(f"  copies: host->weights {copies['activate_h2d'] / 1e9:.2f} GB/s, staging->weights "
             f"{copies['activate_d2d'] / 1e9:.2f} GB/s, KV offload {offload / 1e9:.2f} GB/s, "
             f"restore {restore / 1e9:.2f} GB/s")
@@ -117,13 +119,12 @@ def calibrate(
         server = ServerSpec(f"cpu-{platform.node() or 'local'}", device, num_devices=cores,
                             host_memory_bytes=memory,
                             efficiency=tuple(sorted(efficiency.items())))
-        overheads = _engine_overheads(server, log)
-        server = replace(server, efficiency=tuple(sorted({**efficiency, **overheads}.items())))
+        server, fit = fit_engine(server, log)
     finally:
         torch.set_num_threads(saved)
     info = {"threads_per_rank": threads, "seconds": round(time.perf_counter() - start, 1),
-            "load_average": list(os.getloadavg()),
-            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "conditions": conditions.to_dict(), "load_average_after": list(os.getloadavg()),
+            "engine_fit": fit,
             "catalog": {n: str(p) for n, p in catalog.items()}}
     return server, info
 
@@ -143,66 +144,6 @@ def _overlap(stream: k.StreamResult, flops: float) -> float:
         return 1.0
     unhidden = (measured - max(compute_s, memory_s)) / min(compute_s, memory_s)
     return min(1.0, max(0.0, 1.0 - unhidden))
-
-
-def _weight_copies(nbytes: int) -> dict[str, float]:
-    from talaria.bench.substrate import bench_switch
-
-    result = bench_switch(nbytes, "cpu", repeats=3)
-    return {kind: float(result[kind]["gb_per_s"]) * 1e9  # type: ignore[index]
-            for kind in ("activate_h2d", "activate_d2d")}
-
-
-def _engine_overheads(
-    server: ServerSpec, log: Callable[[str], None], repeats: int = 10
-) -> dict[str, float]:
-    """Host overheads as the residuals of decode steps of tiny-shape checkpoints against the
-    cost model's physics (every overhead term still 0 in ``server``)."""
-    from engine.models.tiny import write_random_checkpoint
-
-    one = StepPoint("decode", 1, 16)
-    many = StepPoint("decode", OVERHEAD_BATCH, 16)
-    residual: dict[tuple[str, int, int, int], float] = {}
-    with tempfile.TemporaryDirectory(prefix="talaria-calibrate-") as tmp:
-        for arch in ("llama", "qwen3_moe"):
-            for layers in OVERHEAD_LAYERS:
-                path = write_random_checkpoint(Path(tmp) / f"{arch}-{layers}", arch, size="tiny",
-                                               num_hidden_layers=layers)
-                spec = ModelSpec.from_hf_config(path)
-                for tp in (1, 2) if arch == "llama" else (1,):
-                    points = [one, many] if arch == "llama" and tp == 1 else [one]
-                    # TP steps vary far more (two processes on the cores): more repeats
-                    for m in measure_steps(path, points, tp=tp, repeats=repeats * tp):
-                        key = (arch, layers, m.point.tokens, tp)
-                        residual[key] = m.seconds - _physics_seconds(server, spec, tp, m)
-    lo, hi = OVERHEAD_LAYERS
-    base = residual["llama", lo, 1, 1]
-    per_seq = (residual["llama", lo, OVERHEAD_BATCH, 1] - base) / (OVERHEAD_BATCH - 1)
-    per_layer = (residual["llama", hi, 1, 1] - base) / (hi - lo)
-    moe_lo, moe_hi = residual["qwen3_moe", lo, 1, 1], residual["qwen3_moe", hi, 1, 1]
-    per_moe_layer = (moe_hi - moe_lo) / (hi - lo) - per_layer
-    per_step = base - lo * per_layer - per_seq
-    # What a TP=2 layer costs beyond its two collectives priced at the isolated latency: a
-    # collective inside a step also waits for the slower rank, so it is priced at the
-    # latency seen there (one constant for all collectives, from 1 and 4 layers).
-    tp_extra_per_layer = ((residual["llama", hi, 1, 2] - residual["llama", lo, 1, 2])
-                          - (residual["llama", hi, 1, 1] - base)) / (hi - lo)
-    in_step_extra = max(0.0, tp_extra_per_layer / 2)
-    isolated = dict(server.efficiency)["allreduce_latency_s"]
-    collectives = 2 * lo + 2  # the cost model's count per step (CostModel.step_cost)
-    per_tp_step = residual["llama", lo, 1, 2] - base - collectives * in_step_extra
-    out = {"step_overhead_s": per_step, "layer_overhead_s": per_layer,
-           "moe_layer_overhead_s": per_moe_layer, "seq_overhead_s": per_seq,
-           "tp_step_overhead_s": per_tp_step, "allreduce_latency_s": isolated + in_step_extra}
-    log("  engine overheads: " + ", ".join(f"{n[:-2]} {v * 1e6:.0f} us" for n, v in out.items())
-        + f" (in a step; alone {isolated * 1e6:.0f} us)")
-    return {name: max(0.0, value) for name, value in out.items()}
-
-
-def _physics_seconds(server: ServerSpec, spec: ModelSpec, tp: int, m: MeasuredStep) -> float:
-    cost = CostModel(server, spec, tp).step_cost(list(m.shape.chunks), m.shape.decode_seqs,
-                                                 m.shape.decode_context)
-    return combine(cost.compute_s, cost.memory_s, cost.overlap) + cost.allreduce_s
 
 
 def calibrate_here(

@@ -1,13 +1,16 @@
 """Micro-benchmarks behind ``talaria calibrate``: the rates of this machine's kernels and
 copies at the shapes the tiny models use (see ``talaria.bench.calibrate``).
 
-Each figure is the best of a few repeats: on a shared machine other processes only ever slow
-a run down, so the fastest run is the closest to what the hardware does.
+Each figure is the median of a few repeats on the clock the caller passes
+(``talaria.bench.timing``: the calling thread's CPU time when it runs one torch thread, so
+that other processes on a shared machine do not count); the gloo all-reduce between two
+processes is timed on the wall clock, its fastest run.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,20 +21,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from substrate.host_kv import HostKVStore
+from substrate.mover import TorchMover
+from talaria.bench.timing import WALL, Clock, median_seconds
 
-__all__ = ["LayerShapes", "best_seconds", "matmul_flops", "weight_stream", "attention_rates",
-           "kv_copy_rates", "allreduce_costs"]
-
-
-def best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
-    """The fastest of ``repeats`` runs of ``fn`` after one warm-up."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+__all__ = ["LayerShapes", "matmul_flops", "weight_stream", "attention_rates", "kv_copy_rates",
+           "weight_copy_rates", "allreduce_costs"]
 
 
 @dataclass(frozen=True)
@@ -70,10 +64,10 @@ def _run_layers(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
     return run
 
 
-def matmul_flops(shapes: LayerShapes, rows: int = 512) -> float:
+def matmul_flops(shapes: LayerShapes, rows: int = 512, clock: Clock = WALL) -> float:
     """FLOP/s of one layer's products at ``rows`` tokens, weights resident in cache."""
     weights = _layers(shapes, 1)
-    return 2.0 * rows * shapes.params / best_seconds(_run_layers(weights, rows))
+    return 2.0 * rows * shapes.params / median_seconds(_run_layers(weights, rows), clock=clock)
 
 
 @dataclass(frozen=True)
@@ -85,7 +79,7 @@ class StreamResult:
 
 
 def weight_stream(
-    shapes: LayerShapes, total_bytes: int, rows: tuple[int, ...] = (1, 16)
+    shapes: LayerShapes, total_bytes: int, rows: tuple[int, ...] = (1, 16), clock: Clock = WALL
 ) -> StreamResult:
     """Distinct layers of ``total_bytes`` of weights (far more than the caches hold), run
     as a decode step runs them: the bandwidth of one-row products, and the time at more rows
@@ -93,7 +87,7 @@ def weight_stream(
     per_layer = shapes.params * 4
     weights = _layers(shapes, max(1, total_bytes // per_layer))
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    seconds = {r: best_seconds(_run_layers(weights, r), repeats=3) for r in rows}
+    seconds = {r: median_seconds(_run_layers(weights, r), 3, clock) for r in rows}
     return StreamResult(nbytes / seconds[rows[0]], seconds, 2 * nbytes // 4, nbytes)
 
 
@@ -111,22 +105,23 @@ def _linear_fit(x: tuple[float, float], y: tuple[float, float]) -> tuple[float, 
     return y[0] - slope * x[0], slope
 
 
-def _prefill_seconds_per_score(shape: LayerShapes, length: int) -> float:
+def _prefill_seconds_per_score(shape: LayerShapes, length: int, clock: Clock) -> float:
     q = torch.randn(1, shape.heads, length, shape.head_dim)
     k = torch.randn(1, shape.kv_heads, length, shape.head_dim)
     v = torch.randn_like(k)
-    t = best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                             enable_gqa=True), repeats=5)
+    t = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=True), 5, clock)
     return t / (shape.heads * length * (length + 1) / 2)
 
 
-def _decode_seconds_per_score(shape: LayerShapes, seqs: int, context: int) -> float:
+def _decode_seconds_per_score(shape: LayerShapes, seqs: int, context: int,
+                              clock: Clock) -> float:
     q = torch.randn(seqs, shape.heads, 1, shape.head_dim)
     k = torch.randn(seqs, shape.kv_heads, context, shape.head_dim)
     v = torch.randn_like(k)
     mask = torch.zeros(seqs, 1, 1, context)
-    t = best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                             enable_gqa=True), repeats=3)
+    t = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                               enable_gqa=True), 3, clock)
     return t / (seqs * shape.heads * context)
 
 
@@ -136,7 +131,8 @@ def _kv_bytes_per_score(shape: LayerShapes) -> float:
 
 
 def attention_rates(small: LayerShapes, tiny: LayerShapes, length: int = 2048,
-                    decode_seqs: int = 32, decode_context: int = 4096) -> AttentionRates:
+                    decode_seqs: int = 32, decode_context: int = 4096,
+                    clock: Clock = WALL) -> AttentionRates:
     """Attention as the engine runs it (``scaled_dot_product_attention``), at two head sizes.
     Causal prefill over ``length`` tokens costs ``a + 4 * head_dim / flops`` per score: the
     slope gives the products' FLOP rate, ``a`` the softmax work. Decode attention (one query
@@ -144,13 +140,13 @@ def attention_rates(small: LayerShapes, tiny: LayerShapes, length: int = 2048,
     caches costs, beyond its products, ``a' + kv_bytes_per_score / kv_rate``: the line
     through the two sizes gives the rate KV is read at and the per-score work ``a'``. A
     term that noise pushes below zero is left out (its share goes to the other one)."""
-    per_tiny = _prefill_seconds_per_score(tiny, length)
-    per_small = _prefill_seconds_per_score(small, length)
+    per_tiny = _prefill_seconds_per_score(tiny, length, clock)
+    per_small = _prefill_seconds_per_score(small, length, clock)
     fixed, slope = _linear_fit((4.0 * tiny.head_dim, 4.0 * small.head_dim), (per_tiny, per_small))
     if slope <= 0 or fixed <= 0:
         fixed, slope = 0.0, per_small / (4.0 * small.head_dim)
-    rest = [_decode_seconds_per_score(s, decode_seqs, decode_context) - 4.0 * s.head_dim * slope
-            for s in (tiny, small)]
+    rest = [_decode_seconds_per_score(s, decode_seqs, decode_context, clock)
+            - 4.0 * s.head_dim * slope for s in (tiny, small)]
     per_score, per_byte = _linear_fit((_kv_bytes_per_score(tiny), _kv_bytes_per_score(small)),
                                       (rest[0], rest[1]))
     if per_byte <= 0 or per_score <= 0:
@@ -160,23 +156,43 @@ def attention_rates(small: LayerShapes, tiny: LayerShapes, length: int = 2048,
 
 
 def kv_copy_rates(num_layers: int, kv_heads: int, head_dim: int, block_size: int = 16,
-                  num_blocks: int = 512) -> tuple[float, float]:
+                  num_blocks: int = 512, clock: Clock = WALL) -> tuple[float, float]:
     """(offload, restore) bytes per second of ``num_blocks`` KV blocks of this shape through
-    the live host KV store, restored as the engine restores (layer group by layer group; device and
-    host are both this machine's memory on a CPU)."""
+    the live host KV store, restored as the engine restores (layer group by layer group;
+    device and host are both this machine's memory on a CPU): the median of three runs
+    after a warm-up, each into a fresh store."""
     kv = torch.randn(num_layers, 2, 2 * num_blocks, block_size, kv_heads, head_dim)
     hashes = list(range(1, num_blocks + 1))
     ids = list(range(0, 2 * num_blocks, 2))
-    offload, restore = float("inf"), float("inf")
+    offload: list[float] = []
+    restore: list[float] = []
     nbytes = 0
     for r in range(4):
         store = HostKVStore(1 << 40, pin=False)
+        start = clock.read()
         saved = store.save("m", hashes, ids, kv)
-        loaded = store.load("m", hashes, [i + 1 for i in ids], kv)
+        saved_at = clock.read()
+        store.load("m", hashes, [i + 1 for i in ids], kv)
+        loaded_at = clock.read()
         nbytes = saved.bytes
         if r:  # the first run is a warm-up
-            offload, restore = min(offload, saved.seconds), min(restore, loaded.seconds)
-    return nbytes / offload, nbytes / restore
+            offload.append(saved_at - start)
+            restore.append(loaded_at - saved_at)
+    return nbytes / statistics.median(offload), nbytes / statistics.median(restore)
+
+
+def weight_copy_rates(nbytes: int, clock: Clock = WALL, repeats: int = 3) -> dict[str, float]:
+    """Bytes per second of a weight shard of ``nbytes`` copied into the weight region by
+    the substrate's mover: from the host weight store (``activate_h2d``) and from the
+    staging region (``activate_d2d``); on a CPU both are this machine's memory."""
+    device = torch.device("cpu")
+    weights = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    staging = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
+    host = torch.full((nbytes,), 7, dtype=torch.uint8)
+    mover = TorchMover(device)
+    runs = {"activate_h2d": lambda: mover.activate_from_host(weights, host, nbytes),
+            "activate_d2d": lambda: mover.activate_from_staging(weights, staging, nbytes)}
+    return {kind: nbytes / median_seconds(run, repeats, clock) for kind, run in runs.items()}
 
 
 def _allreduce_worker(rank: int, port: int, sizes: list[int], repeats: int,

@@ -23,7 +23,8 @@ from engine.sim.model_spec import ModelSpec
 from substrate.devices import ServerSpec
 from talaria.bench.step_points import MeasuredStep, StepPoint, measure_steps
 
-__all__ = ["Case", "PointResult", "default_cases", "real_model_cases", "run_cases", "summarize",
+__all__ = ["Case", "PointResult", "default_cases", "real_model_cases", "run_cases", "price",
+           "quantile", "summarize",
            "format_table"]
 
 PREFILL: tuple[tuple[int, int], ...] = (
@@ -115,20 +116,24 @@ def run_cases(
     out: list[PointResult] = []
     for case in cases:
         path = models(case.size)[case.model]
-        spec = ModelSpec.from_hf_config(path, case.model)
-        cost = CostModel(server, spec, case.tp)
         measured = measure_steps(path, case.points, tp=case.tp, repeats=repeats)
-        results = [PointResult(case, m, cost.step_cost(list(m.shape.chunks), m.shape.decode_seqs,
-                                                       m.shape.decode_context))
-                   for m in measured]
+        results = price(case, ModelSpec.from_hf_config(path, case.model), measured, server)
         errors = [abs(r.rel_err) for r in results]
         log(f"  {case.label}: {len(results)} points, median |error| "
-            f"{_quantile(errors, 0.5):.0%}, worst {max(errors):.0%}")
+            f"{quantile(errors, 0.5):.0%}, worst {max(errors):.0%}")
         out.extend(results)
     return out
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def price(case: Case, spec: ModelSpec, measured: Sequence[MeasuredStep],
+          server: ServerSpec) -> list[PointResult]:
+    """The cost model's prediction (with ``server``) of the work each measured step ran."""
+    cost = CostModel(server, spec, case.tp)
+    return [PointResult(case, m, cost.step_cost(list(m.shape.chunks), m.shape.decode_seqs,
+                                                m.shape.decode_context)) for m in measured]
+
+
+def quantile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0 < q < 1, linear between order statistics; 0 for no values)."""
     if len(values) < 2:
         return values[0] if values else 0.0
@@ -139,9 +144,9 @@ def summarize(results: Sequence[PointResult]) -> dict[str, object]:
     """Median and p90 of |relative error|, overall and per regime, and every point."""
     def stats(rs: Sequence[PointResult]) -> dict[str, float]:
         errors = [abs(r.rel_err) for r in rs]
-        return {"num_points": len(rs), "median_rel_err": _quantile(errors, 0.5),
-                "p90_rel_err": _quantile(errors, 0.9),
-                "median_signed_err": _quantile([r.rel_err for r in rs], 0.5)}
+        return {"num_points": len(rs), "median_rel_err": quantile(errors, 0.5),
+                "p90_rel_err": quantile(errors, 0.9),
+                "median_signed_err": quantile([r.rel_err for r in rs], 0.5)}
 
     regimes = sorted({r.regime for r in results})
     return {
@@ -150,7 +155,7 @@ def summarize(results: Sequence[PointResult]) -> dict[str, object]:
         "points": [
             {"case": r.case.label, "point": r.measured.point.label,
              "measured_ms": r.measured.seconds * 1e3,
-             "measured_median_ms": r.measured.median_seconds * 1e3,
+             "measured_wall_ms": r.measured.wall_seconds * 1e3, "clock": r.measured.clock,
              "predicted_ms": r.predicted_s * 1e3,
              "rel_err": r.rel_err, "main_term": r.main_term,
              "terms_ms": {k: v * 1e3 for k, v in r.terms().items()}}

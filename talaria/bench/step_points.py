@@ -11,10 +11,11 @@ output, so a prediction prices exactly the work that was timed:
   more with the same prompt join it from the prefix cache; once all B decode, steps after
   ``WARMUP_STEPS`` are timed (the first ones gather the contexts into the decode buffers).
 Points of the same context share its prompt, so its prefill is paid once per engine.
-A point's time is the fastest of its timed steps (its median is kept too): on a machine
-shared with other work, a step only ever gets slower (a thread descheduled in the middle of
-it), so the fastest is the closest to what this machine does alone, and it is the statistic
-the calibration's micro-benchmarks use as well.
+A point's time is the median of its timed steps on the clock of ``talaria.bench.timing`` (at
+TP=1 with one torch thread, the driver thread's CPU time around ``EngineCore.step``: what the
+step takes on a core of its own however busy the machine is; else the wall clock), the
+clock and statistic the calibration's micro-benchmarks use as well. The wall-clock median is
+kept beside it: where the two differ, the machine was busy.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.engine_core import EngineCore, StepResult
 from engine.interface import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sim.step_time import split_scheduled
+from talaria.bench.timing import Clock, clock_for
 
 __all__ = ["StepPoint", "StepShape", "MeasuredStep", "measure_steps", "kv_blocks_for"]
 
@@ -73,10 +75,11 @@ class StepShape:
 @dataclass(frozen=True)
 class MeasuredStep:
     point: StepPoint
-    seconds: float  # the fastest timed step
+    seconds: float  # the median timed step on ``clock``
     shape: StepShape  # its work
     samples: int  # timed steps
-    median_seconds: float
+    wall_seconds: float  # the median on the wall clock
+    clock: str = "wall"
 
 def kv_blocks_for(points: Sequence[StepPoint], max_new_tokens: int) -> int:
     """KV blocks an engine needs for ``points``: the largest point's blocks, twice over for
@@ -96,10 +99,13 @@ def measure_steps(
     repeats: int = 5,
     seed: int = 0,
     max_model_len: int | None = None,
+    clock: Clock | None = None,
 ) -> list[MeasuredStep]:
     """Time every point on one engine of ``model_dir`` (fp32, CPU) at ``tp`` ranks;
-    ``repeats`` timed steps per point. Torch threads are the caller's (rank 0) and the
-    launcher's (the other ranks)."""
+    ``repeats`` timed steps per point, on ``clock`` (default: ``clock_for`` the caller's
+    torch threads and ``tp``). Torch threads are the caller's (rank 0) and the launcher's
+    (the other ranks)."""
+    clock = clock or clock_for(torch.get_num_threads(), tp)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     new_tokens = repeats + WARMUP_STEPS + SPARE_TOKENS
@@ -114,7 +120,7 @@ def measure_steps(
     if widest > core.max_model_len:
         core.shutdown()
         raise ValueError(f"a point needs {widest} tokens; {model_dir} holds {core.max_model_len}")
-    recorder = _ShapeRecorder(core)
+    recorder = _ShapeRecorder(core, clock)
     prompts = _Prompts(seed, core.vocab_size)
     try:
         core.add_request(EngineRequest("warm-up", prompts.fresh(BLOCK_SIZE),
@@ -148,10 +154,14 @@ class _Prompts:
 
 
 class _ShapeRecorder:
-    """Keeps the shape of the step the engine is about to run (wraps its scheduler)."""
+    """Keeps the shape of the step the engine is about to run (wraps its scheduler) and
+    times its steps on ``clock`` (``step``). It holds no reference to the engine: the
+    scheduler holds it, and a cycle back would keep the engine's KV cache (GBs) alive until
+    a garbage collection."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, clock: Clock) -> None:
         self.last = StepShape((), 0, 0)
+        self.clock = clock
         schedule = core.scheduler.schedule
 
         def recording() -> SchedulerOutput:
@@ -162,6 +172,20 @@ class _ShapeRecorder:
             return out
 
         core.scheduler.schedule = recording  # type: ignore[method-assign]
+
+    def step(self, core: EngineCore) -> _Timed:
+        """One step of ``core``: its time on the clock, on the wall clock, its work, result."""
+        start = self.clock.read()
+        result = core.step()
+        return _Timed(self.clock.read() - start, result.seconds, self.last, result)
+
+
+@dataclass(frozen=True)
+class _Timed:
+    seconds: float
+    wall_seconds: float
+    shape: StepShape
+    result: StepResult
 
 
 _GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -182,16 +206,16 @@ def _prefill(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: i
         core.add_request(EngineRequest(f"context-{point.context}", context,
                                        SamplingParams(max_tokens=1, **_GREEDY)))
         _drain(core)
-    timed: list[tuple[float, StepShape]] = []
+    timed: list[_Timed] = []
     for r in range(min(repeats, 2) if point.tokens >= 1024 else repeats):
         prompt = context + prompts.fresh(point.tokens)
         params = SamplingParams(max_tokens=1, **_GREEDY)
         core.add_request(EngineRequest(f"chunk-{r}", prompt, params))
-        step = core.step()
-        if step.num_prefill_tokens:
-            timed.append((step.seconds, rec.last))
+        step = rec.step(core)
+        if step.result.num_prefill_tokens:
+            timed.append(step)
         _drain(core)
-    return _fastest(point, timed)
+    return _median(point, timed, rec.clock)
 
 
 def _decode(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: int,
@@ -204,24 +228,26 @@ def _decode(core: EngineCore, rec: _ShapeRecorder, point: StepPoint, repeats: in
         core.step()
     for i in range(1, point.tokens):
         core.add_request(EngineRequest(f"follow-{i}", prompt, params))
-    timed: list[tuple[float, StepShape]] = []
+    timed: list[_Timed] = []
     seen = 0
     while core.has_unfinished() and len(timed) < repeats:
-        step = core.step()
-        shape = rec.last
-        if shape.chunks or shape.decode_seqs != point.tokens:
+        step = rec.step(core)
+        if step.shape.chunks or step.shape.decode_seqs != point.tokens:
             continue
         seen += 1
         if seen > WARMUP_STEPS:
-            timed.append((step.seconds, shape))
+            timed.append(step)
     _drain(core)
     if not timed:
         raise RuntimeError(f"{point.label}: no step decoded all {point.tokens} sequences")
-    return _fastest(point, timed)
+    return _median(point, timed, rec.clock)
 
 
-def _fastest(point: StepPoint, timed: list[tuple[float, StepShape]]) -> MeasuredStep:
+def _median(point: StepPoint, timed: list[_Timed], clock: Clock) -> MeasuredStep:
+    """The median step (the lower middle one of an even count) and its work."""
     if not timed:
         raise RuntimeError(f"{point.label}: nothing was timed")
-    seconds, shape = min(timed, key=lambda t: t[0])
-    return MeasuredStep(point, seconds, shape, len(timed), statistics.median(t for t, _ in timed))
+    ordered = sorted(timed, key=lambda t: t.seconds)
+    middle = ordered[(len(ordered) - 1) // 2]
+    wall = statistics.median(t.wall_seconds for t in timed)
+    return MeasuredStep(point, middle.seconds, middle.shape, len(timed), wall, clock.name)

@@ -202,15 +202,29 @@ def test_from_names() -> None:
     assert c.server is H100X8 and c.model.name == "glm-4.5-air" and c.tp == 4
 
 
+def _cpu_like_efficiency() -> Efficiency:
+    """Every host term of a measured CPU server non-zero (values of the order a calibration
+    fits), so the terms test covers them."""
+    return Efficiency(step_overhead_s=2e-4, layer_overhead_s=3e-5, moe_layer_overhead_s=2e-5,
+                      seq_overhead_s=1e-5, tp_step_overhead_s=1e-4, elementwise_s_per_unit=1e-11,
+                      decode_seq_layer_overhead_s=2e-6, decode_context_overhead_s=3e-9,
+                      gemm_s_per_weight_byte=4e-12)
+
+
 @pytest.mark.parametrize("model", ["qwen3-235b-a22b", "glm-4.5-air", "mistral-large-2407"])
-def test_step_terms_price_every_step_as_the_cost_model_does(model: str) -> None:
+@pytest.mark.parametrize("host_terms", [False, True])
+def test_step_terms_price_every_step_as_the_cost_model_does(model: str, host_terms: bool) -> None:
     """``StepTerms`` (what the lower bound reasons with) and ``step_cost`` (what the
-    simulator charges) are one rule: random mixed steps cost the same under both."""
+    simulator charges) are one rule: random mixed steps cost the same under both, with the
+    presets' efficiency and with every host term of a measured CPU switched on."""
     import random
 
     from engine.sim.cost_model import combine
+    from engine.sim.model_spec import ModelSpec
+    from substrate.devices import server_preset
 
-    cost = CostModel.from_names("h200x8", model, 8)
+    eff = _cpu_like_efficiency() if host_terms else None
+    cost = CostModel(server_preset("h200x8"), ModelSpec.load(model), 8, eff)
     t = cost.terms()
     rng = random.Random(0)
     for _ in range(100):
@@ -223,13 +237,18 @@ def test_step_terms_price_every_step_as_the_cost_model_does(model: str) -> None:
         reads = context + sum(ctx for _, ctx in chunks)
         compute = (tokens * t.compute_per_token + rows * t.compute_per_row
                    + prefill_pairs * t.compute_per_prefill_pair
-                   + (context + decodes) * t.compute_per_decode_pair)
+                   + (context + decodes) * t.compute_per_decode_pair + t.gemm(tokens, rows))
         memory = t.weights(tokens) + (reads + tokens) * t.kv_per_token
         seconds = (combine(compute, memory, t.overlap) + t.collective_fixed + t.overhead_fixed
-                   + tokens * t.collective_per_token + rows * (t.collective_per_row
-                                                               + t.overhead_per_row))
+                   + tokens * (t.collective_per_token + t.overhead_per_token)
+                   + rows * (t.collective_per_row + t.overhead_per_row)
+                   + decodes * t.overhead_per_decode + context * t.overhead_per_decode_context)
         assert seconds == pytest.approx(cost.step_cost(chunks, decodes, context).seconds,
                                         rel=1e-12)
+    if host_terms:
+        assert min(t.overhead_per_token, t.overhead_per_decode, t.overhead_per_decode_context,
+                   t.gemm(2, 1), t.gemm(1, 2) - t.gemm(1, 1)) > 0
+        assert t.gemm(1, 1) == 0.0
     weights = [t.weights(n) for n in (1, 2, 16, 256, 8192)]
     assert weights == sorted(weights)
     assert [w / n for w, n in zip(weights, (1, 2, 16, 256, 8192), strict=True)] == sorted(

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from engine.sim.config import SimEngineConfig
-from engine.sim.cost_model import CostModel, Efficiency, combine
+from engine.sim.cost_model import OVERHEAD_TERMS, CostModel, Efficiency, combine
 from engine.sim.engine import SimEngine
 from engine.sim.model_spec import ModelSpec
 from engine.sim.step_time import DecodeLine
@@ -33,7 +33,9 @@ CPU = DeviceSpec(
 OVERHEADS = {"compute": 1.0, "memory": 1.0, "nvlink": 1.0, "memory_reserve_fraction": 0.0,
              "allreduce_latency_s": 2e-4, "overlap": 0.0, "step_overhead_s": 4e-4,
              "layer_overhead_s": 1.5e-4, "moe_layer_overhead_s": 1e-4, "seq_overhead_s": 1.5e-5,
-             "tp_step_overhead_s": 2e-3, "moe_dense_max_tokens": 64.0}
+             "tp_step_overhead_s": 2e-3, "moe_dense_max_tokens": 64.0,
+             "elementwise_s_per_unit": 2e-8, "decode_seq_layer_overhead_s": 5e-6,
+             "decode_context_overhead_s": 3e-9}
 SERVER = ServerSpec("cpu-test", CPU, num_devices=2, host_memory_bytes=24 * 10**9,
                     efficiency=tuple(sorted(OVERHEADS.items())))
 
@@ -117,8 +119,37 @@ def test_the_terms_add_up_and_name_their_parts() -> None:
                                             / CPU.attention_scores_per_s)
     assert parts["kv"] == pytest.approx((4000 + 4) * m.kv_bytes_per_token / CPU.kv_read_bytes_per_s)
     e = OVERHEADS
-    assert cost.overhead_s == pytest.approx(e["step_overhead_s"] + 8 * e["layer_overhead_s"]
-                                            + 4 * e["seq_overhead_s"])
+    assert cost.overhead_s == pytest.approx(
+        e["step_overhead_s"] + 8 * e["layer_overhead_s"] + 4 * e["seq_overhead_s"]
+        + 4 * 8 * 512 * e["elementwise_s_per_unit"] + 4 * 8 * e["decode_seq_layer_overhead_s"]
+        + 4000 * e["decode_context_overhead_s"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_steps_overhead_is_its_counts_times_the_terms(tp: int) -> None:
+    """What the calibration fits the terms from (overhead_counts) is what a step pays."""
+    eff = Efficiency.of_server(SERVER)
+    for model in (small_llama(), small_moe()):
+        cost = CostModel(SERVER, model, tp)
+        for chunks, seqs, context in (([], 1, 64), ([(48, 0)], 0, 0), ([(32, 100), (8, 0)], 5, 900)):
+            step = cost.step_cost(chunks, seqs, context)
+            tokens, rows = sum(n for n, _ in chunks) + seqs, len(chunks) + seqs
+            counts = cost.overhead_counts(tokens, rows, seqs, context)
+            assert set(counts) == set(OVERHEAD_TERMS)
+            assert step.overhead_s == pytest.approx(sum(getattr(eff, t) * n
+                                                        for t, n in counts.items()))
+    # a product of two or more rows pays its fixed work per weight byte; one row does not
+    gemm = dataclasses.replace(SERVER, efficiency=tuple(sorted({
+        **OVERHEADS, "gemm_s_per_weight_byte": 1e-11}.items())))
+    model = small_llama()
+    layers, head = model.always_active_linear_params * 4, model.vocab_size * model.hidden_size * 4
+    # the layers' products have a row per token, the LM head one per sampling sequence
+    for chunks, seqs, extra in (([], 1, 0.0), ([], 2, layers + head), ([(48, 0)], 0, layers)):
+        with_gemm = dict(CostModel(gemm, model, 1).step_cost(chunks, seqs, seqs * 64).parts)
+        without = dict(CostModel(SERVER, model, 1).step_cost(chunks, seqs, seqs * 64).parts)
+        assert with_gemm["linear"] - without["linear"] == pytest.approx(extra * 1e-11, rel=1e-6)
+    assert CostModel.from_names().step_cost([(64, 0)], 4, 400).overhead_s == pytest.approx(
+        Efficiency().step_overhead_s)  # the GPU presets: one per-step overhead, nothing else
 
 
 def test_tp_steps_pay_two_all_reduces_per_layer_plus_the_embedding_and_the_logits() -> None:

@@ -146,6 +146,8 @@ def test_live_and_simulated_replays_count_the_same_calls_and_prompts(
     assert live.totals is not None and live.totals.counters == {"kv_demotions": 0,
                                                                 "staging_lends": 0}
     assert row["sim_kv_demotions"] == row["sim_staging_lends"] == 0
+    # the engine's time: the live engine thread's CPU seconds, the simulated busy seconds
+    assert row["live_engine_s"] > 0 and row["sim_engine_s"] == sim.totals.busy_s > 0  # type: ignore[union-attr]
 
 
 def test_live_counters_are_summed_over_the_instances_the_router_reports() -> None:
