@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from engine.sim.cost_model import OVERHEAD_TERMS, CostModel
+from engine.sim.cost_model import CostModel
+from engine.sim.efficiency import OVERHEAD_TERMS
 from engine.sim.model_spec import ModelSpec
 from substrate.devices import ServerSpec
 from talaria.bench.step_points import MeasuredStep, StepPoint, measure_steps

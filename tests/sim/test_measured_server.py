@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from engine.sim.config import SimEngineConfig
-from engine.sim.cost_model import OVERHEAD_TERMS, CostModel, Efficiency, combine
+from engine.sim.cost_model import CostModel, Efficiency, combine
+from engine.sim.efficiency import OVERHEAD_TERMS
 from engine.sim.engine import SimEngine
 from engine.sim.model_spec import ModelSpec
 from engine.sim.step_time import DecodeLine
