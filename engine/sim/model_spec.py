@@ -1,6 +1,6 @@
 """Real model configurations as data, and the sizes derived from them.
 
-The bundled catalog (``engine/data/models/*.json``) holds the published ``config.json`` numbers
+The bundled catalog (``engine/sim/data/models/*.json``) holds the published ``config.json`` numbers
 of real 100B+ checkpoints. The default catalog is Qwen3-235B-A22B (MoE), GLM-4.5-Air (MoE) and
 Mistral-Large-2407 (dense, 123B). Mixtral-8x22B is bundled but not a default: its 64k context
 window cannot hold SWE-bench sessions, whose prompts reach 127k tokens in the real trace.
