@@ -247,9 +247,8 @@ PEERS: dict[str, SystemConfig] = {
               "anti-starvation); locality-aware routing", "cache_aware",
               {"queue_order": "las", "model_order": "las"}, **_SLEEP),
         # Without its optional prefetch of the next model: prefetch needs spare device memory
-        # the size of a shard (58.8 GB per GPU for Qwen3-235B here), which this server can
-        # only take from KV; measured on the default trace at its 4 s quota, with prefetch
-        # 1266/2124 s p50/p95, without 1058/1869 s, so its best setting leaves it off.
+        # the size of a shard, which this server can only take from KV; its best setting
+        # leaves it off (docs/constants.md).
         _peer("aegaeon", "token-level preemptive multi-model scheduling: short slots, KV of "
               "calls in flight swapped to host, link-floor scale-ups", "load",
               {"preempt": True, "slot_close": "quantum", "slot_quantum_s": 4.0},
