@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
+from engine.sim.model_spec import ModelSpec, catalog
 from workloads.trace import Session
 
-__all__ = ["apportion", "assign_models", "popularity_weights"]
+__all__ = ["apportion", "assign_models", "bundled_contexts", "popularity_weights"]
+
+
+def bundled_contexts(models: Sequence[str]) -> dict[str, int]:
+    """The context length of each of ``models`` that is a bundled model config."""
+    known = set(catalog())
+    return {m: ModelSpec.load(m).max_position_embeddings for m in models if m in known}
 
 
 def popularity_weights(num_models: int, skew: float) -> list[float]:
@@ -40,12 +47,18 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
 
 
 def assign_models(
-    sessions: Sequence[Session], models: Sequence[str], skew: float = 1.0, seed: int = 0
+    sessions: Sequence[Session], models: Sequence[str], skew: float = 1.0, seed: int = 0,
+    contexts: Mapping[str, int] | None = None,
 ) -> list[Session]:
     """Give each session one of ``models`` (first = most popular). Session counts per model are
     the Zipf-like shares of :func:`popularity_weights` rounded by largest remainder, so the skew
     is exact; which session gets which model is a seeded shuffle. Order is kept. A child
-    session (``parent_id``, a subagent) is not counted: it takes its root session's model."""
+    session (``parent_id``, a subagent) is not counted: it takes its root session's model.
+
+    ``contexts`` (model -> context tokens; a model not named holds anything): a session whose
+    longest call (prompt + output, its subagents' included) outgrows the model the shuffle
+    gave it swaps models with the first session that each of the two models holds, so the
+    counts stay exact; ValueError if there is none."""
     if not models:
         raise ValueError("assign_models needs at least one model")
     if len(set(models)) != len(models):
@@ -54,14 +67,39 @@ def assign_models(
     counts = apportion(len(roots), popularity_weights(len(models), skew))
     labels = [m for m, n in zip(models, counts, strict=True) for _ in range(n)]
     random.Random(seed).shuffle(labels)
-    model = {s.session_id: m for s, m in zip(roots, labels, strict=True)}
     parent = {s.session_id: s.parent_id for s in sessions}
 
-    def root_model(sid: str) -> str:
+    def root_of(sid: str) -> str:
         seen = set()
         while parent.get(sid) is not None and sid not in seen:
             seen.add(sid)
             sid = parent[sid]  # type: ignore[assignment]
-        return model[sid]
+        return sid
 
-    return [replace(s, model=root_model(s.session_id)) for s in sessions]
+    if contexts:
+        _fit_contexts(roots, labels, sessions, root_of, contexts)
+    model = {s.session_id: m for s, m in zip(roots, labels, strict=True)}
+    return [replace(s, model=model[root_of(s.session_id)]) for s in sessions]
+
+
+def _fit_contexts(roots: Sequence[Session], labels: list[str], sessions: Sequence[Session],
+                  root_of: Callable[[str], str], contexts: Mapping[str, int]) -> None:
+    """Swap ``labels`` (one per root, in place) until every root's family fits its model."""
+    need: dict[str, int] = {}
+    for s in sessions:
+        longest = max((c.input_tokens + c.output_tokens for c in s.calls), default=0)
+        root = root_of(s.session_id)
+        need[root] = max(need.get(root, 0), longest)
+
+    def fits(i: int, label: str) -> bool:
+        return need[roots[i].session_id] <= contexts.get(label, need[roots[i].session_id])
+
+    for i in range(len(roots)):
+        if fits(i, labels[i]):
+            continue
+        j = next((j for j in range(len(roots)) if labels[j] != labels[i]
+                  and fits(i, labels[j]) and fits(j, labels[i])), None)
+        if j is None:
+            raise ValueError(f"session {roots[i].session_id!r} needs {need[roots[i].session_id]} "
+                             f"tokens of context: no swap puts it on a model that holds it")
+        labels[i], labels[j] = labels[j], labels[i]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import orjson
 
-from workloads.assignment import apportion, assign_models
+from workloads.assignment import apportion, assign_models, bundled_contexts
 from workloads.readers import read_real_trace, real_trace_path
 from workloads.trace import Call, Session, TraceError, load_trace, save_trace
 
@@ -283,7 +283,7 @@ def generate_trace(
     """Generate ``num_sessions`` SWE-bench-like sessions with exactly ``total_calls`` calls.
 
     ``models`` are assigned with a Zipf-like popularity of exponent ``skew`` (first model most
-    popular). ``arrival="all"``: every session starts at 0; ``arrival="poisson"``: sessions
+    popular), each session to a model whose context holds its longest call (bundled models). ``arrival="all"``: every session starts at 0; ``arrival="poisson"``: sessions
     arrive as a Poisson process of ``rate`` sessions per second, the first at 0.
     """
     if num_sessions < 1:
@@ -311,7 +311,8 @@ def generate_trace(
         generate_session(rng, cal, f"swe-{i:03d}", models[0], n, arrivals[i])
         for i, n in enumerate(lengths)
     ]
-    return assign_models(sessions, models, skew=skew, seed=seed)
+    return assign_models(sessions, models, skew=skew, seed=seed,
+                         contexts=bundled_contexts(models))
 
 
 def default_trace() -> list[Session]:

@@ -168,7 +168,7 @@ def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
 
 
 def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
-    from workloads.assignment import assign_models
+    from workloads.assignment import assign_models, bundled_contexts
     from workloads.cluster import ClusterSpec
     from workloads.replay import replicate
     from workloads.report import (
@@ -225,7 +225,8 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     fractions = _floats(args.load_fractions, DEFAULT_LOAD_FRACTIONS, "--load-fractions")
     catalog = list(spec.models)
     if any(s.model not in catalog for s in sessions):
-        sessions = assign_models(sessions, catalog, skew=args.skew, seed=args.seed)
+        sessions = assign_models(sessions, catalog, skew=args.skew, seed=args.seed,
+                                 contexts=bundled_contexts(catalog))
         print(f"note: trace models are not in the catalog; assigned {catalog} with Zipf "
               f"skew {args.skew}", file=sys.stderr)
     if args.bench_sim:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from workloads.assignment import assign_models
+from workloads.assignment import assign_models, bundled_contexts
 from workloads.cluster import ClusterSpec
 from workloads.generator import generate_trace
 from workloads.readers import TRACES_DIR, read_real_trace
@@ -128,7 +128,8 @@ def scenarios(config: SuiteConfig) -> list[Scenario]:
 def _pool(trace: str, models: tuple[str, ...]) -> tuple[Session, ...]:
     sessions = SUITE_TRACES[trace].load()
     if any(s.model not in models for s in sessions):
-        sessions = assign_models(sessions, list(models), skew=1.0, seed=0)
+        sessions = assign_models(sessions, list(models), skew=1.0, seed=0,
+                                 contexts=bundled_contexts(models))
     return tuple(s.alone() for s in sessions)
 
 

@@ -190,3 +190,27 @@ def test_assign_models_is_skewed_seeded_and_order_preserving() -> None:
     assert Counter(s.model for s in uniform) == {"big": 10, "mid": 10, "small": 10}
     with pytest.raises(ValueError, match="distinct"):
         assign_models(sessions, ["a", "a"])
+
+
+def test_assign_models_puts_each_session_on_a_model_whose_context_holds_it() -> None:
+    """A session whose longest call (2010 tokens here) outgrows the model the shuffle gave it
+    swaps with one that fits; the counts stay exact, every other session keeps its model,
+    and with no model that holds it the assignment fails by name."""
+    from dataclasses import replace
+
+    sessions = [session(f"s{i}") for i in range(30)]
+    models = ["big", "mid", "small"]
+    plain = assign_models(sessions, models, skew=1.0, seed=3)
+    long_one = next(i for i, s in enumerate(plain) if s.model == "small")
+    grown = [replace(s, calls=(*s.calls, Call(5000, 100, None))) if i == long_one else s
+             for i, s in enumerate(sessions)]
+    contexts = {"big": 10_000, "mid": 10_000, "small": 4096}
+    out = assign_models(grown, models, skew=1.0, seed=3, contexts=contexts)
+    assert out[long_one].model != "small"
+    assert Counter(s.model for s in out) == {"big": 16, "mid": 8, "small": 6}
+    moved = [i for i, (a, b) in enumerate(zip(plain, out, strict=True)) if a.model != b.model]
+    assert len(moved) == 2 and long_one in moved
+    assert [s.model for s in assign_models(sessions, models, 1.0, 3, contexts)] == [
+        s.model for s in plain]
+    with pytest.raises(ValueError, match=f"s{long_one}.*5100 tokens"):
+        assign_models(grown, models, skew=1.0, seed=3, contexts=dict.fromkeys(models, 4096))

@@ -9,6 +9,7 @@ import pytest
 
 from workloads.bound import LowerBound, pooled_bound
 from workloads.suite import (
+    SUITE_TRACES,
     Scenario,
     SuiteConfig,
     burst_runs,
@@ -201,3 +202,17 @@ def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
     other = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
                         pooled_sessions=2)
     assert suite_tuning.load_suite_settings(other, fallback, path).tuned == {}
+
+
+def test_every_suite_trace_fits_its_models_contexts() -> None:
+    """Each session of each suite trace, as the suite assigns it, fits its model's context
+    at its longest call (generated seed 11 once put a 132k-token session on a 131k model,
+    which the replay refuses)."""
+    from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec
+    from workloads.suite import _pool
+
+    contexts = {m: ModelSpec.load(m).max_position_embeddings for m in DEFAULT_CATALOG}
+    for name in SUITE_TRACES:
+        for s in _pool(name, DEFAULT_CATALOG):
+            longest = max(c.input_tokens + c.output_tokens for c in s.calls)
+            assert longest <= contexts[s.model], (name, s.session_id, s.model, longest)

@@ -1,0 +1,270 @@
+"""An instance: one engine, its calls, its session state and the admission loop that runs it.
+
+``Instance`` is the instance's face: ``submit`` / ``stream`` / ``abort`` / ``state`` for the
+server (or the in-process router), ``start`` / ``stop`` for its life cycle, and the read-only
+``InstanceView`` its policies decide with. The loop itself is ``talaria.instance.loop``.
+
+``submit``, ``abort`` and ``state`` may be called from any task on the loop; they only read
+or queue bookkeeping and wake the loop. Only the loop's task touches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import structlog
+
+from engine.interface import EngineStats, MultiModelEngineProtocol, Residency
+from talaria.instance.calls import CallBook, CallHandle, PendingCall
+from talaria.instance.estimates import Estimator, blocks_for
+from talaria.instance.executor import EngineExecutor
+from talaria.instance.loop import AdmissionLoop
+from talaria.instance.rates import RateBook
+from talaria.instance.sessions import SessionKeeper
+from talaria.instance.state_report import build_state
+from talaria.policies.config import PolicyConfig
+from talaria.policies.priority import Service
+from talaria.policies.reservations import ReservationBook
+from talaria.policies.round_scheduler import RoundScheduler, Slot
+from talaria.protocol import (
+    CallEvent,
+    CallRequest,
+    InstanceState,
+    InstanceUnavailable,
+    Overloaded,
+)
+
+log = structlog.get_logger("talaria.instance")
+
+__all__ = ["Instance"]
+
+
+class Instance:
+    """One engine with its admission loop. Create, ``await start()``, then ``submit``.
+
+    Satisfies ``talaria.policies.view.InstanceView`` (what policies read) and
+    ``talaria.instance.state_report.ReportSource`` (what the router is told).
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        engine: MultiModelEngineProtocol,
+        policy: PolicyConfig | None = None,
+        *,
+        executor: EngineExecutor | None = None,
+        record_splits: bool = False,
+    ) -> None:
+        """``record_splits``: keep each finished call's time split (``loop.split.done``) for
+        a benchmark to read; off live, where nothing per finished call is kept."""
+        self.instance_id = instance_id
+        self.policy = policy or PolicyConfig()
+        if self.policy.preempt and not callable(getattr(engine, "suspend", None)):
+            raise ValueError(f"policy {self.policy.name!r} preempts calls in flight, which "
+                             f"{type(engine).__name__} cannot suspend")
+        self.engine = engine
+        self.executor = executor or EngineExecutor(engine)
+        self.models = list(engine.model_names)
+        self.rounds = RoundScheduler(self.models)
+        self.rates = RateBook(
+            self.models,
+            self.policy.rate_ewma_alpha,
+            {m: engine.kv_bytes_per_token(m) for m in self.models},
+        )
+        self.executor.on_report.append(self.rates.observe)
+        block_size = engine.stats().block_size
+        # What one call may hold whenever it runs: the KV region without the staging region
+        # (lent to it only at some switches), so a call within it always fits.
+        self.kv_capacity_tokens = {m: engine.kv_capacity_blocks(m) * block_size for m in self.models}
+        self.calls = CallBook(self.models)
+        self.counters: dict[str, int] = {
+            "switches": 0,
+            "preemptions": 0,
+            "admitted": 0,
+            "sp_admitted": 0,
+            "sp_holds": 0,
+            "reservations": 0,
+            "reservations_consumed": 0,
+            "reservations_expired": 0,
+            "reservations_yielded": 0,
+            "stages": 0,
+            "engine_faults": 0,
+            "departed": 0,
+        }
+        self.sessions = SessionKeeper(self.policy, self.executor, self.rates, self.counters)
+        self.est = Estimator(self, self.calls, self.sessions, self.rates)
+        self.loop = AdmissionLoop(
+            instance_id, self, self.policy, self.executor, self.calls, self.sessions,
+            self.est, self.rates, self.counters, engine.active_model, record_splits,
+        )
+        self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.hung = asyncio.Event()  # set by the watchdog: a live engine op has wedged
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+
+    # the read-only view policies decide with ---------------------------------------------
+
+    @property
+    def active_model(self) -> str | None:
+        """The engine's active model as of the last switch (read without touching the
+        engine, so it is safe while an operation is in flight)."""
+        return self.loop.active_model
+
+    @property
+    def slot(self) -> Slot | None:
+        return self.loop.slot
+
+    @property
+    def residency(self) -> dict[str, Residency]:
+        return self.loop.residency
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.loop.stats
+
+    @property
+    def healthy(self) -> bool:
+        return self.loop.healthy
+
+    @property
+    def reservations(self) -> ReservationBook:
+        return self.sessions.reservations
+
+    def queued(self, model: str) -> Sequence[PendingCall]:
+        return self.calls.queues[model]
+
+    def others_waiting(self, model: str) -> int:
+        return self.calls.others_waiting(model)
+
+    def can_stage(self, model: str) -> bool:
+        return self.executor.can_stage(model)
+
+    def service(self, session_id: str, waiting_s: float) -> Service:
+        return self.sessions.service(session_id, waiting_s)
+
+    def now(self) -> float:
+        """The instance clock: the event loop's time (virtual in simulation)."""
+        loop = self._event_loop or asyncio.get_running_loop()
+        return loop.time()
+
+    # public API -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError(f"instance {self.instance_id!r} already started")
+        self._event_loop = asyncio.get_running_loop()
+        self.loop.active_model = self.engine.active_model
+        self.loop.refresh_engine_view()
+        self._task = self._event_loop.create_task(
+            self.loop.run(), name=f"admission-{self.instance_id}"
+        )
+        if not self.engine.simulated and self.policy.engine_op_timeout_s > 0:
+            self._watchdog = self._event_loop.create_task(
+                self._watch(self.policy.engine_op_timeout_s), name=f"watchdog-{self.instance_id}"
+            )
+
+    async def _watch(self, timeout_s: float) -> None:
+        """Mark the instance unhealthy (and set ``hung``) once one engine operation has run
+        for ``timeout_s``: the engine thread cannot be interrupted, so the process must go
+        (``talaria.serving.instance_main`` exits and its supervisor restarts it)."""
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            since = self.executor.busy_since
+            if since is not None and self.now() - since > timeout_s:
+                log.error("engine_wedged", instance=self.instance_id, op=self.executor.busy,
+                          seconds=self.now() - since)
+                self.loop.healthy = False
+                self.hung.set()
+                return
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop taking calls; with ``drain`` serve what is queued and running first,
+        otherwise abort it. Live reservations are released."""
+        self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if not drain:
+            for pending in self.calls:
+                self.abort(pending.call.call_id)
+        self.loop.stopping = True
+        self.loop.wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            finally:
+                self._task = None
+        self.executor.close()
+
+    async def wait_until_stopped(self) -> None:
+        """Return when the admission loop has ended: stopped, or given up after engine
+        faults (then ``healthy`` is False)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    def submit(self, call: CallRequest) -> CallHandle:
+        """Queue a call; iterate the returned handle for its events.
+
+        Raises ValueError for a malformed call, Overloaded when ``max_queue_calls`` calls are
+        already queued, InstanceUnavailable when the instance is stopping or failed."""
+        if self._closing or not self.healthy or self._task is None or self._task.done():
+            raise InstanceUnavailable(f"instance {self.instance_id!r} is not accepting calls")
+        if call.model not in self.calls.queues:
+            raise ValueError(
+                f"model {call.model!r} is not served by instance {self.instance_id!r} "
+                f"(models: {self.models})"
+            )
+        if not call.prompt_token_ids:
+            raise ValueError(f"call {call.call_id!r} has an empty prompt")
+        if call.call_id in self.calls:
+            raise ValueError(f"call id {call.call_id!r} is already in flight")
+        queued = self.calls.num_queued()
+        if queued >= self.policy.max_queue_calls:
+            retry = max(1.0, self.est.wait_s(call.model))
+            raise Overloaded(
+                f"instance {self.instance_id!r} has {queued} queued calls "
+                f"(max_queue_calls={self.policy.max_queue_calls})",
+                retry_after_s=retry,
+            )
+        now = self.now()
+        continuation = self.sessions.on_arrival(call, now)
+        handle = CallHandle(call, self.abort)
+        pending = PendingCall(call, handle, arrived=now, continuation=continuation)
+        pending.need_blocks = blocks_for(call, self.loop.est.expected_output(call),
+                                         self.stats.block_size)
+        self.calls.add(pending)
+        self.loop.split.arrive(call.call_id, call.model, now)
+        self.loop.wake.set()
+        return handle
+
+    async def stream(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        """``submit`` as an async generator; closing it early aborts the call."""
+        handle = self.submit(call)
+        try:
+            async for event in handle:
+                yield event
+        finally:
+            handle.abort()
+
+    def abort(self, call_id: str) -> bool:
+        """Abort a queued or running call; False if it is unknown or already finished."""
+        pending = self.calls.by_id.get(call_id)
+        if pending is None:
+            return False
+        if pending.admitted is None:
+            self.loop.finish(pending, "abort", None)
+        else:
+            self.loop.aborts.append(call_id)
+            self.loop.wake.set()
+        return True
+
+    def state(self) -> InstanceState:
+        return build_state(self)
+
+    def forget_sessions(self, session_ids: Sequence[str]) -> None:
+        """The router no longer holds these sessions: the loop forgets them here too (it
+        alone touches the engine)."""
+        if session_ids:
+            self.loop.to_forget.update(session_ids)
+            self.loop.wake.set()
