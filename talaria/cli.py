@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.set_defaults(func=_cmd_calibrate)
 
-    from talaria.serve_cli import add_serve_commands
+    from talaria.serving.cli import add_serve_commands
     from workloads.fidelity_cli import register as add_fidelity_command
     from workloads.replay_cli import register as add_replay_command
 

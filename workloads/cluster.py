@@ -1,7 +1,7 @@
 """The in-process cluster of the simulation: simulated engines, instances, one router.
 
 Everything lives on the running event loop (the virtual-time loop in a replay): each instance
-is a :class:`~talaria.instance.admission.Instance` over a :class:`~engine.sim.engine.SimEngine` whose
+is a :class:`~talaria.instance.instance.Instance` over a :class:`~engine.sim.engine.SimEngine` whose
 staging clock is the loop's; the router is a :class:`~router.core.RouterCore` over
 :class:`~router.inprocess.InProcessClient` adapters (no HTTP), polled for state like the live
 router is. Build it inside the loop (:func:`start_cluster`) and stop it when done.
@@ -22,7 +22,7 @@ from router.deadlines import Deadlines
 from router.health import HealthPoller
 from router.inprocess import InProcessClient
 from router.session_inference import SessionInference
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
 from workloads.systems import SystemConfig
 
 __all__ = ["ClusterSpec", "Cluster", "ClusterTotals", "start_cluster"]

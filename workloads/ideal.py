@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 from engine.sim.engine import SimEngine, SimEngineConfig
 from talaria.clock import run_virtual
-from talaria.config import PolicyConfig
-from talaria.instance.admission import Instance
 from talaria.instance.device import DeviceSchedule, SharedDevice
 from talaria.instance.executor import EngineExecutor
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig
 from workloads.breakdown import attach_splits
 from workloads.cluster import ClusterSpec
 from workloads.lower_bound import InstanceTarget

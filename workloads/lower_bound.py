@@ -22,8 +22,8 @@ from engine.sim.cost_model import CostModel
 from engine.sim.engine import SimEngine, SimEngineConfig
 from substrate.devices import server_preset
 from talaria.clock import run_virtual
-from talaria.config import preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import preset
 from talaria.protocol import CallRequest
 from workloads.call_work import alone_seconds, call_shapes, prefill_seconds
 from workloads.cluster import ClusterSpec

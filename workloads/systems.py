@@ -1,15 +1,15 @@
 """Named system configurations compared by the replay benchmark.
 
-Each row is the instance's admission policy (:class:`~talaria.config.PolicyConfig`), what the
+Each row is the instance's admission policy (:class:`~talaria.policies.config.PolicyConfig`), what the
 simulated engine underneath has (memory layout, switch mechanism, staging region, host KV
 tier) and the router's placement policy; every mechanism is a switch on the same control
 plane.
 
-- The ablation ladder (``talaria.config.LADDER``): ``baseline`` is the reference's, the
+- The ablation ladder (``talaria.policies.config.LADDER``): ``baseline`` is the reference's, the
   Talaria system itself (stable substrate, soft reservations, session-aware placement) with
   session-prefill, host-KV restoration and D2D staging off, so a switch is the substrate's
   H2D copy and drops the outgoing model's KV; each rung adds one mechanism up to ``talaria``.
-- Leave-one-out rows: talaria minus one mechanism (``talaria.config.LEAVE_ONE_OUT``,
+- Leave-one-out rows: talaria minus one mechanism (``talaria.policies.config.LEAVE_ONE_OUT``,
   ``-placement``: load-only routing, and ``-layerwise``: host KV restored before the forward
   pass instead of layer group by layer group inside it, ``engine.sim.kv_tier``). ``-lending`` is the ladder's ``+demotion`` and is not
   run twice.
@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.sim.engine import SimEngineConfig
-from talaria.config import LADDER, LEAVE_ONE_OUT, PolicyConfig, Rung, preset
+from talaria.policies.config import LADDER, LEAVE_ONE_OUT, PolicyConfig, Rung, preset
 
 __all__ = [
     "LAYERWISE_ROW",

@@ -25,8 +25,8 @@ from typing import Any
 
 import orjson
 
-from talaria.config import SLOT_CLOSE_RULES
 from talaria.instance.device import DeviceSchedule
+from talaria.policies.config import SLOT_CLOSE_RULES
 from workloads.cluster import ClusterSpec
 from workloads.ideal import ideal_schedules
 from workloads.replay import ReplayResult

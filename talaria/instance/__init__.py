@@ -9,10 +9,10 @@ engine operations run: a worker thread live, a modelled sleep in simulation),
 ``state_report.py`` (the report to the router). The decisions themselves live in
 ``talaria.policies`` and see the instance only through ``talaria.policies.view``.
 
-May import: ``engine`` (its interface), ``talaria.protocol``, ``talaria.config``,
+May import: ``engine`` (its interface), ``talaria.protocol``, ``talaria.policies.config``,
 ``talaria.policies``. Never ``router`` or ``workloads``.
 """
 
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
 
 __all__ = ["Instance"]

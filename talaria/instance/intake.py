@@ -22,13 +22,13 @@ from collections.abc import Callable
 import structlog
 
 from engine.interface import EngineRequest, EngineStats
-from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.faults import EngineFaults
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import TimeSplit
+from talaria.policies.config import PolicyConfig
 from talaria.policies.priority import Service, order_queue, priority_key
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot

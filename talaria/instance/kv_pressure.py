@@ -21,10 +21,10 @@ from __future__ import annotations
 import structlog
 
 from engine.interface import EngineStats
-from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.sessions import SessionKeeper
+from talaria.policies.config import PolicyConfig
 from talaria.policies.reservations import demotion_due
 from talaria.policies.staging import lend_staging_due
 

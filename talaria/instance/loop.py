@@ -23,7 +23,6 @@ import asyncio
 import structlog
 
 from engine.interface import EngineStats, Residency, StepResult, TokenEvent
-from talaria.config import PolicyConfig
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
 from talaria.instance.device import claim
 from talaria.instance.estimates import Estimator
@@ -34,6 +33,7 @@ from talaria.instance.kv_pressure import KVPressure
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
+from talaria.policies.config import PolicyConfig
 from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
 from talaria.policies.priority import Service, best_key, first_model, next_model
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes

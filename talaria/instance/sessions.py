@@ -20,10 +20,10 @@ from collections import deque
 
 import structlog
 
-from talaria.config import PolicyConfig
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.rates import RateBook
 from talaria.instance.session_report import SessionReport, TouchingDict
+from talaria.policies.config import PolicyConfig
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.priority import Service
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays

@@ -107,7 +107,7 @@ def next_model(
     starvation_ratio: float,
     queue_order: str = "las",
 ) -> str | None:
-    """The next model to serve under ``model_order`` (``talaria.config.MODEL_ORDERS``):
+    """The next model to serve under ``model_order`` (``talaria.policies.config.MODEL_ORDERS``):
     round order after ``current`` (``current`` last); under ``las`` the model whose best
     waiting call has the least attained service (round order among equals); under
     ``priority`` the model whose best waiting call comes first by ``queue_order``, among

@@ -18,7 +18,7 @@ __all__ = ["Slot", "RoundScheduler", "rotated_after", "slot_closes"]
 
 def slot_closes(rule: str, *, queue_empty: bool, in_flight: bool, others_waiting: bool) -> bool:
     """Whether an open slot closes before its quantum under closing ``rule``
-    (``talaria.config.SLOT_CLOSE_RULES``). Never while no other model waits."""
+    (``talaria.policies.config.SLOT_CLOSE_RULES``). Never while no other model waits."""
     if not others_waiting:
         return False
     if rule == "empty":

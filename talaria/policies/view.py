@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from engine.interface import Residency
-from talaria.config import PolicyConfig
+from talaria.policies.config import PolicyConfig
 from talaria.policies.priority import Service
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import RoundScheduler, Slot

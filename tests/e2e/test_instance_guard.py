@@ -22,10 +22,14 @@ from hypothesis import strategies as st
 
 from engine.models.tiny import make_tiny_models
 from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
-from talaria.config import PolicyConfig
-from talaria.instance.admission import Instance
-from talaria.instance_server import InstanceServerSettings, create_instance_app, engine_limits
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig
 from talaria.protocol import CallRequest, SamplingParams
+from talaria.serving.instance_server import (
+    InstanceServerSettings,
+    create_instance_app,
+    engine_limits,
+)
 
 KEY = "fuzz-instance-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

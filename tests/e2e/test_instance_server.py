@@ -20,15 +20,15 @@ from engine.models.tiny import make_tiny_models
 from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
 from router.core import CallRejected
 from router.instance_http import HttpInstanceClient
-from talaria.config import PolicyConfig
-from talaria.instance.admission import Instance
-from talaria.instance_server import (
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig
+from talaria.protocol import CallEvent, CallRequest, InstanceState, Overloaded, SamplingParams
+from talaria.serving.instance_server import (
     INFLIGHT_KEY,
     InstanceServerSettings,
     create_instance_app,
     engine_limits,
 )
-from talaria.protocol import CallEvent, CallRequest, InstanceState, Overloaded, SamplingParams
 
 pytestmark = pytest.mark.slow
 

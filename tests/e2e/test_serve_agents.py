@@ -17,7 +17,7 @@ from engine.models.tiny import CHAT_TEMPLATE
 from router.app import CONFIG_KEY
 from talaria.cli import _router_app
 from talaria.paths import default_models_dir, ensure_tiny_models
-from talaria.serve_config import ConfigError, load_serve_config
+from talaria.serving.config import ConfigError, load_serve_config
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file",

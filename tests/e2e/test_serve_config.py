@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from talaria.real_model import CATALOG_NAME, packaged_gguf
-from talaria.serve import instance_urls
-from talaria.serve_config import ServeConfig, load_serve_config, parse_bytes
+from talaria.serving.config import ServeConfig, load_serve_config, parse_bytes
+from talaria.serving.serve import instance_urls
 
 TOML = """
 [router]

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from serve_process import pid_alive, start_serve
 
-from talaria.serve import instance_command
+from talaria.serving.serve import instance_command
 
 API_KEY = "router-api-key-0123456789"
 INSTANCE_KEY = "instance-key-0123456789abcdef"

@@ -9,8 +9,8 @@ from fake_engine import FakeEngine
 
 from engine.sampling_params import SamplingParams
 from talaria.clock import run_virtual
-from talaria.config import PolicyConfig
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig
 from talaria.protocol import CallEvent, CallRequest
 
 

@@ -10,8 +10,8 @@ from fake_engine import FakeEngine
 from instance_helpers import call, late_continuation, run_call, run_session
 
 from talaria.clock import run_virtual
-from talaria.config import PolicyConfig, preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig, preset
 
 
 def _late_continuation(policy: PolicyConfig):  # type: ignore[no-untyped-def]

@@ -148,8 +148,8 @@ def test_a_live_op_keeps_the_engine_busy_until_its_thread_is_done_even_if_cancel
 
 
 def test_the_watchdog_marks_an_instance_with_a_wedged_engine_unhealthy() -> None:
-    from talaria.config import preset
-    from talaria.instance.admission import Instance
+    from talaria.instance.instance import Instance
+    from talaria.policies.config import preset
     from talaria.protocol import InstanceUnavailable
 
     engine = SlowStepEngine(["a"], initial_model="a")

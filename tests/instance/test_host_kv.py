@@ -9,8 +9,8 @@ from fake_engine import FakeEngine
 from instance_helpers import call, run_call, run_session
 
 from talaria.clock import run_virtual
-from talaria.config import preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import preset
 
 
 @pytest.mark.parametrize("policy_name", ["+host_kv", "+staging"])

@@ -12,8 +12,8 @@ from instance_helpers import call, run_call
 
 from engine.interface import Residency
 from talaria.clock import run_live, run_virtual
-from talaria.config import preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import preset
 from talaria.protocol import InstanceState, InstanceUnavailable, Overloaded, to_json
 
 

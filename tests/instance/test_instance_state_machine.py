@@ -23,9 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from real_engine import LLAMA, QWEN, real_engine
 
 from engine.sampling_params import SamplingParams
-from talaria.config import PolicyConfig
-from talaria.instance.admission import Instance
 from talaria.instance.calls import CallHandle
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig
 from talaria.protocol import CallEvent, CallRequest, SessionKV
 from talaria.protocol.state_delta import SessionsCursor, encode_report
 

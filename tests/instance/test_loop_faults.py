@@ -11,8 +11,8 @@ from instance_helpers import call
 
 from engine.interface import EngineRequest, MoveReport, StepResult
 from talaria.clock import run_virtual
-from talaria.config import preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import preset
 from talaria.protocol import CallEvent, InstanceUnavailable
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.config import LEAVE_ONE_OUT, NEEDS, PRESETS, PolicyConfig, preset
+from talaria.policies.config import LEAVE_ONE_OUT, NEEDS, PRESETS, PolicyConfig, preset
 
 MECHANISMS = ("d2d_staging", "host_kv", "session_prefill", "soft_reservations",
               "session_priority", "priority_switch", "kv_demotion", "lend_staging")

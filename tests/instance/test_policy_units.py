@@ -10,8 +10,8 @@ from fake_engine import FakeEngine
 
 from engine.interface import MoveReport, MultiModelEngineProtocol, Residency, StepResult
 from engine.sampling_params import SamplingParams
-from talaria.config import PolicyConfig, preset
 from talaria.instance.rates import RateBook
+from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.priority import Service
 from talaria.policies.reservations import (

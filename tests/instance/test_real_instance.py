@@ -9,8 +9,8 @@ from pathlib import Path
 from real_engine import LLAMA, NUM_BLOCKS, QWEN, real_engine
 
 from engine.sampling_params import SamplingParams
-from talaria.config import PolicyConfig
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig
 from talaria.protocol import CallRequest
 
 

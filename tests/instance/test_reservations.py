@@ -10,8 +10,8 @@ from fake_engine import FakeEngine
 from instance_helpers import call, run_call
 
 from talaria.clock import run_virtual
-from talaria.config import preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import preset
 
 
 def test_reservation_protects_kv_until_expiry_then_releases_it() -> None:

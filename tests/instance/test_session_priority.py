@@ -11,8 +11,8 @@ from fake_engine import FakeEngine
 from instance_helpers import Timed, call, run_call
 
 from talaria.clock import run_virtual
-from talaria.config import PolicyConfig, preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.model_choice import holds_slot, outranking_model
 from talaria.policies.priority import Service, first_model, next_model, order_queue
 from talaria.policies.reservations import Reservation

@@ -17,8 +17,8 @@ from engine.models.tiny import build_tokenizer
 from router.app import CORE_KEY, RouterConfig, create_app
 from router.inprocess import InProcessClient
 from router.tokenization import ModelTokenizer
-from talaria.config import preset
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
+from talaria.policies.config import preset
 
 SYSTEM = "You are Claude Code, an interactive command line tool that helps users with software tasks."
 HEADERS = {"x-claude-code-session-id": "cc"}

@@ -16,12 +16,12 @@ from instance_helpers import call
 from router.core import RouterCore
 from router.instance_http import HttpInstanceClient
 from router.sessions import SessionTable
-from talaria.config import PolicyConfig
-from talaria.instance.admission import Instance
+from talaria.instance.instance import Instance
 from talaria.instance.session_report import SessionReport
-from talaria.instance_server import InstanceServerSettings, create_instance_app
+from talaria.policies.config import PolicyConfig
 from talaria.protocol import InstanceState, SessionKV
 from talaria.protocol.state_delta import SessionsCursor, encode_report
+from talaria.serving.instance_server import InstanceServerSettings, create_instance_app
 
 
 def poll(report: SessionReport, cursor: SessionsCursor, lost: bool = False) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from talaria.supervisor import RestartPolicy, Supervisor
+from talaria.serving.supervisor import RestartPolicy, Supervisor
 
 
 @dataclass

@@ -13,7 +13,7 @@ from engine.models.tiny import make_tiny_models
 from engine.sim.model_spec import ModelSpec
 from router.metrics import RouterMetrics
 from talaria.protocol import CallRequest, InstanceState, SamplingParams
-from talaria.serve_config import load_serve_config
+from talaria.serving.config import load_serve_config
 from workloads.cluster import ClusterTotals
 from workloads.fidelity import (
     FIDELITY_POLICIES,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from talaria.config import PolicyConfig
+from talaria.policies.config import PolicyConfig
 from workloads.bound import LowerBound
 from workloads.replay import CallRecord, ReplayResult, SessionResult
 from workloads.report import benchmark, format_table, summarize, to_json
