@@ -65,7 +65,10 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
 
 
 def capacity(suite: SuiteResult, trace: str = CAPACITY_TRACE) -> dict[str, Any]:
-    """``{servers: {row: {"sessions_per_s", "at_least"}}}`` from the suite's load points."""
+    """``{servers: {row: {"sessions_per_s", "load", "at_least", "at_most"}}}`` from the
+    suite's load points: linear between the last load that meets the SLO and the first that
+    does not; ``at_least`` when every load meets it (the highest load), ``at_most`` when none
+    does (the lowest load: the capacity is below it)."""
     out: dict[str, Any] = {}
     for servers in suite.config.servers:
         points = sorted((r.scenario.load, r) for r in suite.scenarios.values()
@@ -88,8 +91,11 @@ def capacity(suite: SuiteResult, trace: str = CAPACITY_TRACE) -> dict[str, Any]:
                     ok_load = lo + (load - lo) * (1.0 - r_lo) / (ratio - r_lo)
                 at_least = False
                 break
+            at_most = previous is None
+            if at_most:
+                ok_load = points[0][0]
             per_row[row] = {"sessions_per_s": ok_load * rate, "load": ok_load,
-                            "at_least": at_least}
+                            "at_least": at_least, "at_most": at_most}
         out[str(servers)] = per_row
     return out
 
@@ -100,11 +106,12 @@ def format_capacity(caps: dict[str, Any]) -> str:
     for servers, rows in caps.items():
         best = max((v["sessions_per_s"], r) for r, v in rows.items() if r != "talaria")
         for row, v in rows.items():
-            mark = ">=" if v["at_least"] else ""
+            mark = ">=" if v["at_least"] else "<" if v.get("at_most") else ""
             lines.append(f"  {servers} server(s)  {row:20s} {mark}{v['sessions_per_s'] * 3600:7.1f} "
                          f"sessions/h ({mark}{v['load']:.2f} of saturation)")
         tal = rows.get("talaria")
         if tal is not None and best[0] > 0:
+            bound = ">=" if tal["at_least"] and not rows[best[1]]["at_least"] else ""
             lines.append(f"  {servers} server(s)  talaria / best other ({best[1]}): "
-                         f"{tal['sessions_per_s'] / best[0]:.2f}x")
+                         f"{bound}{tal['sessions_per_s'] / best[0]:.2f}x")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from workloads.suite import (
     saturation_rate,
     scenarios,
 )
-from workloads.suite_cli import capacity
+from workloads.suite_cli import capacity, format_capacity
 from workloads.suite_report import best_other, format_suite, not_ahead, suite_json
 from workloads.suite_run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
 from workloads.suite_stats import figure, interval
@@ -129,18 +129,22 @@ def test_capacity_is_read_off_the_load_points() -> None:
         return _scenario(load, {r: _row(r, 1, v, 1) for r, v in p95.items()}, iso95=100.0,
                          rate=0.02)
 
-    points = [point(0.25, {"baseline": 150, "talaria": 120}),
-              point(0.5, {"baseline": 250, "talaria": 150}),
-              point(1.0, {"baseline": 400, "talaria": 180})]
+    points = [point(0.25, {"baseline": 150, "talaria": 120, "aegaeon": 210}),
+              point(0.5, {"baseline": 250, "talaria": 150, "aegaeon": 300}),
+              point(1.0, {"baseline": 400, "talaria": 180, "aegaeon": 500})]
     suite = SuiteResult(SuiteConfig(traces=("claude-code",), servers=(1,)),
                         {p.scenario.name: p for p in points}, {})
     caps = capacity(suite)["1"]
     # baseline: 0.75 of its SLO at 0.25, 1.25 at 0.5: crosses at 0.375 of saturation
     assert caps["baseline"]["load"] == pytest.approx(0.375)
     assert caps["baseline"]["sessions_per_s"] == pytest.approx(0.375 * 0.02)
-    assert not caps["baseline"]["at_least"]
+    assert not caps["baseline"]["at_least"] and not caps["baseline"]["at_most"]
     assert caps["talaria"] == {"sessions_per_s": pytest.approx(0.02), "load": 1.0,
-                               "at_least": True}
+                               "at_least": True, "at_most": False}
+    # aegaeon misses at every load: its capacity is below the lowest, not zero
+    assert caps["aegaeon"] == {"sessions_per_s": pytest.approx(0.25 * 0.02), "load": 0.25,
+                               "at_least": False, "at_most": True}
+    assert "<" in format_capacity({"1": caps}).split("aegaeon")[1].splitlines()[0]
 
 
 def test_suite_key_changes_with_what_tuning_depends_on() -> None:
