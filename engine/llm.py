@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -31,43 +32,22 @@ class LLM:
     Face directory or a GGUF file (converted once into the cache). Prompts are strings
     (tokenized with the model's tokenizer, special tokens added) or lists of token ids."""
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        kv_cache_blocks: int | None = None,
-        kv_memory_fraction: float = 0.5,
-        tensor_parallel_size: int = 1,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 64,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, model: str | Path, **engine_args: Any) -> None:
+        """``engine_args``: any field of ``EngineConfig`` but ``model`` (its defaults are the
+        LLM's; ``kv_cache_blocks`` is ``num_kv_blocks``). TypeError names an unknown one."""
         from transformers import AutoTokenizer
 
         from engine.models.checkpoint_cache import model_dir
 
+        if "kv_cache_blocks" in engine_args:
+            engine_args["num_kv_blocks"] = engine_args.pop("kv_cache_blocks")
+        known = {f.name for f in fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine argument(s) {unknown}; EngineConfig "
+                            f"takes {sorted(known)}")
         model = model_dir(model)  # a .gguf file: its converted directory
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            num_kv_blocks=kv_cache_blocks,
-            kv_memory_fraction=kv_memory_fraction,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            device=device,
-            seed=seed,
-        )
+        self.config = EngineConfig(model=model, **engine_args)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.core: EngineCore | None = EngineCore(self.config, tokenizer=self.tokenizer)
         self._counter = 0

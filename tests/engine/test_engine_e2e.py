@@ -283,3 +283,16 @@ def test_core_without_tokenizer_ignores_stop_strings(model_dirs: dict[str, Path]
     events = collect(core)["x"]
     assert events[-1].finish_reason == FinishReason.LENGTH
     assert events[-1].num_output_tokens == 5
+
+
+def test_llm_takes_engine_config_fields_and_names_an_unknown_one(model_dirs) -> None:
+    """``LLM``'s arguments are ``EngineConfig``'s fields (one source for names and
+    defaults): a field LLM never listed by hand reaches the config, a typo is refused."""
+    llm = LLM(model_dirs["llama"], device="cpu", kv_cache_blocks=16, distributed_timeout_s=5.0)
+    try:
+        assert llm.config.num_kv_blocks == 16 and llm.config.distributed_timeout_s == 5.0
+        assert llm.config.max_num_seqs == EngineConfig.__dataclass_fields__["max_num_seqs"].default
+    finally:
+        llm.shutdown()
+    with pytest.raises(TypeError, match="max_num_seq'"):
+        LLM(model_dirs["llama"], max_num_seq=4)
