@@ -1,6 +1,6 @@
-"""Wall-time benchmark of the simulated engine (not a test; run it directly).
+"""Wall-time benchmark of the simulated engine on its own, without router or instances.
 
-    .venv/bin/python tests/sim/bench_sim_engine.py [--batched] [--sessions 30] [--calls 32]
+    .venv/bin/python -m talaria.bench.sim_engine [--batched] [--sessions 30] [--calls 32]
 
 A trivial driver: sessions are spread over the three default models; in each round every
 model in turn is activated, gets the next call of each of its sessions (one at a time, or
