@@ -24,6 +24,22 @@ from substrate.moves import MoveKind, MoveRecord, PlannedMove
 STAGING_REGIONS = ("largest", "second")
 
 
+def check_memory_settings(kv_bytes: int | None, num_kv_blocks: int | None, host_kv_bytes: int,
+                          staging_region: str, blocks_key: str = "num_kv_blocks") -> None:
+    """An instance's memory settings' rules (ValueError naming the setting): the multi-model
+    engine's config and ``talaria serve``'s (which checks them before it starts an instance;
+    ``blocks_key``: the name its file gives ``num_kv_blocks``) both call this."""
+    if kv_bytes is not None and kv_bytes <= 0:
+        raise ValueError(f"kv_bytes must be > 0, got {kv_bytes}")
+    if num_kv_blocks is not None and num_kv_blocks < 1:
+        raise ValueError(f"{blocks_key} must be >= 1, got {num_kv_blocks}")
+    if host_kv_bytes < 0:
+        raise ValueError(f"host_kv_bytes must be >= 0, got {host_kv_bytes}")
+    if staging_region not in STAGING_REGIONS:
+        raise ValueError(f"staging_region must be one of {STAGING_REGIONS}, got "
+                         f"{staging_region!r}")
+
+
 def staging_region_bytes(region: str, shard_sizes: list[int], weight_bytes: int) -> int:
     """The staging region's size: ``largest``, the weight region's (every shard stages);
     ``second``, the second largest shard's (the largest model loads from host; the memory

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import check_distributed_settings
-from substrate.ledger import STAGING_REGIONS
+from substrate.ledger import check_memory_settings
 
 __all__ = ["MultiModelConfig"]
 
@@ -55,10 +55,5 @@ class MultiModelConfig:
         )
         if self.kv_bytes is None and self.num_kv_blocks is None:
             raise ValueError("MultiModelConfig needs kv_bytes or num_kv_blocks")
-        if self.kv_bytes is not None and self.kv_bytes <= 0:
-            raise ValueError(f"kv_bytes must be > 0, got {self.kv_bytes}")
-        if self.host_kv_bytes < 0:
-            raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
-        if self.staging_region not in STAGING_REGIONS:
-            raise ValueError(f"staging_region must be one of {STAGING_REGIONS}, got "
-                             f"{self.staging_region!r}")
+        check_memory_settings(self.kv_bytes, self.num_kv_blocks, self.host_kv_bytes,
+                              self.staging_region)

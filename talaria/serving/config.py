@@ -59,7 +59,7 @@ from typing import Any
 import orjson
 import structlog
 
-from substrate.ledger import STAGING_REGIONS
+from substrate.ledger import check_memory_settings
 from talaria.policies.config import PolicyConfig
 
 log = structlog.get_logger("talaria.serving.config")
@@ -266,15 +266,11 @@ class ServeConfig:
             ports.add((inst.host, inst.port))
             if inst.tensor_parallel_size < 1:
                 raise ConfigError(f"{where}.tensor_parallel_size must be >= 1, got {inst.tensor_parallel_size}")
-            if inst.kv_blocks is not None and inst.kv_blocks < 1:
-                raise ConfigError(f"{where}.kv_blocks must be >= 1, got {inst.kv_blocks}")
-            if inst.kv_bytes is not None and inst.kv_bytes < 1:
-                raise ConfigError(f"{where}.kv_bytes must be > 0, got {inst.kv_bytes}")
-            if inst.host_kv_bytes < 0:
-                raise ConfigError(f"{where}.host_kv_bytes must be >= 0, got {inst.host_kv_bytes}")
-            if inst.staging_region not in STAGING_REGIONS:
-                raise ConfigError(f"{where}.staging_region must be one of {STAGING_REGIONS}, got "
-                                  f"{inst.staging_region!r}")
+            try:
+                check_memory_settings(inst.kv_bytes, inst.kv_blocks, inst.host_kv_bytes,
+                                      inst.staging_region, blocks_key="kv_blocks")
+            except ValueError as e:
+                raise ConfigError(f"{where}.{e}") from None
             if inst.drain_timeout_s < 0:
                 raise ConfigError(f"{where}.drain_timeout_s must be >= 0, got {inst.drain_timeout_s}")
             if not (inst.device == "cpu" or re.fullmatch(r"cuda(:\d+)?|auto", inst.device)):

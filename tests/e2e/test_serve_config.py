@@ -87,6 +87,8 @@ def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
         ({"instances": [{"id": "a", "kv_bytes": "lots"}]}, "[instances][0].kv_bytes"),
         ({"instances": [{"id": "a", "staging": "yes"}]}, "[instances][0].staging must be a bool"),
         ({"instances": [{"id": "a", "staging_region": "half"}]}, "[instances][0].staging_region"),
+        ({"instances": [{"id": "a", "kv_blocks": 0}]}, "[instances][0].kv_blocks must be >= 1"),
+        ({"instances": [{"id": "a", "host_kv_bytes": -1}]}, "[instances][0].host_kv_bytes must"),
         ({"instances": {"id": "a"}}, "array of tables"),
         ({"policy": {"preset": "fastest"}}, "unknown policy preset"),
         ({"policy": {"slot_quantum": 3}}, "slot_quantum"),
@@ -131,3 +133,17 @@ def test_parse_bytes() -> None:
     for bad in ("10 parsecs", True, 1.5, "-3MiB"):
         with pytest.raises(ValueError, match="k must be a byte count"):
             parse_bytes(bad, "k")
+
+
+def test_serve_and_the_engine_check_memory_settings_by_one_rule() -> None:
+    """The serve config and MultiModelConfig refuse the same memory settings with the same
+    words (substrate.ledger.check_memory_settings), each naming its own key."""
+    from engine.multi_model.config import MultiModelConfig
+
+    with pytest.raises(ValueError, match=r"^num_kv_blocks must be >= 1, got 0$"):
+        MultiModelConfig(num_kv_blocks=0)
+    with pytest.raises(ValueError, match=r"^\[instances\]\[0\]\.kv_blocks must be >= 1, got 0$"):
+        ServeConfig.from_dict({"instances": [{"id": "a", "kv_blocks": 0}]})
+    with pytest.raises(ValueError, match="staging_region must be one of"):
+        MultiModelConfig(num_kv_blocks=4, staging_region="half")
+
