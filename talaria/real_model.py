@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
+from engine.models.chatml import ASSISTANT_TURN, TEXT_OF_MACRO
 from engine.models.checkpoint_cache import model_dir
 from talaria.paths import cache_dir
 
@@ -30,12 +31,7 @@ PACKAGE_VERSION = "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CATALOG_NAME = "smollm2-135m-instruct"
 
-CHAT_TEMPLATE = """\
-{%- macro text_of(c) -%}
-{%- if c is string -%}{{ c }}
-{%- elif c is iterable -%}{%- for p in c -%}{%- if p.type == 'text' -%}{{ p.text }}{%- endif -%}{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
+CHAT_TEMPLATE = TEXT_OF_MACRO + """\
 {%- if messages[0].role == 'system' -%}
 {%- set system = text_of(messages[0].content) -%}{%- set rest = messages[1:] -%}
 {%- else -%}
@@ -50,16 +46,7 @@ CHAT_TEMPLATE = """\
 {{- '<|im_end|>\\n' }}
 {%- for message in rest %}
 {%- if message.role == 'assistant' %}
-{%- set c = text_of(message.content) %}
-{{- '<|im_start|>assistant\\n' + c }}
-{%- for tc in (message.tool_calls or []) %}
-{%- set f = tc.function if tc.function is defined else tc %}
-{%- if c or not loop.first %}{{- '\\n' }}{%- endif %}
-{{- '<tool_call>\\n{"name": "' + f.name + '", "arguments": ' }}
-{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}
-{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
+""" + ASSISTANT_TURN + """\
 {%- else %}
 {{- '<|im_start|>' + message.role + '\\n' + text_of(message.content) + '<|im_end|>\\n' }}
 {%- endif %}

@@ -106,7 +106,7 @@ def format_capacity(caps: dict[str, Any]) -> str:
     for servers, rows in caps.items():
         best = max((v["sessions_per_s"], r) for r, v in rows.items() if r != "talaria")
         for row, v in rows.items():
-            mark = ">=" if v["at_least"] else "<" if v.get("at_most") else ""
+            mark = ">=" if v["at_least"] else "<" if v["at_most"] else ""
             lines.append(f"  {servers} server(s)  {row:20s} {mark}{v['sessions_per_s'] * 3600:7.1f} "
                          f"sessions/h ({mark}{v['load']:.2f} of saturation)")
         tal = rows.get("talaria")

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from engine.models.chatml import ASSISTANT_TURN, TEXT_OF_MACRO
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, IM_START_ID, EOS_ID = 0, 1, 2  # ids of SPECIAL_TOKENS, in order
 PAD_ID = BOS_ID
@@ -28,12 +30,7 @@ PAD_ID = BOS_ID
 # of text parts or null; arguments a JSON string (OpenAI's wire form) or an object. Unlike
 # Qwen's, an assistant turn always starts "<|im_start|>assistant\n", so every prompt extends
 # the previous call's prompt (the generation prompt) token for token.
-CHAT_TEMPLATE = """\
-{%- macro text_of(c) -%}
-{%- if c is string -%}{{ c }}
-{%- elif c is iterable -%}{%- for p in c -%}{%- if p.type == 'text' -%}{{ p.text }}{%- endif -%}{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
+CHAT_TEMPLATE = TEXT_OF_MACRO + """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
 {%- if messages[0].role == 'system' %}{{- text_of(messages[0].content) + '\\n\\n' }}{%- endif %}
@@ -49,16 +46,7 @@ CHAT_TEMPLATE = """\
 {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
 {{- '<|im_start|>' + message.role + '\\n' + text_of(message.content) + '<|im_end|>\\n' }}
 {%- elif message.role == 'assistant' %}
-{%- set c = text_of(message.content) %}
-{{- '<|im_start|>assistant\\n' + c }}
-{%- for tc in (message.tool_calls or []) %}
-{%- set f = tc.function if tc.function is defined else tc %}
-{%- if c or not loop.first %}{{- '\\n' }}{%- endif %}
-{{- '<tool_call>\\n{"name": "' + f.name + '", "arguments": ' }}
-{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}
-{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
+""" + ASSISTANT_TURN + """\
 {%- elif message.role == 'tool' %}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
 {{- '\\n<tool_response>\\n' + text_of(message.content) + '\\n</tool_response>' }}

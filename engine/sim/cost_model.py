@@ -245,7 +245,7 @@ class CostModel:
         decode_scores = m.num_layers * m.num_attention_heads * decode_pairs / tp
         layer_bytes, head_bytes = self._gemm_bytes(tokens)
         linear_s = (self._linear_flops(tokens, logit_rows) / tp / flop_rate
-                    + self._gemm_seconds(tokens, logit_rows))
+                    + self._gemm_of(layer_bytes, head_bytes, tokens, logit_rows))
         attention_s = 4.0 * m.head_dim * scores / (dev.attention_flops or flop_rate)
         prefill_rate, decode_rate = dev.attention_scores_per_s, dev.decode_scores_per_s
         scores_s = ((scores - decode_scores) / prefill_rate if prefill_rate else 0.0) + (
@@ -308,9 +308,11 @@ class CostModel:
         )
 
     def _gemm_seconds(self, tokens: int, rows: int) -> float:
-        if not self.eff.gemm_s_per_weight_byte:
-            return 0.0
-        layer_bytes, head_bytes = self._gemm_bytes(tokens)
+        return self._gemm_of(*self._gemm_bytes(tokens), tokens, rows)
+
+    def _gemm_of(self, layer_bytes: float, head_bytes: float, tokens: int, rows: int) -> float:
+        """The per-weight-byte product time: the layers' products if more than one token,
+        the LM head's if more than one row."""
         return ((layer_bytes if tokens > 1 else 0.0) + (head_bytes if rows > 1 else 0.0)
                 ) / self.tp * self.eff.gemm_s_per_weight_byte
 
