@@ -3,7 +3,8 @@
 ``--suite full`` runs ``SuiteConfig()`` (every trace x burst and four Poisson loads x one and
 four servers, 120 sessions a scenario); ``quick`` the same traces and servers at loads 0.5
 and 1.0 with 60 sessions a scenario; ``off`` none. ``--tune-suite`` first runs the baseline's
-and every peer's grid in every scenario (``workloads.suite_tuning``).
+and every peer's grid in every scenario (``workloads.suite_tuning``; ``--tune-servers``: only
+the scenarios on those server counts).
 
 Capacity at the SLO (``capacity``): per row and server count, the highest Poisson rate at
 which the p95 SCT stays within ``SLO_FACTOR`` times the p95 of the same sessions alone, read
@@ -42,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-suite", action="store_true",
                    help="first tune the baseline and every peer in every scenario of the "
                    "suite, per figure (writes workloads/data/suite_settings.json)")
+    p.add_argument("--tune-servers", default=None,
+                   help="with --tune-suite: tune only the scenarios on these server counts, "
+                   "e.g. 1 (the cache keeps the other scenarios' settings)")
 
 
 def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
@@ -53,8 +57,10 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
     config = replace(_SIZES[args.suite], seed=args.seed,
                      spec=replace(spec, servers=1))
     if args.tune_suite:
+        servers = (None if args.tune_servers is None
+                   else tuple(int(n) for n in args.tune_servers.split(",")))
         settings = tune_suite(config, fallback, workers=args.workers,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, servers=servers)
     else:
         settings = load_suite_settings(config, fallback)
     suite = run_suite(config, settings, rows=SUITE_ROWS, workers=args.workers,

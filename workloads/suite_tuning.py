@@ -8,13 +8,16 @@ scenario, and keeps, for p50, p95 and the mean separately, the setting with the 
 baseline's best "empty" setting was 4.6x its best p50), and the quanta span a slot of a
 minute to one that outlasts most sessions; each point is a whole pass of the suite.
 Talaria is not tuned: it runs one configuration everywhere. The result is cached in
-``SUITE_SETTINGS_PATH`` under a key of the suite's configuration, so ``make replay`` runs each
-row at its best settings without the grids.
+``SUITE_SETTINGS_PATH`` per scenario, under a key of what a scenario's runs depend on beyond
+its name (``suite_key``: sizes, seed, cluster), so ``make replay`` runs each row at its best
+settings without the grids. A tuning over some of the server counts (``servers``) adds its
+scenarios to the cache and keeps the others'.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +38,10 @@ SUITE_QUOTAS: tuple[float, ...] = (1.0, 2.0, 4.0)  # Aegaeon's, within its Q_MAX
 
 
 def suite_key(config: SuiteConfig) -> str:
-    """What tuned settings depend on: the suite's scenarios, sizes, seed and cluster."""
+    """What a scenario's tuned settings depend on beyond its name (trace, arrivals, servers):
+    the suite's sizes, seed and cluster."""
     spec = config.spec
-    parts = [list(config.traces), list(config.loads), list(config.servers),
-             config.sessions_per_server, config.pooled_sessions, config.seed,
+    parts = [config.sessions_per_server, config.pooled_sessions, config.seed,
              [spec.server, spec.tp, list(spec.models), spec.block_size,
               spec.max_fused_decode_steps]]
     return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:16]
@@ -49,9 +52,26 @@ def _grid(row: str) -> list[dict[str, Any]]:
     return [{"slot_close": rule, "slot_quantum_s": q} for q in quanta for rule in SUITE_RULES]
 
 
+def _cached(config: SuiteConfig, path: Path) -> dict[str, Any]:
+    """The cache's ``settings`` and ``values`` when made for ``config``'s key, else empty."""
+    if path.exists():
+        data = orjson.loads(path.read_bytes())
+        if data.get("suite_key") == suite_key(config):
+            return data
+    return {"settings": {}, "values": {}}
+
+
 def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, workers: int = 1,
-               progress: bool = False, path: Path = SUITE_SETTINGS_PATH) -> SuiteSettings:
-    """Run every tuned row's grid in every scenario; write and return the best settings."""
+               progress: bool = False, path: Path = SUITE_SETTINGS_PATH,
+               servers: tuple[int, ...] | None = None) -> SuiteSettings:
+    """Run every tuned row's grid in every scenario (only those on ``servers`` when given);
+    write the best settings beside the cached ones of other scenarios; return them all."""
+    if servers is not None:
+        unknown = set(servers) - set(config.servers)
+        if unknown:
+            raise ValueError(f"server count(s) {sorted(unknown)} are not in the suite's "
+                             f"{list(config.servers)}")
+        config = replace(config, servers=tuple(servers))
     points = {row: _grid(row) for row in TUNED_ROWS}
     best: dict[str, dict[str, dict[str, Any]]] = {}
     width = max(len(g) for g in points.values())
@@ -70,24 +90,25 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
                     current = best.setdefault(name, {}).setdefault(row, {}).get(f)
                     if current is None or r.values[f] < current["value"]:
                         best[name][row][f] = {"value": r.values[f], "setting": chosen[row]}
-    tuned = {name: {row: {f: v["setting"] for f, v in by_fig.items()}
-                    for row, by_fig in rows.items()} for name, rows in best.items()}
+    cached = _cached(config, path)
+    tuned = cached["settings"] | {name: {row: {f: v["setting"] for f, v in by_fig.items()}
+                                         for row, by_fig in rows.items()}
+                                  for name, rows in best.items()}
+    values = cached["values"] | {name: {row: {f: v["value"] for f, v in by_fig.items()}
+                                        for row, by_fig in rows.items()}
+                                 for name, rows in best.items()}
     data = {"suite_key": suite_key(config), "criterion": "per figure, the lowest over the grid",
-            "settings": tuned,
-            "values": {name: {row: {f: v["value"] for f, v in by_fig.items()}
-                              for row, by_fig in rows.items()} for name, rows in best.items()}}
+            "settings": tuned, "values": values}
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
     return SuiteSettings(tuned, fallback)
 
 
 def load_suite_settings(config: SuiteConfig, fallback: dict[str, dict[str, Any]],
                         path: Path = SUITE_SETTINGS_PATH) -> SuiteSettings:
-    """The cached settings when made for this suite configuration, else none (each row then
-    runs at ``fallback``, its default-trace setting, marked untuned)."""
-    tuned: dict[str, Any] = {}
-    if path.exists():
-        data = orjson.loads(path.read_bytes())
-        if data.get("suite_key") == suite_key(config):
-            tuned = data["settings"]
+    """The cached settings of this suite configuration's scenarios (a scenario with none runs
+    each row at ``fallback``, its default-trace setting, marked untuned)."""
+    names = {s.name for s in scenarios(config)}
+    tuned = {name: rows for name, rows in _cached(config, path)["settings"].items()
+             if name in names}
     return SuiteSettings(tuned, fallback)
 

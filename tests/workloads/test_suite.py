@@ -149,6 +149,8 @@ def test_capacity_is_read_off_the_load_points() -> None:
 
 def test_suite_key_changes_with_what_tuning_depends_on() -> None:
     assert suite_key(SuiteConfig()) == suite_key(SuiteConfig())
+    # the scenarios themselves are named in the cache, not in its key
+    assert suite_key(SuiteConfig()) == suite_key(SuiteConfig(servers=(1,), loads=(0.5,)))
     assert suite_key(SuiteConfig()) != suite_key(SuiteConfig(pooled_sessions=60))
     assert suite_key(SuiteConfig()) != suite_key(SuiteConfig(seed=1))
 
@@ -206,6 +208,37 @@ def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
     other = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
                         pooled_sessions=2)
     assert suite_tuning.load_suite_settings(other, fallback, path).tuned == {}
+
+
+def test_tuning_some_server_counts_keeps_the_other_scenarios_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import orjson
+
+    from workloads import suite_tuning
+
+    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
+    monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
+    monkeypatch.setattr(suite_tuning, "TUNED_ROWS", ("baseline",))
+    config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1, 2), sessions_per_server=2,
+                         pooled_sessions=2)
+    fallback = {"baseline": {"slot_close": "quantum", "slot_quantum_s": 60.0}}
+    path = tmp_path / "suite.json"
+    with pytest.raises(ValueError, match="not in the suite"):
+        suite_tuning.tune_suite(config, fallback, path=path, servers=(4,))
+    suite_tuning.tune_suite(config, fallback, path=path, servers=(2,))
+    first = orjson.loads(path.read_bytes())["settings"]
+    assert set(first) == {"miniswe/burst/2srv", "miniswe/poisson-1/2srv"}
+    both = suite_tuning.tune_suite(config, fallback, path=path, servers=(1,))
+    data = orjson.loads(path.read_bytes())
+    assert set(data["settings"]) == set(first) | {"miniswe/burst/1srv", "miniswe/poisson-1/1srv"}
+    assert {k: data["settings"][k] for k in first} == first
+    assert both.tuned == data["settings"]
+    # a suite of one server count loads only its own scenarios' settings
+    one = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
+                      pooled_sessions=2)
+    assert set(suite_tuning.load_suite_settings(one, fallback, path).tuned) == {
+        "miniswe/burst/1srv", "miniswe/poisson-1/1srv"}
 
 
 def test_every_suite_trace_fits_its_models_contexts() -> None:
