@@ -1,8 +1,8 @@
 """The baseline and the peers at their best in hindsight, per scenario and per figure.
 
 ``tune_suite`` runs every row of ``TUNED_ROWS`` over its grid of slot-closing rules and quanta
-(``SUITE_RULES`` x ``SUITE_QUANTA``; Aegaeon over its quota grid, ``SUITE_QUOTAS``) in every
-scenario, and keeps, for p50, p95 and the mean separately, the setting with the lowest value
+(``SUITE_RULES`` x ``SUITE_QUANTA``; Aegaeon over its quota grid, ``SUITE_QUOTAS``), plus its
+default-trace setting when that is not on the grid, in every scenario, and keeps, for p50, p95 and the mean separately, the setting with the lowest value
 (ties to the earlier grid point). The grid is coarser than the default trace's
 (``workloads.tuning``): closing when the queue is empty was no row's best there (the
 baseline's best "empty" setting was 4.6x its best p50), and the quanta span a slot of a
@@ -47,9 +47,17 @@ def suite_key(config: SuiteConfig) -> str:
     return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:16]
 
 
-def _grid(row: str) -> list[dict[str, Any]]:
+def _grid(row: str, fallback: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The row's grid, and its ``fallback`` (its default-trace setting) when not on it: a row
+    tuned per scenario is never worse there than it would be untuned."""
     quanta = SUITE_QUOTAS if SYSTEMS[row].grid == "preempt" else SUITE_QUANTA
-    return [{"slot_close": rule, "slot_quantum_s": q} for q in quanta for rule in SUITE_RULES]
+    grid = [{"slot_close": rule, "slot_quantum_s": q} for q in quanta for rule in SUITE_RULES]
+    if fallback is not None:
+        point = {"slot_close": fallback["slot_close"],
+                 "slot_quantum_s": float(fallback["slot_quantum_s"])}
+        if point not in grid:
+            grid.append(point)
+    return grid
 
 
 def _cached(config: SuiteConfig, path: Path) -> dict[str, Any]:
@@ -72,7 +80,7 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
             raise ValueError(f"server count(s) {sorted(unknown)} are not in the suite's "
                              f"{list(config.servers)}")
         config = replace(config, servers=tuple(servers))
-    points = {row: _grid(row) for row in TUNED_ROWS}
+    points = {row: _grid(row, fallback.get(row)) for row in TUNED_ROWS}
     best: dict[str, dict[str, dict[str, Any]]] = {}
     width = max(len(g) for g in points.values())
     for i in range(width):

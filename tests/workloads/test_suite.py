@@ -194,7 +194,9 @@ def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
     for scenario, rows in data["settings"].items():
         for row, by_figure in rows.items():
             for name, setting in by_figure.items():
-                assert setting["slot_quantum_s"] in (10.0, 200.0)
+                # the grid, and the baseline's default-trace setting (not on the grid)
+                assert setting["slot_quantum_s"] in ((10.0, 200.0, 60.0) if row == "baseline"
+                                                     else (10.0, 200.0))
                 assert tuned.for_row(scenario, row) == (by_figure, True)
                 value = data["values"][scenario][row][name]
                 others = run_suite(config, SuiteSettings(
@@ -208,6 +210,16 @@ def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
     other = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
                         pooled_sessions=2)
     assert suite_tuning.load_suite_settings(other, fallback, path).tuned == {}
+
+
+def test_a_rows_grid_holds_its_default_trace_setting() -> None:
+    from workloads.suite_tuning import _grid
+
+    plain = _grid("baseline")
+    assert {"slot_close": "quantum", "slot_quantum_s": 480.0} not in plain
+    with_it = _grid("baseline", {"slot_close": "quantum", "slot_quantum_s": 480})
+    assert with_it == [*plain, {"slot_close": "quantum", "slot_quantum_s": 480.0}]
+    assert _grid("baseline", plain[0]) == plain  # already on it: not twice
 
 
 def test_tuning_some_server_counts_keeps_the_other_scenarios_settings(
