@@ -38,7 +38,7 @@ from workloads.sweep import poisson_arrivals
 from workloads.trace import Session, load_trace
 from workloads.trace_split import report_half
 
-__all__ = ["SUITE_TRACES", "Scenario", "SuiteConfig", "TraceSource", "burst_runs",
+__all__ = ["SUITE_TRACES", "Scenario", "SuiteConfig", "TraceSource", "burst_runs", "draw_sessions",
            "poisson_run", "scenarios"]
 
 
@@ -133,7 +133,7 @@ def _pool(trace: str, models: tuple[str, ...]) -> tuple[Session, ...]:
     return tuple(s.alone() for s in sessions)
 
 
-def _draw(trace: str, count: int, seed: int, spec: ClusterSpec, tag: str) -> list[Session]:
+def draw_sessions(trace: str, count: int, seed: int, spec: ClusterSpec, tag: str) -> list[Session]:
     """``count`` sessions of ``trace`` (seeded; with replacement beyond the trace's size),
     renamed ``<tag>/<k>/<id>`` so that draws never share a session id."""
     pool = _pool(trace, tuple(spec.models))
@@ -149,7 +149,7 @@ def burst_runs(scenario: Scenario, config: SuiteConfig) -> list[list[Session]]:
     runs to pool ``pooled_sessions`` sessions."""
     per_run = config.sessions_per_server * scenario.servers
     runs = max(1, math.ceil(config.pooled_sessions / per_run))
-    return [_draw(scenario.trace, per_run, config.seed, config.spec, f"burst{scenario.servers}-{r}")
+    return [draw_sessions(scenario.trace, per_run, config.seed, config.spec, f"burst{scenario.servers}-{r}")
             for r in range(runs)]
 
 
@@ -157,7 +157,7 @@ def poisson_run(scenario: Scenario, config: SuiteConfig, saturation: float) -> l
     """A Poisson scenario's one run: ``pooled_sessions`` sessions arriving at ``load`` times
     the ``saturation`` rate (sessions/s)."""
     assert scenario.load is not None
-    sessions = _draw(scenario.trace, config.pooled_sessions, config.seed, config.spec,
+    sessions = draw_sessions(scenario.trace, config.pooled_sessions, config.seed, config.spec,
                      f"poisson{scenario.servers}-{scenario.load:g}")
     return poisson_arrivals(sessions, scenario.load * saturation, seed=config.seed)
 

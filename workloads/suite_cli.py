@@ -6,29 +6,34 @@ and 1.0 with 60 sessions a scenario; ``off`` none. ``--tune-suite`` first runs t
 and every peer's grid in every scenario (``workloads.suite_tuning``; ``--tune-servers``: only
 the scenarios on those server counts).
 
-Capacity at the SLO (``capacity``): per row and server count, the highest Poisson rate at
-which the p95 SCT stays within ``SLO_FACTOR`` times the p95 of the same sessions alone, read
-off the suite's load points of the ``CAPACITY_TRACE`` scenarios (linear between the last
-load that meets it and the first that does not; at least the highest load when all do).
+Capacity at the SLO (``workloads.capacity``), on the ``CAPACITY_TRACE``'s report sessions: per
+row and server count of the suite, the highest Poisson rate at which the p95 SCT stays within
+``SLO_FACTOR`` times the same sessions' p95 alone (searched, each row at its p95 setting of the
+trace's Poisson scenario at load 1.0); and per row the servers needed at one rate: the
+capacity trace's saturation rate on the suite's largest server count (the baseline's burst
+throughput there), the load at which that many baseline servers are just busy.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from workloads.capacity import CapacityConfig, rate_capacity, servers_needed
 from workloads.cluster import ClusterSpec
-from workloads.suite import SuiteConfig
+from workloads.suite import Scenario, SuiteConfig, draw_sessions
 from workloads.suite_report import format_suite, suite_json
-from workloads.suite_run import SUITE_ROWS, SuiteResult, run_suite
+from workloads.suite_run import SUITE_ROWS, SuiteResult, SuiteSettings, run_suite
 from workloads.suite_tuning import load_suite_settings, tune_suite
 
-__all__ = ["CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity", "format_capacity",
-           "run_from_args"]
+__all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
+           "format_capacity", "run_from_args"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
+CAPACITY_SESSIONS = 60  # sessions a capacity probe replays (the quick suite's per scenario)
 _SIZES = {
     "full": SuiteConfig(),
     "quick": SuiteConfig(loads=(0.5, 1.0), pooled_sessions=60),
@@ -65,51 +70,41 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
         settings = load_suite_settings(config, fallback)
     suite = run_suite(config, settings, rows=SUITE_ROWS, workers=args.workers,
                       progress=not args.no_progress)
-    caps = capacity(suite)
+    caps = capacity(suite, settings, workers=args.workers, progress=not args.no_progress)
     text = format_suite(suite) + "\n\n" + format_capacity(caps)
     return text, {"scenarios": suite_json(suite), "capacity": caps}
 
 
-def capacity(suite: SuiteResult, trace: str = CAPACITY_TRACE) -> dict[str, Any]:
-    """``{servers: {row: {"sessions_per_s", "load", "at_least", "at_most"}}}`` from the
-    suite's load points: linear between the last load that meets the SLO and the first that
-    does not; ``at_least`` when every load meets it (the highest load), ``at_most`` when none
-    does (the lowest load: the capacity is below it)."""
-    out: dict[str, Any] = {}
-    for servers in suite.config.servers:
-        points = sorted((r.scenario.load, r) for r in suite.scenarios.values()
-                        if r.scenario.trace == trace and r.scenario.servers == servers
-                        and r.scenario.load is not None)
-        if not points:
-            continue
-        rate = points[0][1].saturation_rate or 0.0
-        per_row: dict[str, Any] = {}
-        for row in points[0][1].rows:
-            ok_load, at_least = 0.0, False
-            previous: tuple[float, float] | None = None  # (load, p95 / slo)
-            for load, res in points:
-                ratio = res.rows[row].values["p95"] / (SLO_FACTOR * res.isolated_p95_s)
-                if ratio <= 1.0:
-                    ok_load, at_least, previous = load, True, (load, ratio)
-                    continue
-                if previous is not None:
-                    lo, r_lo = previous
-                    ok_load = lo + (load - lo) * (1.0 - r_lo) / (ratio - r_lo)
-                at_least = False
-                break
-            at_most = previous is None
-            if at_most:
-                ok_load = points[0][0]
-            per_row[row] = {"sessions_per_s": ok_load * rate, "load": ok_load,
-                            "at_least": at_least, "at_most": at_most}
-        out[str(servers)] = per_row
-    return out
+def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAPACITY_SESSIONS,
+             config: CapacityConfig | None = None,
+             rows: Sequence[str] = SUITE_ROWS, workers: int = 1,
+             progress: bool = False) -> dict[str, Any]:
+    """``{"trace", "sessions", "slo_factor", "servers": {n: {row: ...}}, "servers_needed":
+    {"sessions_per_s", "at_servers", "rows": {row: ...}}}`` (``workloads.capacity``)."""
+    config = config or CapacityConfig(slo_factor=SLO_FACTOR)
+    trace, cfg = CAPACITY_TRACE, suite.config
+    drawn = draw_sessions(trace, sessions, cfg.seed, cfg.spec, "capacity")
+    saturation = {n: suite.saturation[f"{trace}/{n}srv"] for n in cfg.servers}
+
+    def setting(row: str, n: int) -> dict[str, Any]:
+        return settings.for_row(Scenario(trace, n, 1.0).name, row)[0]["p95"]
+
+    rates = rate_capacity(rows, drawn, cfg.spec_for, cfg.servers, saturation.__getitem__,
+                          setting, config, seed=cfg.seed, workers=workers, progress=progress)
+    largest = max(cfg.servers)
+    needed = servers_needed(rows, drawn, cfg.spec_for, saturation[largest],
+                            lambda row: setting(row, largest), config, seed=cfg.seed,
+                            workers=workers, progress=progress)
+    return {"trace": trace, "sessions": sessions, "slo_factor": config.slo_factor,
+            "servers": rates,
+            "servers_needed": {"sessions_per_s": saturation[largest], "at_servers": largest,
+                               "rows": needed}}
 
 
 def format_capacity(caps: dict[str, Any]) -> str:
-    lines = [f"capacity at the SLO (p95 SCT <= {SLO_FACTOR:g} x the sessions' p95 alone), "
-             f"{CAPACITY_TRACE} sessions, from the suite's Poisson loads:"]
-    for servers, rows in caps.items():
+    lines = [f"capacity at the SLO (p95 SCT <= {caps['slo_factor']:g} x the same sessions' p95 "
+             f"alone), {caps['trace']}, {caps['sessions']} sessions a probe:"]
+    for servers, rows in caps["servers"].items():
         best = max((v["sessions_per_s"], r) for r, v in rows.items() if r != "talaria")
         for row, v in rows.items():
             mark = ">=" if v["at_least"] else "<" if v["at_most"] else ""
@@ -120,4 +115,9 @@ def format_capacity(caps: dict[str, Any]) -> str:
             bound = ">=" if tal["at_least"] and not rows[best[1]]["at_least"] else ""
             lines.append(f"  {servers} server(s)  talaria / best other ({best[1]}): "
                          f"{bound}{tal['sessions_per_s'] / best[0]:.2f}x")
+    need = caps["servers_needed"]
+    lines.append(f"servers needed for {need['sessions_per_s'] * 3600:.1f} sessions/h (what "
+                 f"{need['at_servers']} baseline servers drain in a burst), same SLO:")
+    for row, v in need["rows"].items():
+        lines.append(f"  {row:20s} {'>' if v['more_than'] else ''}{v['servers']}")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """The scenario suite: its scenarios and draws, figures and intervals, the headline's
-reading of rows, capacity at the SLO, and one small suite end to end."""
+reading of rows, and one small suite end to end."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from workloads.suite import (
     saturation_rate,
     scenarios,
 )
-from workloads.suite_cli import capacity, format_capacity
 from workloads.suite_report import best_other, format_suite, not_ahead, suite_json
 from workloads.suite_run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
 from workloads.suite_stats import figure, interval
@@ -122,29 +121,6 @@ def test_the_headline_reads_the_best_other_row_per_figure() -> None:
     data = suite_json(suite)["claude-code/burst/1srv"]
     assert data["rows"]["talaria"]["sct_p95_s"] == 290
     assert data["lower_bound"]["sct_mean_s"] == 60.0
-
-
-def test_capacity_is_read_off_the_load_points() -> None:
-    def point(load: float, p95: dict[str, float]) -> ScenarioResult:
-        return _scenario(load, {r: _row(r, 1, v, 1) for r, v in p95.items()}, iso95=100.0,
-                         rate=0.02)
-
-    points = [point(0.25, {"baseline": 150, "talaria": 120, "aegaeon": 210}),
-              point(0.5, {"baseline": 250, "talaria": 150, "aegaeon": 300}),
-              point(1.0, {"baseline": 400, "talaria": 180, "aegaeon": 500})]
-    suite = SuiteResult(SuiteConfig(traces=("claude-code",), servers=(1,)),
-                        {p.scenario.name: p for p in points}, {})
-    caps = capacity(suite)["1"]
-    # baseline: 0.75 of its SLO at 0.25, 1.25 at 0.5: crosses at 0.375 of saturation
-    assert caps["baseline"]["load"] == pytest.approx(0.375)
-    assert caps["baseline"]["sessions_per_s"] == pytest.approx(0.375 * 0.02)
-    assert not caps["baseline"]["at_least"] and not caps["baseline"]["at_most"]
-    assert caps["talaria"] == {"sessions_per_s": pytest.approx(0.02), "load": 1.0,
-                               "at_least": True, "at_most": False}
-    # aegaeon misses at every load: its capacity is below the lowest, not zero
-    assert caps["aegaeon"] == {"sessions_per_s": pytest.approx(0.25 * 0.02), "load": 0.25,
-                               "at_least": False, "at_most": True}
-    assert "<" in format_capacity({"1": caps}).split("aegaeon")[1].splitlines()[0]
 
 
 def test_suite_key_changes_with_what_tuning_depends_on() -> None:

@@ -1,0 +1,101 @@
+"""Capacity at the SLO and servers needed (``workloads.capacity``): the searches' brackets on
+known boundaries, common arrivals across rates, and a small search end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from workloads.capacity import (
+    CapacityConfig,
+    Probe,
+    RateSearch,
+    ServerSearch,
+    arrivals_at,
+    rate_capacity,
+    servers_needed,
+)
+from workloads.cluster import ClusterSpec
+from workloads.suite import draw_sessions
+from workloads.suite_cli import format_capacity
+
+
+def _drive(search: RateSearch | ServerSearch, met: Callable[[float], bool]) -> list[float]:
+    seen = []
+    while (point := search.next_point()) is not None:
+        seen.append(point)
+        search.record(Probe(point, 1.0 if met(point) else 3.0, 2.0))
+    return seen
+
+
+def test_rate_search_brackets_then_bisects_below_the_boundary() -> None:
+    search = RateSearch(CapacityConfig(bisections=3))
+    seen = _drive(search, lambda load: load <= 1.7)
+    assert seen[:2] == [1.0, 2.0]
+    assert seen[2] == pytest.approx(2 ** 0.5)
+    assert len(seen) == 5  # two ladder probes, three bisections
+    result = search.result(saturation=0.01)
+    assert 1.41 < result["load"] <= 1.7 and result["load"] in seen
+    assert result["sessions_per_s"] == pytest.approx(result["load"] * 0.01)
+    assert not result["at_least"] and not result["at_most"]
+    assert min(p for p in seen if p > 1.7) == pytest.approx(search.miss)
+
+
+def test_rate_search_says_at_least_and_at_most_at_the_ladders_ends() -> None:
+    config = CapacityConfig(lowest_load=0.25, highest_load=4.0)
+    high = RateSearch(config)
+    assert _drive(high, lambda _load: True) == [1.0, 2.0, 4.0]
+    assert high.result(1.0)["at_least"] and high.result(1.0)["load"] == 4.0
+    low = RateSearch(config)
+    assert _drive(low, lambda _load: False) == [1.0, 0.5, 0.25]
+    assert low.result(1.0)["at_most"] and low.result(1.0)["load"] == 0.25
+
+
+def test_server_search_finds_the_fewest_servers_that_meet() -> None:
+    search = ServerSearch(CapacityConfig(max_servers=16))
+    seen = _drive(search, lambda n: n >= 5)
+    assert seen == [1, 2, 4, 8, 6, 5]
+    assert search.result()["servers"] == 5 and not search.result()["more_than"]
+    never = ServerSearch(CapacityConfig(max_servers=10))
+    assert _drive(never, lambda _n: False) == [1, 2, 4, 8, 10]
+    assert never.result() == {"servers": 10, "more_than": True,
+                              "probes": [[n, 3.0, 2.0] for n in (1, 2, 4, 8, 10)]}
+    one = ServerSearch(CapacityConfig())
+    assert _drive(one, lambda _n: True) == [1]
+
+
+def test_every_rate_replays_the_same_gaps_scaled() -> None:
+    sessions = draw_sessions("miniswe", 6, 0, ClusterSpec(), "t")
+    slow, fast = arrivals_at(sessions, 0.5, seed=3), arrivals_at(sessions, 2.0, seed=3)
+    assert slow[0].arrival_s == fast[0].arrival_s == 0.0
+    for a, b in zip(slow[1:], fast[1:], strict=True):
+        assert a.session_id == b.session_id
+        assert a.arrival_s == pytest.approx(4 * b.arrival_s, abs=0.01)
+    assert [s.arrival_s for s in slow] == sorted(s.arrival_s for s in slow)
+    with pytest.raises(ValueError):
+        arrivals_at(sessions, 0.0, seed=0)
+
+
+def test_a_small_capacity_search_runs_end_to_end() -> None:
+    spec = ClusterSpec()
+    sessions = draw_sessions("miniswe", 4, 0, spec, "t")
+    config = CapacityConfig(start_load=1.0, lowest_load=0.5, highest_load=2.0, bisections=1,
+                            max_servers=2)
+    setting = {"slot_close": "drained", "slot_quantum_s": 240.0}
+    rates = rate_capacity(("baseline", "talaria"), sessions, lambda n: ClusterSpec(servers=n),
+                          (1,), lambda _n: 0.01, lambda _row, _n: setting, config)
+    for row in ("baseline", "talaria"):
+        r = rates["1"][row]
+        met = [p for p, p95, slo in r["probes"] if p95 <= slo]
+        assert r["load"] == (max(met) if met else config.lowest_load)
+        assert r["at_most"] == (not met)
+    need = servers_needed(("talaria",), sessions, lambda n: ClusterSpec(servers=n), 0.05,
+                          lambda _row: setting, config)["talaria"]
+    assert need["servers"] in (1, 2)
+    assert need["more_than"] == all(p95 > slo for _, p95, slo in need["probes"])
+    text = format_capacity({"trace": "miniswe", "sessions": 4, "slo_factor": 2.0,
+                            "servers": rates,
+                            "servers_needed": {"sessions_per_s": 0.05, "at_servers": 1,
+                                               "rows": {"talaria": need}}})
+    assert "talaria / best other (baseline)" in text and "servers needed for 180.0" in text
