@@ -10,8 +10,11 @@ answer longer than expected grows past its count; the engine preempts when its b
 out. A call whose client left, or
 that the engine refuses, fails alone.
 
-``Intake`` is a part of ``AdmissionLoop`` (a mixin): it reads the loop's books and never
-runs on its own.
+``Intake`` is owned by ``AdmissionLoop``, which calls it at each decision (``admit_queue``
+while a slot is open, ``admit_continuations`` after it closes) and tells it when the engine
+stepped (``engine_stepped``). It shares the loop's books (calls, sessions, counters, faults,
+time split) and reads the loop's latest engine stats and active model through the two
+callables it is given, since the loop replaces both as the engine moves.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from talaria.policies.round_scheduler import Slot
 from talaria.policies.session_prefill import decide_queued, slot_costs
 from talaria.policies.view import InstanceView
 
-log = structlog.get_logger("talaria.admission")
+log = structlog.get_logger("talaria.intake")
 
 __all__ = ["Intake", "Room"]
 
@@ -49,26 +52,50 @@ class Room(enum.Enum):
 
 
 class Intake:
-    instance_id: str
-    view: InstanceView
-    policy: PolicyConfig
-    executor: EngineExecutor
-    calls: CallBook
-    sessions: SessionKeeper
-    est: Estimator
-    counters: dict[str, int]
-    faults: EngineFaults
-    split: TimeSplit
-    stats: EngineStats
-    active_model: str | None
-    now: Callable[[], float]
-    finish: Callable[..., None]  # AdmissionLoop.finish(pending, reason, event, error=None)
-    _service: Callable[[PendingCall], Service]
-    # prompt blocks handed to the engine since its last step (engine admission): the engine
-    # gives them blocks only when it schedules them
-    handed_blocks: int
+    def __init__(
+        self,
+        instance_id: str,
+        view: InstanceView,
+        policy: PolicyConfig,
+        executor: EngineExecutor,
+        calls: CallBook,
+        sessions: SessionKeeper,
+        est: Estimator,
+        counters: dict[str, int],
+        faults: EngineFaults,
+        split: TimeSplit,
+        *,
+        finish: Callable[..., None],
+        service: Callable[[PendingCall], Service],
+        stats: Callable[[], EngineStats],
+        active_model: Callable[[], str | None],
+    ) -> None:
+        self.instance_id = instance_id
+        self.view = view
+        self.policy = policy
+        self.executor = executor
+        self.calls = calls
+        self.sessions = sessions
+        self.est = est
+        self.counters = counters
+        self.faults = faults
+        self.split = split
+        self.finish = finish  # AdmissionLoop.finish(pending, reason, event, error=None)
+        self._service = service
+        self._stats = stats
+        self._active_model = active_model
+        # prompt blocks handed to the engine since its last step (engine admission): the
+        # engine gives them blocks only when it schedules them
+        self.handed_blocks = 0
 
-    async def _admit_queue(self, model: str) -> None:
+    def now(self) -> float:
+        return self.view.now()
+
+    def engine_stepped(self) -> None:
+        """The engine ran a step: the prompts handed to it since hold their blocks now."""
+        self.handed_blocks = 0
+
+    async def admit_queue(self, model: str) -> None:
         """Admit queued calls of ``model`` in the policy's order while the budget allows."""
         queue = self.calls.queues[model]
         if len(self.calls.running) >= self.policy.max_running_calls:
@@ -138,7 +165,7 @@ class Intake:
         if self.policy.admission == "engine":
             return await self._engine_room(pending)
         model = pending.call.model
-        total = self.stats.num_total_blocks
+        total = self._stats().num_total_blocks
         if pending.need_blocks > total > 0:
             self.finish(
                 pending,
@@ -150,7 +177,7 @@ class Intake:
         while True:
             if self._blocks_in_use(pending.call.session_id) + pending.need_blocks <= total:
                 return Room.FITS
-            victims = self._yield_order(model, pending.call.session_id)
+            victims = self.yield_order(model, pending.call.session_id)
             if not victims or (self.policy.hard_pins and self.calls.running):
                 return Room.WAIT  # hard pins yield only when nothing runs (deadlock guard)
             await self.sessions.yield_reservation(victims[0])
@@ -161,18 +188,18 @@ class Intake:
         step, hold its prompt; nothing is kept for its answer (the engine preempts when a
         decode finds no block). Pinned reservations are the engine's own pins: they yield as
         in the budget (a hard pin only when nothing runs, Continuum's deadlock guard)."""
-        bs = max(1, self.stats.block_size)
+        bs = max(1, self._stats().block_size)
         prompt = -(-len(pending.call.prompt_token_ids) // bs)
         while True:
             if prompt + self.handed_blocks <= self.executor.stats().num_free_blocks:
                 self.handed_blocks += prompt
                 return Room.FITS
-            victims = self._yield_order(pending.call.model, pending.call.session_id)
+            victims = self.yield_order(pending.call.model, pending.call.session_id)
             if not victims or (self.policy.hard_pins and self.calls.running):
                 return Room.WAIT if self.calls.running else Room.FITS
             await self.sessions.yield_reservation(victims[0])
 
-    def _yield_order(self, model: str, exclude: str) -> list[Reservation]:
+    def yield_order(self, model: str, exclude: str) -> list[Reservation]:
         """Reservations to yield, least valuable first: the latest expected return, or under
         session priority the session that comes last (the latest return among equals)."""
         victims = self.sessions.reservations.yield_order(model, exclude=exclude)
@@ -183,7 +210,7 @@ class Intake:
             order, self.sessions.service(r.session_id, 0.0), ratio))
 
     def _blocks_in_use(self, session_id: str) -> int:
-        model = self.active_model
+        model = self._active_model()
         book = self.sessions.reservations
         used = sum(p.need_blocks for p in self.calls.running.values())
         pinned = book.pinned_blocks(model) if model is not None else 0
@@ -192,7 +219,7 @@ class Intake:
             pinned -= own.blocks
         return used + pinned
 
-    async def _sp_admit_queued(self, slot: Slot) -> None:
+    async def admit_continuations(self, slot: Slot) -> None:
         """Admit queued continuations of the closed slot's model when SP decides it pays."""
         queue = self.calls.queues[slot.model]
         # the slot's costs are the same for every candidate until something happens:

@@ -42,7 +42,7 @@ from talaria.policies.staging import staging_target
 from talaria.policies.view import InstanceView
 from talaria.protocol import CallUsage
 
-log = structlog.get_logger("talaria.admission")
+log = structlog.get_logger("talaria.loop")
 
 __all__ = ["AdmissionLoop"]
 
@@ -50,7 +50,7 @@ _IDLE_STEP_BACKOFF_S = 0.01  # wait after an engine step that ran nothing
 _IDLE_WARN_EVERY_S = 5.0
 
 
-class AdmissionLoop(Intake):
+class AdmissionLoop:
     def __init__(
         self,
         instance_id: str,
@@ -79,7 +79,6 @@ class AdmissionLoop(Intake):
         self.slot: Slot | None = None
         self.residency: dict[str, Residency] = {}
         self.stats = EngineStats()
-        self.handed_blocks = 0
         self.healthy = True
         self.aborts: list[str] = []
         self.to_forget: set[str] = set()  # sessions the router no longer holds
@@ -96,6 +95,11 @@ class AdmissionLoop(Intake):
             FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
         )
         self.split = TimeSplit(0.0, record=record_splits)
+        self.intake = Intake(
+            instance_id, view, policy, executor, calls, sessions, est, counters, self.faults,
+            self.split, finish=self.finish, service=self._service, stats=lambda: self.stats,
+            active_model=lambda: self.active_model,
+        )
         executor.on_device_wait.append(lambda waiting: self.split.device_wait(self.now(), waiting))
         if executor.device is not None:
             executor.device_request = self._device_request
@@ -175,13 +179,13 @@ class AdmissionLoop(Intake):
                 else:
                     slot.opened = now  # only this model has work: the slot continues
             if slot.open:
-                await self._admit_queue(model)
+                await self.intake.admit_queue(model)
                 if slot_closes(self.policy.slot_close, queue_empty=not self.calls.queues[model],
                                in_flight=bool(self.calls.running), others_waiting=others > 0):
                     slot.close(now)
         self._account()
         if not slot.open and self.policy.session_prefill:
-            await self._sp_admit_queued(slot)
+            await self.intake.admit_continuations(slot)
 
     async def _between_slots(self) -> None:
         """The engine is idle: keep, reopen or switch the active model, or wait for work."""
@@ -344,7 +348,7 @@ class AdmissionLoop(Intake):
 
     async def _step(self) -> None:
         result: StepResult = await self.executor.step()
-        self.handed_blocks = 0
+        self.intake.engine_stepped()
         if result.events:
             self.faults.budget.progress()
         for event in result.events:

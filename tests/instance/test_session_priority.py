@@ -223,7 +223,7 @@ def test_under_kv_pressure_the_session_that_comes_last_yields_first() -> None:
                 sessions.gaps.sessions[sid].calls = calls
                 sessions.gaps.sessions[sid].attained_s = 10.0
                 sessions.reservations.add(Reservation(sid, "a", 0.0, back, 60.0, 4, True))
-            orders.append([r.session_id for r in inst.loop._yield_order("a", "other")])
+            orders.append([r.session_id for r in inst.loop.intake.yield_order("a", "other")])
         return orders[0], orders[1]
 
     by_priority, by_return = run_virtual(main())
