@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 from engine.sim.engine import SimEngine, SimEngineConfig
 from talaria.clock import run_virtual
-from talaria.instance.device import DeviceSchedule, SharedDevice
 from talaria.instance.executor import EngineExecutor
 from talaria.instance.instance import Instance
 from talaria.policies.config import PolicyConfig
@@ -31,6 +30,7 @@ from workloads.breakdown import attach_splits
 from workloads.cluster import ClusterSpec
 from workloads.lower_bound import InstanceTarget
 from workloads.replay import AGENT_MAX_TOKENS, ReplayResult, drive, model_limits
+from workloads.shared_device import DeviceSchedule, SharedDevice
 from workloads.systems import ROUND_QUANTA
 from workloads.trace import Session
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import structlog
 
-from talaria.instance.device import DeviceSchedule
 from workloads.cluster import ClusterSpec
 from workloads.replay import ReplayResult, run_sim
 from workloads.report import BASELINE
+from workloads.shared_device import DeviceSchedule
 from workloads.suite_stats import percentile
 from workloads.systems import ABLATIONS, SystemConfig
 from workloads.trace import Session

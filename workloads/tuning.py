@@ -25,11 +25,11 @@ from typing import Any
 
 import orjson
 
-from talaria.instance.device import DeviceSchedule
 from talaria.policies.config import SLOT_CLOSE_RULES
 from workloads.cluster import ClusterSpec
 from workloads.ideal import ideal_schedules
 from workloads.replay import ReplayResult
+from workloads.shared_device import DeviceSchedule
 from workloads.suite_stats import percentile
 from workloads.sweep import Job, run_many
 from workloads.systems import PREEMPT_QUANTA, ROUND_QUANTA, SystemConfig

@@ -15,18 +15,18 @@ Invariant: at most one timed operation is in flight, and the cheap synchronous c
 never touched from two threads at once.
 
 Simulated engines that share one server's GPUs (several models resident at once) share a
-``device`` (``talaria.instance.device.SharedDevice``): a timed operation first waits for it,
-as ``device_request`` says (its priority, and whether it continues a call in flight), so
-operations of different models never overlap in time; ``on_device_wait`` hears when a wait
-starts and ends.
+``device`` (a ``DeviceGate``: the benchmark's ``workloads.shared_device.SharedDevice``): a timed
+operation first waits for it, as ``device_request`` says (its priority, and whether it
+continues a call in flight), so operations of different models never overlap in time;
+``on_device_wait`` hears when a wait starts and ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from engine.interface import (
     EngineRequest,
@@ -36,11 +36,26 @@ from engine.interface import (
     Residency,
     StepResult,
 )
-from talaria.instance.device import SharedDevice
 
 T = TypeVar("T")
 
-__all__ = ["EngineExecutor", "EngineBusy"]
+__all__ = ["DeviceGate", "EngineExecutor", "EngineBusy"]
+
+
+class DeviceGate(Protocol):
+    """GPUs shared by the simulated engines of several resident models: a timed operation of
+    ``model`` holds it between ``acquire`` and ``release``."""
+
+    def claim(self, calls: Sequence[tuple[float, float | None]], now: float) -> tuple[float, bool]:
+        """(priority, continuing) of an engine's request, from (the attained service of the
+        call's session before it, when it was admitted or None) for each of its calls."""
+        ...
+
+    async def acquire(self, model: str, priority: float = 0.0, continuing: bool = False) -> None:
+        ...
+
+    def release(self, model: str) -> None:
+        ...
 
 
 class EngineBusy(RuntimeError):
@@ -52,7 +67,7 @@ class EngineExecutor:
         self,
         engine: MultiModelEngineProtocol,
         thread_init: Callable[[], None] | None = None,
-        device: SharedDevice | None = None,
+        device: DeviceGate | None = None,
     ) -> None:
         """``thread_init`` runs once on the live worker thread before its first op (e.g.
         ``torch.cuda.set_device`` for the rank's device)."""

@@ -24,7 +24,6 @@ import structlog
 
 from engine.interface import EngineStats, Residency, StepResult, TokenEvent
 from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_event
-from talaria.instance.device import claim
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineBusy, EngineExecutor
 from talaria.instance.faults import EngineFaults, FaultBudget
@@ -280,7 +279,7 @@ class AdmissionLoop:
         assert self.executor.device is not None
         calls = [(self.sessions.service(p.call.session_id, 0.0).attained_s, p.admitted)
                  for p in self.calls]
-        return claim(self.executor.device.schedule.order, calls, self.now())
+        return self.executor.device.claim(calls, self.now())
 
     async def _suspend(self, model: str) -> None:
         """Token-level preemption: the model's calls in flight are parked, KV to host."""

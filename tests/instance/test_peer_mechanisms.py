@@ -12,13 +12,13 @@ from fake_engine import FakeEngine
 from instance_helpers import late_continuation
 
 from talaria.clock import run_virtual
-from talaria.instance.device import DeviceSchedule, SharedDevice, claim
 from talaria.instance.instance import Instance
 from talaria.instance.time_split import DEVICE_WAIT, IDLE, SWITCH, TimeSplit, serving
 from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.priority import Service, next_model, order_queue
 from talaria.policies.round_scheduler import RoundScheduler, slot_closes
 from talaria.policies.ttl import MIN_SAMPLES, continuum_ttl
+from workloads.shared_device import DeviceSchedule, SharedDevice, claim
 
 
 @pytest.mark.parametrize(("rule", "continuation_first", "b_first"), [

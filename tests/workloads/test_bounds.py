@@ -11,7 +11,6 @@ import random
 import pytest
 
 from engine.sim.model_spec import DEFAULT_CATALOG
-from talaria.instance.device import DeviceSchedule
 from workloads.bound import (
     LowerBound,
     _srpt_completions,
@@ -25,6 +24,7 @@ from workloads.ideal import ideal_schedules, run_ideal
 from workloads.lower_bound import run_isolated, simulate_isolated
 from workloads.replay import ReplayResult, run_sim
 from workloads.report import own_durations, summarize
+from workloads.shared_device import DeviceSchedule
 from workloads.suite_stats import percentile
 from workloads.systems import SYSTEMS, SystemConfig
 from workloads.trace import Call, Session

@@ -1,5 +1,6 @@
-"""One server's GPUs shared by simulated engines of several resident models (the ideal
-bound's machine: every model resident at once, one engine per session).
+"""One server's GPUs shared by simulated engines of several resident models (the oracle
+schedule's machine, ``workloads.ideal``: every model resident at once, one engine per session).
+Benchmark code: the instance's executor sees it only as a ``DeviceGate``.
 
 A timed engine operation holds the device. Engines of the model holding it run together and
 never slow one another (perfect batching within a model); engines of other models wait, so
@@ -117,6 +118,10 @@ class SharedDevice:
         self._seq = itertools.count()
         self._handover_pending = False
         self._timer: asyncio.TimerHandle | None = None
+
+    def claim(self, calls: Sequence[tuple[float, float | None]], now: float) -> tuple[float, bool]:
+        """An engine's request under this device's order (``claim``)."""
+        return claim(self.schedule.order, calls, now)
 
     async def acquire(self, model: str, priority: float = 0.0, continuing: bool = False) -> None:
         if self.holder is None and not self._handover_pending:
