@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.interface import Residency
-from tests.sim.sim_helpers import (
+from tests.engine.sim.sim_helpers import (
     BS,
     GLM,
     MISTRAL,

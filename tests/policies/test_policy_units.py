@@ -1,4 +1,4 @@
-"""Small units: round order, wait estimates, gap prediction, reservation bookkeeping, rates,
+"""Small policy units: round order, wait estimates, gap prediction, reservation bookkeeping,
 what to stage."""
 
 from __future__ import annotations
@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from fake_engine import FakeEngine
 
-from engine.interface import MoveReport, MultiModelEngineProtocol, Residency, StepResult
+from engine.interface import Residency
 from engine.sampling_params import SamplingParams
-from talaria.instance.rates import RateBook
 from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.priority import Service
@@ -23,10 +21,6 @@ from talaria.policies.reservations import (
 from talaria.policies.round_scheduler import RoundScheduler
 from talaria.policies.staging import lend_staging_due, staging_target
 from talaria.protocol import CallRequest
-
-
-def test_fake_engine_implements_the_protocol() -> None:
-    assert isinstance(FakeEngine(["a"]), MultiModelEngineProtocol)
 
 
 def test_round_order_puts_the_current_model_last() -> None:
@@ -94,30 +88,6 @@ def test_reservation_book_yield_order_and_expiry() -> None:
     assert book.pinned_blocks("a") == 7
     assert [r.session_id for r in book.expired(10.0)] == ["s1", "s3"]
     assert book.next_expiry() == 5.0
-
-
-def test_rates_learn_from_reported_seconds() -> None:
-    rates = RateBook(["a", "b"], alpha=0.5, kv_bytes_per_token={"a": 100.0, "b": 300.0})
-    rates.observe("step", StepResult([], 0.1, num_prefill_tokens=0, num_decode_tokens=4), "a")
-    rates.observe("step", StepResult([], 0.3, num_prefill_tokens=1000, num_decode_tokens=4), "a")
-    m = rates.models["a"]
-    assert m.decode_step_s.value == pytest.approx(0.1)
-    fused = StepResult([], 0.5, num_decode_tokens=20, num_steps=5)
-    rates.observe("step", fused, "a")
-    assert m.decode_step_s.value == pytest.approx(0.1)
-    rates.observe("step", StepResult([], 0.0, num_steps=0), "a")  # nothing ran
-    assert m.decode_step_s.count == 2
-    assert m.prefill_tokens_per_s.value == pytest.approx(1000 / 0.2)
-    rates.observe("activate", MoveReport("activate_h2d", 10**9, 4.0), "a")
-    rates.observe("activate", MoveReport("activate_d2d", 10**9, 0.5), "a")
-    assert m.switch_s(staged=False) == 4.0 and m.switch_s(staged=True) == 0.5
-    rates.observe("offload_kv", MoveReport("kv_offload", 2000, 0.001), "a")
-    assert rates.restore_s("a", 1000) == pytest.approx(1000 * 100 / 2e6)
-    assert rates.restore_s("b", 1000) == pytest.approx(1000 * 300 / 2e6)  # each model its own
-    assert RateBook(["a"], 0.5, {"a": 100.0}).restore_s("a", 1000) == 0.0  # no rate yet: free
-    rates.observe_restored("b", 10)
-    rates.observe_restored("a", 10)
-    assert rates.kv_restored_bytes == 4000
 
 
 def test_yield_offload_needs_free_host_room_unless_eviction_is_allowed() -> None:

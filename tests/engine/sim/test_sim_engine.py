@@ -17,7 +17,7 @@ from engine.served_models import ModelNotActiveError
 from engine.sim.engine import DecodeLine, SimEngine, SimEngineConfig
 from engine.sim.model_spec import ModelSpec
 from engine.sim.switching import SleepWakeRates
-from tests.sim.sim_helpers import (
+from tests.engine.sim.sim_helpers import (
     BS,
     GLM,
     MISTRAL,
