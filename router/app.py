@@ -26,14 +26,23 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
-from router import openai_schema as schema
-from router.body_limits import BODY_DECODER_KEY, BodyDecoder, off_loop_if_large, parsed_body
+from router.api import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
+from router.api import openai_schema as schema
+from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, off_loop_if_large, parsed_body
+from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
+from router.api.stream_output import OutputAssembler, Responder
+from router.api.tool_calls import (
+    TOOL_FORMATS,
+    AnswerParser,
+    answer_parser,
+    detect_tool_format,
+)
 from router.core import CallRejected, NoHealthyInstance, RouterCore
-from router.deadlines import Deadlines
-from router.health import HealthPoller
-from router.instance_http import HttpInstanceClient
-from router.kv_room import OutputRoom, kv_capacity, output_room
+from router.instances.deadlines import Deadlines
+from router.instances.health import HealthPoller
+from router.instances.http import HttpInstanceClient
+from router.instances.kv_room import OutputRoom, kv_capacity, output_room
+from router.instances.placement import POLICIES, PlacementContext
 from router.limits import (
     LIMITS_KEY,
     InflightGate,
@@ -43,19 +52,10 @@ from router.limits import (
     prompt_bytes,
 )
 from router.metrics import RouterMetrics
-from router.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
-from router.placement import POLICIES, PlacementContext
-from router.session_identity import SessionHeaders, resolve_session
-from router.session_inference import SessionInference
-from router.sessions import SessionTable
-from router.stream_output import OutputAssembler, Responder
+from router.sessions.identity import SessionHeaders, resolve_session
+from router.sessions.inference import SessionInference
+from router.sessions.table import SessionTable
 from router.tokenization import ModelTokenizer
-from router.tool_calls import (
-    TOOL_FORMATS,
-    AnswerParser,
-    answer_parser,
-    detect_tool_format,
-)
 from talaria.protocol import CallRequest, InstanceClient, Overloaded, SamplingParams
 from talaria.protocol.errors import (
     ApiError,
@@ -89,7 +89,7 @@ class RouterConfig:
     instance_key: str | None = None  # sent to every instance (`talaria serve` generates it)
     limits: RouterLimits = field(default_factory=RouterLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
-    # A max_tokens beyond the room the prompt leaves: "clamp" to it or "refuse" (router.output_budget)
+    # A max_tokens beyond the room the prompt leaves: "clamp" to it or "refuse" (router.api.output_budget)
     max_tokens_overflow: str = "clamp"
     max_tokens_overflows: dict[str, str] = field(default_factory=dict)  # per-model override
 
@@ -401,8 +401,8 @@ def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:
 def _output_budget(
     request: web.Request, body: schema.CompletionBody, tok: ModelTokenizer, prompt_tokens: int
 ) -> OutputBudget:
-    """The call's output limit by the one rule of every API (``router.output_budget``), in
-    the room the context and the serving instances' KV caches leave (``router.kv_room``). A
+    """The call's output limit by the one rule of every API (``router.api.output_budget``), in
+    the room the context and the serving instances' KV caches leave (``router.instances.kv_room``). A
     prompt that leaves no room, or a limit beyond it under the rule ``refuse``, is a 400
     counted as a refusal."""
     core = request.app[CORE_KEY]

@@ -4,11 +4,11 @@ Nothing here is HTTP: the aiohttp layer (router.app) and the replay driver (in-p
 virtual clock) call :meth:`RouterCore.submit` alike. Time comes from the injected clock
 (default: the running loop's ``loop.time()``).
 
-Sessions (:mod:`router.session_books`): a call sent without a session id (``session_id == ""``)
+Sessions (:mod:`router.sessions.books`): a call sent without a session id (``session_id == ""``)
 gets one before it is placed: the session its prompt continues when inference is on
-(:mod:`router.session_inference`), else a session of one (``anon-<call id>``, ended with the
+(:mod:`router.sessions.inference`), else a session of one (``anon-<call id>``, ended with the
 call); ``call.session_id`` is updated in place so the caller can answer with it. Within its
-session the call joins the KV chain (branch, :mod:`router.sessions`) its prompt continues;
+session the call joins the KV chain (branch, :mod:`router.sessions.table`) its prompt continues;
 placement reads that branch's KV, and the instance receives the call under the branch's key,
 so a side call never moves the main loop or takes its KV. A session's first call that names
 a parent (a subagent) is placed as its parent's continuation would be, where the parent's KV
@@ -20,11 +20,11 @@ deadline) is retried once on the next-best instance; an overloaded one is skippe
 way. After the first event a failure (a broken or malformed stream, a missed stall
 deadline) ends the stream with an error event (``finish_reason="error"``): never a silent
 truncation. An instance marked down for not answering cuts the calls waiting on it within
-``Deadlines.down_grace_s`` (``router.instance_waits``): one with no event yet is re-placed
+``Deadlines.down_grace_s`` (``router.instances.waits``): one with no event yet is re-placed
 (that does not count as its retry), one with events gets its error event. A call that
 missed a deadline is aborted on its instance, and so is one whose consumer stops iterating
 early (``aclose``). Every failure counts against the instance's
-health (``router.call_health``); deadlines are ``router.deadlines.Deadlines``.
+health (``router.instances.call_health``); deadlines are ``router.instances.deadlines.Deadlines``.
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ from typing import Any
 
 import structlog
 
-from router.call_health import CallHealth, HealthRules
-from router.deadlines import DeadlineMissed, Deadlines, first_token_deadline
-from router.instance_waits import InstanceMarkedDown, InstanceWaits
+from router.instances.call_health import CallHealth, HealthRules
+from router.instances.deadlines import DeadlineMissed, Deadlines, first_token_deadline
+from router.instances.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
+from router.instances.state_polls import StatePolls
+from router.instances.waits import InstanceMarkedDown, InstanceWaits
 from router.metrics import RouterMetrics
-from router.output_lengths import OutputLengths
-from router.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
-from router.prefix_chain import PromptHashes
-from router.session_books import SessionBooks, SessionCall
-from router.session_inference import SessionInference
-from router.sessions import SessionBranch, SessionRecord, SessionTable
-from router.state_polls import StatePolls
+from router.sessions.books import SessionBooks, SessionCall
+from router.sessions.inference import SessionInference
+from router.sessions.output_lengths import OutputLengths
+from router.sessions.prefix_chain import PromptHashes
+from router.sessions.table import SessionBranch, SessionRecord, SessionTable
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -129,7 +129,7 @@ class RouterCore:
 
     def update_state(self, state: InstanceState) -> None:
         """A reported state; a healthy one brings the instance back unless its calls put it
-        in a cooldown (see ``router.health``)."""
+        in a cooldown (see ``router.instances.health``)."""
         self.states[state.instance_id] = state
         if state.healthy:
             self.waits.up(state.instance_id)  # it answers: its calls keep their deadlines
@@ -150,7 +150,7 @@ class RouterCore:
         """The instance is down: it takes no calls, and the prefixes it held no longer count
         (an instance that comes back has lost its KV). Unless it still ``answering`` (its
         calls' failures put it in a cooldown), the calls waiting on it are cut within the
-        grace (``router.instance_waits``)."""
+        grace (``router.instances.waits``)."""
         if not answering:
             self.waits.down(instance_id)
         self.suspect.discard(instance_id)
@@ -160,7 +160,7 @@ class RouterCore:
             self.context.prefix_index.drop_instance(instance_id)
 
     async def refresh(self, instance_id: str) -> bool:
-        """Fetch one instance's state (or join the poll of it in flight: ``router.state_polls``);
+        """Fetch one instance's state (or join the poll of it in flight: ``router.instances.state_polls``);
         marks it up or down. Returns whether it is healthy."""
         return await self._polls.poll(instance_id)
 
@@ -179,7 +179,7 @@ class RouterCore:
 
     def call_failed(self, instance_id: str, exc: Exception) -> None:
         """A call failed on the instance: unreachable is down at once (until a poll finds it
-        back); other failures count towards a cooldown (``router.call_health``)."""
+        back); other failures count towards a cooldown (``router.instances.call_health``)."""
         kind = (
             "unreachable" if isinstance(exc, InstanceUnreachable)
             else "deadline" if isinstance(exc, DeadlineMissed) else "unavailable"
@@ -272,7 +272,7 @@ class RouterCore:
                                prefilling, label)
 
     async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
-        """The prompt's block hashes, reusing a known chain of its session's (``router.prefix_chain``);
+        """The prompt's block hashes, reusing a known chain of its session's (``router.sessions.prefix_chain``);
         on ``hash_executor`` when there is one, so a long prompt does not hold the loop."""
         hash_prompt, keys = self.books.chains.hash_prompt, self.books.chain_keys(call)
         if self.hash_executor is None:

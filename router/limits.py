@@ -9,12 +9,12 @@
 - at most ``max_inflight_calls`` calls are in the router at once (tokenizing, waiting or
   streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
 - the session table holds at most ``max_sessions`` (least recently seen idle ones go first),
-  each with at most ``max_branches_per_session`` KV chains (``router.sessions``);
+  each with at most ``max_branches_per_session`` KV chains (``router.sessions.table``);
 - a request body must arrive within ``body_timeout_s`` (408), hold at most ``max_body_items``
   JSON values (counted by its commas before it is parsed; 413; by default twice the longest
   context of the catalog, at least 262144: a token-id prompt is one value a token, and a
   conversation far fewer) and nest at most 64 levels (400); one over ``large_body_bytes`` is
-  parsed off the event loop (``router.body_limits``).
+  parsed off the event loop (``router.api.body_limits``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.sessions import BRANCH_SUFFIX_CHARS
+from router.sessions.table import BRANCH_SUFFIX_CHARS
 from talaria.protocol.errors import bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
 
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-# Two of them scoped (<session>:<agent>) and a branch's suffix (router.sessions.branch_key) fit.
+# Two of them scoped (<session>:<agent>) and a branch's suffix (router.sessions.table.branch_key) fit.
 MAX_SESSION_ID_CHARS = (MAX_ID_CHARS - 1 - BRANCH_SUFFIX_CHARS) // 2
 MIN_BODY_ITEMS = 1 << 18
 

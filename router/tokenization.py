@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from router.template_roles import TemplateRoles
+from router.api.template_roles import TemplateRoles
 from talaria.protocol.text import IncrementalDetokenizer
 
 T = TypeVar("T")
@@ -103,7 +103,7 @@ class ModelTokenizer:
         """The chat template applied (with ``tools`` when given, through transformers, whose
         ``tojson`` the templates expect), the generation prompt added and ``prefill``
         written after it as the start of the answer; then tokenized. A role the template
-        would drop is a ValueError (``router.template_roles``)."""
+        would drop is a ValueError (``router.api.template_roles``)."""
         return _encode_chat(self.tokenizer, self.name, messages, tools, prefill, self.roles)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:

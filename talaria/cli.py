@@ -46,9 +46,9 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
     """The router app for a ServeConfig and the instances' URLs (wired here: the
     composition root is the one place in ``talaria`` that imports ``router``)."""
     from router.app import RouterConfig, create_app
-    from router.deadlines import Deadlines
+    from router.instances.deadlines import Deadlines
     from router.limits import RouterLimits
-    from router.session_identity import SessionHeaders
+    from router.sessions.identity import SessionHeaders
 
     r = config.router
     headers = SessionHeaders(session=tuple(r.session_headers)) if r.session_headers else SessionHeaders()

@@ -3,7 +3,7 @@
 Everything lives on the running event loop (the virtual-time loop in a replay): each instance
 is a :class:`~talaria.instance.instance.Instance` over a :class:`~engine.sim.engine.SimEngine` whose
 staging clock is the loop's; the router is a :class:`~router.core.RouterCore` over
-:class:`~router.inprocess.InProcessClient` adapters (no HTTP), polled for state like the live
+:class:`~router.instances.inprocess.InProcessClient` adapters (no HTTP), polled for state like the live
 router is. Build it inside the loop (:func:`start_cluster`) and stop it when done.
 """
 
@@ -18,10 +18,10 @@ from engine.sim.config import SimEngineConfig
 from engine.sim.engine import SimEngine
 from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec
 from router.core import RouterCore
-from router.deadlines import Deadlines
-from router.health import HealthPoller
-from router.inprocess import InProcessClient
-from router.session_inference import SessionInference
+from router.instances.deadlines import Deadlines
+from router.instances.health import HealthPoller
+from router.instances.inprocess import InProcessClient
+from router.sessions.inference import SessionInference
 from talaria.instance.instance import Instance
 from workloads.systems import SystemConfig
 

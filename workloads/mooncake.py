@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from router.placement import common_prefix_len
+from router.instances.placement import common_prefix_len
 from workloads.trace import Call, CallRef, Session, TraceError, validate_sessions
 
 __all__ = ["MODEL", "is_mooncake", "read_mooncake_trace", "infer_block_size"]

@@ -1,7 +1,7 @@
 """An instance's per-session state: history, where each session's KV is, soft reservations.
 
 A session here is one KV chain, named by the call's ``session_id``. The router sends each
-chain of a client's session under its own id (``router.sessions``: the main loop under the
+chain of a client's session under its own id (``router.sessions.table``: the main loop under the
 session id, a side call that does not continue it under ``<session id>#<n>``), so a side
 call never shares a record, a reservation or the engine's remembered chain with the main
 loop: everything below keyed by session id is keyed by chain.

@@ -62,7 +62,7 @@ class Overloaded(RuntimeError):
 @dataclass
 class CallRequest:
     call_id: str
-    session_id: str  # to an instance: one KV chain of the client's session (router.sessions)
+    session_id: str  # to an instance: one KV chain of the client's session (router.sessions.table)
     model: str
     prompt_token_ids: list[int]
     params: SamplingParams

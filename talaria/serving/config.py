@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 _PLACEMENT_POLICIES = ("talaria", "load", "cache_aware")
-_OVERFLOW_RULES = ("clamp", "refuse")  # router.output_budget's (serve config stays router-free)
+_OVERFLOW_RULES = ("clamp", "refuse")  # router.api.output_budget's (serve config stays router-free)
 _DEFAULT_KV_BLOCKS = 512
 _DEFAULT_HOST_KV_BYTES = 256 << 20
 

@@ -1,4 +1,4 @@
-"""The instance's internal HTTP API (aiohttp), spoken by ``router.instance_http``.
+"""The instance's internal HTTP API (aiohttp), spoken by ``router.instances.http``.
 
 Routes:
 - ``POST /internal/v1/calls`` (body: ``CallRequest.to_dict()`` JSON): 200 streams NDJSON, one

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from engine.models.tiny import make_tiny_models
 from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
 from router.core import CallRejected
-from router.instance_http import HttpInstanceClient
+from router.instances.http import HttpInstanceClient
 from talaria.instance.instance import Instance
 from talaria.policies.config import PolicyConfig
 from talaria.protocol import CallEvent, CallRequest, InstanceState, Overloaded, SamplingParams

@@ -15,7 +15,7 @@ from fake_engine import FakeEngine
 
 from engine.models.tiny import build_tokenizer
 from router.app import CORE_KEY, RouterConfig, create_app
-from router.inprocess import InProcessClient
+from router.instances.inprocess import InProcessClient
 from router.tokenization import ModelTokenizer
 from talaria.instance.instance import Instance
 from talaria.policies.config import preset

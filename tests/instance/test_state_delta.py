@@ -14,8 +14,8 @@ from fake_engine import FakeEngine
 from instance_helpers import call
 
 from router.core import RouterCore
-from router.instance_http import HttpInstanceClient
-from router.sessions import SessionTable
+from router.instances.http import HttpInstanceClient
+from router.sessions.table import SessionTable
 from talaria.instance.instance import Instance
 from talaria.instance.session_report import SessionReport
 from talaria.policies.config import PolicyConfig

@@ -8,8 +8,8 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from router.prefix_chain import ChainSample
-from router.sessions import SessionBranch, SessionRecord, SessionTable
+from router.sessions.prefix_chain import ChainSample
+from router.sessions.table import SessionBranch, SessionRecord, SessionTable
 from talaria.protocol import (
     CallEvent,
     CallRequest,

@@ -9,13 +9,13 @@ from multidict import CIMultiDict
 from router_fakes import FakeInstance, book_call
 from test_api import chat_body, reply, serve
 
-from router.anthropic_schema import metadata_session_id
+from router.api.anthropic_schema import metadata_session_id
 from router.app import CORE_KEY
 from router.core import RouterCore
 from router.limits import RouterLimits
-from router.session_identity import SessionHeaders, SessionIdentity, resolve_session
-from router.session_inference import SessionInference
-from router.sessions import SessionTable
+from router.sessions.identity import SessionHeaders, SessionIdentity, resolve_session
+from router.sessions.inference import SessionInference
+from router.sessions.table import SessionTable
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallRequest, InstanceState, SamplingParams, SessionKV
 from talaria.protocol.errors import ApiError

@@ -1,4 +1,4 @@
-"""A request body's bounds (``router.body_limits``): nesting beyond the limit is a 400 naming
+"""A request body's bounds (``router.api.body_limits``): nesting beyond the limit is a 400 naming
 the field on every API, before anything runs (it was a RecursionError, a 500, or for echoed
 Responses metadata a failure after the model ran); a large body is parsed off the event loop;
 a token-id prompt is measured before any id is looked at; a body of too many values is
@@ -14,8 +14,8 @@ import pytest
 from router_fakes import FakeInstance, ScriptedInstance
 from test_api import chat_body, serve
 
-from router import openai_schema
-from router.body_limits import MAX_JSON_DEPTH, check_depth
+from router.api import openai_schema
+from router.api.body_limits import MAX_JSON_DEPTH, check_depth
 from router.limits import RouterLimits
 from router.tokenization import ModelTokenizer
 from talaria.protocol.errors import ApiError

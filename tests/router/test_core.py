@@ -10,7 +10,7 @@ import pytest
 from router_fakes import FakeInstance, model_state
 
 from router.core import CallRejected, NoHealthyInstance, RouterCore
-from router.inprocess import InProcessClient
+from router.instances.inprocess import InProcessClient
 from talaria.protocol import (
     CallEvent,
     CallRequest,

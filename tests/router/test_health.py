@@ -9,8 +9,8 @@ import pytest
 from router_fakes import FakeInstance, book_call
 
 from router.core import RouterCore
-from router.health import HealthPoller
-from router.sessions import SessionTable
+from router.instances.health import HealthPoller
+from router.sessions.table import SessionTable
 from talaria.protocol import InstanceState
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from fault_fakes import FaultyInstance
 
-from router.call_health import HealthRules
 from router.core import CallRejected, RouterCore
-from router.deadlines import Deadlines
+from router.instances.call_health import HealthRules
+from router.instances.deadlines import Deadlines
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, SamplingParams
 
 # Call deadlines far beyond anything a test waits for: only a mark down can end a wait.

@@ -11,8 +11,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from router.core import CallRejected, RouterCore
-from router.deadlines import Deadlines
-from router.instance_http import HttpInstanceClient
+from router.instances.deadlines import Deadlines
+from router.instances.http import HttpInstanceClient
 from talaria.protocol import (
     CallEvent,
     CallRequest,

@@ -1,7 +1,7 @@
 """A call that can never fit the KV cache of any instance serving its model is refused at
 admission with a 400 naming the limit, on every API, and counted as the client's error (it
 was accepted, failed by the instance, and answered 502 ``instance_failed``); a ``max_tokens``
-beyond that room is clamped to it by default (``router.output_budget``), refused under
+beyond that room is clamped to it by default (``router.api.output_budget``), refused under
 ``max_tokens_overflow = "refuse"``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from router_fakes import FakeInstance, model_state
 from test_api import chat_body, serve
 
 from router.app import CORE_KEY
-from router.kv_room import kv_capacity, output_room
+from router.instances.kv_room import kv_capacity, output_room
 from router.tokenization import ModelTokenizer
 from talaria.protocol import InstanceState, Residency
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from router_fakes import model_state
 
-from router.placement import (
+from router.instances.placement import (
     CacheAware,
     LoadOnly,
     PlacementCall,
@@ -13,8 +13,8 @@ from router.placement import (
     Talaria,
     make_policy,
 )
-from router.prefix_chain import ChainSample
-from router.sessions import SessionBranch
+from router.sessions.prefix_chain import ChainSample
+from router.sessions.table import SessionBranch
 from talaria.protocol import InstanceState, Residency, SessionKV
 from talaria.protocol.text import block_hashes
 

@@ -12,8 +12,8 @@ from router_fakes import FakeInstance
 
 import engine.block_hash
 from router.core import RouterCore
-from router.prefix_chain import ChainSample, KnownChains
-from router.session_inference import ANSWER_TOKENS_KEPT, SessionInference
+from router.sessions.inference import ANSWER_TOKENS_KEPT, SessionInference
+from router.sessions.prefix_chain import ChainSample, KnownChains
 from talaria.protocol import CallRequest, SamplingParams
 from talaria.protocol.text import block_hashes
 

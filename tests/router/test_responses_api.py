@@ -367,7 +367,7 @@ async def test_prompt_cache_key_is_not_a_session_source(tiny_tokenizer: ModelTok
         data = await post(client, body(input="gamma", prompt_cache_key="conv-1"), session_id="codex-s")
         await post(client, body(input="delta", prompt_cache_key=""), session_id="codex-s")
         assert "conv-1" not in client.server.app[CORE_KEY].sessions
-    # Both calls are codex-s's; their unrelated prompts are two KV chains (router.sessions).
+    # Both calls are codex-s's; their unrelated prompts are two KV chains (router.sessions.table).
     assert [c.session_id for c in instance.calls] == ["codex-s", "codex-s#1"]
     assert data["prompt_cache_key"] == "conv-1"  # echoed, as OpenAI does
 

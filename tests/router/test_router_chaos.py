@@ -18,7 +18,7 @@ import pytest
 from fault_fakes import FaultyInstance
 
 from router.core import NoHealthyInstance, RouterCore
-from router.health import HealthPoller
+from router.instances.health import HealthPoller
 from talaria.clock import run_virtual
 from talaria.protocol import CallRequest, SamplingParams
 

@@ -20,8 +20,8 @@ from test_api import chat_body, reply, serve, sse
 
 from router.app import RouterConfig, create_app
 from router.core import RouterCore
-from router.health import HealthPoller
-from router.instance_http import HttpInstanceClient
+from router.instances.health import HealthPoller
+from router.instances.http import HttpInstanceClient
 from router.tokenization import ModelTokenizer
 from talaria.protocol import (
     CallEvent,
@@ -37,13 +37,13 @@ REPLY = [10, 11, 12, 13, 14]
 
 def fast() -> Any:
     """Short deadlines (imported here: the tests below that need none run on any router)."""
-    from router.deadlines import Deadlines
+    from router.instances.deadlines import Deadlines
 
     return Deadlines(first_token_s=0.2, stall_s=0.2, state_s=0.2)
 
 
 def rules(**kw: Any) -> Any:
-    from router.call_health import HealthRules
+    from router.instances.call_health import HealthRules
 
     return HealthRules(**kw)
 
@@ -268,7 +268,7 @@ async def test_a_client_that_leaves_before_the_first_token_aborts_its_call(
 
 
 def test_one_burst_of_failures_costs_one_cooldown_and_probation_doubles_it() -> None:
-    from router.call_health import CallHealth
+    from router.instances.call_health import CallHealth
 
     health = CallHealth(rules(failures_to_down=3, cooldown_s=5.0))
     assert [health.failure("a", 0.0) for _ in range(3)] == [False, False, True]

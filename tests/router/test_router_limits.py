@@ -16,7 +16,7 @@ from router_fakes import FakeInstance, book_call
 from test_api import chat_body, reply, serve
 
 from router.app import CORE_KEY
-from router.sessions import SessionTable
+from router.sessions.table import SessionTable
 from router.tokenization import ModelTokenizer
 
 # Set while a test wants large encodes to wait (a module global: tokenizers are deep-copied).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from router_fakes import book_call
 
-from router.sessions import SessionTable, branch_key
+from router.sessions.table import SessionTable, branch_key
 from talaria.protocol.text import block_hashes
 
 MAIN = list(range(1, 100))  # 6 full blocks of 16

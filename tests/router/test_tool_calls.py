@@ -9,8 +9,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.tokenization import ModelTokenizer
-from router.tool_calls import (
+from router.api.tool_calls import (
     TOOL_FORMATS,
     AnswerParser,
     HermesToolParser,
@@ -19,6 +18,7 @@ from router.tool_calls import (
     ToolOutput,
     detect_tool_format,
 )
+from router.tokenization import ModelTokenizer
 
 TWO_CALLS = (
     "I'll check both.\n<tool_call>\n"

@@ -16,12 +16,12 @@ accept and render alike:
   string or a content list) -> ``tool`` messages; ``reasoning`` items are dropped (an open
   model's template has no slot for another model's reasoning, ``encrypted_content`` included);
 - images and files: an ``input_image`` or ``input_file`` part, in a message or a tool
-  output, is replaced by a line naming it (``router.media_placeholders``: its type and size,
+  output, is replaced by a line naming it (``router.api.media_placeholders``: its type and size,
   e.g. ``[image omitted: image/png, 48.2 KB; this model reads text only]``), not refused:
   Codex resends the whole history every turn, so one image (a screenshot a tool returned)
   would fail the conversation for good;
 - ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a function or custom tool by
-  name), ``parallel_tool_calls``: see ``router.responses_tools`` (custom tools become a
+  name), ``parallel_tool_calls``: see ``router.api.responses_tools`` (custom tools become a
   function of one string ``input``, their grammar not enforced; namespace tools are flattened;
   hosted tools such as ``web_search`` are skipped and named in a response header);
 - ``max_output_tokens`` (a 400 for too large a value names it), ``temperature``, ``top_p``,
@@ -51,10 +51,10 @@ from typing import Any
 
 import structlog
 
-from router import openai_schema
-from router.media_placeholders import Omissions, join_text
-from router.openai_tools import json_arguments
-from router.responses_tools import CUSTOM_INPUT, Tools, parse_tools, tool_choice
+from router.api import openai_schema
+from router.api.media_placeholders import Omissions, join_text
+from router.api.openai_tools import json_arguments
+from router.api.responses_tools import CUSTOM_INPUT, Tools, parse_tools, tool_choice
 from talaria.protocol.errors import bad_request
 
 log = structlog.get_logger(__name__)

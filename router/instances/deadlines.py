@@ -9,10 +9,10 @@
   there and its client gets an error event (a retry could repeat tokens already sent).
 - ``state_s``: one poll of an instance's state. Missed: the poll counts as failed.
 - ``down_grace_s``: once an instance is marked down for not answering, how long any wait of
-  a call on it may still last (``router.instance_waits``). Missed: re-placed before the
+  a call on it may still last (``router.instances.waits``). Missed: re-placed before the
   first event, an error event after it.
 
-Either call deadline missed counts against the instance's health (``router.health``). A call
+Either call deadline missed counts against the instance's health (``router.instances.health``). A call
 deadline of None means none: the simulated cluster runs so (its instances never hang, and a
 call may rightly wait minutes for its model's slot: that wait is what the benchmark measures).
 """

@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.sessions import SessionBranch
+from router.sessions.table import SessionBranch
 from talaria.protocol import InstanceState, ModelState, Residency
 
 
@@ -25,11 +25,11 @@ class PlacementCall:
     """What placement needs to know of a call."""
 
     model: str
-    session_id: str  # as the instance knows it: the call's branch (router.sessions.branch_key)
+    session_id: str  # as the instance knows it: the call's branch (router.sessions.table.branch_key)
     prompt_len: int
     block_hashes: list[int]  # of the prompt's full blocks (router.tokenization.block_hashes)
     block_size: int
-    expected_output: int = 16  # output tokens expected of it (router.output_lengths)
+    expected_output: int = 16  # output tokens expected of it (router.sessions.output_lengths)
     affinity: str | None = None  # an instance preferred among equals (a subagent's parent's)
 
 

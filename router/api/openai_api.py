@@ -1,6 +1,6 @@
 """The OpenAI API's answers: chat completions and text completions, whole or as SSE chunks.
 
-A chat answer's tool calls (found by ``router.tool_calls``) become ``message.tool_calls`` and
+A chat answer's tool calls (found by ``router.api.tool_calls``) become ``message.tool_calls`` and
 ``finish_reason: "tool_calls"``; streamed, each call's id, type and name come once, in its
 first delta, then its arguments. A failure after the stream began is an error chunk, never a
 silent truncation; the stream ends with ``data: [DONE]``, after an error chunk when anything
@@ -17,10 +17,10 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router import openai_schema as schema
-from router import openai_tools
-from router.stream_output import OutputAssembler, Piece, collect
-from router.tool_calls import AnswerParser, ToolCall
+from router.api import openai_schema as schema
+from router.api import openai_tools
+from router.api.stream_output import OutputAssembler, Piece, collect
+from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError, error_body
 

@@ -13,10 +13,10 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from router import openai_schema as schema
+from router.api import openai_schema as schema
+from router.api.tool_calls import AnswerParser
 from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
-from router.tool_calls import AnswerParser
 from talaria.protocol import CallEvent, CallRequest, CallUsage
 from talaria.protocol.http import next_or_gone
 from talaria.protocol.text import StopMatcher

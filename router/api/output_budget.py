@@ -5,7 +5,7 @@ Agents send one output limit whatever the model: Claude Code asks for ``max_toke
 (64000 for some model names) unless ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` is set, so on a model
 whose context is smaller than that every call would be refused and the agent could not
 start. The room a call has is what the context leaves after the prompt, or less where the KV
-cache of every instance serving the model holds less (``router.kv_room``):
+cache of every instance serving the model holds less (``router.instances.kv_room``):
 - no limit asked: the room;
 - a limit that fits: that limit;
 - a limit beyond the room, under the rule ``"clamp"`` (the default): the room. The response

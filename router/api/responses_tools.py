@@ -1,6 +1,6 @@
 """The Responses API's ``tools`` and ``tool_choice``, as the chat path's function tools.
 
-What Codex offers (``router.responses_schema`` reads the rest of the body):
+What Codex offers (``router.api.responses_schema`` reads the rest of the body):
 - ``function`` tools (flat ``name``, ``description``, ``parameters``; ``strict`` is accepted,
   the arguments are not constrained to the schema) -> chat function tools;
 - ``custom`` (freeform) tools, such as Codex's ``apply_patch`` -> a function tool of the same

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.placement import common_prefix_len
+from router.instances.placement import common_prefix_len
 
 __all__ = ["SessionInference"]
 

@@ -4,8 +4,8 @@ A field outside it is refused with 400 naming it, so a client never believes an 
 effect when it did not. Fields in ``ACCEPTED_AT_DEFAULT`` are accepted only at the value
 that changes nothing (clients often send them explicitly); any other value is refused the
 same way. A ``null`` value counts as absent. Structured output (``response_format``) is not
-supported. The Anthropic Messages API (``router.anthropic_schema``) and the Responses API
-(``router.responses_schema``) read their own fields and hand the chat parser only those.
+supported. The Anthropic Messages API (``router.api.anthropic_schema``) and the Responses API
+(``router.api.responses_schema``) read their own fields and hand the chat parser only those.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   call of a function tool (``id`` ``fc_...``, ``call_id`` ``call_...``, ``arguments`` a JSON
   object as a string; ``namespace`` for a tool a namespace offered) and a ``custom_tool_call``
   item per call of a custom tool (``id`` ``ctc_...``, ``call_id``, ``name``, ``input`` the
-  string, see ``router.responses_tools``); an empty answer is one message with empty text;
+  string, see ``router.api.responses_tools``); an empty answer is one message with empty text;
   ``usage`` counts ``input_tokens`` with the cached ones among them
   (``input_tokens_details.cached_tokens``; ``cache_write_tokens`` 0), ``output_tokens`` and
   no reasoning tokens; the request's settings are repeated as OpenAI repeats them;
@@ -18,7 +18,7 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   ``response.content_part.added``, ``response.output_text.delta``...,
   ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``;
   per call ``response.output_item.added``, one ``response.function_call_arguments.delta``
-  holding the whole arguments (calls arrive whole, see ``router.tool_calls``),
+  holding the whole arguments (calls arrive whole, see ``router.api.tool_calls``),
   ``response.function_call_arguments.done``, ``response.output_item.done`` (a custom tool's:
   ``response.custom_tool_call_input.delta`` / ``.done`` instead); then ``response.completed``
   or ``response.incomplete``. A failure after the stream began is an ``error`` event then
@@ -26,12 +26,12 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   truncation. There is no ``[DONE]`` line.
 - an answer that ran out of context when the client set no ``max_output_tokens`` (the router
   then allows the whole remaining context), or one larger than that room (clamped to it:
-  ``router.output_budget``), is a failure, not ``incomplete``: Codex retries
+  ``router.api.output_budget``), is a failure, not ``incomplete``: Codex retries
   an incomplete response as it is, which would rerun the same full-context generation. The
   stream ends with ``response.failed`` whose ``error.code`` is ``context_length_exceeded``
   (the code OpenAI sends and Codex reads; the openai SDK's ``ResponseError.code`` literal does
   not list it); the whole answer is a 400 with that code.
-A successful answer names the tools skipped (``router.responses_tools``) in the header
+A successful answer names the tools skipped (``router.api.responses_tools``) in the header
 ``X-Talaria-Tools-Skipped`` (comma-separated types), and its session in ``X-Session-ID``.
 Errors before the stream are OpenAI's ``{"error": {...}}`` (``talaria.protocol.errors``).
 Nothing is stored: a response cannot be fetched or continued by id.
@@ -48,11 +48,11 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router.openai_schema import CompletionBody
-from router.responses_schema import ResponsesRequest
-from router.responses_tools import Tools, custom_input
-from router.stream_output import OutputAssembler, Piece, Responder, collect
-from router.tool_calls import AnswerParser, ToolCall
+from router.api.openai_schema import CompletionBody
+from router.api.responses_schema import ResponsesRequest
+from router.api.responses_tools import Tools, custom_input
+from router.api.stream_output import OutputAssembler, Piece, Responder, collect
+from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
 

@@ -3,7 +3,7 @@
 A chat template renders the roles it knows and skips the others without a word: a
 ``developer`` message (what OpenAI's current clients and openai-agents send) used to vanish
 from the prompt behind a 200. The chat and Responses parsers fold ``developer`` into the
-system message (``router.openai_schema.one_system``); whatever role is left is checked here
+system message (``router.api.openai_schema.one_system``); whatever role is left is checked here
 against what the template does with it: each role is rendered once, in a small probe
 conversation that places it as agents do (a tool result after the call it answers), and
 counts as rendered when its text comes out. A request with a role the template does not

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.openai_tools import ToolRequest
+from router.api.openai_tools import ToolRequest
 from talaria.protocol.errors import bad_request
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Background polls of instance health: every ``interval_s`` each instance's state is fetched
 by its own task, under the state deadline, so a hung ``/state`` delays nobody else's; a poll
 that fails marks the instance down, one that answers healthy marks it up unless its calls
-put it in a cooldown (``router.call_health``). Stale sessions are dropped by one more task.
+put it in a cooldown (``router.instances.call_health``). Stale sessions are dropped by one more task.
 An unexpected error in one round of a task is logged, and the task goes on.
 """
 

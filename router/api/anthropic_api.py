@@ -22,9 +22,9 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router.openai_schema import CompletionBody
-from router.stream_output import OutputAssembler, Piece, collect
-from router.tool_calls import AnswerParser, ToolCall
+from router.api.openai_schema import CompletionBody
+from router.api.stream_output import OutputAssembler, Piece, collect
+from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import orjson
 
-from router.body_limits import check_depth
+from router.api.body_limits import check_depth
 from talaria.protocol.errors import bad_request
 
 
@@ -103,7 +103,7 @@ def tool_call_deltas(index: int, call_id: str, name: str, arguments: str) -> lis
 
 
 def answer_deltas(items: list[Any], with_logprobs: bool = False) -> list[dict[str, Any]]:
-    """Chat-chunk deltas for an answer's content pieces and tool calls (``router.tool_calls``
+    """Chat-chunk deltas for an answer's content pieces and tool calls (``router.api.tool_calls``
     items, in order); one empty content delta to carry logprobs when nothing else does."""
     deltas: list[dict[str, Any]] = []
     for item in items:

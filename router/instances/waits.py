@@ -1,6 +1,6 @@
 """Calls' waits on each instance for their next event, cut short once it is marked down.
 
-Every wait has its deadline (``router.deadlines``). When the router marks an instance down
+Every wait has its deadline (``router.instances.deadlines``). When the router marks an instance down
 because it stopped answering (a state poll failed or timed out, its address refused, it
 reported itself unhealthy: ``RouterCore.mark_down``), every wait on it is bounded by
 ``grace_s`` from the mark, and so is every later wait until a poll finds it answering again.
@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from router.deadlines import DeadlineMissed
+from router.instances.deadlines import DeadlineMissed
 from talaria.protocol import CallEvent, InstanceUnavailable
 
 __all__ = ["InstanceMarkedDown", "InstanceWaits"]

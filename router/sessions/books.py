@@ -1,6 +1,6 @@
 """The router's books on sessions, kept together: the session table and its branches
-(``router.sessions``), the sessions inferred from prompts (``router.session_inference``) and
-the chains known for reuse (``router.prefix_chain``, one per branch). A session leaves all
+(``router.sessions.table``), the sessions inferred from prompts (``router.sessions.inference``) and
+the chains known for reuse (``router.sessions.prefix_chain``, one per branch). A session leaves all
 three at once, however it goes (its last call, idle past the TTL, evicted from a full
 table), and its SCT is observed then; a branch dropped from its session takes its known
 chain with it.
@@ -21,9 +21,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.prefix_chain import ChainSample, KnownChains, PromptHashes
-from router.session_inference import SessionInference
-from router.sessions import SessionBranch, SessionRecord, SessionTable
+from router.sessions.inference import SessionInference
+from router.sessions.prefix_chain import ChainSample, KnownChains, PromptHashes
+from router.sessions.table import SessionBranch, SessionRecord, SessionTable
 from talaria.protocol import CallRequest
 from talaria.protocol.text import block_hashes
 

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.prefix_chain import ChainSample
+from router.sessions.prefix_chain import ChainSample
 
 __all__ = ["SessionBranch", "SessionRecord", "SessionTable", "branch_key"]
 

@@ -1,4 +1,4 @@
-"""Instance health from call outcomes, beside the polls of ``router.health``.
+"""Instance health from call outcomes, beside the polls of ``router.instances.health``.
 
 An instance that cannot be reached (no process, a connection that breaks) is down at once,
 and its polls say when it is back: a restarted process is re-added at its first answer.

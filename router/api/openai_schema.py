@@ -2,7 +2,7 @@
 
 Parsing never trusts the body: every wrong type, missing field or out-of-range value raises
 an :class:`~talaria.protocol.errors.ApiError` (400) whose message names the field. A field
-the server does not support is refused the same way (``router.request_fields``), so no
+the server does not support is refused the same way (``router.api.request_fields``), so no
 option is silently ignored.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router.media_placeholders import Omissions, join_text
-from router.openai_tools import ToolRequest, assistant_tool_calls, parse_tools
-from router.request_fields import check_fields
+from router.api.media_placeholders import Omissions, join_text
+from router.api.openai_tools import ToolRequest, assistant_tool_calls, parse_tools
+from router.api.request_fields import check_fields
 from talaria.protocol.errors import bad_request
 
 MAX_STOP_STRINGS = 16
@@ -45,7 +45,7 @@ class CompletionBody:
     tools: ToolRequest = field(default_factory=ToolRequest)
     metadata_session_id: str | None = None  # the session Anthropic metadata.user_id names
     max_tokens_param: str = "max_tokens"  # the field ``max_tokens`` came from, named in errors
-    media: Omissions = field(default_factory=Omissions)  # images and files left out (router.media_placeholders)
+    media: Omissions = field(default_factory=Omissions)  # images and files left out (router.api.media_placeholders)
 
 
 def parse_chat(body: Any) -> CompletionBody:
@@ -192,7 +192,7 @@ def one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _content(content: Any, role: str, where: str, message: dict[str, Any], omitted: Omissions) -> str:
     """A string, or the text of an array of parts: ``text``; an ``image_url`` or ``file``
-    part becomes a line naming what was left out (``router.media_placeholders``)."""
+    part becomes a line naming what was left out (``router.api.media_placeholders``)."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant" and message.get("tool_calls"):

@@ -8,7 +8,7 @@ accept and reject alike. What has no OpenAI counterpart stays here: consecutive 
 role merge (as Anthropic's API does); a final assistant turn is a prefill the answer continues;
 Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``document`` blocks, in
 a user turn or a tool result, become a line naming what was left out
-(``router.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
+(``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
 resends every image its Read tool ever returned. Fields the router has no use for
 (``thinking``, ``cache_control``, ``service_tier``, ...) are accepted and ignored.
 """
@@ -20,8 +20,8 @@ from typing import Any
 
 import orjson
 
-from router import openai_schema
-from router.media_placeholders import Omissions, OwnLines, join_text
+from router.api import openai_schema
+from router.api.media_placeholders import Omissions, OwnLines, join_text
 from talaria.protocol.errors import bad_request
 
 __all__ = ["MessagesRequest", "parse_messages", "parse_count_tokens", "metadata_session_id"]
