@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_calibrate)
 
     from talaria.serving.cli import add_serve_commands
-    from workloads.fidelity_cli import register as add_fidelity_command
+    from workloads.fidelity.cli import register as add_fidelity_command
     from workloads.replay_cli import register as add_replay_command
 
     add_serve_commands(sub, _router_app)

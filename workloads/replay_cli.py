@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workloads import suite_cli
+from workloads.suite import cli as suite_cli
 
 __all__ = ["register", "run_replay_command"]
 
@@ -111,7 +111,7 @@ def _floats(text: str | None, default: tuple[float, ...], what: str) -> tuple[fl
 def run_replay_command(args: argparse.Namespace) -> int:
     import structlog
 
-    from workloads.sweep import quiet_logs
+    from workloads.replay.jobs import quiet_logs
 
     saved = structlog.get_config()
     quiet_logs()
@@ -127,11 +127,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_sessions is not None and args.max_sessions < 1:
         raise ValueError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if args.trace:
-        from workloads.readers import load_any_trace
+        from workloads.traces.readers import load_any_trace
 
         sessions = load_any_trace(args.trace)
     else:
-        from workloads.generator import default_trace
+        from workloads.traces.generator import default_trace
 
         sessions = default_trace()
     if args.max_sessions is not None:
@@ -142,10 +142,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
-    from workloads.live import run_live_replay
-    from workloads.replay import replicate
-    from workloads.report import benchmark, format_table, to_json, write_json
-    from workloads.report_plot import plot_sct
+    from workloads.benchmark.plot import plot_sct
+    from workloads.benchmark.report import benchmark, format_table, to_json, write_json
+    from workloads.replay.driver import replicate
+    from workloads.replay.live import run_live_replay
 
     sessions = replicate(sessions, args.servers)
     result, info = run_live_replay(
@@ -168,10 +168,7 @@ def _live(args: argparse.Namespace, sessions: list[Any]) -> int:
 
 
 def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
-    from workloads.assignment import assign_models, bundled_contexts
-    from workloads.cluster import ClusterSpec
-    from workloads.replay import replicate
-    from workloads.report import (
+    from workloads.benchmark.report import (
         BASELINE,
         benchmark,
         format_breakdown,
@@ -179,7 +176,7 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         to_json,
         write_json,
     )
-    from workloads.sweep import (
+    from workloads.benchmark.sweep import (
         DEFAULT_LOAD_FRACTIONS,
         DEFAULT_QUANTA,
         Job,
@@ -188,9 +185,8 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         run_many,
         run_quantum_sweep,
     )
-    from workloads.sweep_report import format_sweep, regime_summary, sweep_json
-    from workloads.systems import ABLATIONS, PLACEMENT_ROW, check_fits, parse_policies
-    from workloads.tuning import (
+    from workloads.benchmark.sweep_report import format_sweep, regime_summary, sweep_json
+    from workloads.benchmark.tuning import (
         TUNE_COMMAND,
         TUNED_PATH,
         apply_settings,
@@ -201,6 +197,10 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         setup_key,
         tune,
     )
+    from workloads.replay.cluster import ClusterSpec
+    from workloads.replay.driver import replicate
+    from workloads.replay.systems import ABLATIONS, PLACEMENT_ROW, check_fits, parse_policies
+    from workloads.traces.assignment import assign_models, bundled_contexts
 
     wall = time.perf_counter()
     systems = parse_policies(args.policies)
@@ -234,7 +234,7 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     sessions = replicate(sessions, args.servers)
     progress = not args.no_progress
     if args.strip_session_ids:
-        from workloads.session_check import check_inference, format_check
+        from workloads.replay.session_check import check_inference, format_check
 
         chosen = systems[0] if args.policies else parse_policies("talaria")[0]
         check = check_inference(sessions, chosen, spec, seed=args.seed,
@@ -302,7 +302,7 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
              "no_staging": args.no_staging, "sleep_efficiency": args.sleep_efficiency,
              "aegaeon_fixed_s": args.aegaeon_fixed_s,
              "settings": source}
-    from workloads.bound import lower_bound
+    from workloads.bounds.bound import lower_bound
 
     bench = benchmark(results, lower, best, setup, ideal=ideal, bound=lower_bound(sessions, spec),
                       settings={**{s.name: s.setting for s in systems}, "ideal": ideal_setting})
@@ -334,9 +334,9 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
 
 def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any],
                spec: Any) -> int:
-    from workloads.sim_bench import bench_sim
-    from workloads.systems import parse_policies
-    from workloads.tuning import apply_settings, load_settings
+    from workloads.benchmark.tuning import apply_settings, load_settings
+    from workloads.replay.sim_bench import bench_sim
+    from workloads.replay.systems import parse_policies
 
     servers = [int(x) for x in args.bench_servers.split(",") if x.strip()]
     chosen = systems[0] if args.policies else parse_policies("talaria")[0]
@@ -352,8 +352,8 @@ def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any]
 
 def _plots(path_text: str, results: list[Any], bounds: list[Any], bench: Any,
            sweeps: list[Any]) -> None:
-    from workloads.report_plot import plot_breakdown, plot_sct
-    from workloads.sweep_report import plot_sweeps
+    from workloads.benchmark.plot import plot_breakdown, plot_sct
+    from workloads.benchmark.sweep_report import plot_sweeps
 
     path = Path(path_text)
     if not plot_sct(results, path, bounds):

@@ -15,7 +15,7 @@ Invariant: at most one timed operation is in flight, and the cheap synchronous c
 never touched from two threads at once.
 
 Simulated engines that share one server's GPUs (several models resident at once) share a
-``device`` (a ``DeviceGate``: the benchmark's ``workloads.shared_device.SharedDevice``): a timed
+``device`` (a ``DeviceGate``: the benchmark's ``workloads.bounds.shared_device.SharedDevice``): a timed
 operation first waits for it, as ``device_request`` says (its priority, and whether it
 continues a call in flight), so operations of different models never overlap in time;
 ``on_device_wait`` hears when a wait starts and ends.

@@ -2,7 +2,7 @@
 
 A prior on the number of calls per session (its quantiles), fixed once for all traces: the
 SWE-bench Claude Code sessions of the real trace's development half (83 sessions,
-``workloads.trace_split``; the report half, which the benchmark's headline shows, is not in
+``workloads.traces.split``; the report half, which the benchmark's headline shows, is not in
 it). Policies must not read ``workloads``, so the table is written here and a test
 (``tests/policies/test_session_length.py``) holds it equal to the trace's. Between two
 quantiles the number of calls is linear in the quantile, so the expected residual is exact

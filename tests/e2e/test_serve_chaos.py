@@ -22,8 +22,8 @@ import pytest
 from serve_process import ServeProcess, pid_alive, start_serve
 
 from talaria.clock import run_live
-from workloads.generator import default_trace
-from workloads.live import live_replay
+from workloads.replay.live import live_replay
+from workloads.traces.generator import default_trace
 
 pytestmark = pytest.mark.slow
 

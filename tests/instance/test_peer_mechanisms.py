@@ -18,7 +18,7 @@ from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.priority import Service, next_model, order_queue
 from talaria.policies.round_scheduler import RoundScheduler, slot_closes
 from talaria.policies.ttl import MIN_SAMPLES, continuum_ttl
-from workloads.shared_device import DeviceSchedule, SharedDevice, claim
+from workloads.bounds.shared_device import DeviceSchedule, SharedDevice, claim
 
 
 @pytest.mark.parametrize(("rule", "continuation_first", "b_first"), [

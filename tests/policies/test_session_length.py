@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from talaria.policies.session_length import SWE_AGENT_CALLS, swe_agent_prior
-from workloads.generator import _percentiles
-from workloads.readers import read_real_trace
-from workloads.trace_split import dev_half, report_half
+from workloads.traces.generator import _percentiles
+from workloads.traces.readers import read_real_trace
+from workloads.traces.split import dev_half, report_half
 
 
 def test_the_prior_is_the_real_trace_development_half() -> None:

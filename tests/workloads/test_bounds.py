@@ -1,5 +1,5 @@
 """The bounds and the time split: on random small traces no row at any of its settings, no
-ideal schedule and no random policy beats the lower bound (``workloads.bound``) at p50, p95 or
+ideal schedule and no random policy beats the lower bound (``workloads.bounds.bound``) at p50, p95 or
 mean, nor ``ideal`` or ``isolated``; the closed-form isolated run is the simulated one; every
 session's split adds up to its SCT."""
 
@@ -11,23 +11,23 @@ import random
 import pytest
 
 from engine.sim.model_spec import DEFAULT_CATALOG
-from workloads.bound import (
+from workloads.benchmark.breakdown import PARTS, session_parts
+from workloads.benchmark.report import own_durations, summarize
+from workloads.bounds.bound import (
     LowerBound,
     _srpt_completions,
     _subset_bound,
     lower_bound,
     session_bounds,
 )
-from workloads.breakdown import PARTS, session_parts
-from workloads.cluster import ClusterSpec
-from workloads.ideal import ideal_schedules, run_ideal
-from workloads.lower_bound import run_isolated, simulate_isolated
-from workloads.replay import ReplayResult, run_sim
-from workloads.report import own_durations, summarize
-from workloads.shared_device import DeviceSchedule
-from workloads.suite_stats import percentile
-from workloads.systems import SYSTEMS, SystemConfig
-from workloads.trace import Call, Session
+from workloads.bounds.isolated import run_isolated, simulate_isolated
+from workloads.bounds.oracle import ideal_schedules, run_ideal
+from workloads.bounds.shared_device import DeviceSchedule
+from workloads.replay.cluster import ClusterSpec
+from workloads.replay.driver import ReplayResult, run_sim
+from workloads.replay.systems import SYSTEMS, SystemConfig
+from workloads.suite.stats import percentile
+from workloads.traces.trace import Call, Session
 
 SPEC = ClusterSpec()
 
@@ -211,7 +211,7 @@ def test_each_sessions_time_split_adds_up_to_its_sct() -> None:
 
 
 def test_the_report_flags_a_row_below_a_bound() -> None:
-    from workloads.report import Benchmark, PolicyStats, below_bounds, format_table
+    from workloads.benchmark.report import Benchmark, PolicyStats, below_bounds, format_table
 
     def stats(name: str, p50: float, p95: float) -> PolicyStats:
         return PolicyStats(name, 1, 1, 0, p50, p95, p50, 0.0, 0.0, p95, 0, 0, 0, 0, 0, 0.0)

@@ -1,4 +1,4 @@
-"""Capacity at the SLO and servers needed (``workloads.capacity``): the searches' brackets on
+"""Capacity at the SLO and servers needed (``workloads.suite.capacity``): the searches' brackets on
 known boundaries, common arrivals across rates, and a small search end to end."""
 
 from __future__ import annotations
@@ -7,18 +7,18 @@ from collections.abc import Callable
 
 import pytest
 
-from workloads.capacity import (
+from workloads.replay.cluster import ClusterSpec
+from workloads.suite.capacity import (
     CapacityConfig,
     Probe,
     RateSearch,
     ServerSearch,
-    arrivals_at,
     rate_capacity,
     servers_needed,
 )
-from workloads.cluster import ClusterSpec
-from workloads.suite import draw_sessions
-from workloads.suite_cli import format_capacity
+from workloads.suite.cli import format_capacity
+from workloads.suite.scenarios import draw_sessions
+from workloads.traces.arrivals import poisson_arrivals
 
 
 def _drive(search: RateSearch | ServerSearch, met: Callable[[float], bool]) -> list[float]:
@@ -67,14 +67,14 @@ def test_server_search_finds_the_fewest_servers_that_meet() -> None:
 
 def test_every_rate_replays_the_same_gaps_scaled() -> None:
     sessions = draw_sessions("miniswe", 6, 0, ClusterSpec(), "t")
-    slow, fast = arrivals_at(sessions, 0.5, seed=3), arrivals_at(sessions, 2.0, seed=3)
+    slow, fast = poisson_arrivals(sessions, 0.5, seed=3), poisson_arrivals(sessions, 2.0, seed=3)
     assert slow[0].arrival_s == fast[0].arrival_s == 0.0
     for a, b in zip(slow[1:], fast[1:], strict=True):
         assert a.session_id == b.session_id
         assert a.arrival_s == pytest.approx(4 * b.arrival_s, abs=0.01)
     assert [s.arrival_s for s in slow] == sorted(s.arrival_s for s in slow)
     with pytest.raises(ValueError):
-        arrivals_at(sessions, 0.0, seed=0)
+        poisson_arrivals(sessions, 0.0, seed=0)
 
 
 def test_a_small_capacity_search_runs_end_to_end() -> None:

@@ -14,8 +14,7 @@ from engine.sim.model_spec import ModelSpec
 from router.metrics import RouterMetrics
 from talaria.protocol import CallRequest, InstanceState, SamplingParams
 from talaria.serving.config import load_serve_config
-from workloads.cluster import ClusterTotals
-from workloads.fidelity import (
+from workloads.fidelity.replays import (
     FIDELITY_POLICIES,
     ReplaySetup,
     cluster_spec,
@@ -27,9 +26,8 @@ from workloads.fidelity import (
     replay_pair,
     serve_config_text,
 )
-from workloads.live_serve import parse_counters
-from workloads.prompts import SessionTokens
-from workloads.replay import (
+from workloads.replay.cluster import ClusterTotals
+from workloads.replay.driver import (
     CallOutcome,
     CallRecord,
     ReplayResult,
@@ -37,7 +35,9 @@ from workloads.replay import (
     StandInOutputs,
     run_sim,
 )
-from workloads.systems import system
+from workloads.replay.live_serve import parse_counters
+from workloads.replay.prompts import SessionTokens
+from workloads.replay.systems import system
 
 SETUP = ReplaySetup(sessions=3, max_calls=3, token_scale=0.01, time_scale=0.01,
                     slot_quantum_s=2.0, kv_blocks=128, host_kv_bytes=8 << 20)

@@ -16,8 +16,8 @@ import talaria.bench.calibrate as calibrate_module
 from substrate.devices import DeviceSpec, ServerSpec
 from talaria.bench.calibrate import write_spec
 from talaria.bench.calibration_conditions import current_conditions, recorded_conditions
-from workloads.fidelity_cli import _reuse_or_calibrate
-from workloads.fidelity_summary import format_summary, replay_checks
+from workloads.fidelity.cli import _reuse_or_calibrate
+from workloads.fidelity.summary import format_summary, replay_checks
 
 SERVER = ServerSpec("cpu-test", DeviceSpec(name="core", hbm_bytes=10**10, hbm_bytes_per_s=8e9,
                                           bf16_flops=6e10, nvlink_bytes_per_s=1e9,

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from engine.sim.model_spec import DEFAULT_CATALOG
-from workloads.generator import (
+from workloads.traces.generator import (
     CALIBRATION_PATH,
     DEFAULT_MODELS,
     DEFAULT_TRACE_PATH,
@@ -23,8 +23,8 @@ from workloads.generator import (
     generate_trace,
     tool_class,
 )
-from workloads.readers import read_real_trace, real_trace_path
-from workloads.trace import Session, dumps_trace
+from workloads.traces.readers import read_real_trace, real_trace_path
+from workloads.traces.trace import Session, dumps_trace
 
 
 def share(values: list[float], below: float) -> float:
@@ -189,8 +189,8 @@ def test_default_sessions_fit_their_models_context_windows() -> None:
 
 
 def test_the_generator_writes_another_trace_where_asked(tmp_path) -> None:
-    from workloads.generator import main
-    from workloads.trace import load_trace
+    from workloads.traces.generator import main
+    from workloads.traces.trace import load_trace
 
     out = tmp_path / "other.jsonl"
     main(["--out", str(out), "--seed", "7", "--skew", "1.5", "--sessions", "6", "--calls", "60"])

@@ -11,9 +11,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from talaria.protocol import CallRequest, SamplingParams
-from workloads import live
-from workloads.live import LiveTarget
-from workloads.prompts import SessionTokens
+from workloads.replay import live
+from workloads.replay.live import LiveTarget
+from workloads.replay.prompts import SessionTokens
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2,
          "prompt_tokens_details": {"cached_tokens": 2, "restored_tokens": 1}}

@@ -11,14 +11,14 @@ import pytest
 
 from talaria.clock import run_virtual
 from talaria.protocol import CallRequest
-from workloads.assignment import assign_models
-from workloads.cluster import ClusterSpec
-from workloads.mooncake import read_mooncake_trace
-from workloads.prompts import SessionTokens
-from workloads.readers import load_any_trace
-from workloads.replay import CallOutcome, drive, replicate, run_sim
-from workloads.systems import SYSTEMS
-from workloads.trace import (
+from workloads.replay.cluster import ClusterSpec
+from workloads.replay.driver import CallOutcome, drive, replicate, run_sim
+from workloads.replay.prompts import SessionTokens
+from workloads.replay.systems import SYSTEMS
+from workloads.traces.assignment import assign_models
+from workloads.traces.mooncake import read_mooncake_trace
+from workloads.traces.readers import load_any_trace
+from workloads.traces.trace import (
     Call,
     CallRef,
     Session,

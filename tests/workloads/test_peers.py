@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from workloads.cluster import ClusterSpec
-from workloads.replay import ReplayResult, run_sim
-from workloads.report import PolicyStats, summarize
-from workloads.systems import PEERS, SystemConfig
-from workloads.trace import Call, Session
+from workloads.benchmark.report import PolicyStats, summarize
+from workloads.replay.cluster import ClusterSpec
+from workloads.replay.driver import ReplayResult, run_sim
+from workloads.replay.systems import PEERS, SystemConfig
+from workloads.traces.trace import Call, Session
 
 QWEN, GLM, MISTRAL = "qwen3-235b-a22b", "glm-4.5-air", "mistral-large-2407"
 DRAINED = {"slot_close": "drained", "slot_quantum_s": 5.0}

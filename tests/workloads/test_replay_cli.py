@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from talaria.cli import main
-from workloads.readers import load_any_trace, real_trace_path
+from workloads.traces.readers import load_any_trace, real_trace_path
 
 
 def test_replay_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

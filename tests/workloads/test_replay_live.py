@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from talaria.clock import run_live
-from workloads.generator import default_trace
-from workloads.live import base_url, live_replay, scale_sessions
-from workloads.trace import Call, Session
+from workloads.replay.live import base_url, live_replay, scale_sessions
+from workloads.traces.generator import default_trace
+from workloads.traces.trace import Call, Session
 
 REPO = Path(__file__).resolve().parents[2]
 

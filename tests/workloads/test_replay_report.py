@@ -6,13 +6,12 @@ import orjson
 import pytest
 
 from talaria.policies.config import PolicyConfig
-from workloads.bound import LowerBound
-from workloads.replay import CallRecord, ReplayResult, SessionResult
-from workloads.report import benchmark, format_table, summarize, to_json
-from workloads.suite_stats import percentile
-from workloads.sweep import LoadPoint, SweepResult, best_quantum, poisson_arrivals
-from workloads.sweep_report import format_sweep, regime_summary, sweep_json
-from workloads.systems import (
+from workloads.benchmark.report import benchmark, format_table, summarize, to_json
+from workloads.benchmark.sweep import LoadPoint, SweepResult, best_quantum
+from workloads.benchmark.sweep_report import format_sweep, regime_summary, sweep_json
+from workloads.bounds.bound import LowerBound
+from workloads.replay.driver import CallRecord, ReplayResult, SessionResult
+from workloads.replay.systems import (
     ABLATIONS,
     DEFAULT_POLICIES,
     LEAVE_ONE_OUT_ROWS,
@@ -21,7 +20,9 @@ from workloads.systems import (
     SystemConfig,
     parse_policies,
 )
-from workloads.trace import Call, Session
+from workloads.suite.stats import percentile
+from workloads.traces.arrivals import poisson_arrivals
+from workloads.traces.trace import Call, Session
 
 
 def _result(name: str, scts: list[float], ttft: float = 1.0) -> ReplayResult:

@@ -11,14 +11,14 @@ import pytest
 from engine.sim.cost_model import CostModel
 from engine.sim.model_spec import ModelSpec
 from substrate.devices import server_preset
-from workloads.cluster import ClusterSpec
-from workloads.generator import generate_trace
-from workloads.lower_bound import run_isolated
-from workloads.prompts import SessionTokens, next_prompt
-from workloads.replay import replicate, run_sim
-from workloads.report import summarize
-from workloads.systems import SYSTEMS
-from workloads.trace import Call, Session
+from workloads.benchmark.report import summarize
+from workloads.bounds.isolated import run_isolated
+from workloads.replay.cluster import ClusterSpec
+from workloads.replay.driver import replicate, run_sim
+from workloads.replay.prompts import SessionTokens, next_prompt
+from workloads.replay.systems import SYSTEMS
+from workloads.traces.generator import generate_trace
+from workloads.traces.trace import Call, Session
 
 MODEL = "glm-4.5-air"
 BS = 64

@@ -14,13 +14,13 @@ from aiohttp.test_utils import TestServer
 from engine.models.tiny import build_tokenizer
 from router.app import RouterConfig, create_app
 from talaria.protocol import CallEvent, CallRequest, CallUsage, InstanceState
-from workloads.cluster import ClusterSpec
-from workloads.generator import generate_trace
-from workloads.live import LiveTarget
-from workloads.replay import CallRecord, SessionResult, drive
-from workloads.session_check import check_inference, format_check, session_match
-from workloads.systems import SYSTEMS
-from workloads.trace import Call, Session
+from workloads.replay.cluster import ClusterSpec
+from workloads.replay.driver import CallRecord, SessionResult, drive
+from workloads.replay.live import LiveTarget
+from workloads.replay.session_check import check_inference, format_check, session_match
+from workloads.replay.systems import SYSTEMS
+from workloads.traces.generator import generate_trace
+from workloads.traces.trace import Call, Session
 
 
 def _result(true: str, inferred: list[str | None]) -> SessionResult:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from workloads.bound import LowerBound, pooled_bound
-from workloads.suite import (
+from workloads.bounds.bound import LowerBound, pooled_bound
+from workloads.suite.report import best_other, format_suite, not_ahead, suite_json
+from workloads.suite.run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
+from workloads.suite.scenarios import (
     SUITE_TRACES,
     Scenario,
     SuiteConfig,
@@ -17,11 +19,9 @@ from workloads.suite import (
     saturation_rate,
     scenarios,
 )
-from workloads.suite_report import best_other, format_suite, not_ahead, suite_json
-from workloads.suite_run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
-from workloads.suite_stats import figure, interval
-from workloads.suite_tuning import suite_key
-from workloads.trace_split import dev_half, in_report_half, report_half
+from workloads.suite.stats import figure, interval
+from workloads.suite.tuning import suite_key
+from workloads.traces.split import dev_half, in_report_half, report_half
 
 
 def test_scenarios_list_bursts_first_and_name_each_one() -> None:
@@ -61,7 +61,7 @@ def test_poisson_run_arrives_at_the_given_fraction_of_saturation() -> None:
 
 
 def test_the_real_trace_splits_in_two_fixed_halves() -> None:
-    from workloads.readers import read_real_trace
+    from workloads.traces.readers import read_real_trace
 
     sessions = read_real_trace()
     dev, report = dev_half(sessions), report_half(sessions)
@@ -155,7 +155,7 @@ def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
 ) -> None:
     import orjson
 
-    from workloads import suite_tuning
+    from workloads.suite import tuning as suite_tuning
 
     monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
     monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
@@ -189,7 +189,7 @@ def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
 
 
 def test_a_rows_grid_holds_its_default_trace_setting() -> None:
-    from workloads.suite_tuning import _grid
+    from workloads.suite.tuning import _grid
 
     plain = _grid("baseline")
     assert {"slot_close": "quantum", "slot_quantum_s": 480.0} not in plain
@@ -203,7 +203,7 @@ def test_tuning_some_server_counts_keeps_the_other_scenarios_settings(
 ) -> None:
     import orjson
 
-    from workloads import suite_tuning
+    from workloads.suite import tuning as suite_tuning
 
     monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
     monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
@@ -234,7 +234,7 @@ def test_every_suite_trace_fits_its_models_contexts() -> None:
     at its longest call (generated seed 11 once put a 132k-token session on a 131k model,
     which the replay refuses)."""
     from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec
-    from workloads.suite import _pool
+    from workloads.suite.scenarios import _pool
 
     contexts = {m: ModelSpec.load(m).max_position_embeddings for m in DEFAULT_CATALOG}
     for name in SUITE_TRACES:

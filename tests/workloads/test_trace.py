@@ -8,9 +8,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from workloads.assignment import apportion, assign_models, popularity_weights
-from workloads.readers import read_csv_trace, read_real_trace, real_trace_path
-from workloads.trace import (
+from workloads.traces.assignment import apportion, assign_models, popularity_weights
+from workloads.traces.readers import read_csv_trace, read_real_trace, real_trace_path
+from workloads.traces.trace import (
     Call,
     Session,
     TraceError,

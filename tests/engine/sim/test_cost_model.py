@@ -8,7 +8,7 @@ import pytest
 from engine.sim.cost_model import CostModel, Efficiency
 from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec, catalog
 from substrate.devices import GB, H100, H200, SERVERS, server_preset
-from workloads.generator import default_trace
+from workloads.traces.generator import default_trace
 
 H200X8 = server_preset("h200x8")
 H100X8 = server_preset("h100x8")

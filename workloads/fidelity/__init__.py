@@ -1,0 +1,1 @@
+"""``talaria fidelity``: the simulator checked against the live engine on this machine."""

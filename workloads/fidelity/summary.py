@@ -1,0 +1,105 @@
+"""The closing table of ``talaria fidelity``: everything a fidelity run is judged by, in
+one place (from the run's ``fidelity.json`` dict): the step-time errors and their spread
+over the rounds, each replay row's errors, the ranking live and simulated, and how busy the
+machine was while it ran (the load average, and what other processes used of the CPUs: 0
+on an idle machine). Each figure is set against issue 30's bar (``GOALS``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from workloads.fidelity.replays import ranking
+
+__all__ = ["GOALS", "format_summary", "replay_checks"]
+
+GOALS = {"step_median": 0.25, "step_p90": 0.50, "replay_rel_err": 0.30}
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def _cores(use: Mapping[str, Any] | None, cpus: int) -> str:
+    if not use or use.get("others_cores") is None:
+        return "n/a"
+    return f"{use['others_cores']:.2f} of {cpus} cores (steal {use['steal_cores']:.2f})"
+
+
+def _ordered(rows: Mapping[str, Mapping[str, float]], order: list[str], side: str,
+             stat: str) -> str:
+    """The policies in ``order`` with the gap to the next one: "a <(1.2 s) b"."""
+    out = order[0]
+    for a, b in zip(order, order[1:], strict=False):
+        out += f" <({rows[b][f'{side}_{stat}_s'] - rows[a][f'{side}_{stat}_s']:.1f} s) {b}"
+    return out
+
+
+def replay_checks(rows: Mapping[str, Mapping[str, float]]) -> dict[str, bool]:
+    """Whether every row is within the bar at p50 and p95, and whether the ranking by each
+    is the same live and simulated."""
+    bar = GOALS["replay_rel_err"]
+    return {"rows_within": all(abs(r["p50_rel_err"]) <= bar and abs(r["p95_rel_err"]) <= bar
+                               for r in rows.values()),
+            **{f"same_ranking_{stat}": ranking(rows, "live", stat) == ranking(rows, "sim", stat)
+               for stat in ("p50", "p95")}}
+
+
+def format_summary(out: Mapping[str, Any]) -> str:
+    cpus = int(out.get("cpus", 1))
+    wall = float(out.get("wall_s", 0.0))
+    lines = [f"== talaria fidelity: summary (wall {int(wall // 60)} min {wall % 60:.0f} s, "
+             f"{out.get('rounds', 1)} round(s), {out.get('threads_per_rank', 1)} torch "
+             f"thread(s) per rank, step clock {out.get('clock', '?')})"]
+    watch = out.get("load_watch", {})
+    use = out.get("cpu_use", {})
+    if watch:
+        lines.append(f"machine: load average (1 min) at start {watch['first']:.2f}, mean "
+                     f"{watch['mean']:.2f}, max {watch['max']:.2f} during the run; other "
+                     f"processes used {_cores(use.get('run'), cpus)} over the run")
+    steps = out.get("step_time")
+    if steps:
+        med, p90 = steps["median_rel_err"], steps["p90_rel_err"]
+        lines.append(
+            f"step time ({steps['num_points']} points, each point's median over the rounds): "
+            f"median |err| {med:.0%} (<= {GOALS['step_median']:.0%}: {_met(med <= GOALS['step_median'])}), "
+            f"p90 |err| {p90:.0%} (<= {GOALS['step_p90']:.0%}: {_met(p90 <= GOALS['step_p90'])}), "
+            f"median signed {steps['median_signed_err']:+.0%}; other processes used "
+            f"{_cores(use.get('calibration_and_steps'), cpus)}")
+        gap = steps.get("spread")
+        if gap:
+            lo, hi = gap["median_rel_err_range"]
+            plo, phi = gap["p90_rel_err_range"]
+            slo, shi = gap["median_signed_err_range"]
+            pts = gap["point_time_spread"]
+            lines.append(f"  spread over {gap['rounds']} rounds: median |err| {lo:.0%} to "
+                         f"{hi:.0%}, p90 {plo:.0%} to {phi:.0%}, signed {slo:+.0%} to {shi:+.0%}; "
+                         f"a point's measured time moved by {pts['median']:.0%} (median over "
+                         f"points, p90 {pts['p90']:.0%})")
+    replay = out.get("replay")
+    if replay:
+        rows = replay["rows"]
+        per_policy = use.get("replay", {})
+        lines.append(f"{'replay':10s} {'live p50':>8s} {'sim p50':>8s} {'err':>6s} "
+                     f"{'live p95':>8s} {'sim p95':>8s} {'err':>6s}  within "
+                     f"{GOALS['replay_rel_err']:.0%}  {'engine s live/sim':>17s}  "
+                     f"other processes' CPU")
+        bar = GOALS["replay_rel_err"]
+        for policy, r in rows.items():
+            ok = abs(r["p50_rel_err"]) <= bar and abs(r["p95_rel_err"]) <= bar
+            live_s, sim_s = r.get("live_engine_s", 0.0), r.get("sim_engine_s", 0.0)
+            engine = (f"{live_s:6.1f}/{sim_s:<5.1f} {sim_s / live_s - 1:+4.0%}" if live_s
+                      else f"{'n/a':>17s}")
+            lines.append(f"{policy:10s} {r['live_p50_s']:8.1f} {r['sim_p50_s']:8.1f} "
+                         f"{r['p50_rel_err']:+6.0%} {r['live_p95_s']:8.1f} {r['sim_p95_s']:8.1f} "
+                         f"{r['p95_rel_err']:+6.0%}  {_met(ok):9s}  {engine:>17s}  "
+                         f"{_cores(per_policy.get(policy), cpus)}")
+        lines.append("  (engine s: the live instance's engine thread's CPU seconds against the "
+                     "simulated engine's busy seconds, a figure other processes do not inflate)")
+        checks = replay_checks(rows)
+        for stat in ("p50", "p95"):
+            live, sim = ranking(rows, "live", stat), ranking(rows, "sim", stat)
+            lines.append(f"ranking by SCT {stat}: live {_ordered(rows, live, 'live', stat)}; "
+                         f"simulated {_ordered(rows, sim, 'sim', stat)}: "
+                         f"{'same' if checks[f'same_ranking_{stat}'] else 'DIFFERENT'}")
+    return "\n".join(lines)

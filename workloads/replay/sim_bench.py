@@ -1,0 +1,89 @@
+"""``talaria replay --bench-sim``: how fast the simulator itself runs (a benchmark, not a test).
+
+For each server count N, one policy replays the trace replicated N times (``replicate``: copy
+r's sessions on their own, as ``--servers N`` does) on an N-instance simulated cluster, in a
+fresh worker process so that its peak resident memory is that run's own. It prints simulated
+calls per second of wall time and of CPU time (the CPU figure is the one to compare on a
+shared machine: other processes' load inflates wall time, not CPU time), peak RSS, and the
+simulated makespan each run covered.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+
+from workloads.replay.cluster import ClusterSpec
+from workloads.replay.driver import replicate, run_sim
+from workloads.replay.systems import SystemConfig
+from workloads.traces.trace import Session
+
+__all__ = ["SimBenchRow", "bench_sim", "format_bench_sim"]
+
+
+@dataclass(frozen=True)
+class SimBenchRow:
+    servers: int
+    sessions: int
+    calls: int
+    wall_s: float
+    cpu_s: float
+    peak_rss_mb: float
+    simulated_s: float  # makespan of the replay in virtual time
+    failed_calls: int
+
+    @property
+    def calls_per_s(self) -> float:
+        return self.calls / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def calls_per_cpu_s(self) -> float:
+        return self.calls / self.cpu_s if self.cpu_s > 0 else 0.0
+
+
+def _run_one(sessions: Sequence[Session], system: SystemConfig, spec: ClusterSpec,
+             seed: int) -> SimBenchRow:
+    from workloads.replay.jobs import quiet_logs
+
+    quiet_logs()
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = run_sim(sessions, system, spec, seed=seed)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return SimBenchRow(spec.servers, len(sessions), sum(s.num_calls for s in sessions), wall,
+                       cpu, peak_kb / 1024, result.makespan_s, result.failed_calls)
+
+
+def bench_sim(
+    sessions: Sequence[Session], system: SystemConfig, spec: ClusterSpec,
+    servers: Sequence[int] = (1, 16, 64), seed: int = 0, progress: bool = True,
+) -> list[SimBenchRow]:
+    """One run per server count, each in its own fresh process (printed as it ends when
+    ``progress``)."""
+    rows = []
+    for n in servers:
+        if n < 1:
+            raise ValueError(f"server counts must be >= 1, got {n}")
+        copies = replicate(sessions, n)
+        with ProcessPoolExecutor(max_workers=1) as pool:
+            row = pool.submit(_run_one, copies, system, replace(spec, servers=n), seed).result()
+        rows.append(row)
+        if progress:
+            print(format_bench_sim([row], header=not rows[:-1]), flush=True)
+    return rows
+
+
+def format_bench_sim(rows: Sequence[SimBenchRow], header: bool = True) -> str:
+    lines = []
+    if header:
+        lines.append(f"{'servers':>7} {'sessions':>8} {'calls':>8} {'wall s':>8} {'cpu s':>8} "
+                     f"{'calls/s':>8} {'calls/cpu-s':>11} {'peak RSS MB':>11} {'simulated s':>11}")
+    for r in rows:
+        failed = f"  ({r.failed_calls} failed calls)" if r.failed_calls else ""
+        lines.append(f"{r.servers:7d} {r.sessions:8d} {r.calls:8d} {r.wall_s:8.1f} "
+                     f"{r.cpu_s:8.1f} {r.calls_per_s:8.0f} {r.calls_per_cpu_s:11.0f} "
+                     f"{r.peak_rss_mb:11.0f} {r.simulated_s:11.0f}{failed}")
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""``talaria replay``'s scenario suite: its arguments, its run, and capacity at the SLO.
+
+``--suite full`` runs ``SuiteConfig()`` (every trace x burst and four Poisson loads x one and
+four servers, 120 sessions a scenario); ``quick`` the same traces and servers at loads 0.5
+and 1.0 with 60 sessions a scenario; ``off`` none. ``--tune-suite`` first runs the baseline's
+and every peer's grid in every scenario (``workloads.suite.tuning``; ``--tune-servers``: only
+the scenarios on those server counts).
+
+Capacity at the SLO (``workloads.suite.capacity``), on the ``CAPACITY_TRACE``'s report sessions: per
+row and server count of the suite, the highest Poisson rate at which the p95 SCT stays within
+``SLO_FACTOR`` times the same sessions' p95 alone (searched, each row at its p95 setting of the
+trace's Poisson scenario at load 1.0); and per row the servers needed at one rate: the
+capacity trace's saturation rate on the suite's largest server count (the baseline's burst
+throughput there), the load at which that many baseline servers are just busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from workloads.replay.cluster import ClusterSpec
+from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
+from workloads.suite.report import format_suite, suite_json
+from workloads.suite.run import SUITE_ROWS, SuiteResult, SuiteSettings, run_suite
+from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
+from workloads.suite.tuning import load_suite_settings, tune_suite
+
+__all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
+           "format_capacity", "run_from_args"]
+
+SLO_FACTOR = 2.0
+CAPACITY_TRACE = "claude-code"
+CAPACITY_SESSIONS = 60  # sessions a capacity probe replays (the quick suite's per scenario)
+_SIZES = {
+    "full": SuiteConfig(),
+    "quick": SuiteConfig(loads=(0.5, 1.0), pooled_sessions=60),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", choices=("full", "quick", "off"), default="quick",
+                   help="the scenario suite after the default trace's table (full: "
+                   "every trace x burst and Poisson at 0.25-1.0 of saturation x 1 and 4 "
+                   "servers; quick, the default: loads 0.5 and 1.0, 60 sessions a scenario)")
+    p.add_argument("--tune-suite", action="store_true",
+                   help="first tune the baseline and every peer in every scenario of the "
+                   "suite, per figure (writes workloads/data/suite_settings.json)")
+    p.add_argument("--tune-servers", default=None,
+                   help="with --tune-suite: tune only the scenarios on these server counts, "
+                   "e.g. 1 (the cache keeps the other scenarios' settings)")
+
+
+def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
+                  fallback: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    """The suite's printed table and its JSON (``scenarios``, ``capacity``), or None when
+    ``--suite off``."""
+    if args.suite == "off":
+        return None
+    config = replace(_SIZES[args.suite], seed=args.seed,
+                     spec=replace(spec, servers=1))
+    if args.tune_suite:
+        servers = (None if args.tune_servers is None
+                   else tuple(int(n) for n in args.tune_servers.split(",")))
+        settings = tune_suite(config, fallback, workers=args.workers,
+                              progress=not args.no_progress, servers=servers)
+    else:
+        settings = load_suite_settings(config, fallback)
+    suite = run_suite(config, settings, rows=SUITE_ROWS, workers=args.workers,
+                      progress=not args.no_progress)
+    caps = capacity(suite, settings, workers=args.workers, progress=not args.no_progress)
+    text = format_suite(suite) + "\n\n" + format_capacity(caps)
+    return text, {"scenarios": suite_json(suite), "capacity": caps}
+
+
+def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAPACITY_SESSIONS,
+             config: CapacityConfig | None = None,
+             rows: Sequence[str] = SUITE_ROWS, workers: int = 1,
+             progress: bool = False) -> dict[str, Any]:
+    """``{"trace", "sessions", "slo_factor", "servers": {n: {row: ...}}, "servers_needed":
+    {"sessions_per_s", "at_servers", "rows": {row: ...}}}`` (``workloads.suite.capacity``)."""
+    config = config or CapacityConfig(slo_factor=SLO_FACTOR)
+    trace, cfg = CAPACITY_TRACE, suite.config
+    drawn = draw_sessions(trace, sessions, cfg.seed, cfg.spec, "capacity")
+    saturation = {n: suite.saturation[f"{trace}/{n}srv"] for n in cfg.servers}
+
+    def setting(row: str, n: int) -> dict[str, Any]:
+        return settings.for_row(Scenario(trace, n, 1.0).name, row)[0]["p95"]
+
+    rates = rate_capacity(rows, drawn, cfg.spec_for, cfg.servers, saturation.__getitem__,
+                          setting, config, seed=cfg.seed, workers=workers, progress=progress)
+    largest = max(cfg.servers)
+    needed = servers_needed(rows, drawn, cfg.spec_for, saturation[largest],
+                            lambda row: setting(row, largest), config, seed=cfg.seed,
+                            workers=workers, progress=progress)
+    return {"trace": trace, "sessions": sessions, "slo_factor": config.slo_factor,
+            "servers": rates,
+            "servers_needed": {"sessions_per_s": saturation[largest], "at_servers": largest,
+                               "rows": needed}}
+
+
+def format_capacity(caps: dict[str, Any]) -> str:
+    lines = [f"capacity at the SLO (p95 SCT <= {caps['slo_factor']:g} x the same sessions' p95 "
+             f"alone), {caps['trace']}, {caps['sessions']} sessions a probe:"]
+    for servers, rows in caps["servers"].items():
+        best = max((v["sessions_per_s"], r) for r, v in rows.items() if r != "talaria")
+        for row, v in rows.items():
+            mark = ">=" if v["at_least"] else "<" if v["at_most"] else ""
+            lines.append(f"  {servers} server(s)  {row:20s} {mark}{v['sessions_per_s'] * 3600:7.1f} "
+                         f"sessions/h ({mark}{v['load']:.2f} of saturation)")
+        tal = rows.get("talaria")
+        if tal is not None and best[0] > 0:
+            bound = ">=" if tal["at_least"] and not rows[best[1]]["at_least"] else ""
+            lines.append(f"  {servers} server(s)  talaria / best other ({best[1]}): "
+                         f"{bound}{tal['sessions_per_s'] / best[0]:.2f}x")
+    need = caps["servers_needed"]
+    lines.append(f"servers needed for {need['sessions_per_s'] * 3600:.1f} sessions/h (what "
+                 f"{need['at_servers']} baseline servers drain in a burst), same SLO:")
+    for row, v in need["rows"].items():
+        lines.append(f"  {row:20s} {'>' if v['more_than'] else ''}{v['servers']}")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""The suite's headline table and its JSON.
+
+One line per scenario: the bound, the baseline, the best other system (the baseline or a
+peer, each at its best setting for that figure) and Talaria, for p50, p95 and mean, with
+Talaria's bootstrap 95% interval, how much faster Talaria is than the best other (> 1: ahead)
+and Talaria over the bound. A summary says in which scenarios Talaria is not ahead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workloads.suite.run import BASELINE, FIGURES, TALARIA, ScenarioResult, SuiteResult
+
+__all__ = ["best_other", "format_suite", "not_ahead", "suite_json"]
+
+
+def best_other(result: ScenarioResult, figure: str) -> tuple[str, float]:
+    """The row other than Talaria with the lowest ``figure`` (each at its best setting)."""
+    others = [(r.values[figure], name) for name, r in result.rows.items() if name != TALARIA]
+    value, name = min(others)
+    return name, value
+
+
+def not_ahead(result: ScenarioResult) -> list[str]:
+    """The figures at which some other row is at least as fast as Talaria."""
+    if TALARIA not in result.rows:
+        return []
+    mine = result.rows[TALARIA].values
+    return [f for f in FIGURES if best_other(result, f)[1] <= mine[f]]
+
+
+def _bound(result: ScenarioResult, figure: str) -> float:
+    b = result.bound
+    return {"p50": b.sct_p50_s, "p95": b.sct_p95_s, "mean": b.sct_mean_s}[figure]
+
+
+def format_suite(suite: SuiteResult) -> str:
+    head = ["scenario", "split", "n"]
+    for f in FIGURES:
+        head += [f"{f}: bound", "base", "best other", "talaria [95% CI]", "x other", "/bound"]
+    rows = [head]
+    for name, res in suite.scenarios.items():
+        line = [name, res.scenario.split, str(res.sessions)]
+        for f in FIGURES:
+            other, value = best_other(res, f)
+            tal = res.rows.get(TALARIA)
+            base = res.rows[BASELINE].values[f]
+            mark = "" if res.rows[other].tuned else "*"
+            line += [f"{_bound(res, f):.0f}", f"{base:.0f}", f"{value:.0f} {other}{mark}"]
+            if tal is None:
+                line += ["", "", ""]
+                continue
+            lo, hi = tal.ci95[f]
+            line += [f"{tal.values[f]:.0f} [{lo:.0f}-{hi:.0f}]", f"{value / tal.values[f]:.2f}",
+                     f"{tal.values[f] / _bound(res, f):.2f}"]
+        rows.append(line)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+           for r in rows]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    behind = [f"{n} ({', '.join(fs)})" for n, r in suite.scenarios.items() if (fs := not_ahead(r))]
+    out.append("")
+    out.append("SCT in seconds. best other: the baseline or a peer, each at its best setting for "
+               "that figure in that scenario (* untuned: no suite settings cached for it); "
+               "x other: best other / talaria (> 1: talaria ahead); /bound: talaria over the "
+               "lower bound (workloads.bounds.bound). Saturation (the baseline's burst throughput): "
+               + ", ".join(f"{k} {v * 3600:.0f} sessions/h" for k, v in suite.saturation.items()))
+    out.append("talaria is not ahead in: " + ("; ".join(behind) if behind else "none"))
+    return "\n".join(out)
+
+
+def suite_json(suite: SuiteResult) -> dict[str, Any]:
+    """``{name: {rows{policy: {sct_p50_s, sct_p95_s, sct_mean_s, ci95, setting}},
+    lower_bound{...}, ...}}``."""
+    out: dict[str, Any] = {}
+    for name, res in suite.scenarios.items():
+        rows: dict[str, Any] = {}
+        for policy, r in res.rows.items():
+            rows[policy] = {
+                **{f"sct_{f}_s": r.values[f] for f in FIGURES},
+                "ci95": {f"sct_{f}_s": list(r.ci95[f]) for f in FIGURES},
+                "setting": {f: dict(r.settings[f]) for f in FIGURES},
+                "tuned": r.tuned,
+                "failed_calls": r.failed_calls,
+            }
+        b = res.bound
+        out[name] = {
+            "split": res.scenario.split, "servers": res.scenario.servers,
+            "load": res.scenario.load, "sessions": res.sessions,
+            "saturation_sessions_per_s": res.saturation_rate,
+            "rows": rows,
+            "lower_bound": {"sct_p50_s": b.sct_p50_s, "sct_p95_s": b.sct_p95_s,
+                            "sct_mean_s": b.sct_mean_s, "binding": dict(b.binding)},
+            "isolated_p95_s": res.isolated_p95_s,
+        }
+    return out
+

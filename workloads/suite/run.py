@@ -1,0 +1,183 @@
+"""Running the scenario suite: every row of every scenario at its settings, and the bound.
+
+Talaria runs one configuration everywhere (``TALARIA_SETTING``, chosen on the default
+development trace). The baseline and each peer run, per scenario, at the setting that is best
+in hindsight for each figure separately (``SuiteSettings``: the lowest p50, the lowest p95
+and the lowest mean over the row's grid, found by ``tune_suite``); a figure is read from the
+run at its own best setting. A row with no tuned settings for a scenario runs at its
+default-trace setting, marked untuned.
+
+Results keep each session's SCT (pooled over a burst scenario's runs), the figures with
+bootstrap 95% intervals over sessions (``workloads.suite.stats``), and the bound for the same
+sessions (``workloads.bounds.bound``, pooled order statistics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workloads.bounds.bound import LowerBound, lower_bound, pooled_bound
+from workloads.bounds.isolated import run_isolated
+from workloads.replay.driver import ReplayResult
+from workloads.replay.jobs import Job, run_many
+from workloads.replay.systems import PEERS, SYSTEMS, SystemConfig
+from workloads.suite.scenarios import (
+    Scenario,
+    SuiteConfig,
+    burst_runs,
+    poisson_run,
+    saturation_rate,
+    scenarios,
+)
+from workloads.suite.stats import FIGURES, figure, interval
+from workloads.traces.trace import Session
+
+__all__ = ["FIGURES", "RowResult", "ScenarioResult", "SuiteResult", "SuiteSettings",
+           "SUITE_ROWS", "TALARIA_SETTING", "run_suite", "setting_key"]
+
+BASELINE = "baseline"
+TALARIA = "talaria"
+SUITE_ROWS: tuple[str, ...] = (BASELINE, *PEERS, TALARIA)
+# Talaria's one configuration: its default-trace setting (drained slots of at most 240 s).
+TALARIA_SETTING: dict[str, Any] = {"slot_close": "drained", "slot_quantum_s": 240.0}
+
+Setting = dict[str, Any]
+
+
+def setting_key(setting: Mapping[str, Any]) -> str:
+    return f"{setting['slot_close']}/{setting['slot_quantum_s']:g}s"
+
+
+@dataclass
+class SuiteSettings:
+    """Per scenario name, per row, per figure: the setting to run (``tune_suite`` writes it);
+    ``fallback``: per row, the setting used where a scenario has none (untuned)."""
+
+    tuned: dict[str, dict[str, dict[str, Setting]]] = field(default_factory=dict)
+    fallback: dict[str, Setting] = field(default_factory=dict)
+
+    def saturation_setting(self) -> Setting:
+        """The baseline's setting whose burst throughput is the saturation rate: its
+        fallback, so that Poisson rates do not move while the baseline is tuned."""
+        return dict(self.fallback.get(BASELINE) or SYSTEMS[BASELINE].setting)
+
+    def for_row(self, scenario: str, row: str) -> tuple[dict[str, Setting], bool]:
+        """(figure -> setting, tuned?) for ``row`` in ``scenario``."""
+        if row == TALARIA:
+            return {f: dict(TALARIA_SETTING) for f in FIGURES}, True
+        chosen = self.tuned.get(scenario, {}).get(row)
+        if chosen:
+            return {f: dict(chosen[f]) for f in FIGURES}, True
+        default = self.fallback.get(row) or SYSTEMS[row].setting
+        return {f: dict(default) for f in FIGURES}, False
+
+
+@dataclass
+class RowResult:
+    policy: str
+    values: dict[str, float]  # figure -> seconds, each from its own setting's run
+    ci95: dict[str, tuple[float, float]]
+    settings: dict[str, Setting]  # figure -> the setting it ran at
+    tuned: bool
+    failed_calls: int = 0
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    rows: dict[str, RowResult]
+    bound: LowerBound
+    isolated_p95_s: float  # each session alone: the SLO's yardstick
+    sessions: int
+    saturation_rate: float | None = None  # sessions/s the Poisson rates are fractions of
+
+
+@dataclass
+class SuiteResult:
+    config: SuiteConfig
+    scenarios: dict[str, ScenarioResult]
+    saturation: dict[str, float]  # "<trace>/<servers>srv" -> sessions/s
+
+
+def _runs(scenario: Scenario, config: SuiteConfig,
+          saturation: Mapping[str, float]) -> list[list[Session]]:
+    if scenario.load is None:
+        return burst_runs(scenario, config)
+    return [poisson_run(scenario, config, saturation[_group(scenario)])]
+
+
+def _group(scenario: Scenario) -> str:
+    return f"{scenario.trace}/{scenario.servers}srv"
+
+
+def _jobs(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[str],
+          settings: SuiteSettings, config: SuiteConfig) -> list[Job]:
+    jobs = []
+    spec = config.spec_for(scenario.servers)
+    for row in rows:
+        chosen, _ = settings.for_row(scenario.name, row)
+        wanted = list(chosen.values())
+        if row == BASELINE and scenario.load is None:
+            wanted.append(settings.saturation_setting())
+        for key in dict.fromkeys(setting_key(s) for s in wanted):
+            setting = next(s for s in wanted if setting_key(s) == key)
+            system: SystemConfig = SYSTEMS[row].with_setting(**setting)
+            for r, sessions in enumerate(runs):
+                jobs.append(Job((scenario.name, row, key, r), tuple(sessions), system, spec,
+                                config.seed))
+    return jobs
+
+
+def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[str],
+             settings: SuiteSettings, done: Mapping[Any, ReplayResult],
+             config: SuiteConfig, saturation: float | None) -> ScenarioResult:
+    spec = config.spec_for(scenario.servers)
+    out: dict[str, RowResult] = {}
+    for row in rows:
+        chosen, tuned = settings.for_row(scenario.name, row)
+        values, cis, failed = {}, {}, 0
+        for name, setting in chosen.items():
+            results = [done[(scenario.name, row, setting_key(setting), r)]
+                       for r in range(len(runs))]
+            scts = [s.sct_s for res in results for s in res.sessions]
+            values[name] = figure(scts, name)
+            cis[name] = interval(scts, name, seed=config.seed)
+            failed = max(failed, sum(res.failed_calls for res in results))
+        out[row] = RowResult(row, values, cis, chosen, tuned, failed)
+    bound = pooled_bound([lower_bound(run, spec) for run in runs])
+    isolated = [s.sct_s for run in runs for s in run_isolated(run, spec).sessions]
+    return ScenarioResult(scenario, out, bound, figure(isolated, "p95"),
+                          sum(len(r) for r in runs), saturation)
+
+
+def run_suite(
+    config: SuiteConfig, settings: SuiteSettings, *, rows: Sequence[str] = SUITE_ROWS,
+    workers: int = 1, progress: bool = False,
+) -> SuiteResult:
+    """Every scenario of ``config`` for ``rows`` (the baseline among them: its bursts set the
+    Poisson rates)."""
+    if BASELINE not in rows:
+        raise ValueError("the suite needs the baseline row: its bursts set the Poisson rates")
+    unknown = [r for r in rows if r not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown row(s) {unknown}")
+    all_scenarios = scenarios(config)
+    saturation: dict[str, float] = {}
+    results: dict[str, ScenarioResult] = {}
+    for phase in ("burst", "poisson"):
+        chosen = [s for s in all_scenarios if (s.load is None) == (phase == "burst")]
+        runs = {s.name: _runs(s, config, saturation) for s in chosen}
+        jobs = [j for s in chosen for j in _jobs(s, runs[s.name], rows, settings, config)]
+        done = run_many(jobs, workers, progress)
+        for s in chosen:
+            rate = saturation.get(_group(s)) if s.load is not None else None
+            results[s.name] = _collect(s, runs[s.name], rows, settings, done, config, rate)
+            if s.load is None:
+                base = settings.saturation_setting()
+                makespans = [(len(run), done[(s.name, BASELINE, setting_key(base), r)].makespan_s)
+                             for r, run in enumerate(runs[s.name])]
+                saturation[_group(s)] = saturation_rate(makespans)
+    ordered = {s.name: results[s.name] for s in all_scenarios}
+    return SuiteResult(config, ordered, saturation)

@@ -1,0 +1,122 @@
+"""The baseline and the peers at their best in hindsight, per scenario and per figure.
+
+``tune_suite`` runs every row of ``TUNED_ROWS`` over its grid of slot-closing rules and quanta
+(``SUITE_RULES`` x ``SUITE_QUANTA``; Aegaeon over its quota grid, ``SUITE_QUOTAS``), plus its
+default-trace setting when that is not on the grid, in every scenario, and keeps, for p50, p95 and the mean separately, the setting with the lowest value
+(ties to the earlier grid point). The grid is coarser than the default trace's
+(``workloads.benchmark.tuning``): closing when the queue is empty was no row's best there (the
+baseline's best "empty" setting was 4.6x its best p50), and the quanta span a slot of a
+minute to one that outlasts most sessions; each point is a whole pass of the suite.
+Talaria is not tuned: it runs one configuration everywhere. The result is cached in
+``SUITE_SETTINGS_PATH`` per scenario, under a key of what a scenario's runs depend on beyond
+its name (``suite_key``: sizes, seed, cluster), so ``make replay`` runs each row at its best
+settings without the grids. A tuning over some of the server counts (``servers``) adds its
+scenarios to the cache and keeps the others'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from workloads.replay.systems import PEERS, SYSTEMS
+from workloads.suite.run import BASELINE, FIGURES, SuiteSettings, run_suite
+from workloads.suite.scenarios import SuiteConfig, scenarios
+
+__all__ = ["SUITE_QUANTA", "SUITE_QUOTAS", "SUITE_RULES", "SUITE_SETTINGS_PATH", "TUNED_ROWS", "load_suite_settings",
+           "suite_key", "tune_suite"]
+
+SUITE_SETTINGS_PATH = Path(__file__).parents[1] / "data" / "suite_settings.json"
+TUNED_ROWS: tuple[str, ...] = (BASELINE, *PEERS)
+SUITE_RULES: tuple[str, ...] = ("drained", "quantum")
+SUITE_QUANTA: tuple[float, ...] = (60.0, 240.0, 960.0)
+SUITE_QUOTAS: tuple[float, ...] = (1.0, 2.0, 4.0)  # Aegaeon's, within its Q_MAX of 4 s
+
+
+def suite_key(config: SuiteConfig) -> str:
+    """What a scenario's tuned settings depend on beyond its name (trace, arrivals, servers):
+    the suite's sizes, seed and cluster."""
+    spec = config.spec
+    parts = [config.sessions_per_server, config.pooled_sessions, config.seed,
+             [spec.server, spec.tp, list(spec.models), spec.block_size,
+              spec.max_fused_decode_steps]]
+    return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:16]
+
+
+def _grid(row: str, fallback: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The row's grid, and its ``fallback`` (its default-trace setting) when not on it: a row
+    tuned per scenario is never worse there than it would be untuned."""
+    quanta = SUITE_QUOTAS if SYSTEMS[row].grid == "preempt" else SUITE_QUANTA
+    grid = [{"slot_close": rule, "slot_quantum_s": q} for q in quanta for rule in SUITE_RULES]
+    if fallback is not None:
+        point = {"slot_close": fallback["slot_close"],
+                 "slot_quantum_s": float(fallback["slot_quantum_s"])}
+        if point not in grid:
+            grid.append(point)
+    return grid
+
+
+def _cached(config: SuiteConfig, path: Path) -> dict[str, Any]:
+    """The cache's ``settings`` and ``values`` when made for ``config``'s key, else empty."""
+    if path.exists():
+        data = orjson.loads(path.read_bytes())
+        if data.get("suite_key") == suite_key(config):
+            return data
+    return {"settings": {}, "values": {}}
+
+
+def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, workers: int = 1,
+               progress: bool = False, path: Path = SUITE_SETTINGS_PATH,
+               servers: tuple[int, ...] | None = None) -> SuiteSettings:
+    """Run every tuned row's grid in every scenario (only those on ``servers`` when given);
+    write the best settings beside the cached ones of other scenarios; return them all."""
+    if servers is not None:
+        unknown = set(servers) - set(config.servers)
+        if unknown:
+            raise ValueError(f"server count(s) {sorted(unknown)} are not in the suite's "
+                             f"{list(config.servers)}")
+        config = replace(config, servers=tuple(servers))
+    points = {row: _grid(row, fallback.get(row)) for row in TUNED_ROWS}
+    best: dict[str, dict[str, dict[str, Any]]] = {}
+    width = max(len(g) for g in points.values())
+    for i in range(width):
+        # grid point i of every row at once: each pass is a complete suite (its Poisson
+        # rates come from the baseline at its fallback setting, the same in every pass)
+        chosen = {row: g[min(i, len(g) - 1)] for row, g in points.items()}
+        settings = SuiteSettings({s.name: {row: {f: chosen[row] for f in FIGURES}
+                                           for row in TUNED_ROWS}
+                                  for s in scenarios(config)}, fallback)
+        result = run_suite(config, settings, rows=TUNED_ROWS, workers=workers,
+                           progress=progress)
+        for name, res in result.scenarios.items():
+            for row, r in res.rows.items():
+                for f in FIGURES:
+                    current = best.setdefault(name, {}).setdefault(row, {}).get(f)
+                    if current is None or r.values[f] < current["value"]:
+                        best[name][row][f] = {"value": r.values[f], "setting": chosen[row]}
+    cached = _cached(config, path)
+    tuned = cached["settings"] | {name: {row: {f: v["setting"] for f, v in by_fig.items()}
+                                         for row, by_fig in rows.items()}
+                                  for name, rows in best.items()}
+    values = cached["values"] | {name: {row: {f: v["value"] for f, v in by_fig.items()}
+                                        for row, by_fig in rows.items()}
+                                 for name, rows in best.items()}
+    data = {"suite_key": suite_key(config), "criterion": "per figure, the lowest over the grid",
+            "settings": tuned, "values": values}
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+    return SuiteSettings(tuned, fallback)
+
+
+def load_suite_settings(config: SuiteConfig, fallback: dict[str, dict[str, Any]],
+                        path: Path = SUITE_SETTINGS_PATH) -> SuiteSettings:
+    """The cached settings of this suite configuration's scenarios (a scenario with none runs
+    each row at ``fallback``, its default-trace setting, marked untuned)."""
+    names = {s.name for s in scenarios(config)}
+    tuned = {name: rows for name, rows in _cached(config, path)["settings"].items()
+             if name in names}
+    return SuiteSettings(tuned, fallback)
+
