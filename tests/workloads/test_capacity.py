@@ -63,6 +63,21 @@ def test_server_search_finds_the_fewest_servers_that_meet() -> None:
                               "probes": [[n, 3.0, 2.0] for n in (1, 2, 4, 8, 10)]}
     one = ServerSearch(CapacityConfig())
     assert _drive(one, lambda _n: True) == [1]
+    # from a first guess: down while it meets, then the bracket
+    guessed = ServerSearch(CapacityConfig(max_servers=16), start=8)
+    assert _drive(guessed, lambda n: n >= 5) == [8, 4, 6, 5]
+    assert guessed.result()["servers"] == 5
+    high = ServerSearch(CapacityConfig(max_servers=16), start=40)
+    assert _drive(high, lambda n: n >= 3) == [16, 8, 4, 2, 3]
+
+
+def test_the_first_guess_is_the_rate_over_one_servers_capacity() -> None:
+    from workloads.suite.capacity import _first_guess
+
+    assert _first_guess(0.1, 0.025) == 4
+    assert _first_guess(0.1, 0.03) == 4
+    assert _first_guess(0.1, None) == 1 and _first_guess(0.1, 0.0) == 1
+    assert _first_guess(0.01, 0.05) == 1
 
 
 def test_every_rate_replays_the_same_gaps_scaled() -> None:
@@ -99,3 +114,28 @@ def test_a_small_capacity_search_runs_end_to_end() -> None:
                             "servers_needed": {"sessions_per_s": 0.05, "at_servers": 1,
                                                "rows": {"talaria": need}}})
     assert "talaria / best other (baseline)" in text and "servers needed for 180.0" in text
+
+
+def test_the_suites_capacity_searches_one_server_and_sizes_the_cluster() -> None:
+    from workloads.suite.cli import capacity
+    from workloads.suite.run import SuiteSettings, run_suite
+    from workloads.suite.scenarios import SuiteConfig
+
+    config = SuiteConfig(traces=("claude-code",), loads=(1.0,), servers=(1, 2),
+                         sessions_per_server=2, pooled_sessions=2)
+    settings = SuiteSettings(fallback={"baseline": {"slot_close": "quantum",
+                                                    "slot_quantum_s": 60.0}})
+    suite = run_suite(config, settings, rows=("baseline", "talaria"))
+    caps = capacity(suite, settings, sessions=3, rows=("baseline", "talaria"),
+                    search_servers=(1,), config=CapacityConfig(
+                        lowest_load=0.5, highest_load=2.0, bisections=0, max_servers=2))
+    assert set(caps["servers"]) == {"1"}  # the two-server search is not asked for
+    for row in ("baseline", "talaria"):
+        one = caps["servers"]["1"][row]
+        assert one["sessions_per_s"] == pytest.approx(
+            one["load"] * suite.saturation["claude-code/1srv"])
+    need = caps["servers_needed"]
+    assert need["at_servers"] == 2
+    assert need["sessions_per_s"] == suite.saturation["claude-code/2srv"]
+    for row, v in need["rows"].items():
+        assert 1 <= v["servers"] <= 2 and v["probes"], row

@@ -14,8 +14,9 @@ end: a rate that was run and met the SLO. ``at_least``: the ladder's top met it;
 ``at_most``: its bottom missed it (the capacity is below).
 
 Servers needed (per row, ``ServerSearch``): the fewest servers on which the same sessions,
-arriving at a given rate, meet the SLO: 1, 2, 4, ... up to ``max_servers``, then bisecting
-between the last count that missed and the first that met.
+arriving at a given rate, meet the SLO: from a first guess (the rate over the row's capacity
+on one server, rounded up), halving while counts meet or doubling while they miss (up to
+``max_servers``), then bisecting between the last count that missed and the first that met.
 
 Probes of every row and server count run in rounds, each round's probes in parallel.
 """
@@ -23,7 +24,7 @@ Probes of every row and server count run in rounds, each round's probes in paral
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,24 +111,26 @@ class RateSearch:
 
 @dataclass
 class ServerSearch:
-    """The fewest servers meeting the SLO at a fixed rate: ``met`` holds from a count up."""
+    """The fewest servers meeting the SLO at a fixed rate: ``met`` holds from a count up.
+    Probes ``start`` first (an estimate), then halves while counts meet or doubles while
+    they miss (within 1 and ``max_servers``), then bisects the bracket."""
 
     config: CapacityConfig
+    start: int = 1
     ok: int | None = None  # the fewest servers that met
     miss: int | None = None  # the most servers that missed
     probes: list[Probe] = field(default_factory=list)
 
     def next_point(self) -> int | None:
+        top = self.config.max_servers
         if self.ok is None and self.miss is None:
-            return 1
+            return max(1, min(self.start, top))
         if self.ok is None:
             assert self.miss is not None
-            up = self.miss * 2
-            return min(up, self.config.max_servers) if self.miss < self.config.max_servers \
-                else None
-        if self.miss is None or self.ok - self.miss <= 1:
-            return None
-        return (self.ok + self.miss) // 2
+            return min(self.miss * 2, top) if self.miss < top else None
+        if self.miss is None:
+            return self.ok // 2 if self.ok > 1 else None
+        return (self.ok + self.miss) // 2 if self.ok - self.miss > 1 else None
 
     def record(self, probe: Probe) -> None:
         self.probes.append(probe)
@@ -141,6 +144,12 @@ class ServerSearch:
         return {"servers": self.ok if self.ok is not None else self.config.max_servers,
                 "more_than": self.ok is None,
                 "probes": [[p.point, p.p95_s, p.slo_s] for p in self.probes]}
+
+
+def _first_guess(rate: float, per_server: float | None) -> int:
+    if not per_server or per_server <= 0:
+        return 1
+    return max(1, math.ceil(rate / per_server - 1e-9))
 
 
 def _slo(sessions: Sequence[Session], spec: ClusterSpec, factor: float) -> float:
@@ -187,13 +196,17 @@ def rate_capacity(
 def servers_needed(
     rows: Sequence[str], sessions: Sequence[Session], spec_for: Callable[[int], ClusterSpec],
     rate: float, setting_for: Callable[[str], Setting], config: CapacityConfig = CapacityConfig(),
-    *, seed: int = 0, workers: int = 1, progress: bool = False,
+    *, estimate: Mapping[str, float] | None = None, seed: int = 0, workers: int = 1,
+    progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """``{row: {servers, more_than, probes}}``: the fewest servers meeting the SLO with
-    ``sessions`` arriving at ``rate`` sessions/s (``more_than``: not even ``max_servers``)."""
+    ``sessions`` arriving at ``rate`` sessions/s (``more_than``: not even ``max_servers``).
+    ``estimate``: per row, its capacity on one server (sessions/s), where the search starts
+    (rate over it, rounded up); else at one server."""
     slo = _slo(sessions, spec_for(1), config.slo_factor)
     arriving = tuple(poisson_arrivals(sessions, rate, seed))
-    searches = {row: ServerSearch(config) for row in rows}
+    searches = {row: ServerSearch(config, start=_first_guess(rate, (estimate or {}).get(row)))
+                for row in rows}
 
     def job_for(row: str, n: float) -> Job:
         system = SYSTEMS[row].with_setting(**setting_for(row))

@@ -6,12 +6,13 @@ and 1.0 with 60 sessions a scenario; ``off`` none. ``--tune-suite`` first runs t
 and every peer's grid in every scenario (``workloads.suite.tuning``; ``--tune-servers``: only
 the scenarios on those server counts).
 
-Capacity at the SLO (``workloads.suite.capacity``), on the ``CAPACITY_TRACE``'s report sessions: per
-row and server count of the suite, the highest Poisson rate at which the p95 SCT stays within
-``SLO_FACTOR`` times the same sessions' p95 alone (searched, each row at its p95 setting of the
-trace's Poisson scenario at load 1.0); and per row the servers needed at one rate: the
-capacity trace's saturation rate on the suite's largest server count (the baseline's burst
-throughput there), the load at which that many baseline servers are just busy.
+Capacity at the SLO (``workloads.suite.capacity``), on the ``CAPACITY_TRACE``'s report
+sessions: per row, the highest Poisson rate at which the p95 SCT stays within ``SLO_FACTOR``
+times the same sessions' p95 alone, searched on one server (quick suite: two bisections) or
+on one and four (full: three), each row at its p95 setting of the trace's Poisson scenario at
+load 1.0; and per row the servers needed at one rate: the capacity trace's saturation rate
+on the suite's largest server count (the baseline's burst throughput there), the load at
+which that many baseline servers are just busy.
 """
 
 from __future__ import annotations
@@ -70,17 +71,23 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
         settings = load_suite_settings(config, fallback)
     suite = run_suite(config, settings, rows=SUITE_ROWS, workers=args.workers,
                       progress=not args.no_progress)
-    caps = capacity(suite, settings, workers=args.workers, progress=not args.no_progress)
+    quick = args.suite == "quick"
+    caps = capacity(suite, settings, workers=args.workers, progress=not args.no_progress,
+                    search_servers=(1,) if quick else (1, 4),
+                    config=CapacityConfig(slo_factor=SLO_FACTOR, bisections=2 if quick else 3))
     text = format_suite(suite) + "\n\n" + format_capacity(caps)
     return text, {"scenarios": suite_json(suite), "capacity": caps}
 
 
 def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAPACITY_SESSIONS,
-             config: CapacityConfig | None = None,
+             config: CapacityConfig | None = None, search_servers: Sequence[int] = (1, 4),
              rows: Sequence[str] = SUITE_ROWS, workers: int = 1,
              progress: bool = False) -> dict[str, Any]:
     """``{"trace", "sessions", "slo_factor", "servers": {n: {row: ...}}, "servers_needed":
-    {"sessions_per_s", "at_servers", "rows": {row: ...}}}`` (``workloads.suite.capacity``)."""
+    {"sessions_per_s", "at_servers", "rows": {row: ...}}}`` (``workloads.suite.capacity``):
+    capacity on the suite's server counts among ``search_servers``; the servers needed at the
+    rate the largest suite cluster's baseline drains, each row's search starting from its
+    capacity on the fewest servers."""
     config = config or CapacityConfig(slo_factor=SLO_FACTOR)
     trace, cfg = CAPACITY_TRACE, suite.config
     drawn = draw_sessions(trace, sessions, cfg.seed, cfg.spec, "capacity")
@@ -89,12 +96,15 @@ def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAP
     def setting(row: str, n: int) -> dict[str, Any]:
         return settings.for_row(Scenario(trace, n, 1.0).name, row)[0]["p95"]
 
-    rates = rate_capacity(rows, drawn, cfg.spec_for, cfg.servers, saturation.__getitem__,
+    servers = tuple(n for n in cfg.servers if n in search_servers) or (min(cfg.servers),)
+    rates = rate_capacity(rows, drawn, cfg.spec_for, servers, saturation.__getitem__,
                           setting, config, seed=cfg.seed, workers=workers, progress=progress)
     largest = max(cfg.servers)
+    one = rates[str(min(servers))]
+    guess = {row: one[row]["sessions_per_s"] / min(servers) for row in rows}
     needed = servers_needed(rows, drawn, cfg.spec_for, saturation[largest],
-                            lambda row: setting(row, largest), config, seed=cfg.seed,
-                            workers=workers, progress=progress)
+                            lambda row: setting(row, largest), config, estimate=guess,
+                            seed=cfg.seed, workers=workers, progress=progress)
     return {"trace": trace, "sessions": sessions, "slo_factor": config.slo_factor,
             "servers": rates,
             "servers_needed": {"sessions_per_s": saturation[largest], "at_servers": largest,
