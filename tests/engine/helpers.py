@@ -101,3 +101,17 @@ def batch_inputs(
         layout.attn,
         [rows[i] for i in range(len(steps))],
     )
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference: q [m, h, d] are the last m of k/v [s, kv_h, d]; plain SDPA with repeated KV."""
+    m, heads, _ = q.shape
+    s, kv_heads, _ = k.shape
+    rep = heads // kv_heads
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    mask = torch.ones(m, s, dtype=torch.bool).tril(diagonal=s - m)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)

@@ -6,25 +6,11 @@ import random
 
 import pytest
 import torch
-from helpers import allocate_kv_cache, build_metadata
+from helpers import allocate_kv_cache, build_metadata, dense_causal
 
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.attention.selector import flash_available, get_attention_backend
 from engine.attention.torch_paged import TorchPagedAttention
-
-
-def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Reference: q [m, h, d] are the last m of k/v [s, kv_h, d]; plain SDPA with repeated KV."""
-    m, heads, _ = q.shape
-    s, kv_heads, _ = k.shape
-    rep = heads // kv_heads
-    k = k.repeat_interleave(rep, dim=1)
-    v = v.repeat_interleave(rep, dim=1)
-    mask = torch.ones(m, s, dtype=torch.bool).tril(diagonal=s - m)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )
-    return out.transpose(0, 1)
 
 
 def run_against_dense(

@@ -4,8 +4,7 @@ when it changes, never over budget, and always equal to attending the paged cach
 from __future__ import annotations
 
 import torch
-from helpers import allocate_kv_cache
-from test_attention import dense_causal
+from helpers import allocate_kv_cache, dense_causal
 
 from engine.attention.decode_context import SLACK_BLOCKS, DecodeContexts
 from engine.attention.metadata import build_attention_metadata

@@ -15,8 +15,8 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from api_helpers import chat_body, reply, serve, sse
 from router_fakes import FakeInstance
-from test_api import chat_body, reply, serve, sse
 
 from router.app import RouterConfig, create_app
 from router.core import RouterCore

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_helpers import chat_body, reply, serve
 from router_fakes import FakeInstance, book_call
-from test_api import chat_body, reply, serve
 
 from router.app import CORE_KEY
 from router.sessions.table import SessionTable

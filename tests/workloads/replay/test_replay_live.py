@@ -18,7 +18,7 @@ from workloads.replay.live import base_url, live_replay, scale_sessions
 from workloads.traces.generator import default_trace
 from workloads.traces.trace import Call, Session
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_scale_sessions_keeps_prompts_growing_and_drops_what_does_not_fit() -> None:

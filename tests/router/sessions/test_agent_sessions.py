@@ -5,9 +5,9 @@ sessions inferred from prompts when nothing names one."""
 from __future__ import annotations
 
 import pytest
+from api_helpers import chat_body, reply, serve
 from multidict import CIMultiDict
 from router_fakes import FakeInstance, book_call
-from test_api import chat_body, reply, serve
 
 from router.api.anthropic_schema import metadata_session_id
 from router.app import CORE_KEY

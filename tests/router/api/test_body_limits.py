@@ -11,8 +11,8 @@ import threading
 from typing import Any
 
 import pytest
+from api_helpers import chat_body, serve
 from router_fakes import FakeInstance, ScriptedInstance
-from test_api import chat_body, serve
 
 from router.api import openai_schema
 from router.api.body_limits import MAX_JSON_DEPTH, check_depth

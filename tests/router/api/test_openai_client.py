@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from test_instance_http import fake_instance_app
+from instance_app import fake_instance_app
 
 from router.app import RouterConfig, create_app
 from router.tokenization import ModelTokenizer

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from api_helpers import chat_body, serve
 from router_fakes import FakeInstance, model_state
-from test_api import chat_body, serve
 
 from router.app import CORE_KEY
 from router.instances.kv_room import kv_capacity, output_room

@@ -3,50 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from api_helpers import REPLY_TEXT, chat_body, reply, serve, sse
 from router_fakes import FakeInstance
 
-from router.app import CORE_KEY, RouterConfig, create_app
+from router.app import CORE_KEY, RouterConfig
 from router.tokenization import ModelTokenizer
 from talaria.protocol import InstanceState
-
-REPLY_TEXT = "Hello world, this is a test."
-
-
-@asynccontextmanager
-async def serve(
-    tokenizer: ModelTokenizer, clients: dict[str, Any], **config: Any
-) -> AsyncIterator[TestClient]:
-    cfg = RouterConfig(models={"tiny": "/unused"}, instances={i: "" for i in clients},
-                       poll_interval_s=None, **config)
-    app = create_app(cfg, clients, tokenizers={"tiny": tokenizer})
-    async with TestClient(TestServer(app)) as client:
-        yield client
-
-
-def reply(tokenizer: ModelTokenizer, text: str = REPLY_TEXT) -> list[int]:
-    return tokenizer.encode_text(text, add_special_tokens=False)
-
-
-def chat_body(**kw: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "Hello world"}], **kw}
-
-
-async def sse(resp: Any) -> list[Any]:
-    assert resp.status == 200, await resp.text()
-    assert resp.headers["Content-Type"].startswith("text/event-stream")
-    out = []
-    for block in (await resp.text()).split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: "):]
-            out.append(data if data == "[DONE]" else orjson.loads(data))
-    return out
 
 
 async def test_chat_non_streaming_with_usage(tokenizer: ModelTokenizer) -> None:

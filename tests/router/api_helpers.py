@@ -1,0 +1,46 @@
+"""Router API test helpers: the router's app on aiohttp's test server over given instance
+clients, request bodies, the tokens of a reply, and an SSE body read into its events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from aiohttp.test_utils import TestClient, TestServer
+
+from router.app import RouterConfig, create_app
+from router.tokenization import ModelTokenizer
+
+REPLY_TEXT = "Hello world, this is a test."
+
+
+@asynccontextmanager
+async def serve(
+    tokenizer: ModelTokenizer, clients: dict[str, Any], **config: Any
+) -> AsyncIterator[TestClient]:
+    cfg = RouterConfig(models={"tiny": "/unused"}, instances={i: "" for i in clients},
+                       poll_interval_s=None, **config)
+    app = create_app(cfg, clients, tokenizers={"tiny": tokenizer})
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+def reply(tokenizer: ModelTokenizer, text: str = REPLY_TEXT) -> list[int]:
+    return tokenizer.encode_text(text, add_special_tokens=False)
+
+
+def chat_body(**kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Hello world"}], **kw}
+
+
+async def sse(resp: Any) -> list[Any]:
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    out = []
+    for block in (await resp.text()).split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
