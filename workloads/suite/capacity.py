@@ -68,6 +68,10 @@ class Probe:
     def met(self) -> bool:
         return self.p95_s <= self.slo_s
 
+    def as_list(self) -> list[float]:
+        """As the JSON's ``probes`` rows hold it: [point, p95, SLO]."""
+        return [self.point, self.p95_s, self.slo_s]
+
 
 @dataclass
 class RateSearch:
@@ -106,7 +110,7 @@ class RateSearch:
         load = self.ok if self.ok is not None else self.config.lowest_load
         return {"sessions_per_s": load * saturation, "load": load,
                 "at_least": self.miss is None, "at_most": self.ok is None,
-                "probes": [[p.point, p.p95_s, p.slo_s] for p in self.probes]}
+                "probes": [p.as_list() for p in self.probes]}
 
 
 @dataclass
@@ -143,7 +147,7 @@ class ServerSearch:
     def result(self) -> dict[str, Any]:
         return {"servers": self.ok if self.ok is not None else self.config.max_servers,
                 "more_than": self.ok is None,
-                "probes": [[p.point, p.p95_s, p.slo_s] for p in self.probes]}
+                "probes": [p.as_list() for p in self.probes]}
 
 
 def _first_guess(rate: float, per_server: float | None) -> int:
