@@ -81,9 +81,12 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
                              f"{list(config.servers)}")
         config = replace(config, servers=tuple(servers))
     points = {row: _grid(row, fallback.get(row)) for row in TUNED_ROWS}
-    best: dict[str, dict[str, dict[str, Any]]] = {}
+    checkpoint = _Checkpoint(_partial_path(path), config, points)
+    done, best = checkpoint.load()
     width = max(len(g) for g in points.values())
-    for i in range(width):
+    if progress and done:
+        print(f"tuning resumes after {done} of {width} grid passes ({checkpoint.path})", flush=True)
+    for i in range(done, width):
         # grid point i of every row at once: each pass is a complete suite (its Poisson
         # rates come from the baseline at its fallback setting, the same in every pass)
         chosen = {row: g[min(i, len(g) - 1)] for row, g in points.items()}
@@ -98,6 +101,7 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
                     current = best.setdefault(name, {}).setdefault(row, {}).get(f)
                     if current is None or r.values[f] < current["value"]:
                         best[name][row][f] = {"value": r.values[f], "setting": chosen[row]}
+        checkpoint.save(i + 1, best)
     cached = _cached(config, path)
     tuned = cached["settings"] | {name: {row: {f: v["setting"] for f, v in by_fig.items()}
                                          for row, by_fig in rows.items()}
@@ -108,7 +112,39 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
     data = {"suite_key": suite_key(config), "criterion": "per figure, the lowest over the grid",
             "settings": tuned, "values": values}
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+    checkpoint.path.unlink(missing_ok=True)
     return SuiteSettings(tuned, fallback)
+
+
+def _partial_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.partial.json")
+
+
+class _Checkpoint:
+    """The grid passes a tuning has finished and the best values so far, written after each
+    pass (a pass of the four-server suite takes tens of minutes), so a tuning that stops
+    resumes at the next pass. It is read back only by a tuning of the same suite, servers and
+    grids (``key``); the cache of settings is written only when every pass is done."""
+
+    def __init__(self, path: Path, config: SuiteConfig,
+                 points: dict[str, list[dict[str, Any]]]) -> None:
+        self.path = path
+        parts = [suite_key(config), list(config.servers), list(config.traces), list(config.loads),
+                 points]
+        self.key = hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def load(self) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
+        if self.path.exists():
+            data = orjson.loads(self.path.read_bytes())
+            if data.get("key") == self.key:
+                return int(data["passes"]), data["best"]
+        return 0, {}
+
+    def save(self, passes: int, best: dict[str, dict[str, dict[str, Any]]]) -> None:
+        data = {"key": self.key, "passes": passes, "best": best}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+        tmp.replace(self.path)
 
 
 def load_suite_settings(config: SuiteConfig, fallback: dict[str, dict[str, Any]],

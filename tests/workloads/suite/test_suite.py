@@ -241,3 +241,52 @@ def test_every_suite_trace_fits_its_models_contexts() -> None:
         for s in _pool(name, DEFAULT_CATALOG):
             longest = max(c.input_tokens + c.output_tokens for c in s.calls)
             assert longest <= contexts[s.model], (name, s.session_id, s.model, longest)
+
+
+def test_a_stopped_tuning_resumes_at_its_next_grid_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import orjson
+
+    from workloads.suite import tuning as suite_tuning
+
+    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
+    monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
+    monkeypatch.setattr(suite_tuning, "TUNED_ROWS", ("baseline",))
+    config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
+                         pooled_sessions=2)
+    fallback = {"baseline": {"slot_close": "quantum", "slot_quantum_s": 60.0}}  # 3 grid points
+    clean = tmp_path / "clean.json"
+    suite_tuning.tune_suite(config, fallback, path=clean)
+
+    passes: list[float] = []
+    real_run = suite_tuning.run_suite
+
+    def run_then_stop(cfg: SuiteConfig, settings: SuiteSettings, **kw: object) -> object:
+        quantum = next(iter(settings.tuned.values()))["baseline"]["p50"]["slot_quantum_s"]
+        if len(passes) == 2:
+            raise KeyboardInterrupt  # stopped during the third pass
+        passes.append(quantum)
+        return real_run(cfg, settings, **kw)
+
+    path = tmp_path / "suite.json"
+    monkeypatch.setattr(suite_tuning, "run_suite", run_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        suite_tuning.tune_suite(config, fallback, path=path)
+    partial = tmp_path / "suite.partial.json"
+    assert not path.exists() and orjson.loads(partial.read_bytes())["passes"] == 2
+
+    passes.clear()
+    monkeypatch.setattr(suite_tuning, "run_suite", lambda cfg, settings, **kw: (
+        passes.append(next(iter(settings.tuned.values()))["baseline"]["p50"]["slot_quantum_s"])
+        or real_run(cfg, settings, **kw)))
+    suite_tuning.tune_suite(config, fallback, path=path)
+    assert passes == [60.0]  # only the pass not done: the default-trace setting
+    assert not partial.exists()
+    assert orjson.loads(path.read_bytes()) == orjson.loads(clean.read_bytes())
+    # another grid does not read a checkpoint made for this one
+    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 300.0))
+    checkpoint = suite_tuning._Checkpoint(partial, config, {"baseline": [{"q": 1}]})
+    checkpoint.save(1, {"x": {}})
+    other = suite_tuning._Checkpoint(partial, config, {"baseline": [{"q": 2}]})
+    assert other.load() == (0, {}) and checkpoint.load() == (1, {"x": {}})
