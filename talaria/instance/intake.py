@@ -35,7 +35,7 @@ from talaria.policies.config import PolicyConfig
 from talaria.policies.priority import Service, order_queue, priority_key
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot
-from talaria.policies.session_prefill import decide_queued, slot_costs
+from talaria.policies.session_prefill import SlotCosts, decide_queued, slot_costs
 from talaria.policies.view import InstanceView
 
 log = structlog.get_logger("talaria.intake")
@@ -222,18 +222,24 @@ class Intake:
     async def admit_continuations(self, slot: Slot) -> None:
         """Admit queued continuations of the closed slot's model when SP decides it pays."""
         queue = self.calls.queues[slot.model]
-        # the slot's costs are the same for every candidate until something happens:
-        # computed once, then again after each wait for room and each admission
-        costs = slot_costs(self.view, self.est, slot)
+        # the slot's costs and drain end are the same for every candidate until something
+        # happens: computed at the first candidate, then again after each wait for room and
+        # each admission
+        if not self.calls.others_waiting(slot.model):
+            return  # nothing else waits: SP takes nothing (``decide``), and costs nothing
+        costs: SlotCosts | None = None
+        drain_end = 0.0
         for pending in list(queue):
             if not pending.continuation or pending.call.call_id not in self.calls:
                 continue
-            drain_end = self.now() + self.est.drain_left_s()
+            if costs is None:
+                costs = slot_costs(self.view, self.est, slot)
+                drain_end = self.now() + self.est.drain_left_s()
             decision = decide_queued(self.view, self.est, pending, costs, drain_end)
             if not decision.take:
                 continue
             room = await self._make_room(pending)
-            costs = slot_costs(self.view, self.est, slot)
+            costs = None
             if room is Room.FAILED:
                 continue
             if room is Room.WAIT:
@@ -242,7 +248,7 @@ class Intake:
                 continue  # aborted while room was being made
             slot.sp_used_s += decision.extra_delay_s
             self._admit(pending, sp=True)
-            costs = slot_costs(self.view, self.est, slot)
+            costs = None
             log.debug(
                 "sp_admit",
                 call=pending.call.call_id,
