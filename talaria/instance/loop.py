@@ -208,7 +208,7 @@ class AdmissionLoop:
             else:
                 self._open_slot(nxt)
             return
-        if self.slot is not None and self.policy.session_prefill and not (
+        if self.slot is not None and self.policy.session_prefill and self.policy.sp_hold and not (
                 self.policy.priority_switch and self._outranked(self.slot).model):
             hold = hold_until(self.view, self.est, self.slot)
             self.slot.sp_given_up.update(hold.give_up)

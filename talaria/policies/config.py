@@ -82,6 +82,12 @@ class PolicyConfig:
     sp_horizon_s: float = 10.0  # consider continuations expected within this horizon
     sp_budget_s: float = 20.0  # max extra slot time SP may add to one slot
     sp_idle_margin_s: float = 1.0  # idle wait past a continuation's predicted arrival
+    # Session-prefill's hold: an idle engine keeps a closed slot for a reserved continuation
+    # expected within sp_horizon_s, while other models' calls wait. Off in every preset: on
+    # the development traces (default, mini-swe-agent, the real trace's half; 1 and 4
+    # servers) Talaria with it took up to 1.23x as long at p50 and 1.31x at p95 as without
+    # it (docs/constants.md). Admitting queued continuations stays.
+    sp_hold: bool = False
     # soft reservations / gap prediction
     reservation_ttl_s: float = 60.0  # a reservation expires this long after its call ended
     reservation_ttl: str = "fixed"  # RESERVATION_TTLS: how that lifetime is chosen

@@ -44,9 +44,11 @@ def test_session_prefill_admits_the_late_continuation_in_the_current_slot() -> N
 
 
 def _stream_vs_waiting(sp_budget_s: float):  # type: ignore[no-untyped-def]
-    """Session s of model a returns every 0.1 s for 40 calls; one call of b waits."""
+    """Session s of model a returns every 0.1 s for 40 calls; one call of b waits. SP holds
+    the idle slot for each return (``sp_hold``), so only its budget ends the slot."""
     policy = preset(
-        "baseline", session_prefill=True, soft_reservations=True, sp_budget_s=sp_budget_s
+        "baseline", session_prefill=True, soft_reservations=True, sp_budget_s=sp_budget_s,
+        sp_hold=True,
     )
     engine = FakeEngine(["a", "b"], step_s=0.1, switch_host_s=2.0)
 

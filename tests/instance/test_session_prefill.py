@@ -10,10 +10,10 @@ from instance_helpers import call, run_call, run_session
 
 from talaria.clock import run_virtual
 from talaria.instance.instance import Instance
-from talaria.policies.config import preset
+from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.session_prefill import SPCandidate, decide
 
-POLICY = preset("talaria", d2d_staging=False)
+POLICY = preset("talaria", d2d_staging=False, sp_hold=True)
 
 
 def _scenario(
@@ -24,12 +24,13 @@ def _scenario(
     b_at: float,
     margin: float = 1.0,
     vanish: bool = False,
+    policy: PolicyConfig = POLICY,
 ):  # type: ignore[no-untyped-def]
     """Session s of model a (hint: back in 0.5 s); ``b_calls`` calls of b arrive at b_at.
     ``vanish``: s sends one call announcing a return in 0.5 s, then never comes back."""
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, POLICY.with_(sp_idle_margin_s=margin))
+        inst = Instance("i", engine, policy.with_(sp_idle_margin_s=margin))
         await inst.start()
         if vanish:
             s = asyncio.ensure_future(run_call(inst, call("s-0", "s", "a", 100, 5, gap=0.5)))
@@ -67,6 +68,15 @@ def test_expensive_switch_and_imminent_continuation_hold_the_slot() -> None:
     assert s[1].first == pytest.approx(31.1)  # served in a's slot: no 60 s round trip
     assert bs[0].first == pytest.approx(31.5 + 30.0 + 0.1)
     assert engine.log.index(("add", "s-1")) < engine.log.index(("activate", "b"))
+
+
+def test_talaria_does_not_idle_its_slot_for_a_reserved_continuation() -> None:
+    engine = FakeEngine(["a", "b"], step_s=0.1, switch_host_s=30.0, switch_staged_s=30.0)
+    (s, bs), inst = _scenario(engine, b_calls=1, session_calls=2, b_at=30.2,
+                              policy=preset("talaria", d2d_staging=False))
+    assert inst.counters["sp_holds"] == 0
+    assert bs[0].first == pytest.approx(30.5 + 30.0 + 0.1)  # b switched in as a drained
+    assert engine.log.index(("activate", "b")) < engine.log.index(("add", "s-1"))
 
 
 @pytest.mark.parametrize("margin", [1.0, 0.25])
