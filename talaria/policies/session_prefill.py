@@ -15,7 +15,8 @@ where ``extra_delay`` is how much longer the slot lasts because of it: idle time
 arrival (for a reserved one) plus its service beyond the end of the work already in flight.
 The extension a slot gets from SP is bounded by ``sp_budget_s`` in total, so other models'
 calls wait at most one quantum + one SP budget + drain + switches for their slot. A hold (idle
-wait for a reserved continuation) never lasts beyond its predicted arrival plus a margin.
+wait for a reserved continuation; ``PolicyConfig.sp_hold``, off in every preset: measured, it
+cost more than it saved) never lasts beyond its predicted arrival plus a margin.
 """
 
 from __future__ import annotations
