@@ -150,6 +150,15 @@ def test_a_small_suite_runs_end_to_end() -> None:
             assert row.values["mean"] >= res.bound.sct_mean_s
 
 
+def _small_grid(monkeypatch: pytest.MonkeyPatch, rows: tuple[str, ...]) -> None:
+    """Tune only ``rows`` over quantum slots of 10 and 200 s (and their fallbacks)."""
+    from workloads.suite import tuning as suite_tuning
+
+    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
+    monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
+    monkeypatch.setattr(suite_tuning, "TUNED_ROWS", rows)
+
+
 def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -157,9 +166,7 @@ def test_tuning_keeps_each_figures_best_setting_and_the_next_run_uses_it(
 
     from workloads.suite import tuning as suite_tuning
 
-    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
-    monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
-    monkeypatch.setattr(suite_tuning, "TUNED_ROWS", ("baseline", "vllm_sleep"))
+    _small_grid(monkeypatch, ("baseline", "vllm_sleep"))
     config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=3,
                          pooled_sessions=3)
     fallback = {"baseline": {"slot_close": "quantum", "slot_quantum_s": 60.0}}
@@ -205,9 +212,7 @@ def test_tuning_some_server_counts_keeps_the_other_scenarios_settings(
 
     from workloads.suite import tuning as suite_tuning
 
-    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
-    monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
-    monkeypatch.setattr(suite_tuning, "TUNED_ROWS", ("baseline",))
+    _small_grid(monkeypatch, ("baseline",))
     config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1, 2), sessions_per_server=2,
                          pooled_sessions=2)
     fallback = {"baseline": {"slot_close": "quantum", "slot_quantum_s": 60.0}}
@@ -250,9 +255,7 @@ def test_a_stopped_tuning_resumes_at_its_next_grid_pass(
 
     from workloads.suite import tuning as suite_tuning
 
-    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 200.0))
-    monkeypatch.setattr(suite_tuning, "SUITE_RULES", ("quantum",))
-    monkeypatch.setattr(suite_tuning, "TUNED_ROWS", ("baseline",))
+    _small_grid(monkeypatch, ("baseline",))
     config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
                          pooled_sessions=2)
     fallback = {"baseline": {"slot_close": "quantum", "slot_quantum_s": 60.0}}  # 3 grid points
@@ -285,7 +288,6 @@ def test_a_stopped_tuning_resumes_at_its_next_grid_pass(
     assert not partial.exists()
     assert orjson.loads(path.read_bytes()) == orjson.loads(clean.read_bytes())
     # another grid does not read a checkpoint made for this one
-    monkeypatch.setattr(suite_tuning, "SUITE_QUANTA", (10.0, 300.0))
     checkpoint = suite_tuning._Checkpoint(partial, config, {"baseline": [{"q": 1}]})
     checkpoint.save(1, {"x": {}})
     other = suite_tuning._Checkpoint(partial, config, {"baseline": [{"q": 2}]})
