@@ -3,16 +3,28 @@
 One line per scenario: the bound, the baseline, the best other system (the baseline or a
 peer, each at its best setting for that figure) and Talaria, for p50, p95 and mean, with
 Talaria's bootstrap 95% interval, how much faster Talaria is than the best other (> 1: ahead)
-and Talaria over the bound. A summary says in which scenarios Talaria is not ahead.
+and Talaria over the bound. A summary says in which scenarios Talaria is not ahead, and for
+each figure it is not, what the winning row's setting gives at the other two figures (a
+setting that wins one figure often pays for it at another: a burst's median bought with a
+long slot held through tool gaps, at the tail's expense); and which of the settings run beat
+Talaria at two figures or more at once.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from workloads.suite.run import BASELINE, FIGURES, TALARIA, ScenarioResult, SuiteResult
+from workloads.suite.run import (
+    BASELINE,
+    FIGURES,
+    TALARIA,
+    ScenarioResult,
+    SuiteResult,
+    setting_key,
+)
 
-__all__ = ["best_other", "format_suite", "not_ahead", "suite_json"]
+__all__ = ["best_other", "format_suite", "multi_figure_wins", "not_ahead", "setting_tradeoffs",
+           "suite_json"]
 
 
 def best_other(result: ScenarioResult, figure: str) -> tuple[str, float]:
@@ -28,6 +40,48 @@ def not_ahead(result: ScenarioResult) -> list[str]:
         return []
     mine = result.rows[TALARIA].values
     return [f for f in FIGURES if best_other(result, f)[1] <= mine[f]]
+
+
+def setting_tradeoffs(result: ScenarioResult) -> list[str]:
+    """One line per figure Talaria is not ahead at: the winning row and setting, and that
+    setting's other two figures against Talaria's."""
+    mine = result.rows[TALARIA].values
+    lines = []
+    for f in not_ahead(result):
+        other, value = best_other(result, f)
+        row = result.rows[other]
+        line = (f"{result.scenario.name} {f}: {other} at {setting_key(row.settings[f])} "
+                f"{value:.0f} against {mine[f]:.0f}")
+        profile = row.at_setting.get(f)
+        if profile:
+            rest = [g for g in FIGURES if g != f]
+            line += (f"; at that setting its {' / '.join(rest)} are "
+                     f"{' / '.join(f'{profile[g]:.0f}' for g in rest)} against talaria's "
+                     f"{' / '.join(f'{mine[g]:.0f}' for g in rest)}")
+        lines.append(line)
+    return lines
+
+
+def multi_figure_wins(result: ScenarioResult) -> list[str]:
+    """The (row, setting) pairs, among the settings run, at least as fast as Talaria at two
+    figures or more of the same run."""
+    if TALARIA not in result.rows:
+        return []
+    mine = result.rows[TALARIA].values
+    found = []
+    for name, row in result.rows.items():
+        if name == TALARIA:
+            continue
+        seen = set()
+        for f, profile in row.at_setting.items():
+            key = setting_key(row.settings[f])
+            if key in seen:
+                continue
+            seen.add(key)
+            wins = [g for g in FIGURES if profile[g] <= mine[g]]
+            if len(wins) >= 2:
+                found.append(f"{result.scenario.name}: {name} at {key} ({', '.join(wins)})")
+    return found
 
 
 def _bound(result: ScenarioResult, figure: str) -> float:
@@ -67,6 +121,14 @@ def format_suite(suite: SuiteResult) -> str:
                "lower bound (workloads.bounds.bound). Saturation (the baseline's burst throughput): "
                + ", ".join(f"{k} {v * 3600:.0f} sessions/h" for k, v in suite.saturation.items()))
     out.append("talaria is not ahead in: " + ("; ".join(behind) if behind else "none"))
+    tradeoffs = [line for r in suite.scenarios.values() if TALARIA in r.rows
+                 for line in setting_tradeoffs(r)]
+    if tradeoffs:
+        out.append("what the winning settings cost at the other figures:")
+        out.extend(f"  {line}" for line in tradeoffs)
+    multi = [line for r in suite.scenarios.values() for line in multi_figure_wins(r)]
+    out.append("settings run that are at least as fast as talaria at two figures or more at "
+               "once: " + ("; ".join(multi) if multi else "none"))
     return "\n".join(out)
 
 
@@ -83,6 +145,8 @@ def suite_json(suite: SuiteResult) -> dict[str, Any]:
                 "setting": {f: dict(r.settings[f]) for f in FIGURES},
                 "tuned": r.tuned,
                 "failed_calls": r.failed_calls,
+                "at_setting": {f: {f"sct_{g}_s": v for g, v in prof.items()}
+                               for f, prof in r.at_setting.items()},
             }
         b = res.bound
         out[name] = {

@@ -82,6 +82,9 @@ class RowResult:
     settings: dict[str, Setting]  # figure -> the setting it ran at
     tuned: bool
     failed_calls: int = 0
+    # figure -> all three figures of the run at that figure's setting: what a setting that
+    # wins one figure costs at the others (``at_setting[f][f] == values[f]``)
+    at_setting: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,15 +140,16 @@ def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequen
     out: dict[str, RowResult] = {}
     for row in rows:
         chosen, tuned = settings.for_row(scenario.name, row)
-        values, cis, failed = {}, {}, 0
+        values, cis, failed, profiles = {}, {}, 0, {}
         for name, setting in chosen.items():
             results = [done[(scenario.name, row, setting_key(setting), r)]
                        for r in range(len(runs))]
             scts = [s.sct_s for res in results for s in res.sessions]
-            values[name] = figure(scts, name)
+            profiles[name] = {f: figure(scts, f) for f in FIGURES}
+            values[name] = profiles[name][name]
             cis[name] = interval(scts, name, seed=config.seed)
             failed = max(failed, sum(res.failed_calls for res in results))
-        out[row] = RowResult(row, values, cis, chosen, tuned, failed)
+        out[row] = RowResult(row, values, cis, chosen, tuned, failed, profiles)
     bound = pooled_bound([lower_bound(run, spec) for run in runs])
     isolated = [s.sct_s for run in runs for s in run_isolated(run, spec).sessions]
     return ScenarioResult(scenario, out, bound, figure(isolated, "p95"),

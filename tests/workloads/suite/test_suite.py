@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from workloads.bounds.bound import LowerBound, pooled_bound
-from workloads.suite.report import best_other, format_suite, not_ahead, suite_json
+from workloads.suite.report import (
+    best_other,
+    format_suite,
+    multi_figure_wins,
+    not_ahead,
+    setting_tradeoffs,
+    suite_json,
+)
 from workloads.suite.run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
 from workloads.suite.scenarios import (
     SUITE_TRACES,
@@ -123,6 +130,31 @@ def test_the_headline_reads_the_best_other_row_per_figure() -> None:
     assert data["lower_bound"]["sct_mean_s"] == 60.0
 
 
+def test_the_summary_says_what_a_winning_setting_costs_at_the_other_figures() -> None:
+    long_slot = {"slot_close": "quantum", "slot_quantum_s": 960.0}
+    baseline = _row("baseline", 100, 400, 200)
+    baseline.settings["p50"] = long_slot
+    baseline.at_setting = {"p50": {"p50": 100, "p95": 500, "mean": 250},
+                           "p95": {"p50": 130, "p95": 400, "mean": 210},
+                           "mean": {"p50": 130, "p95": 400, "mean": 200}}
+    talaria = _row("talaria", 110, 290, 150)
+    res = _scenario(None, {"baseline": baseline, "talaria": talaria})
+    assert setting_tradeoffs(res) == [
+        "claude-code/burst/1srv p50: baseline at quantum/960s 100 against 110; at that setting "
+        "its p95 / mean are 500 / 250 against talaria's 290 / 150"]
+    assert multi_figure_wins(res) == []
+    # a setting as fast as talaria at p50 and mean in the same run is listed once, by setting
+    baseline.at_setting["p50"]["mean"] = 150
+    assert multi_figure_wins(res) == ["claude-code/burst/1srv: baseline at quantum/960s (p50, mean)"]
+    suite = SuiteResult(SuiteConfig(traces=("claude-code",)), {res.scenario.name: res},
+                        {"claude-code/1srv": 0.01})
+    text = format_suite(suite)
+    assert "at that setting its p95 / mean are 500 / 150" in text
+    assert text.endswith("once: claude-code/burst/1srv: baseline at quantum/960s (p50, mean)")
+    profile = suite_json(suite)["claude-code/burst/1srv"]["rows"]["baseline"]["at_setting"]["p50"]
+    assert profile == {"sct_p50_s": 100, "sct_p95_s": 500, "sct_mean_s": 150}
+
+
 def test_suite_key_changes_with_what_tuning_depends_on() -> None:
     assert suite_key(SuiteConfig()) == suite_key(SuiteConfig())
     # the scenarios themselves are named in the cache, not in its key
@@ -141,6 +173,10 @@ def test_a_small_suite_runs_end_to_end() -> None:
     burst = result.scenarios["miniswe/burst/1srv"]
     assert burst.sessions == 4 and not burst.rows["baseline"].tuned
     assert burst.rows["talaria"].settings["p50"]["slot_quantum_s"] == 240.0
+    for row in burst.rows.values():  # each figure's own run, read at all three figures
+        assert all(row.at_setting[f][f] == row.values[f] for f in ("p50", "p95", "mean"))
+    talaria = burst.rows["talaria"].at_setting  # one setting: one run, the same profile
+    assert talaria["p50"] == talaria["p95"] == talaria["mean"]
     assert result.saturation["miniswe/1srv"] > 0
     for res in result.scenarios.values():
         for row in res.rows.values():
