@@ -38,9 +38,11 @@ def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
     now = view.now()
     best: dict[str, tuple[float, ...]] = {}
     for m in view.models:
-        key = best_key(order, list(view.queued(m)),
+        if m == active:
+            continue
+        key = best_key(order, view.queued(m),
                        lambda c: view.service(c.call.session_id, now - c.arrived), ratio)
-        if m != active and key is not None:
+        if key is not None:
             best[m] = key
     if best:
         return first_model(best, {m: len(view.queued(m)) for m in best})
