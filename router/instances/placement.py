@@ -222,6 +222,7 @@ class TtftEstimate:
     rebuild_s: float
     queue_s: float
     local_tokens: int
+    resident: bool = True  # the call's model is active or staged there (or nothing is reported)
 
     @property
     def total_s(self) -> float:
@@ -229,15 +230,30 @@ class TtftEstimate:
 
 
 class Talaria(_Base):
-    """KV locality first, then load, then the minimum estimated time to first token (wait +
-    switch + rebuild + queue: model residency and pressure).
+    """KV locality where the call's model is resident first, then load, then the minimum
+    estimated time to first token (wait + switch + rebuild + queue: model residency and
+    pressure).
 
-    A session stays where its KV is (device or host) while that instance is healthy: its
-    later calls follow it, so moving it for one call's shorter TTFT moves all of them, which
-    a one-call estimate does not price. Ranked by the estimate first, sessions left their KV
+    A session stays where its KV is while its model is active or staged there: its later
+    calls follow it, so moving it for one call's shorter TTFT moves all of them, which a
+    one-call estimate does not price. Ranked by the estimate first, sessions left their KV
     for whichever instance had their model active and piled up there (default trace on 4
-    servers: p50 / p95 536 / 1026 s; locality first 442 / 1004 s; then load 415 / 980 s). A
-    new session (no locality anywhere) goes to the least loaded instance, and the estimate
+    servers: p50 / p95 536 / 1026 s; locality first 442 / 1004 s; then load 415 / 980 s).
+
+    KV kept only in an instance's host memory, its model switched out there, does not hold
+    the session: counted as locality, it kept every session where it started, so every
+    instance kept serving every model and switched between them (mini-swe-agent, Poisson at
+    saturation, 4 servers: 916 switches and 1792 s of waiting for slots, against 91 and 89 s
+    with host KV off, where sessions drifted to instances with their model active and each
+    instance came to serve mostly one model). Measured on the development traces only (4
+    servers; p50 / p95 / mean s, before -> after): mini-swe-agent Poisson 1.0 197 / 568 / 235
+    -> 164 / 474 / 205, Poisson 0.5 154 / 421 / 180 -> 148 / 421 / 173, burst 430 / 1087 /
+    504 -> 380 / 1060 / 464; the real trace's development half Poisson 1.0 199 / 655 / 225 ->
+    180 / 603 / 208, Poisson 0.5 182 / 613 / 212 -> 182 / 606 / 209, burst 445 / 1292 / 540 ->
+    455 / 1151 / 497; the default trace 239 / 635 / 307 -> 217 / 625 / 284. The host copy still
+    shortens the rebuild in the estimate, and a session whose model comes back stays.
+
+    A new session (no locality anywhere) goes to the least loaded instance, and the estimate
     breaks the remaining ties: an instance with the model active or staged first."""
 
     name = "talaria"
@@ -251,8 +267,8 @@ class Talaria(_Base):
     ) -> list[str]:
         estimates = [self.estimate(i, call, session, states) for i in self._eligible(call, states, healthy)]
         estimates.sort(key=lambda e: (
-            -e.local_tokens, e.instance_id != call.affinity, self.load(e.instance_id, states),
-            round(e.total_s, 9), e.instance_id))
+            -(e.local_tokens if e.resident else 0), e.instance_id != call.affinity,
+            self.load(e.instance_id, states), round(e.total_s, 9), e.instance_id))
         return [e.instance_id for e in estimates]
 
     def estimate(
@@ -275,7 +291,8 @@ class Talaria(_Base):
         restore = (host * ms.kv_bytes_per_token / rates.kv_restore_bytes_per_s) if ms.kv_bytes_per_token else 0.0
         rebuild = restore + (call.prompt_len - device - host) / rates.prefill_tokens_per_s
         queue = self._queue(instance_id, call.prompt_len - device + call.expected_output, ms, state, rates)
-        return TtftEstimate(instance_id, wait, switch, rebuild, queue, device + host)
+        resident = ms.residency in (Residency.ACTIVE, Residency.STAGED)
+        return TtftEstimate(instance_id, wait, switch, rebuild, queue, device + host, resident)
 
     def _queue(
         self, instance_id: str, new_tokens: int, ms: ModelState,

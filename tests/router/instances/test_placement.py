@@ -157,6 +157,27 @@ def test_a_session_stays_with_its_kv_and_new_sessions_go_to_the_least_loaded() -
     assert policy.choose(call(), other, states, {"a", "b"})[0] == "a"
 
 
+def test_host_kv_holds_a_session_only_where_its_model_is_resident() -> None:
+    """KV in host memory of a model switched out there does not hold the session: it goes
+    where load says (an instance with its model active), and stays while its model is
+    active or staged where its KV is."""
+    record = SessionBranch("s1", "m")
+    states = {
+        "a": InstanceState("a", models={"m": model_state("m", Residency.HOST),
+                                        "x": model_state("x", Residency.ACTIVE)},
+                           sessions={"s1": SessionKV("s1", "m", host_tokens=4000)}),
+        "b": InstanceState("b", models={"m": model_state("m", Residency.ACTIVE)}),
+    }
+    policy = Talaria()
+    policy.ctx.add("a", 0, 100)  # a a little busier: load decides
+    assert policy.estimate("a", call(), record, states).local_tokens == 4000
+    assert not policy.estimate("a", call(), record, states).resident
+    assert policy.choose(call(), record, states, {"a", "b"}) == ["b", "a"]
+    for residency in (Residency.STAGED, Residency.ACTIVE):
+        states["a"].models["m"].residency = residency
+        assert policy.choose(call(), record, states, {"a", "b"}) == ["a", "b"]
+
+
 def test_kv_memory_stall_adds_pressure() -> None:
     full = InstanceState("a", models={"m": model_state("m", running_calls=2, running_tokens=1000,
                                                             decode_step_s=0.01)},
