@@ -159,10 +159,12 @@ async def test_an_image_in_a_resent_tool_result_is_a_placeholder(tiny_tokenizer:
 
 async def test_a_side_call_of_another_model_leaves_the_main_loop_where_its_kv_is() -> None:
     """The issue's mechanism: a side call of another model runs on the main loop's instance a
-    under the same session id, and a switches the main loop's model out (its KV to host). a
-    reports each session id it was sent with what ran last under it. The main loop's next
-    call must find its KV there: before, the session id named the side call's model on a and
-    the record was the side call's, so the call moved to b and recomputed its prompt."""
+    under the same session id, and a switches the main loop's model out (its KV to host, its
+    weights staged). a reports each session id it was sent with what ran last under it. The
+    main loop's next call must find its KV there: before, the session id named the side
+    call's model on a and the record was the side call's, so the call moved to b and
+    recomputed its prompt. (Staged: host KV holds a session only where its model is active or
+    staged, ``router.instances.placement.Talaria``.)"""
     a, b = FakeInstance("a", [5, 6]), FakeInstance("b", [5, 6])
     core = RouterCore({"a": a, "b": b}, "talaria", refresh_after_call=False, block_size=16)
     main = list(range(1, 300))
@@ -172,7 +174,7 @@ async def test_a_side_call_of_another_model_leaves_the_main_loop_where_its_kv_is
     reported = {c.session_id: SessionKV(c.session_id, c.model, host_tokens=len(c.prompt_token_ids) + 2)
                 for c in a.calls}  # what a keeps per session id: the last call under it
     core.update_state(InstanceState("a", block_size=16, sessions=reported, models={
-        "big": _model("big", Residency.HOST), "small": _model("small", Residency.ACTIVE)}))
+        "big": _model("big", Residency.STAGED), "small": _model("small", Residency.ACTIVE)}))
     core.update_state(InstanceState("b", block_size=16, models={"big": _model("big", Residency.ACTIVE)}))
     more = main + [5, 6] + list(range(400, 440))
     await _drain(core, CallRequest("c3", "cc", "big", more, SamplingParams(max_tokens=2)))
