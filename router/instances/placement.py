@@ -222,7 +222,7 @@ class TtftEstimate:
     rebuild_s: float
     queue_s: float
     local_tokens: int
-    resident: bool = True  # the call's model is active or staged there (or nothing is reported)
+    resident: bool  # the call's model is active or staged there (or nothing is reported)
 
     @property
     def total_s(self) -> float:

@@ -45,6 +45,8 @@ def not_ahead(result: ScenarioResult) -> list[str]:
 def setting_tradeoffs(result: ScenarioResult) -> list[str]:
     """One line per figure Talaria is not ahead at: the winning row and setting, and that
     setting's other two figures against Talaria's."""
+    if TALARIA not in result.rows:
+        return []
     mine = result.rows[TALARIA].values
     lines = []
     for f in not_ahead(result):
@@ -121,8 +123,7 @@ def format_suite(suite: SuiteResult) -> str:
                "lower bound (workloads.bounds.bound). Saturation (the baseline's burst throughput): "
                + ", ".join(f"{k} {v * 3600:.0f} sessions/h" for k, v in suite.saturation.items()))
     out.append("talaria is not ahead in: " + ("; ".join(behind) if behind else "none"))
-    tradeoffs = [line for r in suite.scenarios.values() if TALARIA in r.rows
-                 for line in setting_tradeoffs(r)]
+    tradeoffs = [line for r in suite.scenarios.values() for line in setting_tradeoffs(r)]
     if tradeoffs:
         out.append("what the winning settings cost at the other figures:")
         out.extend(f"  {line}" for line in tradeoffs)
