@@ -248,7 +248,7 @@ def _replay(
           f"tokens x{setup.token_scale}, time x{setup.time_scale}, {setup.kv_blocks} KV "
           f"blocks per model, live and simulated "
           f"(load average {_load()})", flush=True)
-    rows: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     use: dict[str, Any] = {}
     for policy in (p.strip() for p in policies):
         before = cpu_sample()

@@ -36,11 +36,12 @@ from workloads.replay.driver import ReplayResult, run_sim
 from workloads.replay.live import run_live_replay, scale_sessions
 from workloads.replay.live_serve import COUNTER_GAUGES, instance_counters, running_serve
 from workloads.replay.systems import system
-from workloads.suite.stats import percentile
+from workloads.suite.stats import paired_interval, percentile
 from workloads.traces.trace import Session
 
 __all__ = ["ReplaySetup", "FIDELITY_POLICIES", "fidelity_trace", "real_model_map", "serve_config_text",
-           "replay_pair", "compare", "format_replay_table", "ranking"]
+           "replay_pair", "compare", "format_replay_table", "ranking", "same_ranking",
+           "told_apart"]
 
 FIDELITY_POLICIES = ("baseline", "+host_kv", "talaria")
 # The default trace's models, by role: the popular MoE, the other MoE, the dense one.
@@ -166,24 +167,49 @@ def _side(result: ReplayResult) -> dict[str, float]:
             **{key: float(counters.get(key, 0)) for key in COUNTER_GAUGES}}
 
 
-def compare(live: ReplayResult, simulated: ReplayResult) -> dict[str, float]:
-    """The fidelity.json row of one policy: both sides' SCT percentiles and counts."""
+def compare(live: ReplayResult, simulated: ReplayResult) -> dict[str, Any]:
+    """The fidelity.json row of one policy: both sides' SCT percentiles and counts, and the
+    live SCTs by session id (``told_apart`` pairs two policies' sessions)."""
     a, b = _side(live), _side(simulated)
-    row = {"live_p50_s": a["p50_s"], "sim_p50_s": b["p50_s"],
+    row: dict[str, Any] = {"live_p50_s": a["p50_s"], "sim_p50_s": b["p50_s"],
            "live_p95_s": a["p95_s"], "sim_p95_s": b["p95_s"],
            "p50_rel_err": b["p50_s"] / a["p50_s"] - 1.0, "p95_rel_err": b["p95_s"] / a["p95_s"] - 1.0}
     for key in ("calls", "failed_calls", "prompt_tokens", "output_tokens", "cached_tokens",
                 "restored_tokens", "engine_s", *COUNTER_GAUGES):
         row[f"live_{key}"], row[f"sim_{key}"] = a[key], b[key]
+    row["live_scts"] = [s.sct_s for s in sorted(live.sessions, key=lambda s: s.session_id)]
     return row
 
 
-def ranking(rows: Mapping[str, Mapping[str, float]], side: str, stat: str) -> list[str]:
+def ranking(rows: Mapping[str, Mapping[str, Any]], side: str, stat: str) -> list[str]:
     """Policies from fastest to slowest by ``{side}_{stat}_s`` (e.g. "live", "p50")."""
     return sorted(rows, key=lambda p: rows[p][f"{side}_{stat}_s"])
 
 
-def format_replay_table(rows: Mapping[str, Mapping[str, float]]) -> str:
+def told_apart(rows: Mapping[str, Mapping[str, Any]], stat: str) -> list[tuple[str, str]]:
+    """The pairs (faster, slower) of policies whose live order at ``stat`` is more than the
+    draw of sessions: the paired bootstrap 95% interval of slower / faster - 1 over the
+    live sessions lies above 0. Two policies a replay of a few sessions cannot tell apart
+    live (their order would flip with other sessions) have no order a simulation could get
+    wrong. Rows without live SCTs (an older fidelity.json) are told apart by any gap."""
+    order = ranking(rows, "live", stat)
+    pairs = []
+    for i, fast in enumerate(order):
+        for slow in order[i + 1:]:
+            a, b = rows[fast].get("live_scts"), rows[slow].get("live_scts")
+            if a and b and len(a) == len(b) and paired_interval(a, b, stat)[0] <= 0:
+                continue
+            pairs.append((fast, slow))
+    return pairs
+
+
+def same_ranking(rows: Mapping[str, Mapping[str, Any]], stat: str) -> bool:
+    """Whether the simulation orders every pair the live replay tells apart as it does."""
+    return all(rows[fast][f"sim_{stat}_s"] < rows[slow][f"sim_{stat}_s"]
+               for fast, slow in told_apart(rows, stat))
+
+
+def format_replay_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
     head = (f"{'policy':10s} {'live p50':>9s} {'sim p50':>8s} {'err':>6s} {'live p95':>9s} "
             f"{'sim p95':>8s} {'err':>6s}  {'calls live/sim':>14s} {'cached live/sim':>16s} "
             f"{'restored live/sim':>18s} {'demoted live/sim':>17s} {'lent live/sim':>13s}")
@@ -199,7 +225,7 @@ def format_replay_table(rows: Mapping[str, Mapping[str, float]]) -> str:
             f"{r['live_staging_lends']:6.0f}/{r['sim_staging_lends']:<6.0f}")
     for stat in ("p50", "p95"):
         live, sim = ranking(rows, "live", stat), ranking(rows, "sim", stat)
-        same = "same" if live == sim else "DIFFERENT"
+        same = "same" if same_ranking(rows, stat) else "DIFFERENT"
         lines.append(f"ranking by SCT {stat}: live {' < '.join(live)}; "
                      f"simulated {' < '.join(sim)} ({same})")
     lines.append(f"(load average now: {', '.join(f'{x:.2f}' for x in os.getloadavg())})")

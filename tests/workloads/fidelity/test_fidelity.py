@@ -24,7 +24,9 @@ from workloads.fidelity.replays import (
     ranking,
     real_model_map,
     replay_pair,
+    same_ranking,
     serve_config_text,
+    told_apart,
 )
 from workloads.replay.cluster import ClusterTotals
 from workloads.replay.driver import (
@@ -97,11 +99,22 @@ def test_compare_reports_both_sides_and_the_ranking() -> None:
     assert row["p50_rel_err"] == pytest.approx(-0.2)
     assert (row["live_calls"], row["sim_calls"], row["live_prompt_tokens"]) == (2, 2, 22)
     assert (row["live_restored_tokens"], row["sim_restored_tokens"]) == (2, 8)
-    rows = {"baseline": row, "talaria": {**row, "live_p50_s": 5.0, "sim_p50_s": 9.0}}
+    assert row["live_scts"] == [8.0, 12.0]  # by session id
+    rows = {"baseline": row, "talaria": {**row, "live_p50_s": 5.0, "sim_p50_s": 9.0,
+                                         "live_scts": [4.0, 6.0]}}
     assert ranking(rows, "live", "p50") == ["talaria", "baseline"]
     assert ranking(rows, "sim", "p50") == ["baseline", "talaria"]
+    assert told_apart(rows, "p50") == [("talaria", "baseline")]
+    assert not same_ranking(rows, "p50")
     assert "p50: live talaria < baseline; simulated baseline < talaria (DIFFERENT)" in \
         format_replay_table(rows)
+    # the same live sessions' SCTs: the live replay cannot order them, so neither order
+    # the simulation gives is wrong
+    tied = {**rows, "talaria": {**rows["talaria"], "live_scts": [8.0, 12.0]}}
+    assert told_apart(tied, "p50") == [] and same_ranking(tied, "p50")
+    # one session much faster, the other a little slower: the order flips with the draw
+    mixed = {**rows, "talaria": {**rows["talaria"], "live_scts": [2.0, 12.5]}}
+    assert told_apart(mixed, "p50") == [] and same_ranking(mixed, "p50")
 
 
 async def test_stand_in_outputs_come_from_the_session_generator_as_live_ones_do() -> None:

@@ -50,13 +50,13 @@ def test_a_replay_only_run_recalibrates_unless_the_spec_holds_now(
     assert calibrations == [1, 1]
 
 
-def row(live50: float, sim50: float, live95: float, sim95: float) -> dict[str, float]:
+def row(live50: float, sim50: float, live95: float, sim95: float) -> dict[str, Any]:
     return {"live_p50_s": live50, "sim_p50_s": sim50, "live_p95_s": live95, "sim_p95_s": sim95,
             "p50_rel_err": sim50 / live50 - 1, "p95_rel_err": sim95 / live95 - 1,
             "live_engine_s": 30.0, "sim_engine_s": 28.5}
 
 
-def run(rows: dict[str, dict[str, float]], median: float = 0.12) -> dict[str, Any]:
+def run(rows: dict[str, dict[str, Any]], median: float = 0.12) -> dict[str, Any]:
     use = {"seconds": 60.0, "others_cores": 0.05, "ours_cores": 1.1, "steal_cores": 0.0}
     return {
         "cpus": 2, "rounds": 3, "threads_per_rank": 1, "clock": "thread_cpu", "wall_s": 545.0,
@@ -91,3 +91,19 @@ def test_the_closing_table_sets_each_figure_against_the_bar() -> None:
     text = format_summary(run(bad, median=0.3))
     assert "(<= 25%: NOT met)" in text
     assert text.count("NOT met") == 2 and "DIFFERENT" in text
+
+
+def test_the_ranking_holds_the_simulation_to_the_pairs_the_live_replay_tells_apart() -> None:
+    rows: dict[str, dict[str, Any]] = {
+        "baseline": row(45, 42, 62, 55), "+host_kv": row(33, 30, 41, 38),
+        "talaria": row(28, 26, 40, 42)}  # simulated p95: talaria behind +host_kv
+    assert not replay_checks(rows)["same_ranking_p95"]  # no live SCTs: any gap orders
+    spread = [20.0, 25.0, 30.0, 35.0, 40.0, 60.0, 62.0]
+    rows["baseline"]["live_scts"] = [v * 1.5 for v in spread]
+    rows["+host_kv"]["live_scts"] = spread
+    rows["talaria"]["live_scts"] = [v + (1.0 if i % 2 else -1.0) for i, v in enumerate(spread)]
+    assert replay_checks(rows)["same_ranking_p95"]
+    text = format_summary(run(rows))
+    assert "told apart live: talaria < baseline, +host_kv < baseline; within the live " \
+        "sessions' 95% interval: talaria ~ +host_kv" in text
+    assert "DIFFERENT" not in text
