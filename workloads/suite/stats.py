@@ -3,7 +3,9 @@
 ``figure``: p50 and p95 (``percentile``: linear between order statistics)
 and the mean. ``interval``: the 2.5th and 97.5th percentiles of the figure over
 ``BOOTSTRAP_SAMPLES`` resamples of the sessions with replacement (seeded): how much the
-figure owes to which sessions happened to be drawn.
+figure owes to which sessions happened to be drawn. ``paired_interval``: the same for the
+ratio of two systems' figures over the same sessions, each resample drawing the same
+sessions for both, so what the draw does to both cancels.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["BOOTSTRAP_SAMPLES", "FIGURES", "figure", "interval", "percentile"]
+__all__ = ["BOOTSTRAP_SAMPLES", "FIGURES", "figure", "interval", "paired_interval", "percentile"]
 
 FIGURES: tuple[str, ...] = ("p50", "p95", "mean")
 BOOTSTRAP_SAMPLES = 1000
@@ -47,9 +49,28 @@ def interval(scts: Sequence[float], name: str, seed: int = 0,
     values = np.asarray(scts, dtype=float)
     rng = np.random.default_rng(seed)
     draws = values[rng.integers(0, len(values), size=(samples, len(values)))]
-    if name == "mean":
-        stats = draws.mean(axis=1)
-    else:
-        stats = np.percentile(draws, _QUANTILE[name], axis=1, method="linear")
-    low, high = np.percentile(stats, [2.5, 97.5])
+    low, high = np.percentile(_stat(draws, name), [2.5, 97.5])
     return float(low), float(high)
+
+
+def paired_interval(base: Sequence[float], other: Sequence[float], name: str, seed: int = 0,
+                    samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float]:
+    """The bootstrap 95% interval of ``figure(other) / figure(base) - 1``, where ``base[i]``
+    and ``other[i]`` are the same session's SCT under two systems: each resample takes the
+    same sessions from both."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"a paired interval needs two equal, non-empty lists, got "
+                         f"{len(base)} and {len(other)} values")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(base), size=(samples, len(base)))
+    a = _stat(np.asarray(base, dtype=float)[picks], name)
+    b = _stat(np.asarray(other, dtype=float)[picks], name)
+    low, high = np.percentile(b / a - 1.0, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def _stat(draws: np.ndarray, name: str) -> np.ndarray:
+    """``figure`` of each row of ``draws``."""
+    if name == "mean":
+        return draws.mean(axis=1)
+    return np.percentile(draws, _QUANTILE[name], axis=1, method="linear")

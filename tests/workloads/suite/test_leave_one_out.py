@@ -1,0 +1,87 @@
+"""The leave-one-out check: paired intervals, verdicts, and a small run end to end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workloads.bounds.bound import LowerBound
+from workloads.suite.leave_one_out import (
+    compare_rows,
+    format_leave_one_out,
+    leave_one_out_json,
+    run_leave_one_out,
+)
+from workloads.suite.run import RowResult, ScenarioResult, SuiteResult
+from workloads.suite.scenarios import Scenario, SuiteConfig
+from workloads.suite.stats import FIGURES, figure, paired_interval
+
+
+def test_a_paired_interval_cancels_what_the_draw_does_to_both() -> None:
+    rng = random.Random(0)
+    base = [rng.uniform(10, 1000) for _ in range(60)]
+    assert paired_interval(base, base, "p95") == (0.0, 0.0)
+    low, high = paired_interval(base, [v * 1.1 for v in base], "mean")
+    assert low == pytest.approx(0.1) and high == pytest.approx(0.1)
+    # the same values, shuffled: no longer the same sessions, so the ratio spreads
+    shuffled = base[:]
+    rng.shuffle(shuffled)
+    low, high = paired_interval(base, shuffled, "mean")
+    assert low < -0.05 and high > 0.05
+    with pytest.raises(ValueError, match="equal"):
+        paired_interval(base, base[:-1], "p50")
+
+
+def _row(name: str, scts: list[float]) -> RowResult:
+    values = {f: figure(scts, f) for f in FIGURES}
+    setting = {"slot_close": "drained", "slot_quantum_s": 240.0}
+    return RowResult(name, values, {f: (v, v) for f, v in values.items()},
+                     {f: setting for f in FIGURES}, True, scts={f: tuple(scts) for f in FIGURES})
+
+
+def _draw(seed: int) -> SuiteResult:
+    rng = random.Random(seed)
+    talaria = [rng.uniform(100, 900) for _ in range(40)]
+    rows = {"talaria": _row("talaria", talaria),
+            "-sp": _row("-sp", [v * 1.3 for v in talaria]),  # slower without it: pays
+            "-host_kv": _row("-host_kv", [v * 0.8 for v in talaria]),  # faster: hurts
+            # up and down by turns: no difference on the whole
+            "-staging": _row("-staging", [v + (30 if i % 2 else -30)
+                                          for i, v in enumerate(talaria)])}
+    bound = LowerBound(1.0, 1.0, 1.0, {}, [1.0], ["critical path"])
+    scenario = Scenario("miniswe", 1, 1.0)
+    return SuiteResult(SuiteConfig(), {scenario.name: ScenarioResult(scenario, rows, bound,
+                                                                     100.0, 40)}, {})
+
+
+def test_each_row_reads_pays_hurts_or_neither_over_pooled_draws() -> None:
+    found = compare_rows([_draw(1), _draw(2)], ["-sp", "-host_kv", "-staging"])
+    verdict = {(c.row, c.figure): c.verdict for c in found}
+    assert all(verdict[("-sp", f)] == "pays" for f in FIGURES)
+    assert all(verdict[("-host_kv", f)] == "hurts" for f in FIGURES)
+    assert verdict[("-staging", "mean")] == "neither"
+    sp = next(c for c in found if c.row == "-sp" and c.figure == "mean")
+    assert sp.relative == pytest.approx(0.3)
+    pooled = [*_draw(1).scenarios["miniswe/poisson-1/1srv"].rows["talaria"].scts["mean"],
+              *_draw(2).scenarios["miniswe/poisson-1/1srv"].rows["talaria"].scts["mean"]]
+    assert sp.talaria == pytest.approx(figure(pooled, "mean"))
+    text = format_leave_one_out(found, 2)
+    assert "hurts: miniswe/poisson-1/1srv -host_kv p50" in text
+    data = leave_one_out_json(found, 2)["scenarios"]["miniswe/poisson-1/1srv"]
+    assert data["-sp"]["p95"]["verdict"] == "pays"
+
+
+def test_a_small_leave_one_out_runs_paired_end_to_end() -> None:
+    config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
+                         pooled_sessions=4)
+    found = run_leave_one_out(config, {"slot_close": "quantum", "slot_quantum_s": 60.0},
+                              draws=2, rows=("-placement",))
+    assert {c.scenario for c in found} == {"miniswe/burst/1srv", "miniswe/poisson-1/1srv"}
+    # one server leaves placement one choice: the same SCTs session by session, which
+    # the paired interval shows as exactly none only if the sessions line up
+    for c in found:
+        assert c.value == c.talaria and c.ci95 == (0.0, 0.0) and c.verdict == "neither"
+    with pytest.raises(ValueError, match="not leave-one-out rows"):
+        run_leave_one_out(config, {"slot_close": "empty", "slot_quantum_s": 30.0},
+                          rows=("baseline",))

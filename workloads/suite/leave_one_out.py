@@ -1,0 +1,140 @@
+"""Does every mechanism pay? Talaria against each leave-one-out row in every suite scenario.
+
+Each row is Talaria's one configuration (``TALARIA_SETTING``) with one mechanism off
+(``LEAVE_ONE_OUT_ROWS``). ``draws`` independent draws of the suite (seeds ``config.seed``,
+``+1``, ...: other sessions, other Poisson arrivals, and the Poisson rates from that draw's
+own baseline bursts) are pooled per scenario, and every row replays the same sessions as
+Talaria, so the comparison is paired: the ratio ``row / talaria - 1`` of each figure with
+a paired bootstrap 95% interval over the pooled sessions (``paired_interval``).
+
+A verdict per (scenario, row, figure): ``pays`` when the interval lies above 0 (the row
+without the mechanism is slower), ``hurts`` when it lies below (faster without it: a
+defect), ``neither`` otherwise (the difference is within what the draw of sessions
+explains). At 95% two-sided, a mechanism with no effect at all still reads ``hurts`` in
+about 2.5% of comparisons; the summary prints that expected count beside the measured one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from workloads.replay.systems import LEAVE_ONE_OUT_ROWS
+from workloads.suite.run import (
+    BASELINE,
+    FIGURES,
+    TALARIA,
+    TALARIA_SETTING,
+    SuiteResult,
+    SuiteSettings,
+    run_suite,
+)
+from workloads.suite.scenarios import SuiteConfig
+from workloads.suite.stats import figure, paired_interval
+
+__all__ = ["Comparison", "LOO_ROWS", "format_leave_one_out", "leave_one_out_json",
+           "compare_rows", "run_leave_one_out"]
+
+LOO_ROWS: tuple[str, ...] = tuple(LEAVE_ONE_OUT_ROWS)
+_CHANCE = 0.025  # one tail of a 95% interval
+
+
+@dataclass(frozen=True)
+class Comparison:
+    scenario: str
+    row: str
+    figure: str
+    talaria: float  # seconds, pooled over the draws
+    value: float  # the row's, same sessions
+    ci95: tuple[float, float]  # of value / talaria - 1
+
+    @property
+    def relative(self) -> float:
+        return self.value / self.talaria - 1.0
+
+    @property
+    def verdict(self) -> str:
+        low, high = self.ci95
+        return "pays" if low > 0 else "hurts" if high < 0 else "neither"
+
+
+def compare_rows(draws: Sequence[SuiteResult], rows: Sequence[str],
+                 seed: int = 0) -> list[Comparison]:
+    """Each row against Talaria in each scenario, the draws' sessions pooled in order."""
+    out = []
+    for name in draws[0].scenarios:
+        pooled: dict[str, dict[str, list[float]]] = {}
+        for draw in draws:
+            result = draw.scenarios[name]
+            for row in (TALARIA, *rows):
+                for f in FIGURES:
+                    pooled.setdefault(row, {}).setdefault(f, []).extend(result.rows[row].scts[f])
+        for row in rows:
+            for f in FIGURES:
+                base, other = pooled[TALARIA][f], pooled[row][f]
+                out.append(Comparison(name, row, f, figure(base, f), figure(other, f),
+                                      paired_interval(base, other, f, seed=seed)))
+    return out
+
+
+def run_leave_one_out(config: SuiteConfig, baseline_setting: Mapping[str, Any], *,
+                      draws: int = 2, rows: Sequence[str] = LOO_ROWS, workers: int = 1,
+                      progress: bool = False) -> list[Comparison]:
+    """``draws`` suites of Talaria, ``rows`` and the baseline (its bursts at
+    ``baseline_setting`` set the Poisson rates, as in the suite), compared."""
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    unknown = [r for r in rows if r not in LEAVE_ONE_OUT_ROWS]
+    if unknown:
+        raise ValueError(f"not leave-one-out rows: {unknown}; known: {', '.join(LOO_ROWS)}")
+    fallback = {BASELINE: dict(baseline_setting), **{r: dict(TALARIA_SETTING) for r in rows}}
+    settings = SuiteSettings(fallback=fallback)
+    results = [run_suite(replace(config, seed=config.seed + d), settings,
+                         rows=(BASELINE, *rows, TALARIA), workers=workers, progress=progress)
+               for d in range(draws)]
+    return compare_rows(results, rows, seed=config.seed)
+
+
+def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
+    rows = list(dict.fromkeys(c.row for c in found))
+    scenarios = list(dict.fromkeys(c.scenario for c in found))
+    width = max(len(s) for s in scenarios)
+    lines = [f"leave-one-out: each row / talaria - 1 per figure (p50 / p95 / mean), same "
+             f"sessions, {draws} draw(s) pooled; + : slower without the mechanism (it pays), "
+             f"! : faster without it beyond the 95% interval (it hurts)"]
+    lines.append(f"{'scenario':{width}s}  " + "  ".join(f"{r:>22s}" for r in rows))
+    by_key = {(c.scenario, c.row, c.figure): c for c in found}
+    for name in scenarios:
+        cells = []
+        for row in rows:
+            parts = []
+            for f in FIGURES:
+                c = by_key[(name, row, f)]
+                mark = {"pays": "+", "hurts": "!", "neither": " "}[c.verdict]
+                parts.append(f"{100 * c.relative:+4.0f}{mark}")
+            cells.append(f"{'/'.join(parts):>22s}")
+        lines.append(f"{name:{width}s}  " + "  ".join(cells))
+    lines.append("per row, over scenarios x figures: pays / neither / hurts (hurts expected "
+                 "by chance alone at no effect)")
+    for row in rows:
+        mine = [c for c in found if c.row == row]
+        count = {v: sum(c.verdict == v for c in mine) for v in ("pays", "neither", "hurts")}
+        lines.append(f"  {row:16s} {count['pays']:3d} / {count['neither']:3d} / "
+                     f"{count['hurts']:3d} ({_CHANCE * len(mine):.1f})")
+    hurts = [c for c in found if c.verdict == "hurts"]
+    lines.append("hurts: " + ("; ".join(
+        f"{c.scenario} {c.row} {c.figure} {c.value:.0f} against {c.talaria:.0f} "
+        f"({100 * c.ci95[0]:+.1f}% to {100 * c.ci95[1]:+.1f}%)" for c in hurts) or "none"))
+    return "\n".join(lines)
+
+
+def leave_one_out_json(found: Sequence[Comparison], draws: int) -> dict[str, Any]:
+    """``{"draws", "scenarios": {name: {row: {figure: {talaria_s, row_s, relative, ci95,
+    verdict}}}}}``."""
+    scenarios: dict[str, Any] = {}
+    for c in found:
+        scenarios.setdefault(c.scenario, {}).setdefault(c.row, {})[c.figure] = {
+            "talaria_s": c.talaria, "row_s": c.value, "relative": c.relative,
+            "ci95": list(c.ci95), "verdict": c.verdict}
+    return {"draws": draws, "scenarios": scenarios}
