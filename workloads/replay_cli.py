@@ -126,6 +126,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--servers must be >= 1, got {args.servers}")
     if args.max_sessions is not None and args.max_sessions < 1:
         raise ValueError(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    if args.leave_one_out and (args.trace or args.policies or args.servers != 1
+                               or args.suite == "off"):
+        raise ValueError("--leave-one-out runs the suite's own scenarios: it takes no "
+                         "--trace, --policies, --servers or --suite off")
     if args.trace:
         from workloads.traces.readers import load_any_trace
 

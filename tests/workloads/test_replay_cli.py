@@ -115,6 +115,9 @@ def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
     # Two copies of Qwen3-235B's shard do not fit an H100: staging policies fail up front.
     assert main(["replay", "--server", "h100x8", "--policies", "talaria"]) == 2
     assert "--no-staging" in capsys.readouterr().err
+    # the leave-one-out check runs the suite's scenarios, so it would silently not run
+    assert main(["replay", "--leave-one-out", "2", "--policies", "talaria"]) == 2
+    assert "takes no --trace, --policies" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not real_trace_path().exists(), reason="the shared real trace is absent")
