@@ -4,7 +4,8 @@
 four servers, 120 sessions a scenario); ``quick`` the same traces and servers at loads 0.5
 and 1.0 with 60 sessions a scenario; ``off`` none. ``--tune-suite`` first runs the baseline's
 and every peer's grid in every scenario (``workloads.suite.tuning``; ``--tune-servers``: only
-the scenarios on those server counts).
+the scenarios on those server counts). ``--leave-one-out DRAWS`` runs, instead of the peers
+and capacity, Talaria against each of its leave-one-out rows (``workloads.suite.leave_one_out``).
 
 Capacity at the SLO (``workloads.suite.capacity``), on the ``CAPACITY_TRACE``'s report
 sessions: per row, the highest Poisson rate at which the p95 SCT stays within ``SLO_FACTOR``
