@@ -37,11 +37,11 @@ def _ordered(rows: Mapping[str, Mapping[str, Any]], order: list[str], side: str,
 
 def _apart(rows: Mapping[str, Mapping[str, Any]], stat: str) -> str:
     """Which pairs the live replay tells apart, and which it does not."""
-    pairs = set(told_apart(rows, stat))
+    pairs = told_apart(rows, stat)  # in live order already
     order = ranking(rows, "live", stat)
     close = [f"{a} ~ {b}" for i, a in enumerate(order) for b in order[i + 1:]
              if (a, b) not in pairs]
-    apart = ", ".join(f"{a} < {b}" for a, b in sorted(pairs, key=lambda p: (order.index(p[0]), order.index(p[1]))))
+    apart = ", ".join(f"{a} < {b}" for a, b in pairs)
     return (f"told apart live: {apart or 'none'}; within the live sessions' 95% interval: "
             f"{', '.join(close) or 'none'}")
 

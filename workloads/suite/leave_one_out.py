@@ -62,17 +62,14 @@ class Comparison:
 def compare_rows(draws: Sequence[SuiteResult], rows: Sequence[str],
                  seed: int = 0) -> list[Comparison]:
     """Each row against Talaria in each scenario, the draws' sessions pooled in order."""
+    def pooled(name: str, row: str, f: str) -> list[float]:
+        return [v for draw in draws for v in draw.scenarios[name].rows[row].scts[f]]
+
     out = []
     for name in draws[0].scenarios:
-        pooled: dict[str, dict[str, list[float]]] = {}
-        for draw in draws:
-            result = draw.scenarios[name]
-            for row in (TALARIA, *rows):
-                for f in FIGURES:
-                    pooled.setdefault(row, {}).setdefault(f, []).extend(result.rows[row].scts[f])
         for row in rows:
             for f in FIGURES:
-                base, other = pooled[TALARIA][f], pooled[row][f]
+                base, other = pooled(name, TALARIA, f), pooled(name, row, f)
                 out.append(Comparison(name, row, f, figure(base, f), figure(other, f),
                                       paired_interval(base, other, f, seed=seed)))
     return out

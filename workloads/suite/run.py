@@ -147,6 +147,8 @@ def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequen
         for name, setting in chosen.items():
             results = [done[(scenario.name, row, setting_key(setting), r)]
                        for r in range(len(runs))]
+            # the intervals resample the sessions in the replay's order (the published
+            # intervals stay as they were); ``kept`` sorts them by id for pairing
             scts = [s.sct_s for res in results for s in res.sessions]
             kept[name] = tuple(s.sct_s for res in results
                                for s in sorted(res.sessions, key=lambda s: s.session_id))
