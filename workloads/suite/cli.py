@@ -5,7 +5,8 @@ four servers, 120 sessions a scenario); ``quick`` the same traces and servers at
 and 1.0 with 60 sessions a scenario; ``off`` none. ``--tune-suite`` first runs the baseline's
 and every peer's grid in every scenario (``workloads.suite.tuning``; ``--tune-servers``: only
 the scenarios on those server counts). ``--leave-one-out DRAWS`` runs, instead of the peers
-and capacity, Talaria against each of its leave-one-out rows (``workloads.suite.leave_one_out``).
+and capacity, Talaria against each of its leave-one-out rows and a placebo
+(``workloads.suite.leave_one_out``).
 
 Capacity at the SLO (``workloads.suite.capacity``), on the ``CAPACITY_TRACE``'s report
 sessions: per row, the highest Poisson rate at which the p95 SCT stays within ``SLO_FACTOR``
@@ -57,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "suite, per figure (writes workloads/data/suite_settings.json)")
     p.add_argument("--leave-one-out", type=int, default=0, metavar="DRAWS",
                    help="instead of the peers and capacity: Talaria against each of its "
-                   "leave-one-out rows in every suite scenario, DRAWS independent draws "
-                   "pooled, with paired 95%% intervals (workloads.suite.leave_one_out)")
+                   "leave-one-out rows and a placebo (itself, arrivals moved by up to 1 s) "
+                   "in every suite scenario, DRAWS independent draws pooled, with paired 95%% "
+                   "intervals (workloads.suite.leave_one_out)")
     p.add_argument("--tune-servers", default=None,
                    help="with --tune-suite: tune only the scenarios on these server counts, "
                    "e.g. 1 (the cache keeps the other scenarios' settings)")

@@ -32,9 +32,10 @@ from workloads.suite.scenarios import (
     scenarios,
 )
 from workloads.suite.stats import FIGURES, figure, interval
+from workloads.traces.arrivals import jittered
 from workloads.traces.trace import Session
 
-__all__ = ["FIGURES", "RowResult", "ScenarioResult", "SuiteResult", "SuiteSettings",
+__all__ = ["FIGURES", "PLACEBO", "RowResult", "ScenarioResult", "SuiteResult", "SuiteSettings",
            "SUITE_ROWS", "TALARIA_SETTING", "run_suite", "setting_key"]
 
 BASELINE = "baseline"
@@ -42,6 +43,11 @@ TALARIA = "talaria"
 SUITE_ROWS: tuple[str, ...] = (BASELINE, *PEERS, TALARIA)
 # Talaria's one configuration: its default-trace setting (drained slots of at most 240 s).
 TALARIA_SETTING: dict[str, Any] = {"slot_close": "drained", "slot_quantum_s": 240.0}
+# Talaria itself, each session arriving up to PLACEBO_SHIFT_S later (``jittered``): a change
+# no policy should care about, run beside the leave-one-out rows so that what it moves is the
+# paired check's own noise (one change to the schedule moves every session at once).
+PLACEBO = "placebo"
+PLACEBO_SHIFT_S = 1.0
 
 Setting = dict[str, Any]
 
@@ -65,7 +71,7 @@ class SuiteSettings:
 
     def for_row(self, scenario: str, row: str) -> tuple[dict[str, Setting], bool]:
         """(figure -> setting, tuned?) for ``row`` in ``scenario``."""
-        if row == TALARIA:
+        if row in (TALARIA, PLACEBO):
             return {f: dict(TALARIA_SETTING) for f in FIGURES}, True
         chosen = self.tuned.get(scenario, {}).get(row)
         if chosen:
@@ -129,8 +135,11 @@ def _jobs(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[
             wanted.append(settings.saturation_setting())
         for key in dict.fromkeys(setting_key(s) for s in wanted):
             setting = next(s for s in wanted if setting_key(s) == key)
-            system: SystemConfig = SYSTEMS[row].with_setting(**setting)
+            system: SystemConfig = SYSTEMS[TALARIA if row == PLACEBO else row]
+            system = system.with_setting(**setting)
             for r, sessions in enumerate(runs):
+                if row == PLACEBO:
+                    sessions = jittered(sessions, PLACEBO_SHIFT_S, seed=config.seed)
                 jobs.append(Job((scenario.name, row, key, r), tuple(sessions), system, spec,
                                 config.seed))
     return jobs
@@ -171,7 +180,7 @@ def run_suite(
     Poisson rates)."""
     if BASELINE not in rows:
         raise ValueError("the suite needs the baseline row: its bursts set the Poisson rates")
-    unknown = [r for r in rows if r not in SYSTEMS]
+    unknown = [r for r in rows if r not in SYSTEMS and r != PLACEBO]
     if unknown:
         raise ValueError(f"unknown row(s) {unknown}")
     all_scenarios = scenarios(config)

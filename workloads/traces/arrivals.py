@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from workloads.traces.trace import Session
 
-__all__ = ["at_once", "poisson_arrivals"]
+__all__ = ["at_once", "jittered", "poisson_arrivals"]
 
 
 def poisson_arrivals(sessions: Sequence[Session], rate: float, seed: int = 0) -> list[Session]:
@@ -33,3 +33,13 @@ def poisson_arrivals(sessions: Sequence[Session], rate: float, seed: int = 0) ->
 
 def at_once(sessions: Sequence[Session]) -> list[Session]:
     return [replace(s, arrival_s=0.0) for s in sessions]
+
+
+def jittered(sessions: Sequence[Session], max_shift_s: float, seed: int = 0) -> list[Session]:
+    """Each session's arrival moved later by a uniform draw from [0, ``max_shift_s``], drawn
+    from its own id and ``seed``: a session moves the same whatever else the run holds."""
+    if max_shift_s < 0:
+        raise ValueError(f"max_shift_s must be >= 0, got {max_shift_s}")
+    return [replace(s, arrival_s=round(s.arrival_s + max_shift_s
+                                       * random.Random(f"{seed}/{s.session_id}").random(), 3))
+            for s in sessions]

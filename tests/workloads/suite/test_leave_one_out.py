@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from workloads.bounds.bound import LowerBound
+from workloads.replay.systems import SYSTEMS
 from workloads.suite.leave_one_out import (
     compare_rows,
     format_leave_one_out,
     leave_one_out_json,
     run_leave_one_out,
 )
-from workloads.suite.run import RowResult, ScenarioResult, SuiteResult
-from workloads.suite.scenarios import Scenario, SuiteConfig
+from workloads.suite.run import (
+    PLACEBO,
+    PLACEBO_SHIFT_S,
+    TALARIA,
+    RowResult,
+    ScenarioResult,
+    SuiteResult,
+    SuiteSettings,
+    _jobs,
+)
+from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.stats import FIGURES, figure, paired_interval
 
 
@@ -85,3 +96,31 @@ def test_a_small_leave_one_out_runs_paired_end_to_end() -> None:
     with pytest.raises(ValueError, match="not leave-one-out rows"):
         run_leave_one_out(config, {"slot_close": "empty", "slot_quantum_s": 30.0},
                           rows=("baseline",))
+
+
+def test_the_placebo_is_talaria_on_the_same_sessions_each_arriving_up_to_a_second_later() -> None:
+    config = SuiteConfig(traces=("miniswe",), servers=(1,))
+    scenario = Scenario("miniswe", 1, 1.0)
+    run = [replace(s, arrival_s=10.0 * k)
+           for k, s in enumerate(draw_sessions("miniswe", 12, 0, config.spec, "t"))]
+    jobs = {j.key[1]: j for j in _jobs(scenario, [run], (TALARIA, PLACEBO), SuiteSettings(),
+                                       config)}
+    talaria, placebo = jobs[TALARIA], jobs[PLACEBO]
+    assert placebo.system == talaria.system == SYSTEMS[TALARIA].with_setting(
+        slot_close="drained", slot_quantum_s=240.0)
+    assert [s.session_id for s in placebo.sessions] == [s.session_id for s in run]
+    assert talaria.sessions == tuple(run)
+    shifts = [p.arrival_s - s.arrival_s for s, p in zip(run, placebo.sessions, strict=True)]
+    assert all(0.0 <= d <= PLACEBO_SHIFT_S + 1e-9 for d in shifts) and max(shifts) > 0.0
+    assert [replace(p, arrival_s=s.arrival_s) for s, p in zip(run, placebo.sessions,
+                                                              strict=True)] == run
+
+
+def test_the_summary_sets_the_placebo_apart() -> None:
+    draw = _draw(1)
+    rows = draw.scenarios["miniswe/poisson-1/1srv"].rows
+    rows[PLACEBO] = _row(PLACEBO, list(rows["talaria"].scts["mean"]))
+    found = compare_rows([draw], ["-sp", PLACEBO])
+    placebo_line = next(line for line in format_leave_one_out(found, 1).splitlines()
+                        if line.strip().startswith(PLACEBO))
+    assert "0 /   3 /   0" in placebo_line and "nothing changed" in placebo_line

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from engine.sim.model_spec import DEFAULT_CATALOG
+from workloads.traces.arrivals import jittered
 from workloads.traces.generator import (
     CALIBRATION_PATH,
     DEFAULT_MODELS,
@@ -141,6 +142,22 @@ def test_poisson_arrivals() -> None:
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
     mean_gap = arrivals[-1] / (len(arrivals) - 1)
     assert mean_gap == pytest.approx(2.0, rel=0.15)
+
+
+def test_jittered_moves_each_session_by_its_own_draw() -> None:
+    sessions = generate_trace(40, 40 * 4, arrival="poisson", rate=0.5, seed=2)
+    moved = jittered(sessions, 1.0, seed=3)
+    shifts = [m.arrival_s - s.arrival_s for s, m in zip(sessions, moved, strict=True)]
+    assert all(-1e-9 <= d <= 1.0 + 1e-9 for d in shifts) and len(set(shifts)) > 30
+    assert [m.session_id for m in moved] == [s.session_id for s in sessions]
+    # a session's shift depends on its id and the seed, not on which others run with it
+    alone = jittered(list(reversed(sessions[:5])), 1.0, seed=3)
+    assert {s.session_id: s.arrival_s for s in alone} == {
+        m.session_id: m.arrival_s for m in moved[:5]}
+    assert jittered(sessions, 1.0, seed=4) != moved
+    assert jittered(sessions, 0.0, seed=3) == sessions
+    with pytest.raises(ValueError, match="max_shift_s"):
+        jittered(sessions, -0.5)
 
 
 def test_model_skew_is_configurable() -> None:
