@@ -201,7 +201,8 @@ class RouterCore:
     # ---- placement and forwarding -----------------------------------------------------------
 
     def placement_call(
-        self, call: CallRequest, hashes: list[int] | None = None, affinity: str | None = None
+        self, call: CallRequest, hashes: list[int] | None = None, affinity: str | None = None,
+        siblings: tuple[tuple[str, str], ...] = (),
     ) -> PlacementCall:
         return PlacementCall(
             model=call.model,
@@ -211,6 +212,7 @@ class RouterCore:
             block_size=self.block_size,
             expected_output=self.outputs.expected(call.model, call.params.max_tokens),
             affinity=affinity,
+            siblings=siblings,
         )
 
     def rank(self, call: CallRequest, session: SessionBranch | None = None) -> list[str]:
@@ -228,7 +230,9 @@ class RouterCore:
         start = self.now()
         books = self.books.start(call, await self._hash_prompt(call), start)
         previous, sent = books.branch.instance_id, books.sent
-        pcall = self.placement_call(sent, books.prompt.hashes, books.affinity)
+        siblings = tuple((b.instance_id, b.model) for b in books.record.branches.values()
+                         if b is not books.branch and b.instance_id is not None)
+        pcall = self.placement_call(sent, books.prompt.hashes, books.affinity, siblings)
         ranked = self.policy.choose(pcall, books.view, self.states, self.candidates())
         instance_id: str | None = None
         stream: AsyncIterator[CallEvent] | None = None

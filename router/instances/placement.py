@@ -31,6 +31,10 @@ class PlacementCall:
     block_size: int
     expected_output: int = 16  # output tokens expected of it (router.sessions.output_lengths)
     affinity: str | None = None  # an instance preferred among equals (a subagent's parent's)
+    # (instance, model) of the last call of each other branch of the call's session (its
+    # side calls): where one of them holds the slot, this branch's model was switched out
+    # for the session itself
+    siblings: tuple[tuple[str, str], ...] = ()
 
 
 class PrefixIndex:
@@ -222,7 +226,7 @@ class TtftEstimate:
     rebuild_s: float
     queue_s: float
     local_tokens: int
-    resident: bool  # the call's model is active or staged there (or nothing is reported)
+    resident: bool  # its KV holds the session there (model active; ``Talaria`` docstring)
 
     @property
     def total_s(self) -> float:
@@ -234,9 +238,9 @@ class Talaria(_Base):
     estimated time to first token (wait + switch + rebuild + queue: model residency and
     pressure).
 
-    A session stays where its KV is while its model is active or staged there: its later
-    calls follow it, so moving it for one call's shorter TTFT moves all of them, which a
-    one-call estimate does not price. Ranked by the estimate first, sessions left their KV
+    A session stays where its KV is while its model is active there: its later calls follow
+    it, so moving it for one call's shorter TTFT moves all of them, which a one-call estimate
+    does not price. Ranked by the estimate first, sessions left their KV
     for whichever instance had their model active and piled up there (default trace on 4
     servers: p50 / p95 536 / 1026 s; locality first 442 / 1004 s; then load 415 / 980 s).
 
@@ -252,6 +256,15 @@ class Talaria(_Base):
     180 / 603 / 208, Poisson 0.5 182 / 613 / 212 -> 182 / 606 / 209, burst 445 / 1292 / 540 ->
     455 / 1151 / 497; the default trace 239 / 635 / 307 -> 217 / 625 / 284. The host copy still
     shortens the rebuild in the estimate, and a session whose model comes back stays.
+
+    Nor does a model staged there (the next one the instance will switch in), unless the
+    model holding the slot is the session's own side call's (``PlacementCall.siblings``: an
+    agent's main loop waits out its own side call and comes back). Staged models held their
+    sessions until this stop, and staging then cost 1-3% at the mean in five of the eight
+    four-server Poisson scenarios of ``make loo``; counted only where active, Talaria's mean
+    fell on 16 of 18 development runs (mini-swe-agent, the real trace's development half and
+    the default trace; burst, Poisson 0.5 and 1.0; four servers; two draws): by 0.3-7.8% in
+    Poisson, and by -6.5% to +4.6% in bursts (docs/constants.md).
 
     A new session (no locality anywhere) goes to the least loaded instance, and the estimate
     breaks the remaining ties: an instance with the model active or staged first."""
@@ -291,7 +304,8 @@ class Talaria(_Base):
         restore = (host * ms.kv_bytes_per_token / rates.kv_restore_bytes_per_s) if ms.kv_bytes_per_token else 0.0
         rebuild = restore + (call.prompt_len - device - host) / rates.prefill_tokens_per_s
         queue = self._queue(instance_id, call.prompt_len - device + call.expected_output, ms, state, rates)
-        resident = ms.residency in (Residency.ACTIVE, Residency.STAGED)
+        resident = active or (ms.residency == Residency.STAGED
+                              and _serving_a_sibling(instance_id, state, call.siblings))
         return TtftEstimate(instance_id, wait, switch, rebuild, queue, device + host, resident)
 
     def _queue(
@@ -318,6 +332,15 @@ class Talaria(_Base):
             switch_staged_s=ms.switch_staged_s or d.switch_staged_s,
             kv_restore_bytes_per_s=ms.kv_restore_bytes_per_s or d.kv_restore_bytes_per_s,
         )
+
+
+def _serving_a_sibling(instance_id: str, state: InstanceState | None,
+                       siblings: Sequence[tuple[str, str]]) -> bool:
+    """Whether the model active on the instance is one a sibling branch's last call ran there."""
+    if state is None:
+        return False
+    active = {name for name, ms in state.models.items() if ms.residency == Residency.ACTIVE}
+    return any(i == instance_id and m in active for i, m in siblings)
 
 
 POLICIES: dict[str, type[_Base]] = {"load": LoadOnly, "cache_aware": CacheAware, "talaria": Talaria}

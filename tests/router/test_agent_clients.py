@@ -163,8 +163,8 @@ async def test_a_side_call_of_another_model_leaves_the_main_loop_where_its_kv_is
     weights staged). a reports each session id it was sent with what ran last under it. The
     main loop's next call must find its KV there: before, the session id named the side
     call's model on a and the record was the side call's, so the call moved to b and
-    recomputed its prompt. (Staged: host KV holds a session only where its model is active or
-    staged, ``router.instances.placement.Talaria``.)"""
+    recomputed its prompt. (Staged: host KV holds a session where its model is staged only
+    while the model holding the slot is its own side call's, ``router.instances.placement.Talaria``.)"""
     a, b = FakeInstance("a", [5, 6]), FakeInstance("b", [5, 6])
     core = RouterCore({"a": a, "b": b}, "talaria", refresh_after_call=False, block_size=16)
     main = list(range(1, 300))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from router_fakes import model_state
 
@@ -157,10 +159,11 @@ def test_a_session_stays_with_its_kv_and_new_sessions_go_to_the_least_loaded() -
     assert policy.choose(call(), other, states, {"a", "b"})[0] == "a"
 
 
-def test_host_kv_holds_a_session_only_where_its_model_is_resident() -> None:
-    """KV in host memory of a model switched out there does not hold the session: it goes
-    where load says (an instance with its model active), and stays while its model is
-    active or staged where its KV is."""
+def test_host_kv_holds_a_session_only_where_its_model_is_active() -> None:
+    """KV in host memory of a model switched out there, or staged there for the next slot,
+    does not hold the session: it goes where load says (an instance with its model active),
+    and stays while its model is active where its KV is, or staged while the slot is its own
+    side call's model's."""
     record = SessionBranch("s1", "m")
     states = {
         "a": InstanceState("a", models={"m": model_state("m", Residency.HOST),
@@ -173,9 +176,17 @@ def test_host_kv_holds_a_session_only_where_its_model_is_resident() -> None:
     assert policy.estimate("a", call(), record, states).local_tokens == 4000
     assert not policy.estimate("a", call(), record, states).resident
     assert policy.choose(call(), record, states, {"a", "b"}) == ["b", "a"]
-    for residency in (Residency.STAGED, Residency.ACTIVE):
-        states["a"].models["m"].residency = residency
-        assert policy.choose(call(), record, states, {"a", "b"}) == ["a", "b"]
+    states["a"].models["m"].residency = Residency.STAGED
+    assert policy.choose(call(), record, states, {"a", "b"}) == ["b", "a"]
+    # staged for the session's own side call, which holds the slot (x active on a): it stays
+    side = replace(call(), siblings=(("a", "x"),))
+    assert policy.choose(side, record, states, {"a", "b"}) == ["a", "b"]
+    # a side call that ran elsewhere, or of a model not holding the slot, holds nothing
+    for siblings in ((("b", "x"),), (("a", "m"),)):
+        assert policy.choose(replace(call(), siblings=siblings), record, states,
+                             {"a", "b"}) == ["b", "a"]
+    states["a"].models["m"].residency = Residency.ACTIVE
+    assert policy.choose(call(), record, states, {"a", "b"}) == ["a", "b"]
 
 
 def test_kv_memory_stall_adds_pressure() -> None:
