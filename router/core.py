@@ -230,8 +230,7 @@ class RouterCore:
         start = self.now()
         books = self.books.start(call, await self._hash_prompt(call), start)
         previous, sent = books.branch.instance_id, books.sent
-        siblings = tuple((b.instance_id, b.model) for b in books.record.branches.values()
-                         if b is not books.branch and b.instance_id is not None)
+        siblings = books.record.side_calls_since(books.branch)
         pcall = self.placement_call(sent, books.prompt.hashes, books.affinity, siblings)
         ranked = self.policy.choose(pcall, books.view, self.states, self.candidates())
         instance_id: str | None = None

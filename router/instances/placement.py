@@ -31,9 +31,10 @@ class PlacementCall:
     block_size: int
     expected_output: int = 16  # output tokens expected of it (router.sessions.output_lengths)
     affinity: str | None = None  # an instance preferred among equals (a subagent's parent's)
-    # (instance, model) of the last call of each other branch of the call's session (its
-    # side calls): where one of them holds the slot, this branch's model was switched out
-    # for the session itself
+    # for a main loop's call, (instance, model) of its session's side calls that ended since
+    # its own last call (``SessionRecord.side_calls_since``; none for a subagent's first
+    # call or a side call): where one of their models holds the slot, the main loop's model
+    # was most likely switched out for the session itself
     siblings: tuple[tuple[str, str], ...] = ()
 
 
@@ -226,7 +227,7 @@ class TtftEstimate:
     rebuild_s: float
     queue_s: float
     local_tokens: int
-    resident: bool  # its KV holds the session there (model active; ``Talaria`` docstring)
+    resident: bool  # its KV holds the session there (model active, or staged behind a side call)
 
     @property
     def total_s(self) -> float:
@@ -258,8 +259,9 @@ class Talaria(_Base):
     shortens the rebuild in the estimate, and a session whose model comes back stays.
 
     Nor does a model staged there (the next one the instance will switch in), unless the
-    model holding the slot is the session's own side call's (``PlacementCall.siblings``: an
-    agent's main loop waits out its own side call and comes back). Staged models held their
+    model holding the slot is one the session's own side calls ran there since its main
+    loop's last call (``PlacementCall.siblings``: an agent's main loop waits out its own side
+    call and comes back). Staged models held their
     sessions until this stop, and staging then cost 1-3% at the mean in five of the eight
     four-server Poisson scenarios of ``make loo``; counted only where active, Talaria's mean
     fell on 16 of 18 development runs (mini-swe-agent, the real trace's development half and
@@ -335,7 +337,7 @@ class Talaria(_Base):
 
 
 def _serving_a_sibling(instance_id: str, state: InstanceState | None,
-                       siblings: Sequence[tuple[str, str]]) -> bool:
+                       siblings: tuple[tuple[str, str], ...]) -> bool:
     """Whether the model active on the instance is one a sibling branch's last call ran there."""
     if state is None:
         return False

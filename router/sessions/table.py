@@ -62,6 +62,7 @@ class SessionBranch:
     calls: int = 0
     active_calls: int = 0
     last_seen: float = 0.0
+    last_finish: float | None = None  # when its last call ended (None: none has yet)
 
     def set_chain(self, prompt: Sequence[int], prompt_hashes: Sequence[int], kv: ChainSample) -> None:
         """The chain is ``kv``, which starts with ``prompt`` (``prompt_hashes``: its full blocks)."""
@@ -99,6 +100,17 @@ class SessionRecord:
     def main(self) -> SessionBranch | None:
         """The branch with the most calls (the first started among equals): the agent's main loop."""
         return min(self.branches.values(), key=lambda b: (-b.calls, b.number), default=None)
+
+    def side_calls_since(self, branch: SessionBranch) -> tuple[tuple[str, str], ...]:
+        """(instance, model) of the last call of each other branch that ended after
+        ``branch``'s last call did, when ``branch`` is the main loop: side calls that may have
+        switched its model out where they ran. None for a side branch, or before the main
+        loop's first call has ended; a side call still on its first call has run nowhere yet."""
+        if branch is not self.main or branch.last_finish is None:
+            return ()
+        return tuple((b.instance_id, b.model) for b in self.branches.values()
+                     if b is not branch and b.instance_id is not None
+                     and b.last_finish is not None and b.last_finish >= branch.last_finish)
 
     @property
     def instance_id(self) -> str | None:
@@ -214,7 +226,7 @@ class SessionTable:
         record.active_calls = max(0, record.active_calls - 1)
         record.last_finish = record.last_seen = now
         branch.active_calls = max(0, branch.active_calls - 1)
-        branch.last_seen = now
+        branch.last_finish = branch.last_seen = now
         if self._sessions.get(record.session_id) is not record:
             return False  # evicted meanwhile (it had no call in flight then) or replaced
         self._sessions.move_to_end(record.session_id)

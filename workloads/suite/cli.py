@@ -32,7 +32,7 @@ from workloads.suite.leave_one_out import (
     run_leave_one_out,
 )
 from workloads.suite.report import format_suite, suite_json
-from workloads.suite.run import SUITE_ROWS, SuiteResult, SuiteSettings, run_suite
+from workloads.suite.run import PLACEBO_SHIFT_S, SUITE_ROWS, SuiteResult, SuiteSettings, run_suite
 from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import load_suite_settings, tune_suite
 
@@ -58,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "suite, per figure (writes workloads/data/suite_settings.json)")
     p.add_argument("--leave-one-out", type=int, default=0, metavar="DRAWS",
                    help="instead of the peers and capacity: Talaria against each of its "
-                   "leave-one-out rows and a placebo (itself, arrivals moved by up to 1 s) "
-                   "in every suite scenario, DRAWS independent draws pooled, with paired 95%% "
-                   "intervals (workloads.suite.leave_one_out)")
+                   f"leave-one-out rows and a placebo (itself, arrivals moved by up to "
+                   f"{PLACEBO_SHIFT_S:g} s) in every suite scenario, DRAWS independent draws "
+                   "pooled, with paired 95%% intervals (workloads.suite.leave_one_out)")
     p.add_argument("--tune-servers", default=None,
                    help="with --tune-suite: tune only the scenarios on these server counts, "
                    "e.g. 1 (the cache keeps the other scenarios' settings)")

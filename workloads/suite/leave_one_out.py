@@ -28,6 +28,7 @@ from workloads.suite.run import (
     BASELINE,
     FIGURES,
     PLACEBO,
+    PLACEBO_SHIFT_S,
     TALARIA,
     TALARIA_SETTING,
     SuiteResult,
@@ -121,8 +122,8 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
     for row in rows:
         mine = [c for c in found if c.row == row]
         count = {v: sum(c.verdict == v for c in mine) for v in ("pays", "neither", "hurts")}
-        note = ("  <- talaria, arrivals moved by up to 1 s: what the check flags where "
-                "nothing changed" if row == PLACEBO else "")
+        note = (f"  <- talaria, arrivals moved by up to {PLACEBO_SHIFT_S:g} s: what the check "
+                "flags where nothing changed" if row == PLACEBO else "")
         lines.append(f"  {row:16s} {count['pays']:3d} / {count['neither']:3d} / "
                      f"{count['hurts']:3d} ({_CHANCE * len(mine):.1f}){note}")
     hurts = [c for c in found if c.verdict == "hurts"]

@@ -35,7 +35,7 @@ from workloads.suite.stats import FIGURES, figure, interval
 from workloads.traces.arrivals import jittered
 from workloads.traces.trace import Session
 
-__all__ = ["FIGURES", "PLACEBO", "RowResult", "ScenarioResult", "SuiteResult", "SuiteSettings",
+__all__ = ["FIGURES", "PLACEBO", "PLACEBO_SHIFT_S", "RowResult", "ScenarioResult", "SuiteResult", "SuiteSettings",
            "SUITE_ROWS", "TALARIA_SETTING", "run_suite", "setting_key"]
 
 BASELINE = "baseline"
@@ -43,9 +43,10 @@ TALARIA = "talaria"
 SUITE_ROWS: tuple[str, ...] = (BASELINE, *PEERS, TALARIA)
 # Talaria's one configuration: its default-trace setting (drained slots of at most 240 s).
 TALARIA_SETTING: dict[str, Any] = {"slot_close": "drained", "slot_quantum_s": 240.0}
-# Talaria itself, each session arriving up to PLACEBO_SHIFT_S later (``jittered``): a change
-# no policy should care about, run beside the leave-one-out rows so that what it moves is the
-# paired check's own noise (one change to the schedule moves every session at once).
+# Talaria itself, each session arriving up to PLACEBO_SHIFT_S later (``jittered``; a burst's
+# sessions then arrive over that second, not all at t=0): a change no policy should care
+# about, run beside the leave-one-out rows so that what it moves is the paired check's own
+# noise (one change to the schedule moves every session at once).
 PLACEBO = "placebo"
 PLACEBO_SHIFT_S = 1.0
 

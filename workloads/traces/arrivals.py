@@ -36,10 +36,15 @@ def at_once(sessions: Sequence[Session]) -> list[Session]:
 
 
 def jittered(sessions: Sequence[Session], max_shift_s: float, seed: int = 0) -> list[Session]:
-    """Each session's arrival moved later by a uniform draw from [0, ``max_shift_s``], drawn
-    from its own id and ``seed``: a session moves the same whatever else the run holds."""
+    """Each session's arrival moved later by a uniform draw from [0, ``max_shift_s``] (to the
+    millisecond, never earlier), drawn from its own id and ``seed``: a session moves the same
+    whatever else the run holds. A subagent's session (``start_after``: its arrival is a delay
+    after its parent's call) keeps its own: moving it would only ever delay its parent."""
     if max_shift_s < 0:
         raise ValueError(f"max_shift_s must be >= 0, got {max_shift_s}")
-    return [replace(s, arrival_s=round(s.arrival_s + max_shift_s
-                                       * random.Random(f"{seed}/{s.session_id}").random(), 3))
-            for s in sessions]
+
+    def moved(s: Session) -> float:
+        shift = max_shift_s * random.Random(f"{seed}/{s.session_id}").random()
+        return max(s.arrival_s, round(s.arrival_s + shift, 3))
+
+    return [s if s.start_after is not None else replace(s, arrival_s=moved(s)) for s in sessions]

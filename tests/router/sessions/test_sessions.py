@@ -55,6 +55,23 @@ def test_a_call_joins_the_chain_its_prompt_continues() -> None:
     assert table.get("t").branch_for("m", [1, 2, 4], []) is None  # type: ignore[union-attr]
 
 
+def test_side_calls_since_the_main_loops_last_call_are_what_may_hold_its_slot() -> None:
+    """Only the main loop reads them, and only side calls that ended after its own last call
+    ended: an older one's model may have left the slot to other sessions since."""
+    table = SessionTable()
+    record, main = book_call(table, "s", MAIN, 0.0, 1.0, instance="a", output=20)
+    assert record.side_calls_since(main) == ()
+    _, old = book_call(table, "s", [700] * 40, 0.5, 0.8, instance="b", model="haiku")
+    _, side = book_call(table, "s", [500] * 40, 2.0, 3.0, instance="a", model="haiku")
+    _, running = book_call(table, "s", [600] * 40, 3.5, instance=None, model="haiku")
+    assert record.main is main
+    assert record.side_calls_since(main) == (("a", "haiku"),)  # not the older, nor the running
+    assert record.side_calls_since(side) == ()  # a side call is held by nothing of this
+    book_call(table, "s", MAIN + [1] * 20 + [9] * 30, 4.0, 5.0, instance="a")
+    assert record.side_calls_since(main) == () and main.last_finish == 5.0
+    assert old.last_finish == 0.8 and running.last_finish is None
+
+
 def test_branches_are_bounded_and_the_main_loop_stays() -> None:
     table = SessionTable(max_branches=2)
     dropped: list[str] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import Counter
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -25,7 +26,7 @@ from workloads.traces.generator import (
     tool_class,
 )
 from workloads.traces.readers import read_real_trace, real_trace_path
-from workloads.traces.trace import Session, dumps_trace
+from workloads.traces.trace import CallRef, Session, dumps_trace
 
 
 def share(values: list[float], below: float) -> float:
@@ -156,6 +157,8 @@ def test_jittered_moves_each_session_by_its_own_draw() -> None:
         m.session_id: m.arrival_s for m in moved[:5]}
     assert jittered(sessions, 1.0, seed=4) != moved
     assert jittered(sessions, 0.0, seed=3) == sessions
+    child = replace(sessions[1], start_after=CallRef(sessions[0].session_id, 0), arrival_s=2.5)
+    assert jittered([sessions[0], child], 1.0, seed=3)[1] == child  # a delay after its parent
     with pytest.raises(ValueError, match="max_shift_s"):
         jittered(sessions, -0.5)
 
