@@ -261,10 +261,9 @@ class Talaria(_Base):
     Nor does a model staged there (the next one the instance will switch in), unless the
     model holding the slot is one the session's own side calls ran there since its main
     loop's last call (``PlacementCall.siblings``: an agent's main loop waits out its own side
-    call and comes back). Staged models held their
-    sessions until this stop, and staging then cost 1-3% at the mean in five of the eight
-    four-server Poisson scenarios of ``make loo``; counted only where active, Talaria's mean
-    fell on 16 of 18 development runs (mini-swe-agent, the real trace's development half and
+    call and comes back). Staged models held their sessions until commit 8514b22, and staging
+    then cost 1-3% at the mean in five of the eight four-server Poisson scenarios of ``make
+    loo``; counted only where active, Talaria's mean fell on 16 of 18 development runs (mini-swe-agent, the real trace's development half and
     the default trace; burst, Poisson 0.5 and 1.0; four servers; two draws): by 0.3-7.8% in
     Poisson, and by -6.5% to +4.6% in bursts (docs/constants.md).
 
@@ -338,7 +337,8 @@ class Talaria(_Base):
 
 def _serving_a_sibling(instance_id: str, state: InstanceState | None,
                        siblings: tuple[tuple[str, str], ...]) -> bool:
-    """Whether the model active on the instance is one a sibling branch's last call ran there."""
+    """Whether the model active on the instance is one of ``siblings``' (side calls) that ran
+    there."""
     if state is None:
         return False
     active = {name for name, ms in state.models.items() if ms.residency == Residency.ACTIVE}

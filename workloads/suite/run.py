@@ -35,8 +35,8 @@ from workloads.suite.stats import FIGURES, figure, interval
 from workloads.traces.arrivals import jittered
 from workloads.traces.trace import Session
 
-__all__ = ["FIGURES", "PLACEBO", "PLACEBO_SHIFT_S", "RowResult", "ScenarioResult", "SuiteResult", "SuiteSettings",
-           "SUITE_ROWS", "TALARIA_SETTING", "run_suite", "setting_key"]
+__all__ = ["FIGURES", "PLACEBO", "PLACEBO_SHIFT_S", "RowResult", "ScenarioResult", "SuiteResult",
+           "SuiteSettings", "SUITE_ROWS", "TALARIA_SETTING", "run_suite", "setting_key", "system_row"]
 
 BASELINE = "baseline"
 TALARIA = "talaria"
@@ -49,6 +49,11 @@ TALARIA_SETTING: dict[str, Any] = {"slot_close": "drained", "slot_quantum_s": 24
 # noise (one change to the schedule moves every session at once).
 PLACEBO = "placebo"
 PLACEBO_SHIFT_S = 1.0
+
+
+def system_row(row: str) -> str:
+    """The row of ``SYSTEMS`` that ``row`` runs: Talaria's for the placebo, else itself."""
+    return TALARIA if row == PLACEBO else row
 
 Setting = dict[str, Any]
 
@@ -72,7 +77,7 @@ class SuiteSettings:
 
     def for_row(self, scenario: str, row: str) -> tuple[dict[str, Setting], bool]:
         """(figure -> setting, tuned?) for ``row`` in ``scenario``."""
-        if row in (TALARIA, PLACEBO):
+        if system_row(row) == TALARIA:
             return {f: dict(TALARIA_SETTING) for f in FIGURES}, True
         chosen = self.tuned.get(scenario, {}).get(row)
         if chosen:
@@ -136,8 +141,7 @@ def _jobs(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[
             wanted.append(settings.saturation_setting())
         for key in dict.fromkeys(setting_key(s) for s in wanted):
             setting = next(s for s in wanted if setting_key(s) == key)
-            system: SystemConfig = SYSTEMS[TALARIA if row == PLACEBO else row]
-            system = system.with_setting(**setting)
+            system: SystemConfig = SYSTEMS[system_row(row)].with_setting(**setting)
             for r, sessions in enumerate(runs):
                 if row == PLACEBO:
                     sessions = jittered(sessions, PLACEBO_SHIFT_S, seed=config.seed)
@@ -181,7 +185,7 @@ def run_suite(
     Poisson rates)."""
     if BASELINE not in rows:
         raise ValueError("the suite needs the baseline row: its bursts set the Poisson rates")
-    unknown = [r for r in rows if r not in SYSTEMS and r != PLACEBO]
+    unknown = [r for r in rows if system_row(r) not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown row(s) {unknown}")
     all_scenarios = scenarios(config)
