@@ -11,6 +11,7 @@ from workloads.bounds.bound import LowerBound, pooled_bound
 from workloads.suite.report import (
     best_other,
     format_suite,
+    gaps,
     multi_figure_wins,
     not_ahead,
     setting_tradeoffs,
@@ -101,10 +102,13 @@ def test_pooled_bound_takes_the_union_of_order_statistics() -> None:
     assert pooled.binding["mean"] == "capacity"
 
 
-def _row(name: str, p50: float, p95: float, mean: float, tuned: bool = True) -> RowResult:
+def _row(name: str, p50: float, p95: float, mean: float, tuned: bool = True,
+         scts: tuple[float, ...] = (1.0,)) -> RowResult:
+    """A row whose figures are given, holding ``scts`` as every figure's sessions."""
     values = {"p50": p50, "p95": p95, "mean": mean}
     return RowResult(name, values, {k: (v, v) for k, v in values.items()},
-                     {k: {"slot_close": "drained", "slot_quantum_s": 60.0} for k in values}, tuned)
+                     {k: {"slot_close": "drained", "slot_quantum_s": 60.0} for k in values}, tuned,
+                     scts={k: scts for k in values})
 
 
 def _scenario(load: float | None, rows: dict[str, RowResult], iso95: float = 100.0,
@@ -115,8 +119,9 @@ def _scenario(load: float | None, rows: dict[str, RowResult], iso95: float = 100
 
 
 def test_the_headline_reads_the_best_other_row_per_figure() -> None:
-    rows = {"baseline": _row("baseline", 100, 400, 200), "aegaeon": _row("aegaeon", 120, 300, 190),
-            "talaria": _row("talaria", 110, 290, 150)}
+    rows = {"baseline": _row("baseline", 100, 400, 200, scts=(100.0,)),
+            "aegaeon": _row("aegaeon", 120, 300, 190),
+            "talaria": _row("talaria", 110, 290, 150, scts=(110.0,))}
     res = _scenario(None, rows)
     assert best_other(res, "p50") == ("baseline", 100)
     assert best_other(res, "p95") == ("aegaeon", 300)
@@ -124,7 +129,7 @@ def test_the_headline_reads_the_best_other_row_per_figure() -> None:
     suite = SuiteResult(SuiteConfig(traces=("claude-code",)), {res.scenario.name: res},
                         {"claude-code/1srv": 0.01})
     text = format_suite(suite)
-    assert "talaria is not ahead in: claude-code/burst/1srv (p50)" in text
+    assert "claude-code/burst/1srv (p50 -9.1% [-9.1, -9.1] behind)" in text
     data = suite_json(suite)["claude-code/burst/1srv"]
     assert data["rows"]["talaria"]["sct_p95_s"] == 290
     assert data["lower_bound"]["sct_mean_s"] == 60.0
@@ -153,6 +158,34 @@ def test_the_summary_says_what_a_winning_setting_costs_at_the_other_figures() ->
     assert text.endswith("once: claude-code/burst/1srv: baseline at quantum/960s (p50, mean)")
     profile = suite_json(suite)["claude-code/burst/1srv"]["rows"]["baseline"]["at_setting"]["p50"]
     assert profile == {"sct_p50_s": 100, "sct_p95_s": 500, "sct_mean_s": 150}
+
+
+def test_a_gap_is_behind_only_beyond_the_paired_interval_of_the_same_sessions() -> None:
+    sessions = tuple(float(v) for v in range(100, 140))
+    # every session 10% faster under the baseline: behind, whatever the draw
+    faster = tuple(v / 1.1 for v in sessions)
+    res = _scenario(None, {"baseline": _row("baseline", figure(faster, "p50"), 1e9, 1e9,
+                                            scts=faster),
+                           "talaria": _row("talaria", figure(sessions, "p50"), 1.0, 1.0,
+                                           scts=sessions)})
+    (gap,) = gaps(res)
+    assert (gap.figure, gap.other, gap.verdict) == ("p50", "baseline", "behind")
+    assert gap.relative == pytest.approx(1 / 1.1 - 1)
+    assert gap.ci95[1] < 0
+    # the same SCTs dealt to other sessions: the median ties, and a gap that owes
+    # everything to which session got which time is within the interval
+    shuffled = sessions[::-1]
+    res.rows["baseline"] = _row("baseline", figure(shuffled, "p50"), 1e9, 1e9, scts=shuffled)
+    (gap,) = gaps(res)
+    assert gap.verdict == "tie" and gap.ci95[0] < 0 < gap.ci95[1]
+    suite = SuiteResult(SuiteConfig(traces=("claude-code",)), {res.scenario.name: res},
+                        {"claude-code/1srv": 0.01})
+    assert "1 figure(s) not ahead: 0 behind beyond the interval, 1 within it" in format_suite(suite)
+    assert suite_json(suite)["claude-code/burst/1srv"]["not_ahead"]["p50"]["verdict"] == "tie"
+    # rows that do not hold the same sessions cannot be paired
+    res.rows["baseline"] = _row("baseline", 1.0, 1e9, 1e9, scts=(1.0, 2.0))
+    with pytest.raises(ValueError, match="cannot be paired"):
+        gaps(res)
 
 
 def test_suite_key_changes_with_what_tuning_depends_on() -> None:
