@@ -263,9 +263,10 @@ class Talaria(_Base):
     loop's last call (``PlacementCall.siblings``: an agent's main loop waits out its own side
     call and comes back). Staged models held their sessions until commit 8514b22, and staging
     then cost 1-3% at the mean in five of the eight four-server Poisson scenarios of ``make
-    loo``; counted only where active, Talaria's mean fell on 16 of 18 development runs (mini-swe-agent, the real trace's development half and
-    the default trace; burst, Poisson 0.5 and 1.0; four servers; two draws): by 0.3-7.8% in
-    Poisson, and by -6.5% to +4.6% in bursts (docs/constants.md).
+    loo``; counted only where active, Talaria's mean fell on 16 of 18 development runs
+    (mini-swe-agent, the real trace's development half and the default trace; burst, Poisson
+    0.5 and 1.0; four servers; two draws): by 0.3-7.8% in Poisson, and by -6.5% to +4.6% in
+    bursts (docs/constants.md).
 
     A new session (no locality anywhere) goes to the least loaded instance, and the estimate
     breaks the remaining ties: an instance with the model active or staged first."""

@@ -50,12 +50,12 @@ TALARIA_SETTING: dict[str, Any] = {"slot_close": "drained", "slot_quantum_s": 24
 PLACEBO = "placebo"
 PLACEBO_SHIFT_S = 1.0
 
+Setting = dict[str, Any]
+
 
 def system_row(row: str) -> str:
     """The row of ``SYSTEMS`` that ``row`` runs: Talaria's for the placebo, else itself."""
     return TALARIA if row == PLACEBO else row
-
-Setting = dict[str, Any]
 
 
 def setting_key(setting: Mapping[str, Any]) -> str:
