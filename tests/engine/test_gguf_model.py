@@ -11,6 +11,7 @@ Everything skips, with the reason, when the package is not installed.
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Any
@@ -93,13 +94,16 @@ def expected(oracle: Any, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, ``NEW_TOKENS`` long (EOS is not a
     stop here: the argmax is taken every step, as the engine does with ``ignore_eos``)."""
     model, _ = oracle
+    # transformers 5.x renamed the KV argument and output to ``cache``; 4.x calls it
+    # ``past_key_values`` (and 5.x warns on the old name)
+    kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = []
     with torch.inference_mode():
         for p in prompts:
             ids, past, tokens = torch.tensor([p]), None, []
             for _ in range(NEW_TOKENS):
-                result = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = result.past_key_values
+                result = model(input_ids=ids, use_cache=True, **{kv: past})
+                past = getattr(result, kv)
                 tokens.append(int(result.logits[0, -1].argmax()))
                 ids = torch.tensor([[tokens[-1]]])
             out.append(tokens)
