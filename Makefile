@@ -43,7 +43,8 @@ replay: $(STAMP)
 	$(VENV)/bin/talaria replay $(if $(TRACE),--trace $(TRACE)) --servers $(SERVERS) $(ARGS)
 
 # Does every mechanism pay? Talaria against each leave-one-out row in every suite scenario,
-# two draws pooled, paired 95% intervals (54 minutes on 2 cores; DRAWS=4 for narrower ones).
+# two draws pooled, paired 95% intervals, and a placebo row (54-96 minutes on 2 cores,
+# with the machine's speed; DRAWS=4 for narrower ones).
 DRAWS ?= 2
 loo: $(STAMP)
 	$(VENV)/bin/talaria replay --leave-one-out $(DRAWS) $(ARGS)
