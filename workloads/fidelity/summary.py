@@ -46,13 +46,17 @@ def _apart(rows: Mapping[str, Mapping[str, Any]], stat: str) -> str:
             f"{', '.join(close) or 'none'}")
 
 
+def _row_within(row: Mapping[str, Any]) -> bool:
+    """A replay row's simulated p50 and p95 are both within the bar of the live ones."""
+    bar = GOALS["replay_rel_err"]
+    return abs(row["p50_rel_err"]) <= bar and abs(row["p95_rel_err"]) <= bar
+
+
 def replay_checks(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
     """Whether every row is within the bar at p50 and p95, and whether the ranking by each
     is the same live and simulated (``same_ranking``: every pair of policies the live replay
     tells apart beyond its sessions' 95% interval is in the same order simulated)."""
-    bar = GOALS["replay_rel_err"]
-    return {"rows_within": all(abs(r["p50_rel_err"]) <= bar and abs(r["p95_rel_err"]) <= bar
-                               for r in rows.values()),
+    return {"rows_within": all(_row_within(r) for r in rows.values()),
             **{f"same_ranking_{stat}": same_ranking(rows, stat) for stat in ("p50", "p95")}}
 
 
@@ -124,15 +128,13 @@ def _replay_lines(replay: Mapping[str, Any] | None, per_policy: Mapping[str, Any
              f"{'live p95':>8s} {'sim p95':>8s} {'err':>6s}  within "
              f"{GOALS['replay_rel_err']:.0%}  {'engine s live/sim':>17s}  "
              f"other processes' CPU"]
-    bar = GOALS["replay_rel_err"]
     for policy, r in rows.items():
-        ok = abs(r["p50_rel_err"]) <= bar and abs(r["p95_rel_err"]) <= bar
         live_s, sim_s = r.get("live_engine_s", 0.0), r.get("sim_engine_s", 0.0)
         engine = (f"{live_s:6.1f}/{sim_s:<5.1f} {sim_s / live_s - 1:+4.0%}" if live_s
                   else f"{'n/a':>17s}")
         lines.append(f"{policy:10s} {r['live_p50_s']:8.1f} {r['sim_p50_s']:8.1f} "
                      f"{r['p50_rel_err']:+6.0%} {r['live_p95_s']:8.1f} {r['sim_p95_s']:8.1f} "
-                     f"{r['p95_rel_err']:+6.0%}  {_met(ok):9s}  {engine:>17s}  "
+                     f"{r['p95_rel_err']:+6.0%}  {_met(_row_within(r)):9s}  {engine:>17s}  "
                      f"{_cores(per_policy.get(policy), cpus)}")
     lines.append("  (engine s: the live instance's engine thread's CPU seconds against the "
                  "simulated engine's busy seconds, a figure other processes do not inflate)")
