@@ -103,7 +103,8 @@ class Intake:
         order = self.policy.admission_order
         if order != "fifo" and len(queue) > 1:
             ordered = order_queue(order, list(queue), self._service,
-                                  self.policy.starvation_ratio)
+                                  self.policy.starvation_ratio,
+                                  min_wait_s=self.policy.starvation_min_wait_s)
             queue.clear()
             queue.extend(ordered)
         while queue:
@@ -206,8 +207,9 @@ class Intake:
         if not self.policy.session_priority or len(victims) < 2:
             return victims
         order, ratio = self.policy.admission_order, self.policy.starvation_ratio
+        floor = self.policy.starvation_min_wait_s
         return sorted(victims, reverse=True, key=lambda r: priority_key(
-            order, self.sessions.service(r.session_id, 0.0), ratio))
+            order, self.sessions.service(r.session_id, 0.0), ratio, min_wait_s=floor))
 
     def _blocks_in_use(self, session_id: str) -> int:
         model = self._active_model()

@@ -192,7 +192,8 @@ class AdmissionLoop:
         policy = self.policy
         waiting = {m: self.calls.waiting(m) for m in self.rounds.order}
         nxt = next_model(self.rounds, active, waiting, policy.model_choice, self._service,
-                         policy.starvation_ratio, policy.admission_order)
+                         policy.starvation_ratio, policy.admission_order,
+                         min_wait_s=policy.starvation_min_wait_s)
         if nxt is None:
             await self.idle_wait(self.sessions.reservations.next_expiry())
             return
@@ -236,27 +237,30 @@ class AdmissionLoop:
         policy = self.policy
         now = self.now()
         order, ratio = policy.admission_order, policy.starvation_ratio
+        floor = policy.starvation_min_wait_s
         waiting_best = {}
         for m in self.rounds.order:
-            key = best_key(order, self.calls.waiting(m), self._service, ratio)
+            key = best_key(order, self.calls.waiting(m), self._service, ratio, min_wait_s=floor)
             if m != slot.model and key is not None:
                 waiting_best[m] = key
         if not waiting_best:
             return SlotYield(None, "nothing else waits")
         own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
-        keys = [best_key(order, own, self._service, ratio)]
+        keys = [best_key(order, own, self._service, ratio, min_wait_s=floor)]
         waiting_calls = {m: len(self.calls.waiting(m)) for m in waiting_best}
-        switch_s = self.est.switch_s(first_model(waiting_best, waiting_calls))
-        returning = [r.session_id for r in self.sessions.reservations.for_model(slot.model)
+        switch_s = self.est.switch_s(first_model(order, waiting_best, waiting_calls))
+        reserved = self.sessions.reservations.for_model(slot.model)
+        returning = [r.session_id for r in reserved
                      if holds_slot(r.expected_return, now, switch_s, policy.sp_idle_margin_s)]
-        keys.append(best_key(order, returning,
-                             lambda sid: self.sessions.service(sid, 0.0), ratio))
+        keys.append(best_key(order, returning, lambda sid: self.sessions.service(sid, 0.0),
+                             ratio, min_wait_s=floor))
         active_best = min((k for k in keys if k is not None), default=None)
+        served = {p.call.session_id for p in own} | {r.session_id for r in reserved}
         return outranking_model(
             active_best, waiting_best, slot_age_s=now - slot.opened, switch_in_s=slot.switch_s,
             switch_to_s={m: self.est.switch_s(m) for m in waiting_best},
-            min_slot_factor=policy.min_slot_factor,
-            waiting_calls=waiting_calls)
+            min_slot_factor=policy.min_slot_factor, order=order,
+            waiting_calls=waiting_calls, active_sessions=len(served))
 
     # switching and staging --------------------------------------------------------------
 

@@ -178,6 +178,13 @@ class PolicyConfig:
         return self.las_starvation_ratio
 
     @property
+    def starvation_min_wait_s(self) -> float:
+        """The least wait that makes a session starved under ``remaining``: one slot quantum,
+        the wait a rotation in round order bounds (``talaria.policies.priority``); none
+        under the other orders (Autellix's guard is its own)."""
+        return self.slot_quantum_s if self.admission_order == "remaining" else 0.0
+
+    @property
     def model_choice(self) -> str:
         """The model order in force (MODEL_ORDERS): ``priority`` under the priority switch."""
         return "priority" if self.priority_switch else self.model_order

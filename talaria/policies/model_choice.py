@@ -1,11 +1,13 @@
 """When the active model gives the instance up to a session that outranks all of its own.
 
 Under session-level priority (``talaria.policies.priority``) a slot does not wait for its
-quantum or for its model to drain when a call of another model waits that comes before every
-session of the active model: the ones queued, the ones in flight, and the ones expected back
-within the session-prefill horizon (their reservations). The slot then closes: the active
-model admits nothing more, its calls in flight finish, and the outranking model is switched
-in. So the sessions served first are the ones the priority puts first, whatever model they
+quantum or for its model to drain when another model ranks before it (``priority.model_key``:
+a slot serves all of its model's sessions at once, so the best session's rank counts over
+the sessions served): the waiting calls of that model against the active model's sessions,
+the ones queued, the ones in flight, and the ones expected back (their reservations; the
+best key among those only of the ones due before the switch would be over). The slot then
+closes: the active model admits nothing more, its calls in flight finish, and the
+outranking model is switched in. So the sessions served first are the ones the priority puts first, whatever model they
 use, as in a step-level schedule whose switches were free.
 
 A session of the active model expected back (a soft reservation) counts among its sessions
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from talaria.policies.priority import first_model
+from talaria.policies.priority import first_model, model_key
 
 __all__ = ["SlotYield", "outranking_model", "holds_slot"]
 
@@ -48,7 +50,9 @@ def outranking_model(
     switch_in_s: float,
     switch_to_s: Mapping[str, float],
     min_slot_factor: float,
+    order: str = "remaining",
     waiting_calls: Mapping[str, int] | None = None,
+    active_sessions: int = 1,
 ) -> SlotYield:
     """Whether the open slot of the active model yields now, and to which model.
 
@@ -56,13 +60,18 @@ def outranking_model(
     soon-returning sessions (None: it has none); ``waiting_best``: each other model's best
     waiting key (models with nothing waiting left out); ``switch_in_s``: what the switch
     into the active model cost; ``switch_to_s``: each other model's switch cost now;
-    ``waiting_calls``: each other model's waiting calls, which break ties between equal keys
-    (``priority.first_model``).
+    ``order``: the queue order the keys are of; ``waiting_calls``: each other model's waiting
+    calls (the sessions its slot would serve; they also break ties, ``priority.first_model``);
+    ``active_sessions``: the sessions the active model's slot serves (queued, in flight or
+    expected back).
     """
     if not waiting_best:
         return SlotYield(None, "nothing else waits")
-    model = first_model(waiting_best, waiting_calls or {})
-    if active_best is not None and not waiting_best[model] < active_best:
+    waiting_calls = waiting_calls or {}
+    model = first_model(order, waiting_best, waiting_calls)
+    if active_best is not None and not (
+            model_key(order, waiting_best[model], waiting_calls.get(model, 0))
+            < model_key(order, active_best, active_sessions)):
         return SlotYield(None, "the active model's sessions come first")
     min_slot = min_slot_factor * (switch_in_s + switch_to_s.get(model, 0.0))
     if slot_age_s < min_slot:

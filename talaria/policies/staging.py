@@ -35,25 +35,27 @@ def predicted_next(view: InstanceView) -> str | None:
 
 def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
     order, ratio = view.policy.admission_order, view.policy.starvation_ratio
+    floor = view.policy.starvation_min_wait_s
     now = view.now()
     best: dict[str, tuple[float, ...]] = {}
     for m in view.models:
         if m == active:
             continue
         key = best_key(order, view.queued(m),
-                       lambda c: view.service(c.call.session_id, now - c.arrived), ratio)
+                       lambda c: view.service(c.call.session_id, now - c.arrived), ratio,
+                       min_wait_s=floor)
         if key is not None:
             best[m] = key
     if best:
-        return first_model(best, {m: len(view.queued(m)) for m in best})
+        return first_model(order, best, {m: len(view.queued(m)) for m in best})
     counts: dict[str, int] = {}
     for res in view.reservations.all():
-        key = priority_key(order, view.service(res.session_id, 0.0), ratio)
+        key = priority_key(order, view.service(res.session_id, 0.0), ratio, min_wait_s=floor)
         if res.model != active:
             counts[res.model] = counts.get(res.model, 0) + 1
             if res.model not in best or key < best[res.model]:
                 best[res.model] = key
-    return first_model(best, counts) if best else None
+    return first_model(order, best, counts) if best else None
 
 
 def staging_target(view: InstanceView) -> str | None:

@@ -14,7 +14,14 @@ from talaria.clock import run_virtual
 from talaria.instance.instance import Instance
 from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.model_choice import holds_slot, outranking_model
-from talaria.policies.priority import Service, first_model, next_model, order_queue
+from talaria.policies.priority import (
+    Service,
+    first_model,
+    model_key,
+    next_model,
+    order_queue,
+    priority_key,
+)
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import RoundScheduler
 from talaria.policies.session_length import SWE_AGENT_CALLS, SessionLengthPrior, swe_agent_prior
@@ -104,18 +111,62 @@ def test_equal_first_sessions_go_to_the_model_with_the_most_calls_waiting() -> N
     for order in (["q", "g", "m"], ["m", "g", "q"], ["m", "q", "g"]):
         assert next_model(RoundScheduler(order), None, waiting, "priority", service, 8.0,
                           "remaining") == "q"
-    # a better session still comes first, however few calls its model has waiting
-    ahead = {"m1": Service(5.0, 0.0, 0.0, calls=40)}
-    assert next_model(rounds, None, waiting, "priority", lambda n: ahead.get(n, fresh), 8.0,
+    # a slot serves all of its model's sessions: a lone session near its end (100 calls made,
+    # ~9.4 expected left) comes before four fresh ones (~42.4 each: 10.6 a session served),
+    # a lone one midway (40 made, ~24.7 left) does not
+    near_end = {"m1": Service(5.0, 0.0, 0.0, calls=100)}
+    assert next_model(rounds, None, waiting, "priority", lambda n: near_end.get(n, fresh), 8.0,
+                      "remaining") == "m"
+    midway = {"m1": Service(5.0, 0.0, 0.0, calls=40)}
+    assert next_model(rounds, None, waiting, "priority", lambda n: midway.get(n, fresh), 8.0,
+                      "remaining") == "q"
+    # a starved session comes first whatever its model's count
+    starved = {"m1": Service(5.0, 300.0, 0.0, calls=3)}
+    assert next_model(rounds, None, waiting, "priority", lambda n: starved.get(n, fresh), 8.0,
                       "remaining") == "m"
     # Autellix's las keeps round order among equals (its definition is the peer's)
     assert next_model(rounds, None, waiting, "las", service, 8.0) == "g"
-    # the rule itself: keys first, then the most calls waiting, then the mapping's order
-    assert first_model({"a": (1.0, 5.0), "b": (1.0, 5.0)}, {"a": 1, "b": 2}) == "b"
-    assert first_model({"a": (1.0, 4.0), "b": (1.0, 5.0)}, {"a": 1, "b": 9}) == "a"
-    assert first_model({"a": (1.0, 5.0), "b": (1.0, 5.0)}, {}) == "a"
+    # the rule itself: rank (the best key over the sessions served), then the most calls
+    # waiting, then the best key, then the mapping's order
+    assert first_model("remaining", {"a": (1.0, 5.0), "b": (1.0, 5.0)}, {"a": 1, "b": 2}) == "b"
+    assert first_model("remaining", {"a": (1.0, 4.0), "b": (1.0, 5.0)}, {"a": 2, "b": 2}) == "a"
+    assert first_model("remaining", {"a": (1.0, 4.0), "b": (1.0, 5.0)}, {"a": 1, "b": 9}) == "b"
+    assert first_model("remaining", {"a": (1.0, 5.0), "b": (1.0, 5.0)}, {}) == "a"
+    # under another order the key alone ranks: the count only breaks ties
+    assert first_model("las", {"a": (1.0, 4.0), "b": (1.0, 5.0)}, {"a": 1, "b": 9}) == "a"
     with pytest.raises(ValueError):
-        first_model({}, {})
+        first_model("remaining", {}, {})
+
+
+def test_a_model_ranks_by_its_best_session_over_the_sessions_its_slot_serves() -> None:
+    # not starved: expected remaining calls per session served; the arrival tie-break goes
+    assert model_key("remaining", (1.0, 40.0, 3.0), 4) == (1.0, 10.0)
+    assert model_key("remaining", (1.0, 40.0, 3.0), 0) == (1.0, 40.0)
+    # starved: the longest wait first, however many sessions the model has
+    assert model_key("remaining", (0.0, -300.0, 3.0), 9) == (0.0, -300.0)
+    # two models whose best sessions differ only in when they arrived rank equal
+    assert model_key("remaining", (1.0, 40.0, 0.001), 2) == model_key("remaining",
+                                                                      (1.0, 40.0, 0.0), 2)
+    # the peers' orders are theirs: untouched
+    assert model_key("las", (1.0, 7.0), 5) == (1.0, 7.0)
+    assert model_key("program_fcfs", (1.0, 0.5), 5) == (1.0, 0.5)
+
+
+def test_a_served_session_is_starved_only_once_it_has_waited_the_floor_too() -> None:
+    # one short call (2 s of service), then a wait: 4x its service is not enough alone
+    short = Service(2.0, 30.0, 0.0, calls=1)
+    assert priority_key("remaining", short, 4.0)[0] == 0.0  # no floor: starved at 8 s
+    assert priority_key("remaining", short, 4.0, min_wait_s=240.0)[0] == 1.0
+    waited = Service(2.0, 240.0, 0.0, calls=1)
+    assert priority_key("remaining", waited, 4.0, min_wait_s=240.0)[0] == 0.0
+    # a long-served session still needs its ratio's worth beyond the floor
+    long = Service(100.0, 300.0, 0.0, calls=20)
+    assert priority_key("remaining", long, 4.0, min_wait_s=240.0)[0] == 1.0
+    assert priority_key("remaining", Service(100.0, 400.0, 0.0, calls=20), 4.0,
+                        min_wait_s=240.0)[0] == 0.0
+    # a fresh session is never promoted; Autellix's guard ignores the floor
+    assert priority_key("remaining", Service(0.0, 1e6, 0.0), 4.0, min_wait_s=240.0)[0] == 1.0
+    assert priority_key("las", short, 8.0, min_wait_s=240.0)[0] == 0.0
 
 
 def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch() -> None:
@@ -140,6 +191,13 @@ def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch
     assert outranking_model(third, tied, slot_age_s=30.0, **kw).model == "b"
     assert outranking_model(third, tied, slot_age_s=30.0, waiting_calls={"b": 1, "c": 3},
                             **kw).model == "c"
+    # ranks count over the sessions each slot serves: b's one better session does not
+    # outrank an active model serving four (5 < 10, but 5 > 10 / 4) ...
+    assert outranking_model(second, {"b": first}, slot_age_s=100.0, active_sessions=4,
+                            **kw).model is None
+    # ... and three waiting sessions of b outrank the active model's lone better one
+    assert outranking_model(first, {"b": second}, slot_age_s=100.0, active_sessions=1,
+                            waiting_calls={"b": 3}, **kw).model == "b"
 
 
 def test_a_returning_session_holds_the_slot_only_when_due_before_the_switch_is_over() -> None:
@@ -160,8 +218,10 @@ def test_the_starvation_guard_in_force_is_the_queue_orders_own() -> None:
     talaria = preset("talaria")
     assert talaria.admission_order == "remaining"
     assert talaria.starvation_ratio == talaria.remaining_starvation_ratio == 4.0
+    assert talaria.starvation_min_wait_s == talaria.slot_quantum_s
     autellix = preset("baseline", queue_order="las", model_order="las")
     assert autellix.starvation_ratio == autellix.las_starvation_ratio == 8.0
+    assert autellix.starvation_min_wait_s == 0.0
     with pytest.raises(ValueError, match="remaining_starvation_ratio"):
         preset("talaria", remaining_starvation_ratio=0.0)
 
@@ -175,9 +235,10 @@ def _priority_policy(**overrides: object) -> PolicyConfig:
 
 
 def _advanced_session_returns(policy: PolicyConfig) -> tuple[Timed, Timed]:
-    """Session s (model a) has made two calls; then sessions t and u of model b (none made)
-    arrive, and while t's call runs, u's long call and s's third call queue. Whether b's slot
-    yields to s decides which of the two goes first."""
+    """Session s (model a) has made two calls and counts as near its end (90 calls made:
+    ~12 expected left, under the ~21 a session of the two fresh ones of b's slot); then
+    sessions t and u of model b (none made) arrive, and while t's call runs, u's long call and
+    s's third call queue. Whether b's slot yields to s decides which of the two goes first."""
 
     async def main() -> tuple[Timed, Timed]:
         inst = Instance("i", FakeEngine(["a", "b"], step_s=0.1), policy)
@@ -185,6 +246,7 @@ def _advanced_session_returns(policy: PolicyConfig) -> tuple[Timed, Timed]:
         try:
             await run_call(inst, call("s#0", "s", "a", 50, max_tokens=2))
             await run_call(inst, call("s#1", "s", "a", 60, max_tokens=2))
+            inst.loop.sessions.gaps.sessions["s"].calls = 90
             t_task = asyncio.create_task(run_call(inst, call("t#0", "t", "b", 50, max_tokens=3)))
             await asyncio.sleep(0.15)
             u_task = asyncio.create_task(run_call(inst, call("u#0", "u", "b", 50,
@@ -200,8 +262,8 @@ def _advanced_session_returns(policy: PolicyConfig) -> tuple[Timed, Timed]:
 
 def test_an_instance_switches_back_to_the_session_that_comes_first() -> None:
     s_third, u_call = _advanced_session_returns(_priority_policy())
-    # s (two calls made) outranks u (none): b's slot closes once t's running call ends, and
-    # s's call is served before u's long one is admitted
+    # s (near its end) outranks b's two fresh sessions: b's slot closes once t's running call
+    # ends, and s's call is served before u's long one is admitted
     assert s_third.done is not None and u_call.first is not None
     assert s_third.done < u_call.first
     # without the priority switch, b's slot stays open until b drains: u's call first
