@@ -33,10 +33,10 @@ serve (Smith's ratio rule), and a session's arrival time, which orders sessions 
 model, is no reason to pick one model over another. With the starvation floor above, bursts
 mind far less whether their sessions arrive at one instant or up to a second apart (before,
 the first arrival's model got the device and slots then thrashed; a burst's mean moved by
-4.5% on average, now 2.1%), and Talaria's quick-suite figures moved by -1.6% / -2.3% / -0.9%
-at p50 / p95 / mean (geometric mean of 32 rows; docs/benchmark.md, "Arrivals a second
-apart"). Equal ranks go to the model with the most calls waiting (``first_model``); round
-order breaks what ties remain, and is the tie-break under ``las``.
+4.5% and 9.0% on average in two draws, now 2.1% and 5.2%); at the suite's own arrivals it is
+about neutral (docs/benchmark.md, "Arrivals a second apart"). Equal ranks go to the model
+with the most calls waiting (``first_model``); round order breaks what ties remain, and is
+the tie-break under ``las``.
 Measured on the default trace with the catalog's round order permuted: talaria's p50 moved
 from 344 s to 423, 494 and 624 s under the round-order tie-break, the model served first
 sticking (its advanced sessions then outrank the fresh ones), and under the last of them
