@@ -7,8 +7,8 @@ the sessions served): the waiting calls of that model against the active model's
 the ones queued, the ones in flight, and the ones expected back (their reservations; the
 best key among those only of the ones due before the switch would be over). The slot then
 closes: the active model admits nothing more, its calls in flight finish, and the
-outranking model is switched in. So the sessions served first are the ones the priority puts first, whatever model they
-use, as in a step-level schedule whose switches were free.
+outranking model is switched in. So the sessions served first are the ones the priority
+puts first, whatever model they use, as in a step-level schedule whose switches were free.
 
 A session of the active model expected back (a soft reservation) counts among its sessions
 only while waiting for it is cheaper than switching away: it is due before the switch to the
