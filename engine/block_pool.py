@@ -91,22 +91,25 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a cache hit, a fork or a pin)."""
+        ref, free, hashes = self._ref, self._free, self._hash
         for block_id in block_ids:
-            if self._ref[block_id] == 0:
-                del self._free[block_id]
-                if self._hash[block_id] is not None:
+            if ref[block_id] == 0:
+                del free[block_id]
+                if hashes[block_id] is not None:
                     self._num_free_hashed -= 1
-            self._ref[block_id] += 1
+            ref[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in order; blocks reaching 0 join the queue tail."""
+        ref, free, hashes = self._ref, self._free, self._hash
         for block_id in block_ids:
-            if self._ref[block_id] <= 0:
+            count = ref[block_id] - 1
+            if count < 0:
                 raise RuntimeError(f"double free of KV block {block_id}")
-            self._ref[block_id] -= 1
-            if self._ref[block_id] == 0:
-                self._free[block_id] = None
-                if self._hash[block_id] is not None:
+            ref[block_id] = count
+            if count == 0:
+                free[block_id] = None
+                if hashes[block_id] is not None:
                     self._num_free_hashed += 1
 
     def cache_block(self, block_id: int, block_hash: int) -> bool:

@@ -40,7 +40,7 @@ def validate_prompt(
     rest = prompt[checked_prefix:]
     if not rest:
         return
-    if all(type(t) is int for t in rest):
+    if set(map(type, rest)) == {int}:  # every id exactly an int (not bool, not float), at C speed
         low, high = min(rest), max(rest)
         if low >= 0 and high < vocab_size:
             return

@@ -54,6 +54,7 @@ from engine.sim.memory import ACTIVATE_WAKE, SimMemory
 from engine.sim.model_spec import ModelSpec
 from engine.sim.parking import Parking
 from engine.sim.step_time import DecodeLine, fusable_steps, split_scheduled
+from engine.sim.token_ids import vocabulary_ids
 from substrate.devices import server_preset
 from substrate.moves import MoveKind, MoveRecord
 
@@ -243,6 +244,7 @@ class SimEngine(ServesModels):
         limit, and describe it all as events."""
         assert self.scheduler is not None and self.kv is not None
         vocab = self.costs[self.served.active or ""].model.vocab_size
+        ids = vocabulary_ids(vocab)
         max_len = self.scheduler.max_model_len
         events: list[TokenEvent] = []
         for s in out.scheduled:
@@ -252,7 +254,7 @@ class SimEngine(ServesModels):
             n = fused if s.num_new_tokens == 1 and req.num_output_tokens > 0 else 1
             seed = self._seeds[req.request_id]
             start = req.num_tokens
-            tokens = [_synthetic_token(seed, start + k, vocab) for k in range(n)]
+            tokens = [ids[_synthetic_token(seed, start + k, vocab)] for k in range(n)]
             req.output_token_ids.extend(tokens)
             if n > 1:
                 req.num_computed_tokens = s.num_computed_tokens + n

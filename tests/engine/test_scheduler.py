@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, validate_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -178,3 +179,16 @@ def test_random_workload_keeps_block_accounting(program: list[tuple[str, int]]) 
         check_invariants(s)
     assert not s.has_unfinished()
     assert s.kv.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("bad", [True, 5.0, "5", np.int64(5), None])
+def test_validate_prompt_takes_exact_ints_only(bad: object) -> None:
+    """A bool, float, string or numpy integer among the ids is refused by name, wherever it is
+    past the checked prefix; ids before ``checked_prefix`` are not looked at."""
+    with pytest.raises(ValueError, match="outside the vocabulary") as err:
+        validate_prompt("r", [3, 4, bad, 5], max_model_len=10, vocab_size=8)
+    assert repr(bad) in str(err.value)
+    validate_prompt("r", [3, bad, 4, 5], max_model_len=10, vocab_size=8, checked_prefix=2)
+    validate_prompt("r", [0, 7], max_model_len=10, vocab_size=8)
+    with pytest.raises(ValueError, match="token id 8 "):
+        validate_prompt("r", [0, 8], max_model_len=10, vocab_size=8)
