@@ -244,7 +244,6 @@ class SimEngine(ServesModels):
         limit, and describe it all as events."""
         assert self.scheduler is not None and self.kv is not None
         vocab = self.costs[self.served.active or ""].model.vocab_size
-        ids = vocabulary_ids(vocab)
         max_len = self.scheduler.max_model_len
         events: list[TokenEvent] = []
         for s in out.scheduled:
@@ -254,7 +253,7 @@ class SimEngine(ServesModels):
             n = fused if s.num_new_tokens == 1 and req.num_output_tokens > 0 else 1
             seed = self._seeds[req.request_id]
             start = req.num_tokens
-            tokens = [ids[_synthetic_token(seed, start + k, vocab)] for k in range(n)]
+            tokens = [_synthetic_token(seed, start + k, vocab) for k in range(n)]
             req.output_token_ids.extend(tokens)
             if n > 1:
                 req.num_computed_tokens = s.num_computed_tokens + n
@@ -434,8 +433,8 @@ def _resolve_catalog(catalog: Mapping[str, ModelSpec] | Sequence[str]) -> dict[s
 
 
 def _synthetic_token(seed: int, position: int, vocab_size: int) -> int:
-    """A deterministic token id for (request, position): a multiplicative hash."""
-    return ((seed ^ (position * 0x9E3779B1)) * 0x85EBCA6B) % vocab_size
+    """A deterministic id for (request, position): a multiplicative hash, the table's int."""
+    return vocabulary_ids(vocab_size)[((seed ^ (position * 0x9E3779B1)) * 0x85EBCA6B) % vocab_size]
 
 
 def _event(req: Request, tokens: list[int]) -> TokenEvent:
