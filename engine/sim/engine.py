@@ -54,7 +54,6 @@ from engine.sim.memory import ACTIVATE_WAKE, SimMemory
 from engine.sim.model_spec import ModelSpec
 from engine.sim.parking import Parking
 from engine.sim.step_time import DecodeLine, fusable_steps, split_scheduled
-from engine.sim.token_ids import vocabulary_ids
 from substrate.devices import server_preset
 from substrate.moves import MoveKind, MoveRecord
 
@@ -433,8 +432,8 @@ def _resolve_catalog(catalog: Mapping[str, ModelSpec] | Sequence[str]) -> dict[s
 
 
 def _synthetic_token(seed: int, position: int, vocab_size: int) -> int:
-    """A deterministic id for (request, position): a multiplicative hash, the table's int."""
-    return vocabulary_ids(vocab_size)[((seed ^ (position * 0x9E3779B1)) * 0x85EBCA6B) % vocab_size]
+    """A deterministic token id for (request, position): a multiplicative hash."""
+    return ((seed ^ (position * 0x9E3779B1)) * 0x85EBCA6B) % vocab_size
 
 
 def _event(req: Request, tokens: list[int]) -> TokenEvent:

@@ -11,8 +11,6 @@ import array
 import random
 import zlib
 
-from engine.sim.token_ids import vocabulary_ids
-
 __all__ = ["SessionTokens", "next_prompt"]
 
 
@@ -29,8 +27,8 @@ class SessionTokens:
         if n <= 0:
             return []
         raw = array.array("I", self._rng.randbytes(4 * n))
-        mod, ids = self._mod, vocabulary_ids(self._mod + 1)
-        return [ids[x % mod + 1] for x in raw]
+        mod = self._mod
+        return [x % mod + 1 for x in raw]
 
 
 def next_prompt(

@@ -17,7 +17,6 @@ from engine.served_models import ModelNotActiveError
 from engine.sim.engine import DecodeLine, SimEngine, SimEngineConfig
 from engine.sim.model_spec import ModelSpec
 from engine.sim.switching import SleepWakeRates
-from engine.sim.token_ids import vocabulary_ids
 from tests.engine.sim.sim_helpers import (
     BS,
     GLM,
@@ -375,8 +374,6 @@ def test_synthetic_tokens_are_deterministic_and_in_vocabulary() -> None:
         outs.append(output(events["same"]))
     assert outs[0] == outs[1]
     assert all(0 <= t < ModelSpec.load(MISTRAL).vocab_size for t in outs[0])
-    ids = vocabulary_ids(ModelSpec.load(MISTRAL).vocab_size)
-    assert all(t is ids[t] for t in outs[0])  # one shared int object per id
     assert len(set(outs[0])) > 20
 
 

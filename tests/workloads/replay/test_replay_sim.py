@@ -10,7 +10,6 @@ import pytest
 
 from engine.sim.cost_model import CostModel
 from engine.sim.model_spec import ModelSpec
-from engine.sim.token_ids import vocabulary_ids
 from substrate.devices import server_preset
 from workloads.benchmark.report import summarize
 from workloads.bounds.isolated import run_isolated
@@ -115,16 +114,6 @@ def test_session_tokens_are_seeded_per_session() -> None:
     assert a != SessionTokens("s1", 1, 1000).take(100)
     with pytest.raises(ValueError, match="vocab_size"):
         SessionTokens("s", 0, 1)
-
-
-def test_session_tokens_share_one_int_object_per_id() -> None:
-    """Ids come from the vocabulary's table, so a long prompt costs a pointer a token."""
-    ids = vocabulary_ids(100_000)
-    a, b = SessionTokens("s1", 0, 100_000).take(5000), SessionTokens("s2", 0, 100_000).take(5000)
-    assert all(t is ids[t] for t in a + b)
-    assert vocabulary_ids(100_000) is ids and ids[:3] == (0, 1, 2) and len(ids) == 100_000
-    with pytest.raises(ValueError, match="vocab_size"):
-        vocabulary_ids(0)
 
 
 def test_replicate_renames_copies() -> None:
