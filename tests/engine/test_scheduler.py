@@ -183,7 +183,7 @@ def test_random_workload_keeps_block_accounting(program: list[tuple[str, int]]) 
 
 @pytest.mark.parametrize("bad", [True, 5.0, "5", np.int64(5), None])
 def test_validate_prompt_takes_exact_ints_only(bad: object) -> None:
-    """A bool, float, string or numpy integer among the ids is refused by name, wherever it is
+    """A bool, float, string, numpy integer or None among the ids is refused by name, where it is
     past the checked prefix; ids before ``checked_prefix`` are not looked at."""
     with pytest.raises(ValueError, match="outside the vocabulary") as err:
         validate_prompt("r", [3, 4, bad, 5], max_model_len=10, vocab_size=8)
