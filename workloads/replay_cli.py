@@ -130,6 +130,10 @@ def _run(args: argparse.Namespace) -> int:
                                or args.suite == "off"):
         raise ValueError("--leave-one-out runs the suite's own scenarios: it takes no "
                          "--trace, --policies, --servers or --suite off")
+    if args.loo_rows is not None:
+        if not args.leave_one_out:
+            raise ValueError("--loo-rows chooses rows of --leave-one-out, which is not given")
+        suite_cli.parse_loo_rows(args.loo_rows)  # refused before the default trace's table
     if args.trace:
         from workloads.traces.readers import load_any_trace
 

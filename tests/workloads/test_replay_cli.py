@@ -118,6 +118,43 @@ def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
     # the leave-one-out check runs the suite's scenarios, so it would silently not run
     assert main(["replay", "--leave-one-out", "2", "--policies", "talaria"]) == 2
     assert "takes no --trace, --policies" in capsys.readouterr().err
+    # --loo-rows chooses among the leave-one-out rows, and only with --leave-one-out
+    assert main(["replay", "--loo-rows=-sp"]) == 2
+    assert "--loo-rows chooses rows of --leave-one-out" in capsys.readouterr().err
+    assert main(["replay", "--leave-one-out", "1", "--loo-rows=-sp,-spx"]) == 2
+    err = capsys.readouterr().err
+    assert "not leave-one-out rows: -spx;" in err and "-priority_switch" in err
+    assert main(["replay", "--leave-one-out", "1", "--loo-rows=-sp,placebo,-sp"]) == 2
+    assert "names a row twice" in capsys.readouterr().err
+    assert main(["replay", "--leave-one-out", "1", "--loo-rows=,"]) == 2
+    assert "names no row" in capsys.readouterr().err
+
+
+def test_loo_rows_runs_only_the_rows_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--loo-rows`` hands exactly its rows, in its order, to the leave-one-out run, and the
+    summary counts only them."""
+    import workloads.suite.cli as suite_cli
+    from workloads.suite.leave_one_out import Comparison
+
+    asked: dict[str, object] = {}
+
+    def fake_run(config: object, baseline_setting: object, *, draws: int,
+                 rows: tuple[str, ...], workers: int, progress: bool) -> list[Comparison]:
+        asked.update(draws=draws, rows=rows)
+        return [Comparison("miniswe/burst/1srv", row, f, 100.0, 90.0, (-0.2, -0.01))
+                for row in rows for f in ("p50", "p95", "mean")]
+
+    monkeypatch.setattr(suite_cli, "run_leave_one_out", fake_run)
+    assert main(["replay", "--leave-one-out", "3", "--loo-rows=placebo, -demotion",
+                 "--max-sessions", "2", "--workers", "1", "--no-progress"]) == 0
+    assert asked == {"draws": 3, "rows": ("placebo", "-demotion")}
+    out = capsys.readouterr().out
+    summary = [line.split()[0] for line in out.splitlines() if " / " in line
+               and line.strip().split()[0] in ("placebo", "-demotion", "-sp")]
+    assert summary == ["placebo", "-demotion"]
+    assert "miniswe/burst/1srv -demotion p50 90 against 100" in out
 
 
 @pytest.mark.skipif(not real_trace_path().exists(), reason="the shared real trace is absent")

@@ -27,6 +27,7 @@ from typing import Any
 from workloads.replay.cluster import ClusterSpec
 from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
 from workloads.suite.leave_one_out import (
+    LOO_ROWS,
     format_leave_one_out,
     leave_one_out_json,
     run_leave_one_out,
@@ -37,7 +38,7 @@ from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
-           "format_capacity", "run_from_args"]
+           "format_capacity", "parse_loo_rows", "run_from_args"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
@@ -61,9 +62,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"leave-one-out rows and a placebo (itself, arrivals moved by up to "
                    f"{PLACEBO_SHIFT_S:g} s) in every suite scenario, DRAWS independent draws "
                    "pooled, with paired 95%% intervals (workloads.suite.leave_one_out)")
+    p.add_argument("--loo-rows", default=None, metavar="ROWS",
+                   help="with --leave-one-out: only these of its rows, comma-separated "
+                   f"(default all: {', '.join(LOO_ROWS)}; write --loo-rows=-sp,placebo, as the "
+                   "rows begin with a dash); Talaria and the baseline always run")
     p.add_argument("--tune-servers", default=None,
                    help="with --tune-suite: tune only the scenarios on these server counts, "
                    "e.g. 1 (the cache keeps the other scenarios' settings)")
+
+
+def parse_loo_rows(text: str) -> tuple[str, ...]:
+    """``--loo-rows``' rows, checked (known, none twice, at least one)."""
+    rows = tuple(r.strip() for r in text.split(",") if r.strip())
+    if not rows:
+        raise ValueError(f"--loo-rows names no row; choose from {', '.join(LOO_ROWS)}")
+    unknown = [r for r in rows if r not in LOO_ROWS]
+    if unknown:
+        raise ValueError(f"--loo-rows: not leave-one-out rows: {', '.join(unknown)}; "
+                         f"choose from {', '.join(LOO_ROWS)}")
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"--loo-rows names a row twice: {', '.join(rows)}")
+    return rows
 
 
 def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
@@ -77,8 +96,9 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
     if args.leave_one_out:
         if args.tune_suite:
             raise ValueError("--leave-one-out runs Talaria's one setting: no --tune-suite")
+        rows = LOO_ROWS if args.loo_rows is None else parse_loo_rows(args.loo_rows)
         found = run_leave_one_out(config, SuiteSettings(fallback=fallback).saturation_setting(),
-                                  draws=args.leave_one_out, workers=args.workers,
+                                  draws=args.leave_one_out, rows=rows, workers=args.workers,
                                   progress=not args.no_progress)
         return (format_leave_one_out(found, args.leave_one_out),
                 {"leave_one_out": leave_one_out_json(found, args.leave_one_out)})
