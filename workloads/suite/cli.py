@@ -28,6 +28,7 @@ from workloads.replay.cluster import ClusterSpec
 from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
 from workloads.suite.leave_one_out import (
     LOO_ROWS,
+    check_loo_rows,
     format_leave_one_out,
     leave_one_out_json,
     run_leave_one_out,
@@ -76,10 +77,7 @@ def parse_loo_rows(text: str) -> tuple[str, ...]:
     rows = tuple(r.strip() for r in text.split(",") if r.strip())
     if not rows:
         raise ValueError(f"--loo-rows names no row; choose from {', '.join(LOO_ROWS)}")
-    unknown = [r for r in rows if r not in LOO_ROWS]
-    if unknown:
-        raise ValueError(f"--loo-rows: not leave-one-out rows: {', '.join(unknown)}; "
-                         f"choose from {', '.join(LOO_ROWS)}")
+    check_loo_rows(rows)
     if len(set(rows)) != len(rows):
         raise ValueError(f"--loo-rows names a row twice: {', '.join(rows)}")
     return rows

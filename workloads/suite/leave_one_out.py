@@ -38,7 +38,7 @@ from workloads.suite.run import (
 from workloads.suite.scenarios import SuiteConfig
 from workloads.suite.stats import figure, paired_interval
 
-__all__ = ["Comparison", "LOO_ROWS", "format_leave_one_out", "leave_one_out_json",
+__all__ = ["Comparison", "LOO_ROWS", "check_loo_rows", "format_leave_one_out", "leave_one_out_json",
            "compare_rows", "run_leave_one_out"]
 
 LOO_ROWS: tuple[str, ...] = (*LEAVE_ONE_OUT_ROWS, PLACEBO)
@@ -80,6 +80,14 @@ def compare_rows(draws: Sequence[SuiteResult], rows: Sequence[str],
     return out
 
 
+def check_loo_rows(rows: Sequence[str]) -> None:
+    """Refuse rows that are not leave-one-out rows, naming them and the known ones."""
+    unknown = [r for r in rows if r not in LOO_ROWS]
+    if unknown:
+        raise ValueError(f"not leave-one-out rows: {', '.join(unknown)}; "
+                         f"known: {', '.join(LOO_ROWS)}")
+
+
 def run_leave_one_out(config: SuiteConfig, baseline_setting: Mapping[str, Any], *,
                       draws: int = 2, rows: Sequence[str] = LOO_ROWS, workers: int = 1,
                       progress: bool = False) -> list[Comparison]:
@@ -87,9 +95,7 @@ def run_leave_one_out(config: SuiteConfig, baseline_setting: Mapping[str, Any], 
     ``baseline_setting`` set the Poisson rates, as in the suite), compared."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
-    unknown = [r for r in rows if r not in LOO_ROWS]
-    if unknown:
-        raise ValueError(f"not leave-one-out rows: {unknown}; known: {', '.join(LOO_ROWS)}")
+    check_loo_rows(rows)
     fallback = {BASELINE: dict(baseline_setting), **{r: dict(TALARIA_SETTING) for r in rows}}
     settings = SuiteSettings(fallback=fallback)
     results = [run_suite(replace(config, seed=config.seed + d), settings,
