@@ -15,6 +15,14 @@ about 2.5% of comparisons if sessions were independent; they are not (one change
 schedule moves every session at once), so a ``PLACEBO`` row runs beside the others:
 Talaria itself with each arrival moved by up to a second. Its flags, either way, are what
 the check reads where nothing changed; the summary prints them beside each row's.
+
+Per scenario, the session bootstrap sees only which sessions were drawn, not the schedule's
+own response to a change (one moved arrival reorders every later slot), so small effects
+drown in per-scenario flags. ``suite_level`` asks the question once per row and figure over
+the whole suite: the mean over scenarios of ``row / talaria - 1``, with a bootstrap 95%
+interval over scenarios (each scenario's change, schedule and all, one observation;
+scenarios are treated as independent, though a trace's scenarios share its sessions). The
+placebo row is the check on that test too: where it is flagged, so would be nothing.
 """
 
 from __future__ import annotations
@@ -36,10 +44,11 @@ from workloads.suite.run import (
     run_suite,
 )
 from workloads.suite.scenarios import SuiteConfig
-from workloads.suite.stats import figure, paired_interval
+from workloads.suite.stats import figure, interval, paired_interval
 
-__all__ = ["Comparison", "LOO_ROWS", "check_loo_rows", "format_leave_one_out", "leave_one_out_json",
-           "compare_rows", "run_leave_one_out"]
+__all__ = ["Comparison", "LOO_ROWS", "SuiteVerdict", "check_loo_rows", "comparisons_from_json",
+           "compare_rows", "format_leave_one_out", "leave_one_out_json", "run_leave_one_out",
+           "suite_level"]
 
 LOO_ROWS: tuple[str, ...] = (*LEAVE_ONE_OUT_ROWS, PLACEBO)
 _CHANCE = 0.025  # one tail of a 95% interval
@@ -60,8 +69,39 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
-        low, high = self.ci95
-        return "pays" if low > 0 else "hurts" if high < 0 else "neither"
+        return _verdict(self.ci95)
+
+
+@dataclass(frozen=True)
+class SuiteVerdict:
+    """One row's figure over the whole suite: the mean over ``scenarios`` of
+    ``row / talaria - 1``, and its bootstrap 95% interval over scenarios."""
+
+    row: str
+    figure: str
+    scenarios: int
+    relative: float
+    ci95: tuple[float, float]
+
+    @property
+    def verdict(self) -> str:
+        return _verdict(self.ci95)
+
+
+def _verdict(ci95: tuple[float, float]) -> str:
+    low, high = ci95
+    return "pays" if low > 0 else "hurts" if high < 0 else "neither"
+
+
+def suite_level(found: Sequence[Comparison], seed: int = 0) -> list[SuiteVerdict]:
+    """Each row's figures over every scenario in ``found`` (see the module's docstring)."""
+    out = []
+    for row in dict.fromkeys(c.row for c in found):
+        for f in FIGURES:
+            changes = [c.relative for c in found if c.row == row and c.figure == f]
+            out.append(SuiteVerdict(row, f, len(changes), sum(changes) / len(changes),
+                                    interval(changes, "mean", seed=seed)))
+    return out
 
 
 def compare_rows(draws: Sequence[SuiteResult], rows: Sequence[str],
@@ -132,6 +172,16 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
                 "flags where nothing changed" if row == PLACEBO else "")
         lines.append(f"  {row:16s} {count['pays']:3d} / {count['neither']:3d} / "
                      f"{count['hurts']:3d} ({_CHANCE * len(mine):.1f}){note}")
+    lines.append("per row, over the whole suite: the mean over scenarios of row / talaria - 1, "
+                 "95% interval over scenarios (+ pays, ! hurts)")
+    by_row: dict[str, list[SuiteVerdict]] = {}
+    for v in suite_level(found):
+        by_row.setdefault(v.row, []).append(v)
+    for row, verdicts in by_row.items():
+        mark = {"pays": "+", "hurts": "!", "neither": " "}
+        lines.append(f"  {row:16s} " + "  ".join(
+            f"{v.figure} {100 * v.relative:+5.1f}% [{100 * v.ci95[0]:+5.1f}, "
+            f"{100 * v.ci95[1]:+5.1f}]{mark[v.verdict]}" for v in verdicts))
     hurts = [c for c in found if c.verdict == "hurts"]
     lines.append("hurts: " + ("; ".join(
         f"{c.scenario} {c.row} {c.figure} {c.value:.0f} against {c.talaria:.0f} "
@@ -141,10 +191,23 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
 
 def leave_one_out_json(found: Sequence[Comparison], draws: int) -> dict[str, Any]:
     """``{"draws", "scenarios": {name: {row: {figure: {talaria_s, row_s, relative, ci95,
-    verdict}}}}}``."""
+    verdict}}}}, "suite": {row: {figure: {scenarios, relative, ci95, verdict}}}}``."""
     scenarios: dict[str, Any] = {}
     for c in found:
         scenarios.setdefault(c.scenario, {}).setdefault(c.row, {})[c.figure] = {
             "talaria_s": c.talaria, "row_s": c.value, "relative": c.relative,
             "ci95": list(c.ci95), "verdict": c.verdict}
-    return {"draws": draws, "scenarios": scenarios}
+    suite: dict[str, Any] = {}
+    for v in suite_level(found):
+        suite.setdefault(v.row, {})[v.figure] = {
+            "scenarios": v.scenarios, "relative": v.relative, "ci95": list(v.ci95),
+            "verdict": v.verdict}
+    return {"draws": draws, "scenarios": scenarios, "suite": suite}
+
+
+def comparisons_from_json(data: Mapping[str, Any]) -> list[Comparison]:
+    """The comparisons a ``leave_one_out_json`` document holds (a saved run, read back)."""
+    return [Comparison(name, row, f, cell["talaria_s"], cell["row_s"],
+                       (cell["ci95"][0], cell["ci95"][1]))
+            for name, rows in data["scenarios"].items()
+            for row, figures in rows.items() for f, cell in figures.items()]

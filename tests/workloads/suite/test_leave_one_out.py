@@ -10,10 +10,13 @@ import pytest
 from workloads.bounds.bound import LowerBound
 from workloads.replay.systems import SYSTEMS
 from workloads.suite.leave_one_out import (
+    Comparison,
     compare_rows,
+    comparisons_from_json,
     format_leave_one_out,
     leave_one_out_json,
     run_leave_one_out,
+    suite_level,
 )
 from workloads.suite.run import (
     PLACEBO,
@@ -124,3 +127,41 @@ def test_the_summary_sets_the_placebo_apart() -> None:
     placebo_line = next(line for line in format_leave_one_out(found, 1).splitlines()
                         if line.strip().startswith(PLACEBO))
     assert "0 /   3 /   0" in placebo_line and "nothing changed" in placebo_line
+
+
+def _suite(changes: dict[str, list[float]]) -> list[Comparison]:
+    """Comparisons whose own (per-scenario) intervals are too wide to flag anything."""
+    return [Comparison(f"s{i}", row, f, 100.0, 100.0 * (1 + change), (change - 0.1, change + 0.1))
+            for row, values in changes.items() for i, change in enumerate(values)
+            for f in FIGURES]
+
+
+def test_the_suite_level_finds_a_small_effect_that_no_scenario_shows_alone() -> None:
+    rng = random.Random(3)
+    steady = [0.02 + rng.uniform(-0.01, 0.01) for _ in range(24)]  # 1-3% slower in each
+    swinging = [0.05 if i % 2 else -0.05 for i in range(24)]  # +5, -5, ...: no effect
+    harmful = [-v for v in steady]
+    found = _suite({"-sp": steady, "-staging": swinging, "-host_kv": harmful})
+    assert all(c.verdict == "neither" for c in found)
+    verdict = {(v.row, v.figure): v for v in suite_level(found)}
+    sp = verdict[("-sp", "p95")]
+    assert sp.verdict == "pays" and sp.scenarios == 24
+    assert sp.relative == pytest.approx(sum(steady) / 24)
+    assert sp.ci95[0] > 0.01 and sp.ci95[1] < 0.03
+    assert verdict[("-staging", "mean")].verdict == "neither"
+    assert verdict[("-staging", "mean")].relative == pytest.approx(0.0)
+    assert verdict[("-host_kv", "p50")].verdict == "hurts"
+    text = format_leave_one_out(found, 1)
+    line = next(ln for ln in text.split("over the whole suite")[1].splitlines()
+                if ln.strip().startswith("-sp"))
+    assert "p50  +2.0%" in line and line.rstrip().endswith("+")
+
+
+def test_a_saved_run_reads_back_to_the_same_comparisons_and_suite_verdicts() -> None:
+    found = compare_rows([_draw(1), _draw(2)], ["-sp", "-host_kv", "-staging"])
+    data = leave_one_out_json(found, 2)
+    assert comparisons_from_json(data) == found
+    assert data["suite"]["-sp"]["mean"] == {"scenarios": 1, "relative": pytest.approx(0.3),
+                                            "ci95": [pytest.approx(0.3), pytest.approx(0.3)],
+                                            "verdict": "pays"}
+    assert data["suite"]["-host_kv"]["p50"]["verdict"] == "hurts"
