@@ -22,6 +22,7 @@ from workloads.suite.run import (
     PLACEBO,
     PLACEBO_SHIFT_S,
     TALARIA,
+    TALARIA_SETTING,
     RowResult,
     ScenarioResult,
     SuiteResult,
@@ -109,8 +110,7 @@ def test_the_placebo_is_talaria_on_the_same_sessions_each_arriving_up_to_a_secon
     jobs = {j.key[1]: j for j in _jobs(scenario, [run], (TALARIA, PLACEBO), SuiteSettings(),
                                        config)}
     talaria, placebo = jobs[TALARIA], jobs[PLACEBO]
-    assert placebo.system == talaria.system == SYSTEMS[TALARIA].with_setting(
-        slot_close="drained", slot_quantum_s=240.0)
+    assert placebo.system == talaria.system == SYSTEMS[TALARIA].with_setting(**TALARIA_SETTING)
     assert [s.session_id for s in placebo.sessions] == [s.session_id for s in run]
     assert talaria.sessions == tuple(run)
     shifts = [p.arrival_s - s.arrival_s for s, p in zip(run, placebo.sessions, strict=True)]

@@ -17,7 +17,14 @@ from workloads.suite.report import (
     setting_tradeoffs,
     suite_json,
 )
-from workloads.suite.run import RowResult, ScenarioResult, SuiteResult, SuiteSettings, run_suite
+from workloads.suite.run import (
+    TALARIA_SETTING,
+    RowResult,
+    ScenarioResult,
+    SuiteResult,
+    SuiteSettings,
+    run_suite,
+)
 from workloads.suite.scenarios import (
     SUITE_TRACES,
     Scenario,
@@ -205,7 +212,7 @@ def test_a_small_suite_runs_end_to_end() -> None:
     assert list(result.scenarios) == ["miniswe/burst/1srv", "miniswe/poisson-1/1srv"]
     burst = result.scenarios["miniswe/burst/1srv"]
     assert burst.sessions == 4 and not burst.rows["baseline"].tuned
-    assert burst.rows["talaria"].settings["p50"]["slot_quantum_s"] == 240.0
+    assert burst.rows["talaria"].settings["p50"] == TALARIA_SETTING
     for row in burst.rows.values():  # each figure's own run, read at all three figures
         assert all(row.at_setting[f][f] == row.values[f] for f in ("p50", "p95", "mean"))
     talaria = burst.rows["talaria"].at_setting  # one setting: one run, the same profile
