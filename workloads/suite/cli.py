@@ -33,7 +33,7 @@ from workloads.suite.leave_one_out import (
     leave_one_out_json,
     run_leave_one_out,
 )
-from workloads.suite.report import format_suite, suite_json
+from workloads.suite.report import format_suite, margins, margins_json, suite_json
 from workloads.suite.run import PLACEBO_SHIFT_S, SUITE_ROWS, SuiteResult, SuiteSettings, run_suite
 from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import load_suite_settings, tune_suite
@@ -114,7 +114,8 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                     search_servers=(1,) if quick else (1, 4),
                     config=CapacityConfig(slo_factor=SLO_FACTOR, bisections=2 if quick else 3))
     text = format_suite(suite) + "\n\n" + format_capacity(caps)
-    return text, {"scenarios": suite_json(suite), "capacity": caps}
+    return text, {"scenarios": suite_json(suite), "capacity": caps,
+                  "margins": margins_json(margins(suite, config.seed))}
 
 
 def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAPACITY_SESSIONS,

@@ -9,7 +9,10 @@ the best other row is faster beyond the paired 95% interval of the same sessions
 figure it is not, what the winning row's setting gives at the other two figures (a
 setting that wins one figure often pays for it at another: a burst's median bought with a
 long slot held through tool gaps, at the tail's expense); and which of the settings run beat
-Talaria at two figures or more at once.
+Talaria at two figures or more at once. Under it, one margin per row, figure and split
+(``margins``): the mean over the split's scenarios of ``row / talaria - 1``, with a
+bootstrap 95% interval over scenarios, for the best other row, the baseline and each peer:
+the headline read over every scenario at once rather than one scenario's luck.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from workloads.suite.run import (
     SuiteResult,
     setting_key,
 )
-from workloads.suite.stats import paired_interval
+from workloads.suite.stats import interval, paired_interval
 
-__all__ = ["Gap", "best_other", "format_suite", "gaps", "multi_figure_wins", "not_ahead",
-           "setting_tradeoffs", "suite_json"]
+__all__ = ["BEST_OTHER", "Gap", "Margin", "best_other", "format_margins", "format_suite", "gaps",
+           "margins", "margins_json", "multi_figure_wins", "not_ahead", "setting_tradeoffs",
+           "suite_json"]
+
+BEST_OTHER = "best other"  # the margins' row for the fastest other row, scenario by scenario
 
 
 def best_other(result: ScenarioResult, figure: str) -> tuple[str, float]:
@@ -131,6 +137,66 @@ def multi_figure_wins(result: ScenarioResult) -> list[str]:
     return found
 
 
+@dataclass(frozen=True)
+class Margin:
+    """How much slower ``row`` is than Talaria over the ``split``'s scenarios at ``figure``:
+    the mean over scenarios of ``row / talaria - 1`` (> 0: Talaria ahead; each row at its
+    best setting for that figure), a bootstrap 95% interval over scenarios (each scenario's
+    ratio one observation, its schedule's luck included), and in how many of them the row
+    is at least as fast as Talaria."""
+
+    split: str
+    row: str
+    figure: str
+    scenarios: int
+    relative: float
+    ci95: tuple[float, float]
+    not_behind: int
+
+
+def margins(suite: SuiteResult, seed: int = 0) -> list[Margin]:
+    """The best other row's, the baseline's and each peer's margin, per split and figure."""
+    out = []
+    results = [r for r in suite.scenarios.values() if TALARIA in r.rows]
+    for split in dict.fromkeys(r.scenario.split for r in results):
+        mine = [r for r in results if r.scenario.split == split]
+        rows = [n for n in mine[0].rows if n != TALARIA and all(n in r.rows for r in mine)]
+        for row in [BEST_OTHER, *rows]:
+            for f in FIGURES:
+                ratios = [(best_other(r, f)[1] if row == BEST_OTHER else r.rows[row].values[f])
+                          / r.rows[TALARIA].values[f] - 1.0 for r in mine]
+                out.append(Margin(split, row, f, len(ratios), sum(ratios) / len(ratios),
+                                  interval(ratios, "mean", seed=seed),
+                                  sum(x <= 0 for x in ratios)))
+    return out
+
+
+def format_margins(found: list[Margin]) -> str:
+    lines = ["over each split's scenarios: row / talaria - 1 (mean over scenarios; 95% interval "
+             "over scenarios; > 0: talaria ahead), and (n) the scenarios where the row is at "
+             "least as fast as talaria"]
+    keys = list(dict.fromkeys((m.split, m.row) for m in found))
+    for split in dict.fromkeys(s for s, _ in keys):
+        count = next(m.scenarios for m in found if m.split == split)
+        lines.append(f"  {split} ({count} scenarios)")
+        for row in [r for s, r in keys if s == split]:
+            cells = [f"{m.figure} {100 * m.relative:+6.1f}% [{100 * m.ci95[0]:+6.1f}, "
+                     f"{100 * m.ci95[1]:+6.1f}] ({m.not_behind})"
+                     for m in found if m.split == split and m.row == row]
+            lines.append(f"    {row:18s} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def margins_json(found: list[Margin]) -> dict[str, Any]:
+    """``{split: {row: {figure: {scenarios, relative, ci95, not_behind}}}}``."""
+    out: dict[str, Any] = {}
+    for m in found:
+        out.setdefault(m.split, {}).setdefault(m.row, {})[m.figure] = {
+            "scenarios": m.scenarios, "relative": m.relative, "ci95": list(m.ci95),
+            "not_behind": m.not_behind}
+    return out
+
+
 def _bound(result: ScenarioResult, figure: str) -> float:
     b = result.bound
     return {"p50": b.sct_p50_s, "p95": b.sct_p95_s, "mean": b.sct_mean_s}[figure]
@@ -183,6 +249,9 @@ def format_suite(suite: SuiteResult) -> str:
     multi = [line for r in suite.scenarios.values() for line in multi_figure_wins(r)]
     out.append("settings run that are at least as fast as talaria at two figures or more at "
                "once: " + ("; ".join(multi) if multi else "none"))
+    found_margins = margins(suite, suite.config.seed)
+    if found_margins:
+        out.append(format_margins(found_margins))
     return "\n".join(out)
 
 

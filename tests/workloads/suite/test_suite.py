@@ -9,9 +9,12 @@ import pytest
 
 from workloads.bounds.bound import LowerBound, pooled_bound
 from workloads.suite.report import (
+    BEST_OTHER,
     best_other,
     format_suite,
     gaps,
+    margins,
+    margins_json,
     multi_figure_wins,
     not_ahead,
     setting_tradeoffs,
@@ -142,6 +145,39 @@ def test_the_headline_reads_the_best_other_row_per_figure() -> None:
     assert data["lower_bound"]["sct_mean_s"] == 60.0
 
 
+def test_margins_read_every_scenario_of_a_split_at_once() -> None:
+    def scenario(trace: str, load: float, base: float, peer: float) -> ScenarioResult:
+        rows = {"baseline": _row("baseline", base, 2 * base, base),
+                "aegaeon": _row("aegaeon", peer, 2 * peer, peer),
+                "talaria": _row("talaria", 100, 200, 100)}
+        return ScenarioResult(Scenario(trace, 1, load), rows, _scenario(load, rows).bound,
+                              100.0, 10, 0.01)
+
+    # report: the baseline 10-30% slower, once faster; the best other row is the faster of
+    # the two in each scenario. dev: one scenario, the baseline 50% slower.
+    report = [scenario("claude-code", 0.5, 110, 150), scenario("claude-code", 1.0, 130, 120),
+              scenario("generated-7", 0.5, 120, 140), scenario("generated-7", 1.0, 95, 200)]
+    dev = [scenario("miniswe", 1.0, 150, 160)]
+    suite = SuiteResult(SuiteConfig(), {r.scenario.name: r for r in [*report, *dev]}, {})
+    found = {(m.split, m.row, m.figure): m for m in margins(suite)}
+    best = found[("report", BEST_OTHER, "p50")]
+    assert best.scenarios == 4 and best.not_behind == 1
+    assert best.relative == pytest.approx((0.10 + 0.20 + 0.20 - 0.05) / 4)
+    assert best.ci95[0] < best.relative < best.ci95[1]
+    base = found[("report", "baseline", "mean")]
+    assert base.relative == pytest.approx((0.10 + 0.30 + 0.20 - 0.05) / 4)
+    assert found[("report", "aegaeon", "p95")].relative == pytest.approx(0.525)
+    assert found[("report", "aegaeon", "p95")].not_behind == 0
+    only = found[("dev", BEST_OTHER, "p95")]
+    assert only.scenarios == 1 and only.relative == pytest.approx(0.5)
+    assert only.ci95 == (pytest.approx(0.5), pytest.approx(0.5))
+    line = next(ln for ln in format_suite(suite).splitlines() if ln.strip().startswith("aegaeon"))
+    assert "p95  +52.5%" in line and line.endswith("(0)")
+    data = margins_json(margins(suite))
+    assert data["dev"]["baseline"]["p50"]["relative"] == pytest.approx(0.5)
+    assert set(data["report"]) == {BEST_OTHER, "baseline", "aegaeon"}
+
+
 def test_the_summary_says_what_a_winning_setting_costs_at_the_other_figures() -> None:
     long_slot = {"slot_close": "quantum", "slot_quantum_s": 960.0}
     baseline = _row("baseline", 100, 400, 200)
@@ -162,7 +198,7 @@ def test_the_summary_says_what_a_winning_setting_costs_at_the_other_figures() ->
                         {"claude-code/1srv": 0.01})
     text = format_suite(suite)
     assert "at that setting its p95 / mean are 500 / 150" in text
-    assert text.endswith("once: claude-code/burst/1srv: baseline at quantum/960s (p50, mean)")
+    assert "once: claude-code/burst/1srv: baseline at quantum/960s (p50, mean)\n" in text
     profile = suite_json(suite)["claude-code/burst/1srv"]["rows"]["baseline"]["at_setting"]["p50"]
     assert profile == {"sct_p50_s": 100, "sct_p95_s": 500, "sct_mean_s": 150}
 
