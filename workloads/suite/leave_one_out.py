@@ -52,6 +52,7 @@ __all__ = ["Comparison", "LOO_ROWS", "SuiteVerdict", "check_loo_rows", "comparis
 
 LOO_ROWS: tuple[str, ...] = (*LEAVE_ONE_OUT_ROWS, PLACEBO)
 _CHANCE = 0.025  # one tail of a 95% interval
+_MARK = {"pays": "+", "hurts": "!", "neither": " "}  # a verdict in the printed tables
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,7 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
             parts = []
             for f in FIGURES:
                 c = by_key[(name, row, f)]
-                mark = {"pays": "+", "hurts": "!", "neither": " "}[c.verdict]
-                parts.append(f"{100 * c.relative:+4.0f}{mark}")
+                parts.append(f"{100 * c.relative:+4.0f}{_MARK[c.verdict]}")
             cells.append(f"{'/'.join(parts):>22s}")
         lines.append(f"{name:{width}s}  " + "  ".join(cells))
     lines.append("per row, over scenarios x figures: pays / neither / hurts (hurts expected "
@@ -178,10 +178,9 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
     for v in suite_level(found):
         by_row.setdefault(v.row, []).append(v)
     for row, verdicts in by_row.items():
-        mark = {"pays": "+", "hurts": "!", "neither": " "}
         lines.append(f"  {row:16s} " + "  ".join(
             f"{v.figure} {100 * v.relative:+5.1f}% [{100 * v.ci95[0]:+5.1f}, "
-            f"{100 * v.ci95[1]:+5.1f}]{mark[v.verdict]}" for v in verdicts))
+            f"{100 * v.ci95[1]:+5.1f}]{_MARK[v.verdict]}" for v in verdicts))
     hurts = [c for c in found if c.verdict == "hurts"]
     lines.append("hurts: " + ("; ".join(
         f"{c.scenario} {c.row} {c.figure} {c.value:.0f} against {c.talaria:.0f} "
