@@ -15,13 +15,13 @@ from talaria.policies.config import PolicyConfig, preset
 
 
 def _late_continuation(policy: PolicyConfig):  # type: ignore[no-untyped-def]
-    """late_continuation, and its engine (a's slot closes at once under the default rule)."""
+    """late_continuation, and its engine (``policy``'s "empty" rule closes a's slot at once)."""
     engine = FakeEngine(["a", "b"], step_s=0.1, switch_host_s=2.0)
     return engine, late_continuation(policy, engine)
 
 
 def test_baseline_continuation_after_slot_close_waits_for_next_slot() -> None:
-    engine, ((s1, s2, b1), inst) = _late_continuation(preset("baseline"))
+    engine, ((s1, s2, b1), inst) = _late_continuation(preset("baseline", slot_close="empty"))
     assert s2[0].done == pytest.approx(2.5)
     assert s2[1].sent == pytest.approx(3.0)
     assert s1.done == pytest.approx(7.0)
@@ -33,7 +33,7 @@ def test_baseline_continuation_after_slot_close_waits_for_next_slot() -> None:
 
 
 def test_session_prefill_admits_the_late_continuation_in_the_current_slot() -> None:
-    policy = preset("baseline", session_prefill=True)
+    policy = preset("baseline", session_prefill=True, slot_close="empty")
     engine, ((s1, s2, b1), inst) = _late_continuation(policy)
     assert s2[1].first == pytest.approx(3.1)  # admitted at once, beside s1's decode
     assert s2[1].done < s1.done

@@ -159,7 +159,8 @@ def test_state_reports_residency_pressure_rates_and_sessions() -> None:
     engine = _engine()
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("talaria"))
+        # the "empty" rule closes a's slot once b waits, with a's call still in flight
+        inst = Instance("i", engine, preset("talaria", slot_close="empty"))
         await inst.start()
         a = asyncio.ensure_future(run_call(inst, call("c0", "s0", "a", 100, max_tokens=10)))
         await asyncio.sleep(2.35)

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from talaria.cli import main
+from talaria.policies.config import TALARIA_SETTING
 from workloads.traces.readers import load_any_trace, real_trace_path
 
 
@@ -42,7 +43,7 @@ def test_replay_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.Captu
     assert len(data["sweeps"]["load"]["points"]) == 2
     for name in ("baseline", "talaria"):
         st = data["policies"][name]
-        assert st["setting"] == {"slot_close": "empty", "slot_quantum_s": 30.0}  # untuned
+        assert st["setting"] == TALARIA_SETTING  # untuned: PolicyConfig's defaults
         assert set(st["breakdown"]["mean"]) == {"own", "queue", "slot_wait", "switch",
                                                 "recompute", "restore", "tool_gaps"}
         assert sum(st["breakdown"]["mean"].values()) == pytest.approx(st["sct_mean_s"])

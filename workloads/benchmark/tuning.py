@@ -44,7 +44,10 @@ GRIDS: dict[str, tuple[float, ...]] = {"round": ROUND_QUANTA, "preempt": PREEMPT
 
 
 def grid(system: SystemConfig, quanta: Sequence[float] | None = None) -> list[dict[str, Any]]:
-    """The settings ``system`` may run at; ``quanta`` replaces its grid's quanta."""
+    """The settings ``system`` may run at; ``quanta`` replaces its grid's quanta. A row on
+    the ``fixed`` grid has one: its own (Talaria's one configuration)."""
+    if system.grid == "fixed":
+        return [system.setting]
     return [{"slot_close": rule, "slot_quantum_s": q}
             for q in (quanta or GRIDS[system.grid]) for rule in SLOT_CLOSE_RULES]
 
@@ -171,5 +174,7 @@ def load_settings(key: str | None, path: Path = TUNED_PATH) -> Tuned | None:
 def apply_settings(
     systems: Sequence[SystemConfig], settings: Mapping[str, Mapping[str, Any]]
 ) -> list[SystemConfig]:
-    """The systems at their settings (those with none cached keep their own)."""
-    return [s.with_setting(**settings[s.name]) if s.name in settings else s for s in systems]
+    """The systems at their settings (those with none cached, and those on the ``fixed`` grid,
+    keep their own)."""
+    return [s.with_setting(**settings[s.name]) if s.name in settings and s.grid != "fixed"
+            else s for s in systems]

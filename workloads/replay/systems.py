@@ -50,7 +50,11 @@ The bounds are not systems: ``workloads.bounds.bound`` (the proven lower bound),
 ``workloads.bounds.isolated`` (``isolated``) and ``workloads.bounds.oracle`` (an oracle schedule).
 
 Every row of the table runs at the slot-closing rule and quantum that suit it best on the
-trace (``workloads.benchmark.tuning``); ``grid`` names the settings it may take.
+trace (``workloads.benchmark.tuning``; ``grid`` names the settings it may take), except
+Talaria, the ladder's rungs above the baseline and the leave-one-out rows: they run
+Talaria's one configuration (``talaria.policies.config.TALARIA_SETTING``) on every trace, as
+in the scenario suite, so that a rung or a left-out mechanism differs from Talaria in its
+mechanisms only.
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ __all__ = [
     "check_fits",
 ]
 
-GRIDS = ("round", "preempt")
+# The settings the tuner may give a row: round-scheduled quanta, Aegaeon's quotas, or none
+# ("fixed": the row runs its own, Talaria's one configuration, on every trace)
+GRIDS = ("round", "preempt", "fixed")
 # Quanta a round-scheduled row is tried at (with every closing rule): from a few seconds to
 # a slot that outlasts most sessions; the best of the default trace's rows lie inside.
 ROUND_QUANTA: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
@@ -167,12 +173,12 @@ def check_fits(system: SystemConfig, config: SimEngineConfig, models: Sequence[s
 
 
 def _talaria_row(name: str, policy: PolicyConfig, description: str,
-                 placement: str = "talaria") -> SystemConfig:
+                 placement: str = "talaria", grid: str = "fixed") -> SystemConfig:
     """Talaria's system with some mechanisms off: the engine has what the policy uses. Its
     staging region holds every shard but the largest: the largest model loads from host,
     and the region leaves the KV region what the largest model's sessions need."""
     return SystemConfig(name, description, policy, placement, staging=policy.d2d_staging,
-                        staging_region="second", host_kv=policy.host_kv)
+                        staging_region="second", host_kv=policy.host_kv, grid=grid)
 
 
 def _ladder() -> dict[str, SystemConfig]:
@@ -181,7 +187,10 @@ def _ladder() -> dict[str, SystemConfig]:
     for rung in LADDER:
         description = (f"{below.name} + {rung.description}" if below is not None else
                        f"the reference's baseline: {rung.description}; session-aware placement")
-        out[rung.name] = _talaria_row(rung.name, preset(rung.name), description)
+        # the baseline is tuned per trace (at its best, as every peer); each rung above it
+        # adds its mechanisms at Talaria's one configuration
+        out[rung.name] = _talaria_row(rung.name, preset(rung.name), description,
+                                      grid="round" if below is None else "fixed")
         below = rung
     return out
 

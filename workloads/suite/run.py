@@ -1,7 +1,8 @@
 """Running the scenario suite: every row of every scenario at its settings, and the bound.
 
-Talaria runs one configuration everywhere (``TALARIA_SETTING``, chosen on development
-scenarios). The baseline and each peer run, per scenario, at the setting that is best
+Talaria runs one configuration everywhere (``talaria.policies.config.TALARIA_SETTING``:
+drained slots of at most 480 s, chosen over 120 / 240 / 960 s on the 18 development
+scenarios, docs/constants.md). The baseline and each peer run, per scenario, at the setting that is best
 in hindsight for each figure separately (``SuiteSettings``: the lowest p50, the lowest p95
 and the lowest mean over the row's grid, found by ``tune_suite``); a figure is read from the
 run at its own best setting. A row with no tuned settings for a scenario runs at its
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from talaria.policies.config import TALARIA_SETTING
 from workloads.bounds.bound import LowerBound, lower_bound, pooled_bound
 from workloads.bounds.isolated import run_isolated
 from workloads.replay.driver import ReplayResult
@@ -41,9 +43,6 @@ __all__ = ["FIGURES", "PLACEBO", "PLACEBO_SHIFT_S", "RowResult", "ScenarioResult
 BASELINE = "baseline"
 TALARIA = "talaria"
 SUITE_ROWS: tuple[str, ...] = (BASELINE, *PEERS, TALARIA)
-# Talaria's one configuration: drained slots of at most 480 s (docs/constants.md: chosen over
-# 120 / 240 / 960 s on the 18 development scenarios).
-TALARIA_SETTING: dict[str, Any] = {"slot_close": "drained", "slot_quantum_s": 480.0}
 # Talaria itself, each session arriving up to PLACEBO_SHIFT_S later (``jittered``; a burst's
 # sessions then arrive over that second, not all at t=0): a change no policy should care
 # about, run beside the leave-one-out rows so that what it moves is the paired check's own

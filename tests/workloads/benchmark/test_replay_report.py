@@ -5,10 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from talaria.policies.config import PolicyConfig
+from talaria.policies.config import TALARIA_SETTING, PolicyConfig, preset
 from workloads.benchmark.report import benchmark, format_table, summarize, to_json
 from workloads.benchmark.sweep import LoadPoint, SweepResult, best_quantum
 from workloads.benchmark.sweep_report import format_sweep, regime_summary, sweep_json
+from workloads.benchmark.tuning import apply_settings, grid
 from workloads.bounds.bound import LowerBound
 from workloads.replay.driver import CallRecord, ReplayResult, SessionResult
 from workloads.replay.systems import (
@@ -135,6 +136,26 @@ def test_policy_catalogue_is_consistent() -> None:
                      staging=True, host_kv=True)
     with pytest.raises(ValueError, match="host KV"):
         SystemConfig("bad", "", PolicyConfig(), "talaria", True, True, host_kv=False)
+
+
+def test_talaria_runs_one_configuration_everywhere_and_only_the_others_are_tuned() -> None:
+    """Talaria, the rungs above the baseline and the leave-one-out rows run Talaria's one
+    configuration on every trace, whatever a tuned settings file holds for them; the
+    baseline and the peers take their tuned settings. `talaria serve`'s default policy
+    (PolicyConfig's defaults) is that configuration too."""
+    assert PolicyConfig().with_(name="talaria") == preset("talaria")
+    assert {"slot_close": PolicyConfig().slot_close,
+            "slot_quantum_s": PolicyConfig().slot_quantum_s} == TALARIA_SETTING
+    tuned_elsewhere = {"slot_close": "quantum", "slot_quantum_s": 60.0}
+    rows = [*ABLATIONS.values(), *LEAVE_ONE_OUT_ROWS.values(), *PEERS.values()]
+    applied = {s.name: s for s in apply_settings(rows, {s.name: tuned_elsewhere for s in rows})}
+    fixed = [*list(ABLATIONS)[1:], *LEAVE_ONE_OUT_ROWS]
+    for name in fixed:
+        assert applied[name].setting == TALARIA_SETTING, name
+        assert grid(SYSTEMS[name]) == [TALARIA_SETTING]
+    for name in ("baseline", *PEERS):
+        assert applied[name].setting == tuned_elsewhere, name
+        assert len(grid(SYSTEMS[name])) > 1
 
 
 def test_poisson_arrivals_are_seeded_and_increasing() -> None:
