@@ -43,7 +43,7 @@ replay: $(STAMP)
 	$(VENV)/bin/talaria replay $(if $(TRACE),--trace $(TRACE)) --servers $(SERVERS) $(ARGS)
 
 # Does every mechanism pay? Talaria against each leave-one-out row in every suite scenario,
-# two draws pooled, paired 95% intervals, and a placebo row (54-96 minutes on 2 cores,
+# two draws pooled, paired 95% intervals, and a placebo row (54-112 minutes on 2 cores,
 # with the machine's speed; DRAWS=4 for narrower ones; ROWS=-priority_switch,placebo for
 # some rows only, in a fraction of the time).
 DRAWS ?= 2
