@@ -1,6 +1,6 @@
 """Does every mechanism pay? Talaria against each leave-one-out row in every suite scenario.
 
-Each row is Talaria's one configuration (``TALARIA_SETTING``) with one mechanism off
+Each row is Talaria's one configuration (its ``fixed`` settings grid) with one mechanism off
 (``LEAVE_ONE_OUT_ROWS``). ``draws`` independent draws of the suite (seeds ``config.seed``,
 ``+1``, ...: other sessions, other Poisson arrivals, and the Poisson rates from that draw's
 own baseline bursts) are pooled per scenario, and every row replays the same sessions as
@@ -38,7 +38,6 @@ from workloads.suite.run import (
     PLACEBO,
     PLACEBO_SHIFT_S,
     TALARIA,
-    TALARIA_SETTING,
     SuiteResult,
     SuiteSettings,
     run_suite,
@@ -137,8 +136,7 @@ def run_leave_one_out(config: SuiteConfig, baseline_setting: Mapping[str, Any], 
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
     check_loo_rows(rows)
-    fallback = {BASELINE: dict(baseline_setting), **{r: dict(TALARIA_SETTING) for r in rows}}
-    settings = SuiteSettings(fallback=fallback)
+    settings = SuiteSettings(fallback={BASELINE: dict(baseline_setting)})
     results = [run_suite(replace(config, seed=config.seed + d), settings,
                          rows=(BASELINE, *rows, TALARIA), workers=workers, progress=progress)
                for d in range(draws)]

@@ -77,8 +77,9 @@ class SuiteSettings:
 
     def for_row(self, scenario: str, row: str) -> tuple[dict[str, Setting], bool]:
         """(figure -> setting, tuned?) for ``row`` in ``scenario``."""
-        if system_row(row) == TALARIA:
-            return {f: dict(TALARIA_SETTING) for f in FIGURES}, True
+        system = SYSTEMS[system_row(row)]
+        if system.grid == "fixed":  # Talaria's one configuration: never tuned
+            return {f: dict(system.setting) for f in FIGURES}, True
         chosen = self.tuned.get(scenario, {}).get(row)
         if chosen:
             return {f: dict(chosen[f]) for f in FIGURES}, True
