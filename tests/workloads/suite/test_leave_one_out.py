@@ -163,5 +163,35 @@ def test_a_saved_run_reads_back_to_the_same_comparisons_and_suite_verdicts() -> 
     assert comparisons_from_json(data) == found
     assert data["suite"]["-sp"]["mean"] == {"scenarios": 1, "relative": pytest.approx(0.3),
                                             "ci95": [pytest.approx(0.3), pytest.approx(0.3)],
+                                            "per_draw": [pytest.approx(0.3)] * 2,
                                             "verdict": "pays"}
     assert data["suite"]["-host_kv"]["p50"]["verdict"] == "hurts"
+
+
+def test_a_suite_verdict_stands_only_where_every_draw_agrees() -> None:
+    # each draw's own change, scenario by scenario: -sp 1.3x in the first, 0.9x in the second
+    first, second = _draw(1), _draw(2)
+    rows = second.scenarios["miniswe/poisson-1/1srv"].rows
+    rows["-sp"] = _row("-sp", [v * 0.9 for v in rows["talaria"].scts["mean"]])
+    sp = next(c for c in compare_rows([first, second], ["-sp"]) if c.figure == "mean")
+    assert sp.per_draw == (pytest.approx(0.3), pytest.approx(-0.1))
+    assert compare_rows([first], ["-sp"])[0].per_draw == ()
+    # over the suite: the interval says pays (or hurts), the draws decide whether it stands
+    rng = random.Random(5)
+    steady = [0.02 + rng.uniform(-0.005, 0.005) for _ in range(24)]
+
+    def verdicts(per_draw: tuple[float, ...], sign: float = 1.0) -> set[str]:
+        found = [replace(c, per_draw=tuple(sign * d for d in per_draw))
+                 for c in _suite({"-sp": [sign * v for v in steady]})]
+        return {v.verdict for v in suite_level(found)}
+
+    assert verdicts(()) == {"pays"} and verdicts((), -1.0) == {"hurts"}
+    assert verdicts((0.03, 0.01)) == {"pays"} and verdicts((0.03, 0.01), -1.0) == {"hurts"}
+    assert verdicts((0.05, -0.01)) == {"neither"} and verdicts((0.05, -0.01), -1.0) == {"neither"}
+    assert verdicts((0.04, 0.0)) == {"neither"}
+    found = [replace(c, per_draw=(0.05, -0.01)) for c in _suite({"-sp": steady})]
+    line = next(ln for ln in format_leave_one_out(found, 2).split("over the whole suite")[1]
+                .splitlines() if ln.strip().startswith("-sp"))
+    assert "(+5.0, -1.0)" in line and not line.rstrip().endswith("+")
+    assert leave_one_out_json(found, 2)["suite"]["-sp"]["p95"]["per_draw"] == [
+        pytest.approx(0.05), pytest.approx(-0.01)]
