@@ -193,8 +193,8 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
         lines.append(f"  {row:16s} {count['pays']:3d} / {count['neither']:3d} / "
                      f"{count['hurts']:3d} ({_CHANCE * len(mine):.1f}){note}")
     lines.append("per row, over the whole suite: the mean over scenarios of row / talaria - 1, "
-                 "95% interval over scenarios (+ pays, ! hurts: only where every draw's own "
-                 "mean, in parentheses, agrees)")
+                 "95% interval over scenarios (+ pays, ! hurts; either only where every "
+                 "draw's own mean, in parentheses, agrees)")
     by_row: dict[str, list[SuiteVerdict]] = {}
     for v in suite_level(found):
         by_row.setdefault(v.row, []).append(v)
