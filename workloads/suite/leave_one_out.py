@@ -201,7 +201,7 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
     for row, verdicts in by_row.items():
         lines.append(f"  {row:16s} " + "  ".join(
             f"{v.figure} {100 * v.relative:+5.1f}% [{100 * v.ci95[0]:+5.1f}, "
-            f"{100 * v.ci95[1]:+5.1f}]{_MARK[v.verdict]}{_draws(v.per_draw)}" for v in verdicts))
+            f"{100 * v.ci95[1]:+5.1f}]{_MARK[v.verdict]}{_per_draw_note(v.per_draw)}" for v in verdicts))
     hurts = [c for c in found if c.verdict == "hurts"]
     lines.append("hurts: " + ("; ".join(
         f"{c.scenario} {c.row} {c.figure} {c.value:.0f} against {c.talaria:.0f} "
@@ -209,7 +209,7 @@ def format_leave_one_out(found: Sequence[Comparison], draws: int) -> str:
     return "\n".join(lines)
 
 
-def _draws(per_draw: Sequence[float]) -> str:
+def _per_draw_note(per_draw: Sequence[float]) -> str:
     return f" ({', '.join(f'{100 * d:+.1f}' for d in per_draw)})" if per_draw else ""
 
 
