@@ -102,23 +102,29 @@ class SimMemory:
 
     def activate(self, model: str, lend_staging: bool = False) -> MoveRecord:
         """Book ``model``'s weights into the weight region: D2D when it is STAGED, H2D
-        otherwise (a staging copy still in progress does not count); by sleep and wake
-        (the outgoing model's sleep included) for a sleep/wake engine. ``lend_staging``:
-        the staging region is lent to its KV cache (``lent_blocks``) until the next
-        activation; a staging copy in progress is abandoned at no cost (the live engine
-        waits for it to end: a difference while the copy's seconds are left)."""
+        otherwise; by sleep and wake (the outgoing model's sleep included) for a sleep/wake
+        engine. As the live substrate does (``substrate.instance_memory.InstanceMemory``),
+        a staging copy still in flight is waited for when it is of ``model`` itself (then
+        D2D) or when ``lend_staging`` (the staging region is lent to ``model``'s KV cache,
+        ``lent_blocks``, until the next activation): the wait is part of the activation's
+        seconds."""
         nbytes = self.costs[model].weight_bytes_per_gpu()
         outgoing = self.ledger.active_model
+        wait = 0.0
         if self.config.switch == "sleep_wake":
             kind = ACTIVATE_WAKE
             seconds = self.switch_seconds(model, staged=False, outgoing=outgoing)
         else:
+            if self.ledger.staging_state is StagingState.IN_PROGRESS and self.clock is not None and (
+                    lend_staging or self.ledger.staged_model == model):
+                wait = max(0.0, self._staging_ready_at - self.clock())
+                self.ledger.finish_staging(self.ledger.staged_model)
             kind = self.ledger.plan_activation(model).kind
             seconds = self.switch_seconds(model, kind == MoveKind.ACTIVATE_D2D, outgoing)
         self.ledger.commit_activation(model, lend_staging)
         record = MoveRecord(kind, nbytes, seconds)
-        self.ledger.record(record)
-        return record
+        self.ledger.record(record)  # the copy alone, as the live mover measures it
+        return MoveRecord(kind, nbytes, wait + seconds)
 
     def kv_blocks(self, model: str) -> int:
         """Device KV blocks ``model`` has now (it is the active model)."""

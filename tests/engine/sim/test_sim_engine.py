@@ -220,15 +220,40 @@ def test_substrate_switch_is_host_then_staged_once_the_copy_completes() -> None:
         engine.stage(QWEN)
 
 
-def test_activating_a_model_still_staging_is_a_host_copy() -> None:
+def test_activating_a_model_still_staging_waits_for_its_copy_then_copies_d2d() -> None:
+    """As the live substrate does: the copy in flight is waited for, then the switch is D2D;
+    the ledger books the D2D copy alone (the measured rate), the switch's seconds hold both."""
     clock = Clock()
     engine = make(clock=clock)
     engine.activate(QWEN)
     engine.stage(GLM)
-    clock.now = cost(GLM).switch_seconds_host() / 2
+    copy = cost(GLM).switch_seconds_host()
+    clock.now = copy / 4
     report = engine.activate(GLM)
-    assert (report.kind, report.seconds) == (
-        "activate_h2d", pytest.approx(cost(GLM).switch_seconds_host()))
+    d2d = cost(GLM).switch_seconds_staged()
+    assert report.kind == "activate_d2d"
+    assert report.seconds == pytest.approx(copy * 3 / 4 + d2d)
+    assert report.seconds < copy  # the host copy it used to be priced at
+    assert engine.memory.ledger.totals("activate_d2d").seconds == pytest.approx(d2d)
+    assert engine.residency()[GLM] == Residency.ACTIVE
+
+
+def test_lending_the_staging_region_waits_for_a_copy_in_flight() -> None:
+    clock = Clock()
+    engine = make((QWEN, GLM, MISTRAL), clock=clock)
+    engine.activate(QWEN)
+    engine.stage(GLM)
+    copy = cost(GLM).switch_seconds_host()
+    clock.now = copy / 2
+    report = engine.activate(MISTRAL, lend_staging=True)
+    assert report.kind == "activate_h2d"
+    assert report.seconds == pytest.approx(copy / 2 + cost(MISTRAL).switch_seconds_host())
+    assert engine.residency()[GLM] == Residency.HOST  # the lent region dropped the copy
+    # a copy of another model in flight, not lending: the H2D switch does not wait for it
+    engine.activate(QWEN)
+    engine.stage(GLM)
+    assert engine.activate(MISTRAL).seconds == pytest.approx(cost(MISTRAL).switch_seconds_host())
+    assert engine.residency()[GLM] == Residency.STAGING  # its copy goes on
 
 
 def test_staging_region_shrinks_kv_capacity() -> None:
