@@ -174,11 +174,15 @@ def check_fits(system: SystemConfig, config: SimEngineConfig, models: Sequence[s
 
 def _talaria_row(name: str, policy: PolicyConfig, description: str,
                  placement: str = "talaria", grid: str = "fixed") -> SystemConfig:
-    """Talaria's system with some mechanisms off: the engine has what the policy uses. Its
-    staging region holds every shard but the largest: the largest model loads from host,
-    and the region leaves the KV region what the largest model's sessions need."""
+    """Talaria's system with some mechanisms off: the engine has what the policy uses.
+    With host KV its staging region holds every shard, the largest included: what the KV
+    region gives up is kept on host, and under KV pressure a slot lends the region back
+    (``lend_staging``). Without host KV the device holds a session's only KV, so the region
+    holds every shard but the largest: the largest model loads from host, and the KV region
+    keeps what its sessions need (chosen on the development scenarios: docs/constants.md)."""
+    region = "largest" if policy.host_kv else "second"
     return SystemConfig(name, description, policy, placement, staging=policy.d2d_staging,
-                        staging_region="second", host_kv=policy.host_kv, grid=grid)
+                        staging_region=region, host_kv=policy.host_kv, grid=grid)
 
 
 def _ladder() -> dict[str, SystemConfig]:

@@ -122,3 +122,21 @@ def test_aegaeon_preempts_a_long_call_for_another_model() -> None:
     assert long_call.output_tokens == 3000  # resumed where it was suspended
     assert long_call.split is not None and long_call.split["slot_wait"] > 0
     assert pytest.approx(sum(long_call.split.values())) == long_call.done_s - long_call.sent_s
+
+
+def test_talaria_stages_every_shard_only_where_host_kv_keeps_what_the_kv_region_gives_up() -> None:
+    """With host KV the staging region fits the largest shard (Qwen3-235B switches D2D);
+    without it the region fits the second largest, and the KV region keeps the difference."""
+    from engine.sim.engine import SimEngine
+    from workloads.replay.systems import SYSTEMS
+
+    models = list(ClusterSpec().models)
+    engines = {name: SimEngine(models, SYSTEMS[name].engine_config())
+               for name in ("talaria", "-host_kv", "+staging", "+host_kv")}
+    largest = models[0]
+    assert engines["talaria"].can_stage(largest) and engines["+host_kv"].can_stage(largest)
+    assert not engines["-host_kv"].can_stage(largest)
+    assert not engines["+staging"].can_stage(largest)
+    assert all(e.can_stage(m) for e in engines.values() for m in models[1:])
+    assert (engines["-host_kv"].kv_capacity_blocks(largest)
+            > engines["talaria"].kv_capacity_blocks(largest))
