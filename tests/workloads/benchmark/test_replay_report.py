@@ -107,8 +107,12 @@ def test_policy_catalogue_is_consistent() -> None:
     assert base.stable_substrate and base.placement == "talaria" and base.switch == "copy"
     assert base.policy.soft_reservations and not base.policy.session_prefill
     assert not base.policy.session_priority and not base.policy.priority_switch
-    # Talaria's staging region leaves out the largest shard; Aegaeon's prefetch keeps its own
-    assert ABLATIONS["talaria"].engine_config().staging_region == "second"
+    # Talaria's staging region holds the largest shard where host KV keeps what the KV region
+    # gives up, and leaves it out where it does not; Aegaeon's prefetch keeps its own
+    assert ABLATIONS["talaria"].engine_config().staging_region == "largest"
+    assert LEAVE_ONE_OUT_ROWS["-layerwise"].engine_config().staging_region == "largest"
+    assert ABLATIONS["+staging"].engine_config().staging_region == "second"
+    assert LEAVE_ONE_OUT_ROWS["-host_kv"].engine_config().staging_region == "second"
     assert PEERS["aegaeon"].engine_config().staging_region == "largest"
     for peer in PEERS.values():
         assert not peer.policy.session_priority and not peer.policy.priority_switch
