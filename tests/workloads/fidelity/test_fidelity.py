@@ -69,8 +69,9 @@ def test_both_sides_get_the_same_engine_limits(models: dict[str, Path], tmp_path
     assert live.policy_config() == system("+host_kv").with_policy(**SETUP.policy_overrides()).policy
     inst = live.instances[0]
     assert (inst.kv_blocks, inst.host_kv_bytes, inst.tensor_parallel_size) == (128, 8 << 20, 1)
-    # the staging region as the simulated engine has it: the largest model loads from host
-    assert (inst.staging, inst.staging_region) == (True, "second")
+    # the staging region as the simulated engine has it: with host KV, every shard stages
+    assert (inst.staging, inst.staging_region) == (True, "largest")
+    assert system("+host_kv").staging_region == "largest"
     assert live.model_paths() == {n: str(p) for n, p in models.items()}
     spec = cluster_spec(SETUP, "h200x8", catalog(models))
     sim = spec.engine_config(system("+host_kv"))
