@@ -115,8 +115,9 @@ class SimMemory:
             kind = ACTIVATE_WAKE
             seconds = self.switch_seconds(model, staged=False, outgoing=outgoing)
         else:
-            if self.ledger.staging_state is StagingState.IN_PROGRESS and self.clock is not None and (
+            if self.ledger.staging_state is StagingState.IN_PROGRESS and (
                     lend_staging or self.ledger.staged_model == model):
+                assert self.clock is not None  # ``stage`` refuses to start a copy without one
                 wait = max(0.0, self._staging_ready_at - self.clock())
                 self.ledger.finish_staging(self.ledger.staged_model)
             kind = self.ledger.plan_activation(model).kind

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import pytest
 
+from engine.sim.engine import SimEngine
 from workloads.benchmark.report import PolicyStats, summarize
 from workloads.replay.cluster import ClusterSpec
 from workloads.replay.driver import ReplayResult, run_sim
-from workloads.replay.systems import PEERS, SystemConfig
+from workloads.replay.systems import PEERS, SYSTEMS, SystemConfig
 from workloads.traces.trace import Call, Session
 
 QWEN, GLM, MISTRAL = "qwen3-235b-a22b", "glm-4.5-air", "mistral-large-2407"
@@ -127,9 +128,6 @@ def test_aegaeon_preempts_a_long_call_for_another_model() -> None:
 def test_talaria_stages_every_shard_only_where_host_kv_keeps_what_the_kv_region_gives_up() -> None:
     """With host KV the staging region fits the largest shard (Qwen3-235B switches D2D);
     without it the region fits the second largest, and the KV region keeps the difference."""
-    from engine.sim.engine import SimEngine
-    from workloads.replay.systems import SYSTEMS
-
     models = list(ClusterSpec().models)
     engines = {name: SimEngine(models, SYSTEMS[name].engine_config())
                for name in ("talaria", "-host_kv", "+staging", "+host_kv")}
