@@ -26,7 +26,7 @@ from engine.interface import EngineRequest, EngineStats, StepResult, TokenEvent
 from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
 from engine.model_runner import ModelRunner
 from engine.models.checkpoint_cache import model_dir
-from engine.request import Request, RequestStatus, validate_prompt
+from engine.request import Request, RequestStatus, token_event, validate_prompt
 from engine.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
@@ -115,7 +115,7 @@ class EngineCore:
         if req is None:
             return
         self._forget(request_id)
-        self._pending.append(self._event(req, []))
+        self._pending.append(token_event(req, []))
 
     def has_unfinished(self) -> bool:
         """Whether a ``step`` has anything to do: a live request, or an event not delivered
@@ -153,7 +153,7 @@ class EngineCore:
                 self.scheduler.finish_request(req.request_id, status)
                 self._forget(req.request_id)
             events.append(
-                self._event(req, [tok.token_id], [tok.logprob] if tok.logprob is not None else None)
+                token_event(req, [tok.token_id], [tok.logprob] if tok.logprob is not None else None)
             )
         self.prefill_tokens_total += out.num_prefill_tokens
         self.decode_tokens_total += out.num_decode_tokens
@@ -176,21 +176,6 @@ class EngineCore:
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _event(
-        self, req: Request, tokens: list[int], logprobs: list[float] | None = None
-    ) -> TokenEvent:
-        return TokenEvent(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            finished=req.is_finished,
-            finish_reason=req.status.finish_reason,
-            logprobs=logprobs,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            num_restored_tokens=req.num_restored_tokens,
-            num_output_tokens=req.num_output_tokens,
-        )
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

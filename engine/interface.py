@@ -163,7 +163,10 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
         """Make ``model`` active (see above). ``lend_staging``: until the next activation its
         KV cache spans the staging region too, whatever was staged there is dropped, and
         nothing can be staged (ValueError without a staging region, before anything moves).
-        Activating the active model moves nothing and leaves lending as it is."""
+        Activating the active model moves nothing and leaves lending as it is, except to
+        lend a region not lent yet (a slot that meets KV pressure after it opened): with no
+        unfinished request, its KV cache is re-viewed over both regions, nothing copied and
+        its device KV dropped as at a switch (offload first); RuntimeError with one."""
         ...
 
     def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:

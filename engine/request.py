@@ -16,7 +16,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.interface import FinishReason
+from engine.interface import FinishReason, TokenEvent
 from engine.sampling_params import SamplingParams
 
 
@@ -122,3 +122,18 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+
+def token_event(req: Request, tokens: list[int], logprobs: list[float] | None = None) -> TokenEvent:
+    """The event that reports ``tokens`` (new since the last event) of ``req`` as it is now."""
+    return TokenEvent(
+        request_id=req.request_id,
+        new_token_ids=tokens,
+        finished=req.is_finished,
+        finish_reason=req.status.finish_reason,
+        logprobs=logprobs,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        num_restored_tokens=req.num_restored_tokens,
+        num_output_tokens=req.num_output_tokens,
+    )

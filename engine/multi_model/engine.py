@@ -127,7 +127,9 @@ class MultiModelEngine(ServesModels):
         if lend_staging and not self.rank.has_staging_region:
             raise ValueError(f"{model}: no staging region to lend to the KV cache")
         if model == self.served.active:
-            return MoveReport(MoveKind.NONE, 0, 0.0)  # lending stays as it is
+            if not lend_staging or self.rank.staging_lent:
+                return MoveReport(MoveKind.NONE, 0, 0.0)  # lending stays as it is
+            return self._lend_to_active(model, live)
         self._poll_staging(block=self.rank.staged_model == model)
         if self.served.active is not None:
             outgoing = self.cores[self.served.active]
@@ -141,6 +143,20 @@ class MultiModelEngine(ServesModels):
         self._meters[model].observe_move(record)
         log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds,
                  lend_staging=lend_staging)
+        return record
+
+    def _lend_to_active(self, model: str, live: int) -> MoveReport:
+        """Lend the staging region to the active model's KV cache: its KV cache is
+        re-viewed over both regions (nothing copied; device KV dropped as at a switch, so
+        offload first). Needs no live request: the view's layout changes under them."""
+        if live:
+            raise RuntimeError(f"cannot lend the staging region to {model!r}'s KV cache: "
+                               f"{live} requests are live")
+        self._remember_sessions(model)
+        record = self.rank.activate(model, lend_staging=True)
+        self.cores[model].reset_kv()  # as many blocks as its lent KV cache has
+        self._meters[model].observe_move(record)
+        log.info("multi_model.lend_to_active", model=model, seconds=record.seconds)
         return record
 
     def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:

@@ -98,6 +98,11 @@ class RankModels:
         return record
 
     @property
+    def staging_lent(self) -> bool:
+        """Whether the active model's KV cache spans the staging region now."""
+        return self.memory.ledger.staging_lent
+
+    @property
     def has_staging_region(self) -> bool:
         return self.memory.arena.staging_enabled
 

@@ -178,6 +178,10 @@ class TensorParallelRankModels:
         return _required(combine_records(self._all("activate", name, lend_staging)), "activate")
 
     @property
+    def staging_lent(self) -> bool:
+        return self.local.staging_lent  # every rank lends at the same activation
+
+    @property
     def has_staging_region(self) -> bool:
         return self.local.has_staging_region  # every rank's regions are alike
 

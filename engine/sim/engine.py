@@ -42,7 +42,7 @@ from engine.interface import (
     TokenEvent,
 )
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, token_event
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.served_models import ServedModels, ServesModels
 from engine.sim.config import SimEngineConfig
@@ -160,7 +160,7 @@ class SimEngine(ServesModels):
         if req is not None:
             self._seeds.pop(request_id, None)
             self.host_tier.forget(request_id)
-            self._pending.append(_event(req, []))
+            self._pending.append(token_event(req, []))
 
     def has_unfinished(self) -> bool:
         """Requests still to finish, suspended ones included."""
@@ -265,7 +265,7 @@ class SimEngine(ServesModels):
                 self._seeds.pop(req.request_id, None)
                 self.host_tier.forget(req.request_id)
                 self.sessions.remember(self.served.active or "", req, self.kv)
-            events.append(_event(req, tokens))
+            events.append(token_event(req, tokens))
         return events
 
     # --------------------------------------------------------------- switching
@@ -281,29 +281,36 @@ class SimEngine(ServesModels):
         if lend_staging and not self.memory.staging_bytes:
             raise ValueError(f"{model}: no staging region to lend to the KV cache")
         self.memory.poll_staging()
-        if model == self.served.active:  # lending stays as it is
-            return self._resume_parked(model, MoveReport(MoveKind.NONE, 0, 0.0))
+        if model == self.served.active:
+            if not lend_staging or self.memory.ledger.staging_lent:  # lending stays as it is
+                return self._resume_parked(model, MoveReport(MoveKind.NONE, 0, 0.0))
+            if unfinished:
+                raise RuntimeError(f"cannot lend the staging region to {model!r}'s KV cache: "
+                                   f"{unfinished} of its requests are unfinished")
+            record = self.memory.lend_to_active()
+            self._new_kv_cache(model)
+            self.busy_seconds += record.seconds  # the wait for a staging copy in flight
+            return record
         if self.served.active is not None:
             self.host_tier.switched_out(self.served.active)
         record = self.memory.activate(model, lend_staging)
-        self._base_totals()
-        self._secondary = HostKVSecondary(self.host_kv, model)
-        self.kv = KVCacheManager(
-            self.memory.kv_blocks(model),
-            self.config.block_size,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            secondary=self._secondary if self.host_kv.capacity_bytes > 0 else None,
-        )
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.costs[model].model.max_position_embeddings,
-        )
+        self._new_kv_cache(model)
         self.served.active = model
         self._totals["switches"] += 1
         self.busy_seconds += record.seconds
         return self._resume_parked(model, record)
+
+    def _new_kv_cache(self, model: str) -> None:
+        """A fresh KV cache (and scheduler) over the blocks ``model`` has now."""
+        self._base_totals()
+        self._secondary = HostKVSecondary(self.host_kv, model)
+        cfg, secondary = self.config, self._secondary if self.host_kv.capacity_bytes else None
+        self.kv = KVCacheManager(self.memory.kv_blocks(model), cfg.block_size,
+                                 enable_prefix_caching=cfg.enable_prefix_caching,
+                                 secondary=secondary)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs,
+                                   max_model_len=self.costs[model].model.max_position_embeddings)
 
     def _resume_parked(self, model: str, record: MoveReport) -> MoveReport:
         """Resume ``model``'s suspended requests (just activated): their KV copy is added
@@ -435,15 +442,3 @@ def _synthetic_token(seed: int, position: int, vocab_size: int) -> int:
     """A deterministic token id for (request, position): a multiplicative hash."""
     return ((seed ^ (position * 0x9E3779B1)) * 0x85EBCA6B) % vocab_size
 
-
-def _event(req: Request, tokens: list[int]) -> TokenEvent:
-    return TokenEvent(
-        request_id=req.request_id,
-        new_token_ids=tokens,
-        finished=req.is_finished,
-        finish_reason=req.status.finish_reason,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_cached_tokens=req.num_cached_tokens,
-        num_restored_tokens=req.num_restored_tokens,
-        num_output_tokens=req.num_output_tokens,
-    )

@@ -115,17 +115,34 @@ class SimMemory:
             kind = ACTIVATE_WAKE
             seconds = self.switch_seconds(model, staged=False, outgoing=outgoing)
         else:
-            if self.ledger.staging_state is StagingState.IN_PROGRESS and (
-                    lend_staging or self.ledger.staged_model == model):
-                assert self.clock is not None  # ``stage`` refuses to start a copy without one
-                wait = max(0.0, self._staging_ready_at - self.clock())
-                self.ledger.finish_staging(self.ledger.staged_model)
+            if lend_staging or self.ledger.staged_model == model:
+                wait = self._finish_staging_in_flight()
             kind = self.ledger.plan_activation(model).kind
             seconds = self.switch_seconds(model, kind == MoveKind.ACTIVATE_D2D, outgoing)
         self.ledger.commit_activation(model, lend_staging)
         record = MoveRecord(kind, nbytes, seconds)
         self.ledger.record(record)  # the copy alone, as the live mover measures it
         return MoveRecord(kind, nbytes, wait + seconds)
+
+    def lend_to_active(self) -> MoveRecord:
+        """Lend the staging region to the active model's KV cache (its KV region is
+        re-viewed, nothing copied): a staging copy in flight is waited for, as at a lending
+        activation; the record's seconds are that wait."""
+        model = self.ledger.active_model
+        assert model is not None
+        wait = self._finish_staging_in_flight()
+        self.ledger.commit_activation(model, lend_staging=True)
+        return MoveRecord(MoveKind.NONE, 0, wait)
+
+    def _finish_staging_in_flight(self) -> float:
+        """Seconds until a staging copy in flight completes (0 without one); it is booked
+        complete, as waited for."""
+        if self.ledger.staging_state is not StagingState.IN_PROGRESS:
+            return 0.0
+        assert self.clock is not None  # ``stage`` refuses to start a copy without one
+        wait = max(0.0, self._staging_ready_at - self.clock())
+        self.ledger.finish_staging(self.ledger.staged_model)
+        return wait
 
     def kv_blocks(self, model: str) -> int:
         """Device KV blocks ``model`` has now (it is the active model)."""

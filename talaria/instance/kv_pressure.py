@@ -8,7 +8,10 @@ Both answers are gated on the same measure: the blocks the calls queued for a mo
   where they are, pinned by a reservation or cached; when they are given up, nothing is lost,
   and a switch out has only what was computed since to copy.
 - Lending the staging region (at each switch, ``lend_staging_due``): the incoming model's
-  KV cache spans the staging region for its slot, and nothing is staged meanwhile.
+  KV cache spans the staging region for its slot, and nothing is staged meanwhile. A slot
+  that meets the pressure after it opened (its calls arrived after the switch) admits
+  nothing more until its calls in flight end, then lends (``lend_in_slot``): the lent view
+  lays the KV cache out anew, so it cannot change under running calls.
 
 Who owns what: the loop tells this object which sessions' calls ended (``call_ended``) and
 when a step or a switch happens; this object calls the executor, keeps the sessions' KV
@@ -51,7 +54,7 @@ class KVPressure:
         self.counters = counters
         self.ended: list[str] = []  # sessions whose call ended this step (demotion candidates)
 
-    def queued_blocks(self, model: str, block_size: int) -> int:
+    def queued_blocks(self, model: str) -> int:
         return sum(p.need_blocks for p in self.calls.waiting(model))
 
     def call_ended(self, pending: PendingCall) -> None:
@@ -67,7 +70,7 @@ class KVPressure:
         if model is None or not sessions:
             return None
         # a copy to host frees no device block: the step's stats still hold
-        if not demotion_due(self.queued_blocks(model, stats.block_size), stats.num_free_blocks):
+        if not demotion_due(self.queued_blocks(model), stats.num_free_blocks):
             return None
         report = await self.executor.offload_kv(sessions)
         self.counters["kv_demotions"] = self.counters.get("kv_demotions", 0) + len(sessions)
@@ -78,13 +81,29 @@ class KVPressure:
         return self.executor.stats()  # the host store's use moved
 
     def lend_staging(self, model: str) -> bool:
-        """Whether ``model``'s slot, about to be switched in, borrows the staging region for
-        its KV cache (``lend_staging_due``; needs D2D staging, so a staging region)."""
+        """Whether ``model``'s slot borrows the staging region for its KV cache
+        (``lend_staging_due``; needs D2D staging, so a staging region)."""
         if not (self.policy.lend_staging and self.policy.d2d_staging):
             return False
-        queued = self.queued_blocks(model, self.executor.stats().block_size)
+        queued = self.queued_blocks(model)
         return lend_staging_due(queued, self.executor.kv_capacity_blocks(model),
                                 self.executor.kv_capacity_blocks(model, lent=True))
+
+    def lend_in_slot_due(self, model: str, lent: bool) -> bool:
+        """Whether the open slot of the active ``model`` meets KV pressure it did not meet
+        when it opened (``lend_staging`` on its queued calls; ``lent``: already lent)."""
+        return not lent and self.lend_staging(model)
+
+    async def lend_in_slot(self, model: str) -> None:
+        """Lend the staging region to the active ``model``'s KV cache inside its slot. The
+        loop calls it with no call in flight (the re-viewed cache drops device KV): the
+        sessions' KV goes to host first and comes back by restore, as after a switch."""
+        if self.policy.host_kv:
+            await self.executor.offload_kv(None)
+        await self.executor.activate(model, lend_staging=True)
+        self.lent()
+        self.counters["slot_lends"] = self.counters.get("slot_lends", 0) + 1
+        log.info("slot_lend", instance=self.instance_id, model=model)
 
     def lent(self) -> None:
         """A switch lent the staging region (counted once the activation succeeded)."""

@@ -177,6 +177,13 @@ class AdmissionLoop:
                         await self._suspend(model)
                 else:
                     slot.opened = now  # only this model has work: the slot continues
+            if slot.open and self.pressure.lend_in_slot_due(model, self.staging_lent):
+                if self.calls.running:  # admit nothing until they end: the view changes
+                    self._account()
+                    return
+                await self.pressure.lend_in_slot(model)
+                self.staging_lent = True
+                self.refresh_engine_view(all_sessions=True)  # capacity and residency moved
             if slot.open:
                 await self.intake.admit_queue(model)
                 if slot_closes(self.policy.slot_close, queue_empty=not self.calls.queues[model],
@@ -302,7 +309,7 @@ class AdmissionLoop:
                 await self.executor.offload_kv(None)
             self.sessions.switch_out(outgoing)
         self._stage_failed.clear()
-        # the KV cache is re-viewed (lent or not) only when another model comes in
+        # another model comes in: its KV cache is viewed lent or not (in a slot: lend_in_slot)
         lend = self.pressure.lend_staging(model) if outgoing != model else self.staging_lent
         report = await self.executor.activate(model, lend_staging=lend)
         self.active_model = model
@@ -313,21 +320,16 @@ class AdmissionLoop:
         for pending in self.calls.resume(model):
             self.split.admit(pending.call.call_id, self.now())
         self.counters["switches"] += int(outgoing != model)
-        log.info(
-            "switch",
-            instance=self.instance_id,
-            outgoing=outgoing,
-            incoming=model,
-            kind=report.kind,
-            seconds=report.seconds,
-            lend_staging=lend,
-        )
+        log.info("switch", instance=self.instance_id, outgoing=outgoing, incoming=model,
+                 kind=report.kind, seconds=report.seconds, lend_staging=lend)
         self._open_slot(model, report.seconds)
         self.refresh_engine_view(all_sessions=True)
         await self._maybe_stage()
 
     async def _maybe_stage(self) -> None:
-        if not self.policy.d2d_staging or self.staging_lent:
+        slot = self.slot
+        if not self.policy.d2d_staging or self.staging_lent or (  # lent, or about to be
+                slot and slot.open and self.pressure.lend_in_slot_due(slot.model, False)):
             return
         self.residency = self.executor.residency()
         target = staging_target(self.view)
@@ -399,9 +401,8 @@ class AdmissionLoop:
                                       served_s=now - admitted)
             self.pressure.call_ended(pending)
 
-    def finish(
-        self, pending: PendingCall, reason: str, event: TokenEvent | None, error: str | None = None
-    ) -> None:
+    def finish(self, pending: PendingCall, reason: str, event: TokenEvent | None,
+               error: str | None = None) -> None:
         """The call's terminal event: it leaves the book and its handle ends."""
         self.calls.remove(pending.call.call_id)
         self.split.finish(pending.call.call_id, self.now())

@@ -60,8 +60,9 @@ class PolicyConfig:
     # lose nothing (talaria.policies.reservations.demotion_due)
     kv_demotion: bool = True
     # under KV pressure at a switch (the incoming model's queued calls need more blocks than
-    # its KV region holds), the slot lends the staging region to the KV cache and stages
-    # nothing (with d2d_staging; inert without): talaria.policies.staging.lend_staging_due
+    # its KV region holds), or inside an open slot once its calls in flight drain, the slot
+    # lends the staging region to the KV cache and stages nothing (with d2d_staging; inert
+    # without): talaria.policies.staging.lend_staging_due
     lend_staging: bool = True
     # round scheduler. The defaults are Talaria's one configuration (TALARIA_SETTING): every
     # preset and `talaria serve` run it, and the benchmark runs Talaria and its leave-one-out

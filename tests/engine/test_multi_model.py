@@ -143,6 +143,46 @@ def test_a_lent_staging_region_holds_kv_and_outputs_stay_exact(models: dict[str,
                 fresh(models[LLAMA], requests(LLAMA, "after", PROMPTS)))
 
 
+def test_the_active_model_borrows_the_staging_region_once_nothing_runs(
+        models: dict[str, Path]) -> None:
+    """A slot that meets KV pressure after it opened: the active model's KV cache is re-viewed
+    over both regions without a weight copy, refused while a request is live; a session's
+    KV offloaded first comes back from host, and outputs match a fresh engine."""
+    engine = make_engine(models, wait_for_staging=True)
+    lent = engine.kv_capacity_blocks(MOE, lent=True)
+    engine.activate(LLAMA)
+    engine.stage(MOE)
+    assert engine.activate(MOE).kind == "activate_d2d"
+    engine.stage(QWEN)
+    first = prompt(5, 30)
+    out = run(engine, [EngineRequest("s1", first, GREEDY, model=MOE, session_id="s")])[0]["s1"][0]
+    engine.offload_kv(["s"])
+    engine.add_request(EngineRequest("live", prompt(6, 9), GREEDY, model=MOE))
+    with pytest.raises(RuntimeError, match="live"):
+        engine.activate(MOE, lend_staging=True)
+    assert engine.stats().num_total_blocks == NUM_BLOCKS  # refused before anything moved
+    engine.abort("live")
+    engine.step()
+    weight_ptr = engine.weight_region.data_ptr()
+    report = engine.activate(MOE, lend_staging=True)
+    assert report.kind == "none" and report.bytes == 0
+    assert engine.weight_region.data_ptr() == weight_ptr and engine.active_model == MOE
+    assert engine.stats().num_total_blocks == lent
+    assert engine.residency()[QWEN] is Residency.HOST  # the staged copy is gone
+    assert engine.activate(MOE).kind == "none" and engine.stats().num_total_blocks == lent
+    again = first + out + prompt(7, 5)
+    restored = engine.stats().restored_tokens_total
+    cont = run(engine, [EngineRequest("s2", again, GREEDY, model=MOE, session_id="s")])[0]
+    assert engine.stats().restored_tokens_total - restored >= 28  # its whole blocks
+    assert_same(cont, fresh(models[MOE], [EngineRequest("s2", again, GREEDY, model=MOE)]))
+    batch = [prompt(40 + i, 30) for i in range(12)]  # 12 x 9 blocks > 64
+    got = run(engine, requests(MOE, "lent", batch))[0]
+    assert engine.stats().num_cached_blocks > NUM_BLOCKS
+    assert_same(got, fresh(models[MOE], requests(MOE, "fresh", batch)))
+    assert engine.activate(LLAMA).kind == "activate_h2d"
+    assert engine.stats().num_total_blocks == NUM_BLOCKS
+
+
 def _session_round(
     engine: MultiModelEngine, first_prompt: list[int], sid: str
 ) -> tuple[list[int], list[int]]:

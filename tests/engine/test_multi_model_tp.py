@@ -173,6 +173,13 @@ def test_staged_activation_equals_host_activation(
                 fresh(models[LLAMA], requests(LLAMA, "lent", batch)))
     tp2.activate(QWEN)
     assert tp2.stats().num_total_blocks == NUM_BLOCKS
+    # lent inside QWEN's slot: every rank re-views its KV cache, no weight moves
+    assert tp2.activate(QWEN, lend_staging=True).kind == "none"
+    qwen_lent = tp2.kv_capacity_blocks(QWEN, lent=True)
+    assert tp2.stats().num_total_blocks == qwen_lent > NUM_BLOCKS
+    assert tp2.rank.staging_lent
+    assert_same(run(tp2, requests(QWEN, "slot-lent", batch))[0],
+                fresh(models[QWEN], requests(QWEN, "slot-lent", batch)))
 
 
 def test_shutdown_leaves_no_process(models: dict[str, Path]) -> None:

@@ -191,13 +191,20 @@ class FakeEngine(ServesModels):
         self.served.check_activation(model, len(self._reqs))
         if lend_staging and not self.lendable_blocks:
             raise ValueError("no staging region to lend")
-        if model == self.active:  # as the real engines: nothing moves, lending stays
-            self.log.append(("activate", model))
+        if model == self.active and (self.lent or not lend_staging):
+            self.log.append(("activate", model))  # as the real engines: lending stays
             return MoveReport("none", 0, 0.0)
+        relend = model == self.active
+        if relend and self._reqs:
+            raise RuntimeError("cannot lend the staging region: requests are live")
         for kv in self._kv.values():
             if kv.model == self.active:
                 kv.device = 0
                 kv.pinned = False
+        if relend:  # the KV cache re-viewed over both regions: nothing copied
+            self._staged, self.lent = None, True
+            self.log.append(("lend", model))
+            return MoveReport("none", 0, 0.0)
         staged = self._staged == model
         if staged or lend_staging:
             self._staged = None

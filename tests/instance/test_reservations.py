@@ -261,3 +261,44 @@ def test_no_lending_without_pressure_or_without_the_mechanism(policy: str,
     engine, counters = _switch_in_b(policy, calls_of_b)
     assert ("activate", "b") in engine.log and ("activate_lent", "b") not in engine.log
     assert "staging_lends" not in counters
+
+
+def _pressure_after_b_opens(policy: str) -> tuple[FakeEngine, dict[str, int]]:
+    """b is active and its slot opens for one call (10 of its 20 blocks: no pressure); three
+    more calls of b (30 blocks) arrive while it runs."""
+    engine = FakeEngine(["a", "b"], num_blocks=20, block_size=16, step_s=0.1,
+                        lendable_blocks=20, initial_model="b")
+
+    async def late(i: int):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.25)
+        await run_call(inst, call(f"b{i}", f"s{i}", "b", 150, 10, last=True))
+
+    inst = Instance("i", engine, preset(policy))
+
+    async def main():  # type: ignore[no-untyped-def]
+        await inst.start()
+        await asyncio.gather(run_call(inst, call("b0", "s0", "b", 150, 10, last=True)),
+                             *(late(i) for i in (1, 2, 3)))
+        await inst.stop()
+        return inst.counters
+
+    return engine, run_virtual(main())
+
+
+def test_pressure_inside_an_open_slot_lends_the_region_once_its_calls_drain() -> None:
+    """The queued calls need more than b's KV region: the slot admits nothing more until b0
+    ends, then b's KV cache borrows the staging region (no switch, no weight copy) and the
+    three calls run in it at once."""
+    engine, counters = _pressure_after_b_opens("talaria")
+    lend_at = engine.log.index(("lend", "b"))
+    assert counters["staging_lends"] == 1 and counters["slot_lends"] == 1
+    adds = [i for i, e in enumerate(engine.log) if e[0] == "add"]
+    assert engine.log[adds[0]] == ("add", "b0") and adds[0] < lend_at < adds[1]
+    assert sorted(engine.log[i][1] for i in adds[1:]) == ["b1", "b2", "b3"]
+    assert engine.lent and not [e for e in engine.log[lend_at:] if e[0] == "stage"]
+
+
+def test_no_lending_inside_a_slot_without_the_mechanism() -> None:
+    engine, counters = _pressure_after_b_opens("-lending")
+    assert ("lend", "b") not in engine.log and "slot_lends" not in counters
+    assert not engine.lent

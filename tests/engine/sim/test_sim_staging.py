@@ -114,3 +114,29 @@ def test_with_a_fixed_kv_region_the_lent_cache_adds_the_staging_region_as_live()
     for model in (QWEN, GLM):
         assert engine.kv_capacity_blocks(model) == 64
         assert engine.kv_capacity_blocks(model, lent=True) == region // (BS * per_token[model])
+
+
+def test_the_active_model_borrows_the_staging_region_once_nothing_runs() -> None:
+    """Lending to the model already active: no weight copy, only the wait for a staging copy
+    in flight (as a lending switch waits), refused while a request is unfinished; the KV
+    cache then has the lent blocks until the next switch gives the region back."""
+    clock = Clock()
+    engine = make((QWEN, GLM, MISTRAL), staging=True, clock=clock)
+    engine.activate(GLM)
+    engine.add_request(req("a", tokens(500), max_tokens=3, model=GLM))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        engine.activate(GLM, lend_staging=True)
+    assert engine.stats().num_total_blocks == engine.kv_capacity_blocks(GLM)
+    drain(engine)
+    engine.stage(MISTRAL)
+    copy = cost(MISTRAL).switch_seconds_host()
+    clock.now += copy / 4
+    report = engine.activate(GLM, lend_staging=True)
+    assert report.kind == "none" and report.bytes == 0
+    assert report.seconds == pytest.approx(copy * 3 / 4)
+    assert engine.stats().num_total_blocks == engine.kv_capacity_blocks(GLM, lent=True)
+    assert engine.residency()[MISTRAL] == Residency.HOST
+    assert engine.activate(GLM, lend_staging=True).seconds == 0.0  # lent already
+    assert engine.stats().num_total_blocks == engine.kv_capacity_blocks(GLM, lent=True)
+    assert engine.activate(MISTRAL).kind == "activate_h2d"
+    assert engine.stats().num_total_blocks == engine.kv_capacity_blocks(MISTRAL)
