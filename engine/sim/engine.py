@@ -275,7 +275,8 @@ class SimEngine(ServesModels):
         included (``offload_kv`` first to keep them); priced by ``SimMemory.activate``, plus
         copying back the KV of ``model``'s suspended requests, which resume.
         ``lend_staging``: its KV cache spans the staging region too until the next
-        activation (``kv_capacity_blocks(model, lent=True)``); nothing can be staged."""
+        activation (``kv_capacity_blocks(model, lent=True)``); nothing can be staged. For the
+        active model not lent yet: ``SimMemory.lend_to_active``, no unfinished request."""
         unfinished = len(self.scheduler.requests) if self.scheduler is not None else 0
         self.served.check_activation(model, unfinished)
         if lend_staging and not self.memory.staging_bytes:

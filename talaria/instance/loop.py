@@ -327,13 +327,12 @@ class AdmissionLoop:
         await self._maybe_stage()
 
     async def _maybe_stage(self) -> None:
-        slot = self.slot
-        if not self.policy.d2d_staging or self.staging_lent or (  # lent, or about to be
-                slot and slot.open and self.pressure.lend_in_slot_due(slot.model, False)):
+        if not self.policy.d2d_staging or self.staging_lent:
             return
         self.residency = self.executor.residency()
-        target = staging_target(self.view)
-        if target is None or target in self._stage_failed:
+        target, slot = staging_target(self.view), self.slot
+        if target is None or target in self._stage_failed or (  # the region is about to be lent
+                slot and slot.open and self.pressure.lend_in_slot_due(slot.model, False)):
             return
         try:
             await self.executor.stage(target)
