@@ -72,6 +72,7 @@ __all__ = [
     "SystemConfig",
     "SYSTEMS",
     "ABLATIONS",
+    "LADDER_LEAVE_ONE_OUT",
     "LEAVE_ONE_OUT_ROWS",
     "PEERS",
     "DEFAULT_POLICIES",
@@ -225,6 +226,12 @@ def _leave_one_out() -> dict[str, SystemConfig]:
 
 
 LEAVE_ONE_OUT_ROWS: dict[str, SystemConfig] = _leave_one_out()
+# Leave-one-out rows that are a rung of the ladder, by their leave-one-out name: the rung
+# the suite's leave-one-out check runs for them (the default table runs it once, as a rung).
+LADDER_LEAVE_ONE_OUT: dict[str, str] = {
+    name: rung for name, _ in LEAVE_ONE_OUT for rung, row in ABLATIONS.items()
+    if name not in LEAVE_ONE_OUT_ROWS and row.policy.with_(name="") == preset(name).with_(name="")
+}
 
 # A plain engine's policy: none of Talaria's mechanisms, and the engine's own admission
 # (vLLM V1's and SGLang's schedulers admit by free KV for the prompt, up to max_num_seqs).

@@ -1,7 +1,7 @@
 """Does every mechanism pay? Talaria against each leave-one-out row in every suite scenario.
 
 Each row is Talaria's one configuration (its ``fixed`` settings grid) with one mechanism off
-(``LEAVE_ONE_OUT_ROWS``). ``draws`` independent draws of the suite (seeds ``config.seed``,
+(``LEAVE_ONE_OUT_ROWS``, and ``-lending``: the ladder's rung below Talaria). ``draws`` independent draws of the suite (seeds ``config.seed``,
 ``+1``, ...: other sessions, other Poisson arrivals, and the Poisson rates from that draw's
 own baseline bursts) are pooled per scenario, and every row replays the same sessions as
 Talaria, so the comparison is paired: the ratio ``row / talaria - 1`` of each figure with
@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from workloads.replay.systems import LEAVE_ONE_OUT_ROWS
+from workloads.replay.systems import LADDER_LEAVE_ONE_OUT, LEAVE_ONE_OUT_ROWS
 from workloads.suite.run import (
     BASELINE,
     FIGURES,
@@ -56,7 +56,7 @@ __all__ = ["Comparison", "LOO_ROWS", "SuiteVerdict", "check_loo_rows", "comparis
            "compare_rows", "format_leave_one_out", "leave_one_out_json", "run_leave_one_out",
            "suite_level"]
 
-LOO_ROWS: tuple[str, ...] = (*LEAVE_ONE_OUT_ROWS, PLACEBO)
+LOO_ROWS: tuple[str, ...] = (*LEAVE_ONE_OUT_ROWS, *LADDER_LEAVE_ONE_OUT, PLACEBO)
 _CHANCE = 0.025  # one tail of a 95% interval
 _MARK = {"pays": "+", "hurts": "!", "neither": " "}  # a verdict in the printed tables
 

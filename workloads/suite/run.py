@@ -24,7 +24,7 @@ from workloads.bounds.bound import LowerBound, lower_bound, pooled_bound
 from workloads.bounds.isolated import run_isolated
 from workloads.replay.driver import ReplayResult
 from workloads.replay.jobs import Job, run_many
-from workloads.replay.systems import PEERS, SYSTEMS, SystemConfig
+from workloads.replay.systems import LADDER_LEAVE_ONE_OUT, PEERS, SYSTEMS, SystemConfig
 from workloads.suite.scenarios import (
     Scenario,
     SuiteConfig,
@@ -54,8 +54,9 @@ Setting = dict[str, Any]
 
 
 def system_row(row: str) -> str:
-    """The row of ``SYSTEMS`` that ``row`` runs: Talaria's for the placebo, else itself."""
-    return TALARIA if row == PLACEBO else row
+    """The row of ``SYSTEMS`` that ``row`` runs: Talaria's for the placebo, the ladder's rung
+    for a leave-one-out row that is one (``-lending``), else itself."""
+    return TALARIA if row == PLACEBO else LADDER_LEAVE_ONE_OUT.get(row, row)
 
 
 def setting_key(setting: Mapping[str, Any]) -> str:

@@ -7,9 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from talaria.policies.config import preset
 from workloads.bounds.bound import LowerBound
 from workloads.replay.systems import SYSTEMS
 from workloads.suite.leave_one_out import (
+    LOO_ROWS,
     Comparison,
     compare_rows,
     comparisons_from_json,
@@ -117,6 +119,21 @@ def test_the_placebo_is_talaria_on_the_same_sessions_each_arriving_up_to_a_secon
     assert all(0.0 <= d <= PLACEBO_SHIFT_S + 1e-9 for d in shifts) and max(shifts) > 0.0
     assert [replace(p, arrival_s=s.arrival_s) for s, p in zip(run, placebo.sessions,
                                                               strict=True)] == run
+
+
+def test_lending_left_out_runs_the_ladder_rung_below_talaria_on_the_same_sessions() -> None:
+    """``-lending`` is not built twice: the check runs the ladder's ``+demotion`` under the
+    leave-one-out name, at Talaria's setting, on Talaria's sessions."""
+    assert "-lending" in LOO_ROWS and "+demotion" not in LOO_ROWS
+    config = SuiteConfig(traces=("miniswe",), servers=(1,))
+    run = list(draw_sessions("miniswe", 6, 0, config.spec, "t"))
+    jobs = {j.key[1]: j for j in _jobs(Scenario("miniswe", 1, 1.0), [run],
+                                       (TALARIA, "-lending"), SuiteSettings(), config)}
+    lending, talaria = jobs["-lending"], jobs[TALARIA]
+    assert lending.system == SYSTEMS["+demotion"].with_setting(**TALARIA_SETTING)
+    assert lending.system.policy.with_(name="") == preset("-lending").with_(name="")
+    assert not lending.system.policy.lend_staging and talaria.system.policy.lend_staging
+    assert lending.sessions == talaria.sessions == tuple(run)
 
 
 def test_the_summary_sets_the_placebo_apart() -> None:
