@@ -84,7 +84,7 @@ class SuiteSettings:
         chosen = self.tuned.get(scenario, {}).get(row)
         if chosen:
             return {f: dict(chosen[f]) for f in FIGURES}, True
-        default = self.fallback.get(row) or SYSTEMS[row].setting
+        default = self.fallback.get(row) or system.setting
         return {f: dict(default) for f in FIGURES}, False
 
 
