@@ -42,6 +42,11 @@ class SimEngineConfig:
     assumption inside the paper's "sub-second"). ``stable_substrate`` False is the memory
     of one plain engine per model: a model's KV region is what its own weights leave.
 
+    ``session_tokens_s``: how long a session's record keeps its last call's tokens after the
+    call finished (``engine.sim.kv.SimSessions``; None: as long as the session is
+    remembered). They spare its next prompt re-hashing what the two share; results do not
+    depend on it, memory does (10 minutes covers the tool gaps of the traces here).
+
     ``kv_tokens``: the KV capacity every model gets, in tokens, instead of what the memory
     layout leaves (an engine sharing the GPUs with other resident models, or a bound).
 
@@ -68,6 +73,7 @@ class SimEngineConfig:
     kv_tier: str = "offload"
     kv_tokens: int | None = None
     staging_region: str = "largest"
+    session_tokens_s: float | None = 600.0
 
     def __post_init__(self) -> None:
         for name in ("tp", "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -79,6 +85,8 @@ class SimEngineConfig:
                              f"{', '.join(STAGING_REGIONS)}")
         if self.staging and not self.stable_substrate:
             raise ValueError("staging needs the stable substrate (stable_substrate=True)")
+        if self.session_tokens_s is not None and not self.session_tokens_s >= 0:
+            raise ValueError(f"session_tokens_s must be >= 0, got {self.session_tokens_s}")
         if self.host_kv_bytes is not None and self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
         if self.switch not in SWITCH_KINDS:

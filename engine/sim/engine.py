@@ -94,7 +94,7 @@ class SimEngine(ServesModels):
         self.kv: KVCacheManager | None = None
         self.scheduler: Scheduler | None = None
         self._secondary: HostKVSecondary | None = None
-        self.sessions = SimSessions(self.host_kv, bs)
+        self.sessions = SimSessions(self.host_kv, bs, clock, self.config.session_tokens_s)
         self._seeds: dict[str, int] = {}
         self._pending: list[TokenEvent] = []
         self._decode_lines: dict[tuple[str, int], DecodeLine] = {}

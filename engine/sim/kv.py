@@ -4,6 +4,7 @@ cache."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv_cache_manager import KVCacheManager
@@ -16,7 +17,8 @@ __all__ = ["HostKVSecondary", "SessionRecord", "SimSessions"]
 @dataclass
 class SessionRecord:
     """The last finished call of a session: its model, its KV block-hash chain (full blocks
-    whose KV was computed) and its tokens (to reuse the chain for the next prompt)."""
+    whose KV was computed) and its tokens (to reuse the chain for the next prompt; empty once
+    ``SimSessions`` has let them go)."""
 
     model: str
     block_hashes: list[int]
@@ -51,13 +53,26 @@ class HostKVSecondary:
 
 class SimSessions:
     """Each session's last finished call (model, block-hash chain, tokens) and where its KV
-    is: device blocks of the active model's KV manager, blocks in the host KV index."""
+    is: device blocks of the active model's KV manager, blocks in the host KV index.
 
-    def __init__(self, host_kv: HostKVIndex, block_size: int) -> None:
+    A record keeps its call's tokens for ``keep_tokens_s`` of ``clock`` after the call
+    finished (None: for as long as the session is remembered), then its block hashes only.
+    The tokens only spare the session's next prompt the hashing of the blocks it shares with
+    this call; a session back after longer hashes its whole prompt (to the same hashes:
+    tokens alone decide them), so results do not depend on it, and memory grows with the
+    sessions active lately instead of every session the engine has seen (a prompt's tokens
+    are megabytes, its block hashes kilobytes)."""
+
+    def __init__(self, host_kv: HostKVIndex, block_size: int,
+                 clock: Callable[[], float] | None = None,
+                 keep_tokens_s: float | None = None) -> None:
         self.host_kv = host_kv
         self.block_size = block_size
         self.records: dict[str, SessionRecord] = {}
         self._host = ChainLookups(host_kv)  # the loop asks for every session every refresh
+        self._clock = clock
+        self._keep_tokens_s = keep_tokens_s
+        self._holding: dict[str, float] = {}  # sessions whose record has tokens -> finished at
 
     def remember(self, model: str, req: Request, kv: KVCacheManager) -> None:
         """``req`` (of ``model``) finished: its chain is the session's prefix now."""
@@ -67,13 +82,29 @@ class SimSessions:
         self.records[sid] = SessionRecord(
             model, kv.session_block_hashes(sid), req.prompt_token_ids, list(req.output_token_ids)
         )
+        if self._clock is not None and self._keep_tokens_s is not None:
+            now = self._clock()
+            self._holding.pop(sid, None)
+            self._holding[sid] = now  # oldest first: re-inserted at its latest call
+            self._let_tokens_go(now - self._keep_tokens_s)
+
+    def _let_tokens_go(self, before: float) -> None:
+        """Records of calls that finished before ``before`` keep their block hashes only."""
+        while self._holding:
+            sid, finished = next(iter(self._holding.items()))
+            if finished >= before:
+                return
+            del self._holding[sid]
+            record = self.records.get(sid)
+            if record is not None:
+                record.prompt_token_ids, record.output_token_ids = [], []
 
     def reusable_hashes(self, req: Request) -> list[int]:
         """The leading block hashes of ``req`` already known from its session's last call
         (the longest block prefix whose tokens match), so a 100k-token continuation hashes
         only its new blocks. Hashes depend on tokens only, never on where the KV lives."""
         prev = self.records.get(req.session_id) if req.session_id is not None else None
-        if prev is None or not prev.block_hashes:
+        if prev is None or not prev.block_hashes or not prev.prompt_token_ids:
             return []
         bs = self.block_size
         prompt = req.prompt_token_ids
@@ -124,4 +155,5 @@ class SimSessions:
 
     def forget(self, session_id: str) -> None:
         self.records.pop(session_id, None)
+        self._holding.pop(session_id, None)
         self._host.forget(session_id)
