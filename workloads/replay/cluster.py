@@ -25,7 +25,7 @@ from router.sessions.inference import SessionInference
 from talaria.instance.instance import Instance
 from workloads.replay.systems import SystemConfig
 
-__all__ = ["ClusterSpec", "Cluster", "ClusterTotals", "start_cluster"]
+__all__ = ["ClusterSpec", "Cluster", "ClusterTotals", "InstanceTotals", "start_cluster"]
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,17 @@ class ClusterSpec:
                                     **overrides)
 
 
+@dataclass(frozen=True)
+class InstanceTotals:
+    """One instance's engine-side totals after a run."""
+
+    busy_s: float  # modelled engine time
+    switches: int  # model activations after its first
+
+
 @dataclass
 class ClusterTotals:
-    """Engine-side totals over every instance after a run."""
+    """Engine-side totals over every instance after a run (``by_instance``: each one's)."""
 
     switches: int = 0  # model activations, not counting each instance's first load
     activations: int = 0
@@ -92,6 +100,7 @@ class ClusterTotals:
     restored_tokens: int = 0  # of those, restored from host KV
     busy_s: float = 0.0  # summed modelled engine time
     counters: dict[str, int] = field(default_factory=dict)  # admission-loop counters, summed
+    by_instance: dict[str, InstanceTotals] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,12 +128,14 @@ class Cluster:
         for iid, engine in self.engines.items():
             st = engine.stats()
             activations = int(st.extra.get("num_switches", 0))
+            busy = float(st.extra.get("busy_seconds", 0.0))
+            out.by_instance[iid] = InstanceTotals(busy, max(0, activations - 1))
             out.activations += activations
             out.switches += max(0, activations - 1)
             out.prefill_tokens += st.prefill_tokens_total
             out.cached_tokens += st.cached_tokens_total
             out.restored_tokens += st.restored_tokens_total
-            out.busy_s += float(st.extra.get("busy_seconds", 0.0))
+            out.busy_s += busy
             for key, value in self.instances[iid].counters.items():
                 out.counters[key] = out.counters.get(key, 0) + value
         return out
