@@ -214,7 +214,8 @@ def format_day(day: DayResult, pool_name: str) -> str:
                               for name in FIGURES),
         f"SLO (p95 <= {SLO_FACTOR:g} x the same sessions' isolated p95 "
         f"{day.isolated_p95_s:.1f} = {day.slo_s:.1f} s): {'met' if day.slo_met else 'MISSED'}",
-        "per server, min / p10 / median / p90 / max:",
+        f"per server ({sum(1 for s in day.per_server if not s.calls)} of {day.servers} "
+        "served no call), min / p10 / median / p90 / max:",
         f"  utilisation  {_spread([s.utilisation for s in day.per_server])}",
         f"  sessions     {_spread([float(s.sessions) for s in day.per_server])}",
         f"  calls        {_spread([float(s.calls) for s in day.per_server])}",

@@ -86,6 +86,8 @@ def test_a_small_day_accounts_every_call_and_every_engine_second_to_a_server() -
     assert data["slo_met"] == day.slo_met
     text = format_day(day, "pool")
     assert "given" in text and "utilisation" in text
+    idle = sum(1 for s in day.per_server if s.calls == 0)
+    assert f"({idle} of 2 served no call)" in text
 
 
 def test_a_day_at_a_load_takes_its_rate_from_the_baselines_burst() -> None:
@@ -127,3 +129,17 @@ def test_the_day_command_prints_and_writes_each_servers_share(
     assert data["servers"] == 2 and data["failed_calls"] == 0
     assert sum(s["calls"] for s in data["per_server"]) == data["calls"] > 0
     assert data["sessions_per_s"] == pytest.approx(90 / 3600 * 2)
+
+
+def test_the_report_counts_the_servers_that_served_nothing() -> None:
+    from workloads.suite.day import DayResult, ServerDay
+
+    servers = [ServerDay("i0", 3, 90, 500.0, 0.5, 4), ServerDay("i1", 0, 0, 0.0, 0.0, 0),
+               ServerDay("i2", 0, 0, 0.0, 0.0, 0)]
+    day = DayResult("talaria", {}, 3, 1.0, 0.001, None, 3, 90, 0,
+                    {"p50": 10.0, "p95": 30.0, "mean": 12.0},
+                    {f: (1.0, 40.0) for f in ("p50", "p95", "mean")}, 20.0, 1000.0, servers,
+                    1.0, 1.0, 100.0)
+    text = format_day(day, "pool")
+    assert "(2 of 3 served no call)" in text and "MISSED" not in text
+    assert "utilisation  0 / 0 / 0 / 0.4 / 0.5" in text
