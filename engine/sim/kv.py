@@ -56,7 +56,8 @@ class SimSessions:
     is: device blocks of the active model's KV manager, blocks in the host KV index.
 
     A record keeps its call's tokens for ``keep_tokens_s`` of ``clock`` after the call
-    finished (None: for as long as the session is remembered), then its block hashes only.
+    finished (either None: for as long as the session is remembered), then its block hashes
+    only; records are swept when another call of the engine finishes.
     The tokens only spare the session's next prompt the hashing of the blocks it shares with
     this call; a session back after longer hashes its whole prompt (to the same hashes:
     tokens alone decide them), so results do not depend on it, and memory grows with the
