@@ -359,7 +359,8 @@ def _day(args: argparse.Namespace) -> int:
     from workloads.benchmark.tuning import apply_settings, load_settings
     from workloads.replay.cluster import ClusterSpec
     from workloads.replay.systems import parse_policies
-    from workloads.suite.day import DayConfig, day_json, format_day, pool_sessions, run_day
+    from workloads.suite.day import DayConfig, day_json, format_day, run_day
+    from workloads.suite.scenarios import pool_sessions
     from workloads.traces.readers import load_any_trace, read_real_trace, real_trace_path
 
     if (args.live or args.bench_sim or args.leave_one_out or args.sweep or args.tune
@@ -371,8 +372,8 @@ def _day(args: argparse.Namespace) -> int:
     spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
                        block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
     trace = args.trace or str(real_trace_path())
-    pool = pool_sessions(load_any_trace(args.trace) if args.trace else read_real_trace(), spec,
-                         args.seed)
+    pool = pool_sessions(load_any_trace(args.trace) if args.trace else read_real_trace(),
+                         spec.models)
     if args.max_sessions is not None:
         pool = pool[: args.max_sessions]
     tuned = load_settings(None, Path(args.settings)) if args.settings else load_settings(None)

@@ -40,7 +40,6 @@ from workloads.suite.capacity import CapacityConfig
 from workloads.suite.run import BASELINE
 from workloads.suite.scenarios import saturation_rate
 from workloads.suite.stats import FIGURES, figure, interval, percentile
-from workloads.traces.assignment import assign_models, bundled_contexts
 from workloads.traces.trace import Session
 
 __all__ = ["DayConfig", "DayResult", "ServerDay", "day_json", "day_sessions", "format_day",
@@ -107,16 +106,6 @@ class DayResult:
     @property
     def calls_per_cpu_s(self) -> float:
         return self.calls / self.cpu_s if self.cpu_s > 0 else 0.0
-
-
-def pool_sessions(sessions: Sequence[Session], spec: ClusterSpec, seed: int = 0) -> list[Session]:
-    """The pool a day draws from: ``sessions`` on their own (no subagent links: a drawn copy
-    has no parent to wait for), catalog models assigned where the trace names others."""
-    models = list(spec.models)
-    pool = list(sessions)
-    if any(s.model not in models for s in pool):
-        pool = assign_models(pool, models, skew=1.0, seed=seed, contexts=bundled_contexts(models))
-    return [s.alone() for s in pool]
 
 
 def day_sessions(pool: Sequence[Session], rate_per_s: float, hours: float,

@@ -3,9 +3,10 @@
 Each row is Talaria's one configuration (its ``fixed`` settings grid) with one mechanism off
 (``LEAVE_ONE_OUT_ROWS``, and ``-lending``: the ladder's rung below Talaria). ``draws``
 independent draws of the suite (seeds ``config.seed``, ``+1``, ...: other sessions, other
-Poisson arrivals, and the Poisson rates from that draw's own baseline bursts) are pooled per scenario, and every row replays the same sessions as
-Talaria, so the comparison is paired: the ratio ``row / talaria - 1`` of each figure with
-a paired bootstrap 95% interval over the pooled sessions (``paired_interval``).
+Poisson arrivals, and the Poisson rates from that draw's own baseline bursts) are pooled
+per scenario, and every row replays the same sessions as Talaria, so the comparison is
+paired: the ratio ``row / talaria - 1`` of each figure with a paired bootstrap 95%
+interval over the pooled sessions (``paired_interval``).
 
 A verdict per (scenario, row, figure): ``pays`` when the interval lies above 0 (the row
 without the mechanism is slower), ``hurts`` when it lies below (faster without it: a

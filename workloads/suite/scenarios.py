@@ -39,7 +39,7 @@ from workloads.traces.split import report_half
 from workloads.traces.trace import Session, load_trace
 
 __all__ = ["SUITE_TRACES", "Scenario", "SuiteConfig", "TraceSource", "burst_runs", "draw_sessions",
-           "poisson_run", "scenarios"]
+           "poisson_run", "pool_sessions", "scenarios"]
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,20 @@ def scenarios(config: SuiteConfig) -> list[Scenario]:
     return out
 
 
+def pool_sessions(sessions: Sequence[Session], models: Sequence[str]) -> list[Session]:
+    """A trace's sessions as runs draw them: each on its own (no subagent links: a drawn
+    copy has no parent to wait for), catalog ``models`` assigned with Zipf skew 1 where the
+    trace names others."""
+    pool = list(sessions)
+    if any(s.model not in models for s in pool):
+        pool = assign_models(pool, list(models), skew=1.0, seed=0,
+                             contexts=bundled_contexts(models))
+    return [s.alone() for s in pool]
+
+
 @lru_cache(maxsize=8)
 def _pool(trace: str, models: tuple[str, ...]) -> tuple[Session, ...]:
-    sessions = SUITE_TRACES[trace].load()
-    if any(s.model not in models for s in sessions):
-        sessions = assign_models(sessions, list(models), skew=1.0, seed=0,
-                                 contexts=bundled_contexts(models))
-    return tuple(s.alone() for s in sessions)
+    return tuple(pool_sessions(SUITE_TRACES[trace].load(), models))
 
 
 def draw_sessions(trace: str, count: int, seed: int, spec: ClusterSpec, tag: str) -> list[Session]:

@@ -19,16 +19,16 @@ from workloads.suite.day import (
     day_json,
     day_sessions,
     format_day,
-    pool_sessions,
     run_day,
 )
+from workloads.suite.scenarios import pool_sessions
 from workloads.traces.generator import generate_trace
 from workloads.traces.trace import Session
 
 
 def _pool(spec: ClusterSpec, sessions: int = 6, calls: int = 18) -> list[Session]:
     return pool_sessions(generate_trace(num_sessions=sessions, total_calls=calls,
-                                        models=list(spec.models), seed=5), spec)
+                                        models=list(spec.models), seed=5), spec.models)
 
 
 def test_a_days_sessions_arrive_inside_the_hours_as_draws_from_the_pool() -> None:
@@ -57,7 +57,7 @@ def test_the_pool_drops_subagent_links_and_assigns_catalog_models() -> None:
     spec = ClusterSpec()
     parent = generate_trace(num_sessions=2, total_calls=4, models=["elsewhere"], seed=1)
     child = replace(parent[1], parent_id=parent[0].session_id)
-    pool = pool_sessions([parent[0], child], spec)
+    pool = pool_sessions([parent[0], child], spec.models)
     assert all(s.model in spec.models for s in pool)
     assert all(s.parent_id is None and s.start_after is None for s in pool)
 
