@@ -11,8 +11,13 @@ Sections (each can be chosen with ``--only``):
 - state:      the instance's state report per poll at 1k and 10k sessions: the router's parse
               and the instance's side, the whole table (every poll before it was sent as
               deltas; the first poll now) against a delta
+- device-steps: on a GPU only, the engine's step times on a Llama-1B-shaped model against
+              the simulator's h200x8 preset's prediction (``talaria.bench.device_steps``)
 Models are the "small" tiny checkpoints (tens of millions of parameters), written on
-first use into the cache directory, and (engine-real) SmolLM2-135M-Instruct.
+first use into the cache directory, and (engine-real) SmolLM2-135M-Instruct. ``--device``
+(default: a GPU when torch sees one) is where the engine, switch, multimodel and
+device-steps sections run; on a GPU the engine section also runs the Llama-1B-shaped model
+(a tiny model's step there is launch overhead, not bandwidth) in bfloat16.
 """
 
 from __future__ import annotations
@@ -24,20 +29,26 @@ from pathlib import Path
 
 import torch
 
-from talaria.paths import ensure_tiny_models
+from talaria.paths import cache_dir, ensure_tiny_models
 
 
 def _section(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
+def _on_gpu(args: argparse.Namespace) -> bool:
+    return torch.device(args.device).type == "cuda"
+
+
 def _engine_throughput(model_dir: Path, label: str, requests: int, args: argparse.Namespace) -> None:
     from talaria.bench.engine_throughput import bench_engine_throughput
 
+    where = (f"{torch.cuda.get_device_name(args.device)}" if _on_gpu(args)
+             else f"{torch.get_num_threads()} threads")
     _section(
         f"engine throughput: {requests} requests x {args.min_prompt_len}-"
         f"{args.max_prompt_len} prompt tokens (uniform), {args.output_len} output tokens, "
-        f"{label}, fp32, greedy, {torch.get_num_threads()} threads; engine and padded "
+        f"{label}, {args.dtype}, greedy, {where}; engine and padded "
         "batch: best of 2 interleaved runs"
     )
     result = bench_engine_throughput(
@@ -46,6 +57,8 @@ def _engine_throughput(model_dir: Path, label: str, requests: int, args: argpars
         args.min_prompt_len,
         args.max_prompt_len,
         args.output_len,
+        device=args.device,
+        dtype=args.dtype,
     )
     engine = result.runs[-1]
     for r in result.runs:
@@ -58,12 +71,17 @@ def _engine_throughput(model_dir: Path, label: str, requests: int, args: argpars
         f"  decode steps: {d.steps}, {d.seconds / max(d.steps, 1) * 1e3:.1f} ms each, reading "
         f"{d.weight_bytes / 1e6:.0f} MB weights + {d.kv_bytes / max(d.steps, 1) / 1e6:.0f} MB KV "
         f"per step: {d.achieved_bytes_per_s / 1e9:.1f} GB/s = {d.fraction:.0%} of the "
-        f"{d.copy_bytes_per_s / 1e9:.1f} GB/s host copy rate (read + write)"
+        f"{d.copy_bytes_per_s / 1e9:.1f} GB/s {args.device} copy rate (read + write)"
     )
 
 
 def bench_engine(models: dict[str, Path], args: argparse.Namespace) -> None:
     _engine_throughput(models["tiny-llama"], "small tiny-llama", args.requests, args)
+    if _on_gpu(args):
+        from talaria.bench.device_steps import write_llama_1b_shape
+
+        _engine_throughput(write_llama_1b_shape(cache_dir() / "bench"), "Llama-1B-shaped",
+                           args.requests, args)
 
 
 def bench_engine_real(models: dict[str, Path], args: argparse.Namespace) -> None:
@@ -101,7 +119,7 @@ def bench_switch(models: dict[str, Path], args: argparse.Namespace) -> None:
 
     nbytes = 128 * 2**20
     _section(f"substrate copies: {nbytes >> 20} MiB shard, best of 3")
-    r = run(nbytes, repeats=3)
+    r = run(nbytes, args.device, repeats=3)
     for kind in ("activate_h2d", "stage", "activate_d2d", "plain_copy", "alloc_copy"):
         row = r[kind]
         ratio = f"  vs plain copy x{row['vs_plain_copy']:.2f}" if "vs_plain_copy" in row else ""
@@ -115,7 +133,7 @@ def bench_multimodel(models: dict[str, Path], args: argparse.Namespace) -> None:
         "multi-model engine: switch small llama <-> small qwen3; KV restore vs recompute "
         "(4k and 16k prefixes, one thread)"
     )
-    r = bench_multi_model(prefix_lens=(4096, 16384), repeats=3, threads=1)
+    r = bench_multi_model(args.device, prefix_lens=(4096, 16384), repeats=3, threads=1)
     sw = r["switch"]
     print(
         f"  switch from host:    {sw['host_s'] * 1e3:7.1f} ms {sw['host_gb_per_s']:6.2f} GB/s "
@@ -147,6 +165,21 @@ def bench_state(models: dict[str, Path], args: argparse.Namespace) -> None:
               f"{r.instance_ms:6.2f} ms")
 
 
+def bench_device_steps(models: dict[str, Path], args: argparse.Namespace) -> None:
+    from talaria.bench.device_steps import device_cases, run_device_steps, write_llama_1b_shape
+    from talaria.bench.step_fidelity import format_table
+
+    if not _on_gpu(args):
+        _section("step times against the h200x8 preset: skipped, needs a GPU (--device cuda)")
+        return
+    _section(f"step times on {torch.cuda.get_device_name(args.device)} against the simulator's "
+             f"h200x8 preset at TP=1: Llama-1B-shaped, {args.dtype}, median of 5 steps")
+    cases = device_cases()
+    results = run_device_steps(write_llama_1b_shape(cache_dir() / "bench"), cases,
+                               device=args.device, dtype=args.dtype)
+    print(format_table(results, worst=len(results)))
+
+
 SECTIONS: dict[str, Callable[[dict[str, Path], argparse.Namespace], None]] = {
     "engine": bench_engine,
     "engine-real": bench_engine_real,
@@ -154,6 +187,7 @@ SECTIONS: dict[str, Callable[[dict[str, Path], argparse.Namespace], None]] = {
     "switch": bench_switch,
     "multimodel": bench_multimodel,
     "state": bench_state,
+    "device-steps": bench_device_steps,
 }
 
 
@@ -169,7 +203,18 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's, one per core)"
     )
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when torch sees a GPU)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the engine sections' dtype (default: float32 on the CPU, "
+                        "bfloat16 on a GPU)")
     args = parser.parse_args()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no GPU here")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if _on_gpu(args) else "float32"
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print("preparing the small tiny models (written once into the cache)...", flush=True)

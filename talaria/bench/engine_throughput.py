@@ -7,10 +7,11 @@ transformers one request at a time, transformers as one left-padded batch, and t
 all three alike; the engine and the padded batch, which take seconds, run twice, interleaved,
 and each keeps its faster run.
 
-The engine run also measures its pure decode steps against this machine's memory bandwidth:
+The engine run also measures its pure decode steps against the device's memory bandwidth:
 each decode step must read every weight the step uses once and the KV of every running
 sequence's context; the achieved fraction is (those bytes / step time) over the rate of a
-large host copy (bytes read + written per second).
+large copy on the device (bytes read + written per second). Everything runs on ``device``
+in ``dtype`` (fp32 on the CPU, bfloat16 on a GPU by default), both sides alike.
 """
 
 from __future__ import annotations
@@ -71,14 +72,23 @@ def make_prompts(
     ]
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Best host copy rate over ``repeats`` copies, counting bytes read plus written."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
+def synchronize(device: str) -> None:
+    """Wait for the device's queued kernels (a GPU's work is asynchronous; a CPU's is not)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
+    """Best copy rate on ``device`` over ``repeats`` copies, counting bytes read plus
+    written."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
 
@@ -95,12 +105,13 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def run_engine(
-    model_dir: Path, prompts: list[list[int]], output_len: int
+    model_dir: Path, prompts: list[list[int]], output_len: int, device: str = "cpu",
+    dtype: str = "float32",
 ) -> tuple[ThroughputResult, DecodeBandwidth]:
     from engine import LLM, SamplingParams
     from engine.interface import EngineRequest
 
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=len(prompts))
+    llm = LLM(str(model_dir), dtype=dtype, device=device, max_num_seqs=len(prompts))
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     try:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
@@ -124,26 +135,29 @@ def run_engine(
         weights = step_weight_bytes(runner.model)
     finally:
         llm.shutdown()
-    bandwidth = DecodeBandwidth(decode_steps, decode_s, weights, decode_kv, copy_bandwidth())
+    bandwidth = DecodeBandwidth(decode_steps, decode_s, weights, decode_kv,
+                                copy_bandwidth(device=device))
     return ThroughputResult("engine", seconds, generated), bandwidth
 
 
-def _hf_model(model_dir: Path) -> torch.nn.Module:
+def _hf_model(model_dir: Path, device: str, dtype: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    return model.to(device).eval()
 
 
 def run_hf_sequential(
-    model_dir: Path, prompts: list[list[int]], output_len: int
+    model_dir: Path, prompts: list[list[int]], output_len: int, device: str = "cpu",
+    dtype: str = "float32",
 ) -> ThroughputResult:
-    model = _hf_model(model_dir)
+    model = _hf_model(model_dir, device, dtype)
     generated = 0
+    synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -153,17 +167,23 @@ def run_hf_sequential(
                 pad_token_id=0,
             )
             generated += out.shape[1] - ids.shape[1]
+    synchronize(device)
     return ThroughputResult("transformers (one at a time)", time.perf_counter() - start, generated)
 
 
-def run_hf_batched(model_dir: Path, prompts: list[list[int]], output_len: int) -> ThroughputResult:
-    model = _hf_model(model_dir)
+def run_hf_batched(
+    model_dir: Path, prompts: list[list[int]], output_len: int, device: str = "cpu",
+    dtype: str = "float32",
+) -> ThroughputResult:
+    model = _hf_model(model_dir, device, dtype)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):  # left padding, as generation requires
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -175,6 +195,7 @@ def run_hf_batched(model_dir: Path, prompts: list[list[int]], output_len: int) -
             pad_token_id=0,
         )
     generated = (out.shape[1] - width) * len(prompts)
+    synchronize(device)
     return ThroughputResult("transformers (padded batch)", time.perf_counter() - start, generated)
 
 
@@ -185,6 +206,8 @@ def bench_engine_throughput(
     max_prompt_len: int = 448,
     output_len: int = 64,
     repeats: int = 2,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> EngineBenchResult:
     """The engine and transformers' padded batch run ``repeats`` times, interleaved, and the
     fastest run of each counts (a shared machine's load only slows runs down); transformers
@@ -194,11 +217,11 @@ def bench_engine_throughput(
     engines: list[tuple[ThroughputResult, DecodeBandwidth]] = []
     batched: list[ThroughputResult] = []
     for _ in range(repeats):
-        engines.append(run_engine(model_dir, prompts, output_len))
-        batched.append(run_hf_batched(model_dir, prompts, output_len))
+        engines.append(run_engine(model_dir, prompts, output_len, device, dtype))
+        batched.append(run_hf_batched(model_dir, prompts, output_len, device, dtype))
     engine, decode = min(engines, key=lambda r: r[0].seconds)
     runs = [
-        run_hf_sequential(model_dir, prompts, output_len),
+        run_hf_sequential(model_dir, prompts, output_len, device, dtype),
         min(batched, key=lambda r: r.seconds),
         engine,
     ]

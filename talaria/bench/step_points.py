@@ -33,7 +33,7 @@ from engine.interface import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sim.step_time import split_scheduled
-from talaria.bench.timing import Clock, clock_for
+from talaria.bench.timing import WALL, Clock, clock_for
 
 __all__ = ["StepPoint", "StepShape", "MeasuredStep", "measure_steps", "kv_blocks_for"]
 
@@ -100,18 +100,22 @@ def measure_steps(
     seed: int = 0,
     max_model_len: int | None = None,
     clock: Clock | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[MeasuredStep]:
-    """Time every point on one engine of ``model_dir`` (fp32, CPU) at ``tp`` ranks;
-    ``repeats`` timed steps per point, on ``clock`` (default: ``clock_for`` the caller's
-    torch threads and ``tp``). Torch threads are the caller's (rank 0) and the launcher's
-    (the other ranks)."""
-    clock = clock or clock_for(torch.get_num_threads(), tp)
+    """Time every point on one engine of ``model_dir`` (``dtype`` on ``device``) at ``tp``
+    ranks; ``repeats`` timed steps per point, on ``clock`` (default: ``clock_for`` the
+    caller's torch threads and ``tp`` on a CPU; the wall clock on a GPU, where the step
+    waits for its kernels when it reads the sampled tokens). Torch threads are the caller's
+    (rank 0) and the launcher's (the other ranks)."""
+    if clock is None:
+        clock = clock_for(torch.get_num_threads(), tp) if device == "cpu" else WALL
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     new_tokens = repeats + WARMUP_STEPS + SPARE_TOKENS
     widest = max(p.context + p.tokens for p in points) + new_tokens
     config = EngineConfig(
-        model=model_dir, dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+        model=model_dir, dtype=dtype, device=device, block_size=BLOCK_SIZE,
         max_model_len=max_model_len, num_kv_blocks=kv_blocks_for(points, new_tokens),
         max_num_batched_tokens=max(2048, widest), max_num_seqs=max(p.tokens for p in points),
         tensor_parallel_size=tp,

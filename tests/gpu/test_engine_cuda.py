@@ -6,8 +6,8 @@ the HBM-bandwidth bound (bytes of weights + KV read per decode step / measured c
 Then the fixed-shape decode step (issue 16) captured in a CUDA graph and replayed for two
 steps, against the eager step on the same inputs, for the torch backend (and flash-attn
 when installed).
-Run: ``.venv/bin/python -m pytest -s tests/gpu/test_engine_cuda.py``. Never run yet: no
-session of this project has had a GPU.
+Run: ``.venv/bin/python -m pytest -s tests/gpu/test_engine_cuda.py`` (a device session runs
+it from ``tools/device_check.sh``).
 """
 
 from __future__ import annotations
@@ -18,19 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from talaria.bench.device_steps import LLAMA_1B_SHAPE
 
-LLAMA_1B_SHAPE = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-    initializer_range=0.02,
-)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,7 @@ class ReplaySetup:
     slot_close: str = "drained"
     slot_quantum_s: float = 10.0
     seed: int = 0
+    device: str = "cpu"  # the live instance's ("cuda:0": the replay on a GPU)
 
     def policy_overrides(self) -> dict[str, Any]:
         return {"slot_close": self.slot_close, "slot_quantum_s": self.slot_quantum_s}
@@ -94,7 +95,8 @@ def fidelity_trace(
 
 
 def serve_config_text(setup: ReplaySetup, models: Mapping[str, Path], policy: str) -> str:
-    """The ``talaria serve`` TOML of the live side: one CPU instance, ``policy``."""
+    """The ``talaria serve`` TOML of the live side: one instance on ``setup.device``,
+    ``policy``."""
     lines = ["[router]", "port = 0", "",
              "[engine]", f"block_size = {setup.block_size}",
              f"max_num_seqs = {setup.max_num_seqs}",
@@ -102,7 +104,8 @@ def serve_config_text(setup: ReplaySetup, models: Mapping[str, Path], policy: st
     for name, path in models.items():
         lines += [f'[models."{name}"]', f'path = "{path}"', ""]
     chosen = system(policy)  # its engine's staging region, as the simulated side has it
-    lines += ["[[instances]]", 'id = "i0"', f"kv_blocks = {setup.kv_blocks}",
+    lines += ["[[instances]]", 'id = "i0"', f'device = "{setup.device}"',
+              f"kv_blocks = {setup.kv_blocks}",
               f"host_kv_bytes = {setup.host_kv_bytes}",
               f"staging = {str(chosen.staging).lower()}",
               f'staging_region = "{chosen.staging_region}"', "",

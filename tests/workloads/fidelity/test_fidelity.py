@@ -69,6 +69,11 @@ def test_both_sides_get_the_same_engine_limits(models: dict[str, Path], tmp_path
     assert live.policy_config() == system("+host_kv").with_policy(**SETUP.policy_overrides()).policy
     inst = live.instances[0]
     assert (inst.kv_blocks, inst.host_kv_bytes, inst.tensor_parallel_size) == (128, 8 << 20, 1)
+    assert inst.device == "cpu"
+    on_gpu = dataclasses.replace(SETUP, device="cuda:0")  # the device check's replay (tools/device_check.py)
+    path.write_text(serve_config_text(on_gpu, models, "+host_kv"))
+    assert load_serve_config(path).instances[0].device == "cuda:0"
+    path.write_text(serve_config_text(SETUP, models, "+host_kv"))
     # the staging region as the simulated engine has it: with host KV, every shard stages
     assert (inst.staging, inst.staging_region) == (True, "largest")
     assert system("+host_kv").staging_region == "largest"
