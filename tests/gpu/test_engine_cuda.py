@@ -45,25 +45,30 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes * 5 / (time.perf_counter() - start)
 
 
-def test_greedy_tokens_match_transformers_on_gpu(model_dir: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_match_transformers_on_gpu(model_dir: Path, dtype: str) -> None:
+    """In float32 every greedy token agrees. In bfloat16 only the first: a random model's
+    logits are nearly flat, and on the H200 (2026-12-04) the third token of one prompt
+    already flipped between the engine's kernels and transformers' (the first two agreed);
+    a late token follows whichever side of a near-tie each took."""
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
 
     prompts = [[5 + i * 7 + j for j in range(24 + 8 * i)] for i in range(4)]
-    llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", max_model_len=1024)
+    llm = LLM(str(model_dir), dtype=dtype, device="cuda", max_model_len=1024)
     try:
         ours = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     finally:
         llm.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).cuda().eval()
+    agree = 8 if dtype == "float32" else 1
     for prompt, out in zip(prompts, ours, strict=True):
         ids = torch.tensor([prompt], device="cuda")
         want = hf.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
         )[0, len(prompt) :].tolist()
-        # bf16 kernels differ; a near-tie may flip a late token, the first ones must agree
-        assert out.token_ids[:4] == want[:4], (out.token_ids, want)
+        assert out.token_ids[:agree] == want[:agree], (out.token_ids, want)
 
 
 def test_decode_throughput_against_hbm_bound(model_dir: Path) -> None:
