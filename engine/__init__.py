@@ -3,9 +3,9 @@
 The core is flat and small: requests (``request``), the block pool and KV manager with prefix
 caching by the chained block hash (``block_pool``, ``kv_cache_manager``, ``block_hash``), the
 chunked-prefill scheduler, the sampler and detokenizer, the single-model ``EngineCore`` and
-``LLM``, the model runner and its host-sync guard (``sync_guard``: a step CUDA graphs could
-capture), and the seam every engine implements (``interface``,
-``served_models``). Packages: ``models/``, ``layers/``, ``attention/``, ``parallel/`` (tensor-
+``LLM``, the model runner, and the seam every engine implements (``interface``,
+``served_models``). Packages: ``graphs/`` (the host-sync guard, decode steps replayed from
+CUDA graphs), ``models/``, ``layers/``, ``attention/``, ``parallel/`` (tensor-
 parallel processes), ``multi_model/`` (a catalog on the substrate), ``sim/`` (the simulated
 engine and its cost model).
 

@@ -17,7 +17,8 @@ class EngineConfig:
     ``dtype`` "auto" means the checkpoint's dtype (float32 when it names none).
     At ``tensor_parallel_size`` > 1 the ranks meet at ``distributed_address``:
     ``distributed_port`` (0: a free port chosen by the OS); a collective that waits longer
-    than ``distributed_timeout_s`` fails.
+    than ``distributed_timeout_s`` fails. ``cuda_graphs``: on a GPU at TP=1, decode-only
+    steps are replayed from CUDA graphs (``engine.graphs.decode``).
     """
 
     model: str | Path
@@ -36,6 +37,7 @@ class EngineConfig:
     distributed_address: str = "127.0.0.1"
     distributed_port: int = 0
     distributed_timeout_s: float = 60.0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -64,6 +64,10 @@ class EngineCore:
             self.max_model_len = int(model_max)
         else:
             raise ValueError("max_model_len is required: the model config names no maximum")
+        if (config.cuda_graphs and isinstance(self.runner, ModelRunner)
+                and self.runner.device.type == "cuda"):
+            self.runner.use_decode_graphs(config.max_num_seqs,
+                                          -(-self.max_model_len // config.block_size))
         self.tokenizer = tokenizer
         self.eos_token_ids = set(
             eos_token_ids

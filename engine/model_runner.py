@@ -34,6 +34,7 @@ from engine.attention.metadata import (
     copy_into,
 )
 from engine.config import EngineConfig
+from engine.graphs.decode import DecodeGraphs
 from engine.parallel_context import SINGLE, ParallelContext
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -146,6 +147,18 @@ class ModelRunner:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, max_seqs: int, max_blocks: int) -> DecodeGraphs:
+        """Run decode-only steps in fixed-shape buckets from now on (``engine.graphs.decode``):
+        replayed from CUDA graphs on a GPU, eagerly elsewhere (the same path, testable on a
+        CPU). The buckets' padded steps replace the kept decode contexts of a CPU."""
+        self.decode_contexts = None
+        # a MoE layer runs every expert (no host sync) only up to its dense_max_tokens
+        dense = [m.dense_max_tokens for m in self.model.modules() if hasattr(m, "dense_max_tokens")]
+        self.decode_graphs = DecodeGraphs(self.forward_step, min([max_seqs, *dense]), max_blocks,
+                                          capture=self.device.type == "cuda")
+        return self.decode_graphs
 
     # ----------------------------------------------------------------- building
     @classmethod
@@ -273,6 +286,8 @@ class ModelRunner:
             raise ValueError(f"KV cache has shape {tuple(kv_cache.shape)}, expected {shape}")
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[2]
+        if self.decode_graphs is not None:
+            self.decode_graphs.clear()
 
     def execute(
         self, out: SchedulerOutput, generators: dict[str, torch.Generator]
@@ -304,10 +319,15 @@ class ModelRunner:
     ) -> list[SampledToken]:
         if out.is_empty:
             return []
-        inputs = self.prepare(out)
+        graphs = self.decode_graphs
+        shape = graphs.bucket(out) if graphs is not None and not self.kv_loads.pending else None
+        inputs = self.prepare(out, shape)
         sampling = [s for s in out.scheduled if s.samples]
         with torch.inference_mode():
-            logits = self.forward_step(inputs)
+            if graphs is not None and shape is not None:
+                logits = graphs.run(shape, inputs)
+            else:
+                logits = self.forward_step(inputs)
             if logits is None:
                 return []
             result = self.sampler(

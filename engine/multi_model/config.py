@@ -42,6 +42,7 @@ class MultiModelConfig:
     seed: int = 0
     initial_model: str | None = None
     wait_for_staging: bool = False
+    cuda_graphs: bool = True  # EngineConfig.cuda_graphs for every model's engine (TP=1 only)
     load_tokenizers: bool = True
     pin_host_memory: bool | None = None
     tensor_parallel_size: int = 1

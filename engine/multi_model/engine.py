@@ -87,6 +87,7 @@ class MultiModelEngine(ServesModels):
                     enable_prefix_caching=config.enable_prefix_caching,
                     device=str(self.device),
                     seed=config.seed,
+                    cuda_graphs=config.cuda_graphs and config.tensor_parallel_size == 1,
                 ),
                 runner=self.rank.runners[name],
                 tokenizer=entry.tokenizer,

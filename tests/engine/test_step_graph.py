@@ -1,6 +1,6 @@
 """A decode step that CUDA graphs could capture, checked on the CPU.
 
-The guard (``engine.sync_guard``) is shown to catch each kind of host synchronisation; then
+The guard (``engine.graphs.sync_guard``) is shown to catch each kind of host synchronisation; then
 the fixed-shape decode step of every architecture runs under it on meta tensors (where any
 read of data fails too), and on real tensors gives the eager step's logits and KV writes.
 """
@@ -17,6 +17,7 @@ import torch
 from engine import EngineConfig, EngineCore, SamplingParams
 from engine.attention.metadata import FixedShape
 from engine.attention.torch_paged import TorchPagedAttention
+from engine.graphs.sync_guard import HostSyncError, no_host_sync
 from engine.interface import EngineRequest
 from engine.layers.moe import SparseMoE
 from engine.model_runner import ModelRunner
@@ -24,7 +25,6 @@ from engine.models.registry import build_model
 from engine.models.tiny import ARCHS, write_random_checkpoint
 from engine.parallel_context import SINGLE
 from engine.scheduler import SchedulerOutput
-from engine.sync_guard import HostSyncError, no_host_sync
 
 BLOCK = 4
 BUCKET = FixedShape(num_seqs=8, num_blocks=16)
