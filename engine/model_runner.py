@@ -157,7 +157,8 @@ class ModelRunner:
         # a MoE layer runs every expert (no host sync) only up to its dense_max_tokens
         dense = [m.dense_max_tokens for m in self.model.modules() if hasattr(m, "dense_max_tokens")]
         self.decode_graphs = DecodeGraphs(self.forward_step, min([max_seqs, *dense]), max_blocks,
-                                          capture=self.device.type == "cuda")
+                                          capture=self.device.type == "cuda",
+                                          block_size=self.block_size)
         return self.decode_graphs
 
     # ----------------------------------------------------------------- building

@@ -4,9 +4,19 @@ A decode step's host work (dispatching some 40 kernels a layer) is most of its t
 GPU: on an H200 the eager step of a 1B model decoding 32 sequences took 14 ms while the GPU
 was busy for 6 (docs/gpu.md). A CUDA graph replays the whole forward pass in one launch, as
 vLLM and gpt-fast do. A graph needs every shape fixed, so a decode-only step of ``n``
-sequences whose longest block table has ``b`` blocks runs padded to a bucket: the next power
-of two of ``n`` (at most ``max_seqs``) and of ``b`` (at most ``max_blocks``), through the
-runner's fixed-shape step (``ModelRunner.prepare(out, FixedShape)``, ``forward_step``).
+sequences whose longest block table has ``b`` blocks runs padded to a bucket: ``n`` and
+``b`` rounded up to the next size of ``bucket_size`` (every integer to 8, then four sizes per
+doubling: at most 25% padding), through the runner's fixed-shape step
+(``ModelRunner.prepare(out, FixedShape)``, ``forward_step``), whose one attention group reads
+every sequence's padded context.
+
+Padding costs device work where graphs save host work, so only small steps take a bucket:
+at most ``max_padded_tokens`` context tokens (sequences x blocks x block size) padded. On the
+H200 (2026-12-04, power-of-two buckets) every step measured at up to 16384 padded tokens ran
+faster from a graph (a 1B model: 1 x 512 context 21.5 -> 4.1 ms, 8 x 512 23.6 -> 9.1 ms,
+32 x 256 18.9 -> 12.5 ms) and every one at 65536 and beyond slower (64 x 512 29 -> 45 ms,
+8 x 4096 27 -> 50 ms, 64 x 2048 72 -> 153 ms): the default is 16384. The finer buckets
+came after that run and were not measured on a GPU.
 
 Lifetimes: a bucket's first step captures its graph (after two warm-up runs on a side
 stream, which write the same K/V into the same slots as the step itself); its inputs become
@@ -48,8 +58,14 @@ log = structlog.get_logger(__name__)
 
 
 def bucket_size(n: int, limit: int) -> int:
-    """The smallest power of two >= ``n``, capped at ``limit`` (``n`` <= ``limit``)."""
-    return min(limit, 1 << max(0, n - 1).bit_length())
+    """The smallest bucket size >= ``n``, capped at ``limit`` (``n`` <= ``limit``): ``n``
+    itself up to 8, then 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (a quarter of the
+    power of two below apart)."""
+    if n <= 8:
+        return min(limit, max(1, n))
+    power = 1 << (n.bit_length() - 1)  # the power of two <= n
+    step = power // 4
+    return min(limit, -(-n // step) * step)
 
 
 @dataclass
@@ -67,14 +83,19 @@ class DecodeGraphs:
         max_blocks: int,
         *,
         capture: bool,
+        block_size: int = 16,
+        max_padded_tokens: int = 16384,
         max_graphs: int = 48,
     ) -> None:
-        if max_seqs < 1 or max_blocks < 1 or max_graphs < 1:
-            raise ValueError(f"need max_seqs, max_blocks and max_graphs >= 1, got {max_seqs}, "
-                             f"{max_blocks}, {max_graphs}")
+        if min(max_seqs, max_blocks, block_size, max_padded_tokens, max_graphs) < 1:
+            raise ValueError("need max_seqs, max_blocks, block_size, max_padded_tokens and "
+                             f"max_graphs >= 1, got {max_seqs}, {max_blocks}, {block_size}, "
+                             f"{max_padded_tokens}, {max_graphs}")
         self._forward = forward
         self.max_seqs = max_seqs
         self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.max_padded_tokens = max_padded_tokens
         self.capture = capture
         self.max_graphs = max_graphs
         self._buckets: OrderedDict[FixedShape, _Bucket] = OrderedDict()
@@ -86,8 +107,8 @@ class DecodeGraphs:
         return len(self._buckets)
 
     def bucket(self, out: SchedulerOutput) -> FixedShape | None:
-        """The bucket of a step this path can run (decode only, every sequence sampling,
-        inside the largest bucket); None for any other step."""
+        """The bucket of a step this path takes (decode only, every sequence sampling,
+        inside the largest bucket, at most ``max_padded_tokens`` padded); None otherwise."""
         scheduled = out.scheduled
         if not scheduled or len(scheduled) > self.max_seqs:
             return None
@@ -96,8 +117,11 @@ class DecodeGraphs:
         longest = max(len(s.block_ids) for s in scheduled)
         if longest > self.max_blocks:
             return None
-        return FixedShape(bucket_size(len(scheduled), self.max_seqs),
-                          bucket_size(longest, self.max_blocks))
+        shape = FixedShape(bucket_size(len(scheduled), self.max_seqs),
+                           bucket_size(longest, self.max_blocks))
+        if shape.num_seqs * shape.num_blocks * self.block_size > self.max_padded_tokens:
+            return None
+        return shape
 
     def run(self, shape: FixedShape, fresh: StaticInputs) -> torch.Tensor | None:
         """The step's logits (rows padded to the bucket; the first ``fresh.num_samples`` are

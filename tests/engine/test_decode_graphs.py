@@ -32,9 +32,11 @@ def make_core(path: Path) -> EngineCore:
                                    block_size=BLOCK, device="cpu", max_num_seqs=8))
 
 
-def test_bucket_sizes_are_powers_of_two_within_the_limit() -> None:
-    assert [bucket_size(n, 64) for n in (1, 2, 3, 4, 5, 33, 64)] == [1, 2, 4, 4, 8, 64, 64]
-    assert bucket_size(5, 6) == 6
+def test_bucket_sizes_pad_at_most_a_quarter_within_the_limit() -> None:
+    sizes = [bucket_size(n, 64) for n in (1, 2, 3, 8, 9, 11, 16, 17, 33, 41, 64)]
+    assert sizes == [1, 2, 3, 8, 10, 12, 16, 20, 40, 48, 64]
+    assert all(n <= bucket_size(n, 10**6) <= 1.25 * n for n in range(1, 5000))
+    assert bucket_size(9, 9) == 9 and bucket_size(60, 62) == 62
 
 
 def generate(core: EngineCore, late: list[int]) -> dict[str, list[int]]:
@@ -86,11 +88,17 @@ def test_which_steps_take_a_bucket(model_dirs: dict[str, Path]) -> None:
     for s in first.scheduled:
         s.request.output_token_ids.append(5)
     decode = core.scheduler.schedule()
-    assert graphs.bucket(decode) == FixedShape(num_seqs=4, num_blocks=4)  # 3 seqs, 3 blocks
+    assert graphs.bucket(decode) == FixedShape(num_seqs=3, num_blocks=3)  # 3 seqs, 3 blocks
     narrow = DecodeGraphs(lambda inputs: None, max_seqs=2, max_blocks=8, capture=False)
     assert narrow.bucket(decode) is None  # more sequences than the largest bucket
     short = DecodeGraphs(lambda inputs: None, max_seqs=4, max_blocks=2, capture=False)
     assert short.bucket(decode) is None  # a block table longer than the largest bucket
+    fits = DecodeGraphs(lambda inputs: None, max_seqs=4, max_blocks=8, capture=False,
+                        block_size=BLOCK, max_padded_tokens=3 * 3 * BLOCK)
+    assert fits.bucket(decode) == FixedShape(3, 3)
+    big = DecodeGraphs(lambda inputs: None, max_seqs=4, max_blocks=8, capture=False,
+                       block_size=BLOCK, max_padded_tokens=3 * 3 * BLOCK - 1)
+    assert big.bucket(decode) is None  # more padded context than graphs pay for
     core.shutdown()
 
 
