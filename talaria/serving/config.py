@@ -19,6 +19,7 @@ session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the d
 [engine]                # all optional; shared by every instance
 block_size = 16
 dtype = "auto"
+cuda_graphs = true      # on a GPU at TP=1, small decode steps replayed from CUDA graphs
 
 [models.my-model]       # none: the tiny catalog (written on first use) and SmolLM2-135M-Instruct
 path = "/models/my-model"   # an HF directory or a .gguf file; relative to this file
@@ -112,6 +113,7 @@ class EngineSection:
     max_num_batched_tokens: int = 2048
     attention_backend: str = "auto"
     seed: int = 0
+    cuda_graphs: bool = True  # on a GPU at TP=1: small decode steps replayed from CUDA graphs
 
 
 @dataclass

@@ -63,6 +63,7 @@ def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
         max_model_len=lens.pop() if len(lens) == 1 else None,
         attention_backend=config.engine.attention_backend,
         seed=config.engine.seed,
+        cuda_graphs=config.engine.cuda_graphs,
     )
     accepted = {f.name for f in dataclasses.fields(MultiModelConfig)}
     if "tensor_parallel_size" in accepted:

@@ -19,6 +19,7 @@ api_key = "k"
 
 [engine]
 block_size = 8
+cuda_graphs = false
 
 [models.small]
 path = "models/small"
@@ -52,7 +53,7 @@ def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
     file.write_text(TOML)
     config = load_serve_config(file)
     assert config.router.port == 9100 and config.router.policy == "cache_aware"
-    assert config.engine.block_size == 8
+    assert config.engine.block_size == 8 and config.engine.cuda_graphs is False
     assert config.models["small"].path == str(tmp_path / "models/small")  # relative to the file
     assert config.models["big"].path == "/abs/big"
     assert config.max_model_lens() == {"small": 256}
@@ -86,6 +87,7 @@ def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
         ({"instances": [{"id": "a", "tensor_parallel_size": 0}]}, "tensor_parallel_size"),
         ({"instances": [{"id": "a", "kv_bytes": "lots"}]}, "[instances][0].kv_bytes"),
         ({"instances": [{"id": "a", "staging": "yes"}]}, "[instances][0].staging must be a bool"),
+        ({"engine": {"cuda_graphs": "no"}}, "[engine].cuda_graphs must be a bool"),
         ({"instances": [{"id": "a", "staging_region": "half"}]}, "[instances][0].staging_region"),
         ({"instances": [{"id": "a", "kv_blocks": 0}]}, "[instances][0].kv_blocks must be >= 1"),
         ({"instances": [{"id": "a", "host_kv_bytes": -1}]}, "[instances][0].host_kv_bytes must"),
@@ -147,3 +149,20 @@ def test_serve_and_the_engine_check_memory_settings_by_one_rule() -> None:
     with pytest.raises(ValueError, match="staging_region must be one of"):
         MultiModelConfig(num_kv_blocks=4, staging_region="half")
 
+
+
+def test_the_instance_engine_gets_the_engine_section(tmp_path: Path) -> None:
+    """What ``[engine]`` says reaches every model's engine in the instance process."""
+    from engine.models.tiny import write_random_checkpoint
+    from talaria.serving.instance_main import build_engine
+
+    path = write_random_checkpoint(tmp_path / "tiny-llama", "llama")
+    config = ServeConfig.from_dict({"engine": {"cuda_graphs": False, "block_size": 8},
+                                    "models": {"m": {"path": str(path)}},
+                                    "instances": [{"id": "a", "kv_blocks": 16}]})
+    engine = build_engine(config, config.instances[0])
+    try:
+        assert engine.config.cuda_graphs is False and engine.config.block_size == 8
+        assert engine.cores["m"].config.cuda_graphs is False
+    finally:
+        engine.shutdown()
