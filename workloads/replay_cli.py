@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from workloads.suite import cli as suite_cli
+from workloads.suite import day_cli
 
 __all__ = ["register", "run_replay_command"]
 
@@ -83,19 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "process; prints simulated calls per second (wall and CPU) and peak RSS")
     p.add_argument("--bench-servers", default="1,16,64",
                    help="with --bench-sim: server counts, e.g. 1,16,64 (default)")
-    p.add_argument("--day", type=float, default=None, metavar="HOURS",
-                   help="a cluster's day instead: HOURS of Poisson sessions drawn from the "
-                   "trace (default: the real Claude Code trace) on --servers instances, the "
-                   "first policy (default talaria); prints SCT, the SLO, sessions/h and each "
-                   "server's utilisation (workloads.suite.day)")
-    p.add_argument("--day-load", type=float, default=0.5,
-                   help="with --day: the rate as a fraction of the baseline's saturation "
-                   "(default 0.5)")
-    p.add_argument("--day-rate", type=float, default=None, metavar="SESSIONS_PER_HOUR",
-                   help="with --day: sessions per hour per server instead of --day-load")
-    p.add_argument("--day-setting", default=None, metavar="RULE/QUANTUM",
-                   help="with --day: the policy's slot rule and quantum, e.g. drained/60 "
-                   "(default: its setting tuned on the default trace; Talaria has one)")
+    day_cli.add_arguments(p)
     p.add_argument("--live", metavar="URL", help="replay against the router at URL instead")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="live: multiply arrivals and tool gaps by this")
@@ -147,8 +136,10 @@ def _run(args: argparse.Namespace) -> int:
         if not args.leave_one_out:
             raise ValueError("--loo-rows chooses rows of --leave-one-out, which is not given")
         suite_cli.parse_loo_rows(args.loo_rows)  # refused before the default trace's table
+    if args.day_capacity and args.day is None:
+        raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
     if args.day is not None:
-        return _day(args)
+        return day_cli.run_day_command(args)
     if args.trace:
         from workloads.traces.readers import load_any_trace
 
@@ -353,49 +344,6 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     print(f"wall {time.perf_counter() - wall:.1f} s", file=sys.stderr)
     failed = sum(r.failed_calls for r in [*results, lower, *ideal.values()])
     return 1 if failed else 0
-
-
-def _day(args: argparse.Namespace) -> int:
-    from workloads.benchmark.tuning import apply_settings, load_settings
-    from workloads.replay.cluster import ClusterSpec
-    from workloads.replay.systems import parse_policies
-    from workloads.suite.day import DayConfig, day_json, format_day, run_day
-    from workloads.suite.scenarios import pool_sessions
-    from workloads.traces.readers import load_any_trace, read_real_trace, real_trace_path
-
-    if (args.live or args.bench_sim or args.leave_one_out or args.sweep or args.tune
-            or args.strip_session_ids):
-        raise ValueError("--day runs a simulated cluster of its own: it takes no --live, "
-                         "--bench-sim, --leave-one-out, --sweep, --tune or "
-                         "--strip-session-ids")
-    config = DayConfig(args.day, args.day_load, args.day_rate, args.seed)
-    spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
-                       block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
-    trace = args.trace or str(real_trace_path())
-    pool = pool_sessions(load_any_trace(args.trace) if args.trace else read_real_trace(),
-                         spec.models)
-    if args.max_sessions is not None:
-        pool = pool[: args.max_sessions]
-    tuned = load_settings(None, Path(args.settings)) if args.settings else load_settings(None)
-    chosen, baseline = apply_settings(
-        [parse_policies(args.policies or "talaria")[0], parse_policies("baseline")[0]],
-        tuned.settings if tuned else {})
-    if args.day_setting is not None:
-        rule, _, quantum = args.day_setting.partition("/")
-        try:
-            chosen = chosen.with_setting(slot_close=rule, slot_quantum_s=float(quantum))
-        except ValueError as exc:
-            raise ValueError(f"--day-setting takes RULE/QUANTUM, e.g. drained/60, got "
-                             f"{args.day_setting!r} ({exc})") from None
-    name = f"{Path(trace).name} ({len(pool)} sessions)"
-    day = run_day(pool, chosen, spec, config, baseline=baseline, progress=not args.no_progress)
-    print(format_day(day, name))
-    if args.json_path:
-        from workloads.benchmark.report import write_json
-
-        write_json({"day": day_json(day, name)}, args.json_path)
-        print(f"wrote {args.json_path}")
-    return 1 if day.failed_calls else 0
 
 
 def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any],

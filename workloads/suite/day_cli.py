@@ -1,0 +1,97 @@
+"""``talaria replay --day HOURS``: its arguments and its run (``workloads.suite.day``, and
+with ``--day-capacity`` ``workloads.suite.day_capacity``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run_day_command"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--day", type=float, default=None, metavar="HOURS",
+                   help="a cluster's day instead: HOURS of Poisson sessions drawn from the "
+                   "trace (default: the real Claude Code trace) on --servers instances, the "
+                   "first policy (default talaria); prints SCT, the SLO, sessions/h and each "
+                   "server's utilisation (workloads.suite.day)")
+    p.add_argument("--day-load", type=float, default=0.5,
+                   help="with --day: the rate as a fraction of the baseline's saturation "
+                   "(default 0.5)")
+    p.add_argument("--day-rate", type=float, default=None, metavar="SESSIONS_PER_HOUR",
+                   help="with --day: sessions per hour per server instead of --day-load")
+    p.add_argument("--day-capacity", action="store_true",
+                   help="with --day: instead of one rate, search each policy's (default "
+                   "talaria,baseline) highest rate per server that holds the SLO for the "
+                   "HOURS (workloads.suite.day_capacity)")
+    p.add_argument("--day-setting", default=None, metavar="RULE/QUANTUM",
+                   help="with --day: the policy's slot rule and quantum, e.g. drained/60 "
+                   "(default: its setting tuned on the default trace; Talaria has one)")
+
+
+def run_day_command(args: argparse.Namespace) -> int:
+    """``--day``: one run, or with ``--day-capacity`` the search."""
+    from workloads.benchmark.tuning import apply_settings, load_settings
+    from workloads.replay.cluster import ClusterSpec
+    from workloads.replay.systems import parse_policies
+    from workloads.suite.day import DayConfig, day_json, format_day, run_day
+    from workloads.suite.scenarios import pool_sessions
+    from workloads.traces.readers import load_any_trace, read_real_trace, real_trace_path
+
+    if (args.live or args.bench_sim or args.leave_one_out or args.sweep or args.tune
+            or args.strip_session_ids):
+        raise ValueError("--day runs a simulated cluster of its own: it takes no --live, "
+                         "--bench-sim, --leave-one-out, --sweep, --tune or "
+                         "--strip-session-ids")
+    if args.day_capacity and args.day_rate is not None:
+        raise ValueError("--day-capacity searches the rate itself: it takes no --day-rate")
+    config = DayConfig(args.day, args.day_load, args.day_rate, args.seed)
+    spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
+                       block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
+    trace = args.trace or str(real_trace_path())
+    pool = pool_sessions(load_any_trace(args.trace) if args.trace else read_real_trace(),
+                         spec.models)
+    if args.max_sessions is not None:
+        pool = pool[: args.max_sessions]
+    tuned = load_settings(None, Path(args.settings)) if args.settings else load_settings(None)
+    default = "talaria,baseline" if args.day_capacity else "talaria"
+    wanted = parse_policies(args.policies or default)
+    *chosen_all, baseline = apply_settings([*wanted, parse_policies("baseline")[0]],
+                                           tuned.settings if tuned else {})
+    if args.day_setting is not None:
+        rule, _, quantum = args.day_setting.partition("/")
+        try:
+            chosen_all = [c.with_setting(slot_close=rule, slot_quantum_s=float(quantum))
+                          for c in chosen_all]
+        except ValueError as exc:
+            raise ValueError(f"--day-setting takes RULE/QUANTUM, e.g. drained/60, got "
+                             f"{args.day_setting!r} ({exc})") from None
+    name = f"{Path(trace).name} ({len(pool)} sessions)"
+    if args.day_capacity:
+        return _day_capacity(args, pool, chosen_all, spec, config, baseline, name)
+    chosen = chosen_all[0]
+    day = run_day(pool, chosen, spec, config, baseline=baseline, progress=not args.no_progress)
+    print(format_day(day, name))
+    if args.json_path:
+        from workloads.benchmark.report import write_json
+
+        write_json({"day": day_json(day, name)}, args.json_path)
+        print(f"wrote {args.json_path}")
+    return 1 if day.failed_calls else 0
+
+
+def _day_capacity(args: argparse.Namespace, pool: list[Any], systems: list[Any], spec: Any,
+                  config: Any, baseline: Any, name: str) -> int:
+    from workloads.suite.day_capacity import day_capacity, day_capacity_json, format_day_capacity
+
+    saturation, found = day_capacity(pool, systems, spec, config, baseline=baseline,
+                                     workers=args.workers, progress=not args.no_progress)
+    print(format_day_capacity(found, saturation, spec.servers, config.hours, name))
+    if args.json_path:
+        from workloads.benchmark.report import write_json
+
+        write_json({"day_capacity": day_capacity_json(found, saturation, spec.servers,
+                                                      config.hours, name)}, args.json_path)
+        print(f"wrote {args.json_path}")
+    return 0
