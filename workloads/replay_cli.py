@@ -213,15 +213,15 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     )
     from workloads.replay.cluster import ClusterSpec
     from workloads.replay.driver import replicate
-    from workloads.replay.systems import ABLATIONS, PLACEMENT_ROWS, check_fits, parse_policies
+    from workloads.replay.systems import ABLATIONS, PLACEMENT_ROW, check_fits, parse_policies
     from workloads.traces.assignment import assign_models, bundled_contexts
 
     wall = time.perf_counter()
     systems = parse_policies(args.policies)
     if args.policies is None and args.servers == 1:
-        # One server is one instance: placement has nothing to choose, so these rows would
-        # equal talaria by construction. They are in the table at --servers > 1.
-        systems = [s for s in systems if s.name not in PLACEMENT_ROWS]
+        # One server is one instance: placement has nothing to choose, so this row would
+        # equal talaria by construction. It is in the table at --servers > 1.
+        systems = [s for s in systems if s.name != PLACEMENT_ROW]
     if args.no_staging:
         systems = [s.without_staging() for s in systems]
     if args.sleep_efficiency is not None:

@@ -268,18 +268,10 @@ class Talaria(_Base):
     0.5 and 1.0; four servers; two draws): by 0.3-7.8% in Poisson, and by -6.5% to +4.6% in
     bursts (docs/constants.md).
 
-    A new session (no locality anywhere) goes to the least loaded instance; among equally
-    loaded ones (most often none has a call in flight: its sessions are in tool gaps) to the
-    one holding the fewest sessions, whose gaps will end in calls there; then the estimate
-    breaks the remaining ties: an instance with the model active or staged first. Without
-    the session count (``TalariaPacked``, the ``-spread`` row), new sessions piled onto the
-    instances with their model active and an hour of Claude Code sessions on 64 servers
-    left 19 of them without a session (p50 / p95 / mean 186.6 / 563.4 / 219.9 s; with it
-    every server served and 181.9 / 550.9 / 214.2 s; 16 servers: 190.4 / 543.5 / 219.1 ->
-    189.2 / 543.0 / 219.5)."""
+    A new session (no locality anywhere) goes to the least loaded instance, and the estimate
+    breaks the remaining ties: an instance with the model active or staged first."""
 
     name = "talaria"
-    spread_new_sessions = True
 
     def choose(
         self,
@@ -289,20 +281,9 @@ class Talaria(_Base):
         healthy: Collection[str],
     ) -> list[str]:
         estimates = [self.estimate(i, call, session, states) for i in self._eligible(call, states, healthy)]
-        spread = self.spread_new_sessions and (session is None or session.instance_id is None)
-        owner = session.key if session is not None else call.session_id
-
-        def held(instance_id: str) -> int:
-            """Sessions the instance holds besides the call's own."""
-            state = states.get(instance_id)
-            if not spread or state is None:
-                return 0
-            return len(state.sessions) - (owner in state.sessions)
-
         estimates.sort(key=lambda e: (
             -(e.local_tokens if e.resident else 0), e.instance_id != call.affinity,
-            self.load(e.instance_id, states), held(e.instance_id), round(e.total_s, 9),
-            e.instance_id))
+            self.load(e.instance_id, states), round(e.total_s, 9), e.instance_id))
         return [e.instance_id for e in estimates]
 
     def estimate(
@@ -365,16 +346,7 @@ def _serving_a_sibling(instance_id: str, state: InstanceState | None,
     return any(i == instance_id and m in active for i, m in siblings)
 
 
-class TalariaPacked(Talaria):
-    """Talaria without spreading new sessions by the sessions an instance holds: the
-    ``-spread`` leave-one-out row."""
-
-    name = "talaria_packed"
-    spread_new_sessions = False
-
-
-POLICIES: dict[str, type[_Base]] = {"load": LoadOnly, "cache_aware": CacheAware, "talaria": Talaria,
-                                    "talaria_packed": TalariaPacked}
+POLICIES: dict[str, type[_Base]] = {"load": LoadOnly, "cache_aware": CacheAware, "talaria": Talaria}
 
 
 def make_policy(

@@ -64,14 +64,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.sim.engine import SimEngineConfig
-from router.instances.placement import POLICIES as PLACEMENT_POLICIES
 from talaria.policies.config import LADDER, LEAVE_ONE_OUT, PolicyConfig, Rung, preset
 
 __all__ = [
     "LAYERWISE_ROW",
     "PLACEMENT_ROW",
-    "PLACEMENT_ROWS",
-    "SPREAD_ROW",
     "SystemConfig",
     "SYSTEMS",
     "ABLATIONS",
@@ -101,7 +98,7 @@ class SystemConfig:
     name: str
     description: str
     policy: PolicyConfig
-    placement: str  # router placement policy (router.instances.placement.POLICIES)
+    placement: str  # router placement policy: "load" | "cache_aware" | "talaria"
     stable_substrate: bool = True  # False: one plain engine per model (its own KV region)
     staging: bool = False
     # the staging region's size (substrate.ledger.STAGING_REGIONS): for the largest shard,
@@ -122,7 +119,7 @@ class SystemConfig:
         if self.policy.host_kv and not self.host_kv:
             raise ValueError(f"system {self.name!r}: the policy offloads KV but the engine "
                              "has no host KV store")
-        if self.placement not in PLACEMENT_POLICIES:
+        if self.placement not in ("load", "cache_aware", "talaria"):
             raise ValueError(f"system {self.name!r}: unknown placement {self.placement!r}")
         if self.grid not in GRIDS:
             raise ValueError(f"system {self.name!r}: unknown settings grid {self.grid!r}")
@@ -207,8 +204,6 @@ ABLATIONS: dict[str, SystemConfig] = _ladder()
 
 
 PLACEMENT_ROW = "-placement"  # placement matters only with several instances
-SPREAD_ROW = "-spread"  # the same: new sessions packed, not spread by sessions held
-PLACEMENT_ROWS = (PLACEMENT_ROW, SPREAD_ROW)
 LAYERWISE_ROW = "-layerwise"  # an engine feature, not a policy mechanism: its own row
 
 
@@ -222,9 +217,6 @@ def _leave_one_out() -> dict[str, SystemConfig]:
     }
     out[PLACEMENT_ROW] = _talaria_row(PLACEMENT_ROW, preset("talaria").with_(name=PLACEMENT_ROW),
                                      "talaria with load-only routing", placement="load")
-    out[SPREAD_ROW] = _talaria_row(SPREAD_ROW, preset("talaria").with_(name=SPREAD_ROW),
-                                   "talaria placing new sessions without counting the sessions "
-                                   "an instance holds", placement="talaria_packed")
     out[LAYERWISE_ROW] = replace(
         _talaria_row(LAYERWISE_ROW, preset("talaria").with_(name=LAYERWISE_ROW),
                      "talaria restoring host KV before the forward pass, not inside it"),

@@ -94,7 +94,7 @@ def test_policy_catalogue_is_consistent() -> None:
     # -lending is +demotion: not run twice
     assert list(LEAVE_ONE_OUT_ROWS) == ["-staging", "-host_kv", "-sp", "-reservations",
                                         "-priority_switch", "-demotion", "-placement",
-                                        "-spread", "-layerwise"]
+                                        "-layerwise"]
     # -layerwise is talaria whose engine restores host KV before the forward pass
     layerwise = LEAVE_ONE_OUT_ROWS["-layerwise"]
     assert layerwise.policy.with_(name="talaria") == ABLATIONS["talaria"].policy
