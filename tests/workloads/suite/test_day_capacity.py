@@ -40,8 +40,8 @@ def test_a_faster_days_first_sessions_are_a_slower_ones_pulled_in() -> None:
 def test_each_policy_gets_the_highest_load_that_met_its_probes_own_slo() -> None:
     spec = ClusterSpec(servers=1)
     pool = _pool(spec)
-    config = DayConfig(hours=0.2, seed=1)
-    search = CapacityConfig(start_load=1.0, lowest_load=0.25, highest_load=4.0, bisections=1)
+    config = DayConfig(hours=0.1, seed=1)
+    search = CapacityConfig(start_load=1.0, lowest_load=0.25, highest_load=2.0, bisections=1)
     baseline = SYSTEMS["baseline"]
     saturation, found = day_capacity(pool, [SYSTEMS["talaria"], baseline], spec, config,
                                      baseline=baseline, search=search)
@@ -60,7 +60,7 @@ def test_each_policy_gets_the_highest_load_that_met_its_probes_own_slo() -> None
     assert probe.p95_s == figure([s.sct_s for s in run.sessions], "p95")
     alone = figure([s.sct_s for s in run_isolated(sessions, spec).sessions], "p95")
     assert probe.slo_s == pytest.approx(SLO_FACTOR * alone)
-    text = format_day_capacity(found, saturation, 1, 0.2, "pool")
+    text = format_day_capacity(found, saturation, 1, 0.1, "pool")
     assert "talaria" in text and "baseline" in text and "sessions/h/server" in text
 
 
