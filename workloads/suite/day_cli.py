@@ -26,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "talaria,baseline) highest rate per server that holds the SLO for the "
                    "HOURS (workloads.suite.day_capacity)")
     p.add_argument("--day-setting", default=None, metavar="RULE/QUANTUM",
-                   help="with --day: the policy's slot rule and quantum, e.g. drained/60 "
-                   "(default: its setting tuned on the default trace; Talaria has one)")
+                   help="with --day: the slot rule and quantum of every policy but "
+                   "Talaria (which runs its one configuration), e.g. drained/60 (default: "
+                   "each one's setting tuned on the default trace)")
 
 
 def run_day_command(args: argparse.Namespace) -> int:
@@ -36,6 +37,7 @@ def run_day_command(args: argparse.Namespace) -> int:
     from workloads.replay.cluster import ClusterSpec
     from workloads.replay.systems import parse_policies
     from workloads.suite.day import DayConfig, day_json, format_day, run_day
+    from workloads.suite.run import TALARIA
     from workloads.suite.scenarios import pool_sessions
     from workloads.traces.readers import load_any_trace, read_real_trace, real_trace_path
 
@@ -62,11 +64,15 @@ def run_day_command(args: argparse.Namespace) -> int:
     if args.day_setting is not None:
         rule, _, quantum = args.day_setting.partition("/")
         try:
-            chosen_all = [c.with_setting(slot_close=rule, slot_quantum_s=float(quantum))
-                          for c in chosen_all]
+            setting = dict(slot_close=rule, slot_quantum_s=float(quantum))
+            baseline.with_setting(**setting)  # refused here when malformed
         except ValueError as exc:
             raise ValueError(f"--day-setting takes RULE/QUANTUM, e.g. drained/60, got "
                              f"{args.day_setting!r} ({exc})") from None
+        if all(c.name == TALARIA for c in chosen_all):
+            raise ValueError("--day-setting sets the other policies: Talaria runs its one "
+                             "configuration")
+        chosen_all = [c if c.name == TALARIA else c.with_setting(**setting) for c in chosen_all]
     name = f"{Path(trace).name} ({len(pool)} sessions)"
     if args.day_capacity:
         return _day_capacity(args, pool, chosen_all, spec, config, baseline, name)

@@ -71,6 +71,7 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize("argv, message", [
     (("--day-capacity",), "give --day HOURS"),
     (("--day", "1", "--day-capacity", "--day-rate", "10"), "takes no --day-rate"),
+    (("--day", "1", "--day-setting", "drained/60"), "Talaria runs its one configuration"),
 ])
 def test_the_capacity_command_refuses_what_it_cannot_run(argv: tuple[str, ...],
                                                          message: str) -> None:
@@ -83,10 +84,15 @@ def test_the_capacity_command_prints_and_writes_every_policy(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cap.json"
     rc = main(["replay", "--day", "0.05", "--day-capacity", "--max-sessions", "3",
-               "--workers", "1", "--no-progress", "--json", str(out)])
+               "--day-setting", "drained/60", "--workers", "1", "--no-progress",
+               "--json", str(out)])
     assert rc == 0
     assert "capacity at the SLO" in capsys.readouterr().out
     data = orjson.loads(out.read_bytes())["day_capacity"]
     assert set(data["policies"]) == {"talaria", "baseline"} and data["servers"] == 1
+    # the setting is the baseline's; Talaria keeps its one configuration
+    assert data["policies"]["baseline"]["setting"] == {"slot_close": "drained",
+                                                       "slot_quantum_s": 60.0}
+    assert data["policies"]["talaria"]["setting"]["slot_quantum_s"] == 480.0
     for row in data["policies"].values():
         assert row["probes"] and row["sessions_per_hour_per_server"] > 0
