@@ -44,6 +44,10 @@ from engine.scheduler import SchedulerOutput
 
 __all__ = ["DecodeGraphs", "StaticInputs", "bucket_size"]
 
+WARMUP_RUNS = 2
+
+log = structlog.get_logger(__name__)
+
 
 class StaticInputs(Protocol):
     """A step's inputs (``engine.model_runner.StepInputs``) as a bucket keeps them."""
@@ -51,10 +55,6 @@ class StaticInputs(Protocol):
     num_samples: int
 
     def copy_(self, other: Any) -> None: ...
-
-WARMUP_RUNS = 2
-
-log = structlog.get_logger(__name__)
 
 
 def bucket_size(n: int, limit: int) -> int:
@@ -76,6 +76,9 @@ class _Bucket:
 
 
 class DecodeGraphs:
+    """A runner's decode buckets (see the module): ``bucket`` says whether a step takes
+    one, ``run`` runs it there, ``clear`` drops them all."""
+
     def __init__(
         self,
         forward: Callable[[Any], torch.Tensor | None],
