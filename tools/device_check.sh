@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A device session's one prepared check (see docs/gpu.md): the GPU tests, the GPU sections
 # of `make bench`, a short live replay on the GPU against the simulator, and the decode
-# step's profile (eager against CUDA graphs): about 6 minutes on an H200, each part capped so the
-# whole stays under 10. Run from the
-# repository root with the device's own python3 (torch, transformers, aiohttp there) and
-# the wheels it lacks on PYTHONPATH; every part writes its log under $OUT (default /tmp/out).
+# step's profile (eager against CUDA graphs): about 6 minutes on an H200, each part capped
+# so the whole stays under 10. Run from the repository root with the device's own python3
+# (torch, transformers, aiohttp there) and the wheels it lacks on PYTHONPATH; every part
+# writes its log under $OUT (default /tmp/out).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
