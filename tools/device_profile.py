@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,7 @@ from talaria.bench.device_steps import write_llama_1b_shape
 from talaria.paths import cache_dir
 
 
-def decoding(path: object, batch: int, context: int, cuda_graphs: bool) -> LLM:
+def decoding(path: Path, batch: int, context: int, cuda_graphs: bool) -> LLM:
     """An engine whose ``batch`` requests of ``context`` prompt tokens all decode now."""
     llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_seqs=64,
               cuda_graphs=cuda_graphs)

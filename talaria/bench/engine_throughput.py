@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from substrate.mover import synchronize
+
 
 @dataclass
 class ThroughputResult:
@@ -72,12 +74,6 @@ def make_prompts(
     ]
 
 
-def synchronize(device: str) -> None:
-    """Wait for the device's queued kernels (a GPU's work is asynchronous; a CPU's is not)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "cpu") -> float:
     """Best copy rate on ``device`` over ``repeats`` copies, counting bytes read plus
     written."""
@@ -85,10 +81,10 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: str = "c
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        synchronize(device)
+        synchronize(torch.device(device))
         start = time.perf_counter()
         dst.copy_(src)
-        synchronize(device)
+        synchronize(torch.device(device))
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
 
@@ -153,7 +149,7 @@ def run_hf_sequential(
 ) -> ThroughputResult:
     model = _hf_model(model_dir, device, dtype)
     generated = 0
-    synchronize(device)
+    synchronize(torch.device(device))
     start = time.perf_counter()
     with torch.inference_mode():
         for prompt in prompts:
@@ -167,7 +163,7 @@ def run_hf_sequential(
                 pad_token_id=0,
             )
             generated += out.shape[1] - ids.shape[1]
-    synchronize(device)
+    synchronize(torch.device(device))
     return ThroughputResult("transformers (one at a time)", time.perf_counter() - start, generated)
 
 
@@ -183,7 +179,7 @@ def run_hf_batched(
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    synchronize(device)
+    synchronize(torch.device(device))
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -195,7 +191,7 @@ def run_hf_batched(
             pad_token_id=0,
         )
     generated = (out.shape[1] - width) * len(prompts)
-    synchronize(device)
+    synchronize(torch.device(device))
     return ThroughputResult("transformers (padded batch)", time.perf_counter() - start, generated)
 
 

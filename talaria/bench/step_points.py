@@ -109,7 +109,8 @@ def measure_steps(
     waits for its kernels when it reads the sampled tokens). Torch threads are the caller's
     (rank 0) and the launcher's (the other ranks)."""
     if clock is None:
-        clock = clock_for(torch.get_num_threads(), tp) if device == "cpu" else WALL
+        on_cpu = torch.device(device).type == "cpu"
+        clock = clock_for(torch.get_num_threads(), tp) if on_cpu else WALL
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     new_tokens = repeats + WARMUP_STEPS + SPARE_TOKENS

@@ -9,8 +9,8 @@ one misses (or halving while the lowest misses), then geometric bisections; the 
 the highest load that was run and met. Every probe draws its day at its own rate from the
 same seeded stream: the picks and the exponential gaps come from the same random numbers,
 so a faster probe's first sessions are a slower one's with their arrivals pulled in. Each
-probe's SLO is its own sessions' (their isolated p95). The probes of every policy run a
-round at a time, in parallel.
+probe's SLO is its own sessions' (their isolated p95, replayed once per load whichever
+policies probe it). The probes of every policy run a round at a time, in parallel.
 """
 
 from __future__ import annotations
@@ -56,25 +56,28 @@ def day_capacity(
     saturation = saturation_per_server(pool, spec, baseline, config.seed)
     searches = {s.name: RateSearch(search) for s in systems}
     by_name = {s.name: s for s in systems}
+    slos: dict[float, float] = {}  # by load: every policy probing it replays the same sessions
     while True:
-        points = {name: s.next_point() for name, s in searches.items()}
+        points = {name: load for name, s in searches.items()
+                  if (load := s.next_point()) is not None}
+        if not points:
+            break
         jobs = []
-        for name, load in points.items():
-            if load is None:
-                continue
+        for load in dict.fromkeys(points.values()):
             sessions = tuple(day_sessions(pool, load * saturation * spec.servers, config.hours,
                                           config.seed))
-            jobs.append(Job((name, load), sessions, by_name[name], spec, config.seed))
-            jobs.append(Job(("isolated", name, load), sessions, None, spec, config.seed))
-        if not jobs:
-            break
+            jobs += [Job((name, load), sessions, by_name[name], spec, config.seed)
+                     for name, at in points.items() if at == load]
+            if load not in slos:
+                jobs.append(Job(("isolated", load), sessions, None, spec, config.seed))
         done = run_many(jobs, workers, progress)
+        for load in dict.fromkeys(points.values()):
+            if load not in slos:
+                alone = [s.sct_s for s in done[("isolated", load)].sessions]
+                slos[load] = SLO_FACTOR * figure(alone, "p95")
         for name, load in points.items():
-            if load is None:
-                continue
             p95 = figure([s.sct_s for s in done[(name, load)].sessions], "p95")
-            alone = figure([s.sct_s for s in done[("isolated", name, load)].sessions], "p95")
-            searches[name].record(Probe(load, p95, SLO_FACTOR * alone))
+            searches[name].record(Probe(load, p95, slos[load]))
     out = []
     for name, s in searches.items():
         found = s.result(saturation)

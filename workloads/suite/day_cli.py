@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workloads.replay.cluster import ClusterSpec
+    from workloads.replay.systems import SystemConfig
+    from workloads.suite.day import DayConfig
+    from workloads.traces.trace import Session
 
 __all__ = ["add_arguments", "run_day_command"]
 
@@ -87,8 +93,9 @@ def run_day_command(args: argparse.Namespace) -> int:
     return 1 if day.failed_calls else 0
 
 
-def _day_capacity(args: argparse.Namespace, pool: list[Any], systems: list[Any], spec: Any,
-                  config: Any, baseline: Any, name: str) -> int:
+def _day_capacity(args: argparse.Namespace, pool: list[Session], systems: list[SystemConfig],
+                  spec: ClusterSpec, config: DayConfig, baseline: SystemConfig,
+                  name: str) -> int:
     from workloads.suite.day_capacity import day_capacity, day_capacity_json, format_day_capacity
 
     saturation, found = day_capacity(pool, systems, spec, config, baseline=baseline,
