@@ -62,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "bookkeeping; prefix reuse granular to 128 tokens)")
     p.add_argument("--fused-steps", type=int, default=8,
                    help="simulated decode steps fused into one engine step")
+    p.add_argument("--cut-fused-steps", action="store_true",
+                   help="a call reaching an instance ends a fused decode step at the next step "
+                   "boundary (engine.sim.fused): no arrival waits for fusion, so more steps "
+                   "may fuse (e.g. --fused-steps 32) at the same fidelity; off by default, as "
+                   "the cached tuned settings were chosen without it")
     p.add_argument("--no-staging", action="store_true",
                    help="drop the staging region from every policy (servers too small to "
                    "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
@@ -231,7 +236,8 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         systems = [replace(s, scale_up_fixed_s=args.aegaeon_fixed_s)
                    if s.switch == "scale_up" else s for s in systems]
     spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
-                       block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
+                       block_size=args.block_size, max_fused_decode_steps=args.fused_steps,
+                       cut_fused_steps=args.cut_fused_steps)
     for s in systems:
         check_fits(s, s.engine_config(spec.server, spec.tp, block_size=spec.block_size),
                    spec.models)
@@ -313,6 +319,7 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
              "servers": args.servers, "server": args.server, "tp": args.tp,
              "models": catalog, "block_size": args.block_size,
              "fused_decode_steps": args.fused_steps, "seed": args.seed,
+             "cut_fused_steps": args.cut_fused_steps,
              "no_staging": args.no_staging, "sleep_efficiency": args.sleep_efficiency,
              "aegaeon_fixed_s": args.aegaeon_fixed_s,
              "settings": source}

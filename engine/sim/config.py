@@ -29,6 +29,11 @@ class SimEngineConfig:
     the trade-off is admission latency: a call arriving meanwhile waits for the fused step to
     end, up to ``max_fused_decode_steps - 1`` decode steps (tens of ms) later than it would
     live. ``StepResult.num_steps`` says how many steps a result covers. 1 disables fusion.
+    ``cut_fused_steps``: a call (or abort) reaching the instance meanwhile ends the fused step
+    at the first step boundary after it instead (``engine.sim.fused``), so no arrival waits
+    for fusion and only the admission loop's own time-driven rules (a slot's age, its
+    quantum, starvation) see steps in runs; a request's finishing step then runs alone.
+    Off by default: the tuned settings were chosen without it.
 
     ``host_kv_bytes``: host KV store capacity per TP rank (every rank keeps its own heads);
     0 disables host KV (offload stores nothing, nothing restores). None: what the server's
@@ -66,6 +71,7 @@ class SimEngineConfig:
     staging: bool = True
     host_kv_bytes: int | None = None
     max_fused_decode_steps: int = 8
+    cut_fused_steps: bool = False
     enable_prefix_caching: bool = True
     switch: str = "copy"
     sleep_wake_efficiency: float | None = None

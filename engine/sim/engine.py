@@ -22,7 +22,7 @@ Simplifications, all deliberate:
 - tokens are synthetic; an answer ends where ``answer_lengths`` (written by the replay only,
   never seen by a policy) says, as at an EOS, else at ``max_tokens`` or the context length;
   stop strings and stop token ids are ignored;
-- decode-only steps are fused (``max_fused_decode_steps``): see ``SimEngineConfig``;
+- decode-only steps are fused (``max_fused_decode_steps``, ``cut_fused_steps``): ``SimEngineConfig``;
 - a background staging copy does not slow the active model's steps, but it shares the host
   link with KV restored from host meanwhile: both run at half rate while they overlap.
 """
@@ -47,11 +47,12 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.served_models import ServedModels, ServesModels
 from engine.sim.config import SimEngineConfig
 from engine.sim.cost_model import CostModel
+from engine.sim.fused import FusedRun
 from engine.sim.host_tier import HostTier
 from engine.sim.kv import HostKVSecondary, SimSessions
 from engine.sim.kv_tier import kv_tier
 from engine.sim.memory import ACTIVATE_WAKE, SimMemory
-from engine.sim.model_spec import ModelSpec
+from engine.sim.model_spec import ModelSpec, resolve_catalog
 from engine.sim.parking import Parking
 from engine.sim.step_time import DecodeLine, fusable_steps, split_scheduled
 from substrate.devices import server_preset
@@ -75,7 +76,7 @@ class SimEngine(ServesModels):
         self.config = config or SimEngineConfig()
         self.clock = clock
         self.answer_lengths = {} if answer_lengths is None else answer_lengths  # id -> its EOS
-        specs = _resolve_catalog(catalog)
+        specs = resolve_catalog(catalog)
         server = server_preset(self.config.server)
         self.costs: dict[str, CostModel] = {
             name: CostModel(server, spec, self.config.tp) for name, spec in specs.items()
@@ -98,6 +99,7 @@ class SimEngine(ServesModels):
         self._seeds: dict[str, int] = {}
         self._pending: list[TokenEvent] = []
         self._decode_lines: dict[tuple[str, int], DecodeLine] = {}
+        self._fused: FusedRun | None = None  # the last step, while it can still be cut
         self._totals = {"prefill": 0, "decode": 0, "cached": 0, "restored": 0,
                         "preemptions": 0, "steps": 0, "switches": 0, "swapped": 0}
         self.busy_seconds = 0.0
@@ -170,7 +172,7 @@ class SimEngine(ServesModels):
 
     # --------------------------------------------------------------------- step
     def step(self) -> StepResult:
-        events, self._pending = self._pending, []
+        events, self._pending, self._fused = self._pending, [], None
         sched = self.scheduler
         if sched is None or self.served.active is None:
             return StepResult(events=events, seconds=0.0, num_steps=0)
@@ -192,7 +194,7 @@ class SimEngine(ServesModels):
         else:
             assert self.kv is not None
             fused = fusable_steps(sched, self.kv, out, decodes, self.config.max_fused_decode_steps,
-                                  self._tokens_left)
+                                  self._tokens_left, self.config.cut_fused_steps)
         if chunks:
             seconds = cost.chunks_step_seconds(chunks, len(decodes), decode_context)
         else:
@@ -211,19 +213,31 @@ class SimEngine(ServesModels):
             self.served.active or "", (s.request for s in out.scheduled), self.kv, cost
         )
         seconds = self.host_tier.with_store(cost, seconds, store_s)
+        first = len(events)
         events.extend(self._emit(out, fused))
         num_decode = out.num_decode_tokens * fused
         self._totals["prefill"] += out.num_prefill_tokens
         self._totals["decode"] += num_decode
         self._totals["steps"] += fused
         self.busy_seconds += seconds
-        return StepResult(
-            events=events,
-            seconds=seconds,
-            num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=num_decode,
-            num_steps=fused,
-        )
+        result = StepResult(events, seconds, out.num_prefill_tokens, num_decode, fused)
+        if fused > 1 and self.config.cut_fused_steps:
+            reqs = {s.request.request_id: s.request for s in decodes}
+            self._fused = FusedRun(result, self._decode_line(len(decodes)), decode_context, fused,
+                                   [(first + i, reqs[e.request_id], e.new_token_ids)
+                                    for i, e in enumerate(events[first:])])
+        return result
+
+    def cut_fused(self, elapsed_s: float) -> float | None:
+        """End the fused decode step in flight at its first step boundary at or after
+        ``elapsed_s`` from its start (``engine.sim.fused``): its seconds now, or None."""
+        run = self._fused
+        if run is None or (keep := run.steps_by(elapsed_s)) >= run.steps:
+            return None
+        self._totals["decode"] -= (run.steps - keep) * len(run.decoded)
+        self._totals["steps"] -= run.steps - keep
+        self.busy_seconds -= run.cut(keep)
+        return run.result.seconds
 
     def _tokens_left(self, req: Request) -> int:
         """Output tokens ``req`` may still sample (answer's end, max_tokens, context)."""
@@ -428,15 +442,6 @@ class SimEngine(ServesModels):
 
     def _check_model(self, model: str) -> str:
         return self.served.check_model(model)
-
-
-def _resolve_catalog(catalog: Mapping[str, ModelSpec] | Sequence[str]) -> dict[str, ModelSpec]:
-    if isinstance(catalog, str):
-        raise TypeError("catalog must be a list of model names or a name -> ModelSpec mapping")
-    specs = dict(catalog) if isinstance(catalog, Mapping) else {n: ModelSpec.load(n) for n in catalog}
-    if not specs:
-        raise ValueError("the catalog must name at least one model")
-    return specs
 
 
 def _synthetic_token(seed: int, position: int, vocab_size: int) -> int:

@@ -15,6 +15,7 @@ per-block scales are under 0.01% and left out).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,3 +273,13 @@ def hf_config_spec(cfg: dict, name: str, source: str) -> ModelSpec:
         kv_dtype=dtype,
         activation_dtype=dtype,
     )
+
+
+def resolve_catalog(catalog: Mapping[str, ModelSpec] | Sequence[str]) -> dict[str, ModelSpec]:
+    """A simulated engine's catalog: specs given by name, or model names loaded as bundled."""
+    if isinstance(catalog, str):
+        raise TypeError("catalog must be a list of model names or a name -> ModelSpec mapping")
+    specs = dict(catalog) if isinstance(catalog, Mapping) else {n: ModelSpec.load(n) for n in catalog}
+    if not specs:
+        raise ValueError("the catalog must name at least one model")
+    return specs

@@ -98,16 +98,18 @@ def split_scheduled(out: SchedulerOutput) -> tuple[list[tuple[int, int]], list[S
 def fusable_steps(
     scheduler: Scheduler, kv: KVCacheManager, out: SchedulerOutput,
     decodes: list[ScheduledRequest], max_fused: int, tokens_left: Callable[[Request], int],
+    finish_alone: bool = False,
 ) -> int:
     """How many decode steps a decode-only step may stand for (>= 1): at most ``max_fused``,
     stopping at the step where the first request ends (``tokens_left``: the output tokens a
-    request may still sample). Extra KV blocks for the fused tokens are allocated here;
-    fusion shrinks until they fit."""
+    request may still sample); with ``finish_alone`` one step before it, so that a fused run
+    can be cut short without undoing a finish (``engine.sim.fused``). Extra KV blocks for
+    the fused tokens are allocated here; fusion shrinks until they fit."""
     limit = max_fused
     if limit == 1 or out.preempted_ids or len(decodes) != scheduler.num_running:
         return 1
     for s in decodes:
-        limit = min(limit, tokens_left(s.request))
+        limit = min(limit, tokens_left(s.request) - finish_alone)
     if limit <= 1:
         return 1
     bs = kv.block_size

@@ -81,6 +81,8 @@ class EngineExecutor:
         self.on_device_wait: list[Callable[[bool], None]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._busy: str | None = None
+        # the fused simulated step in flight: (its start, the future it sleeps on, its end)
+        self._fused: tuple[float, asyncio.Future[None], asyncio.TimerHandle] | None = None
         self.busy_since: float | None = None  # loop time the operation in flight started
         self.on_report: list[Callable[[str, StepResult | MoveReport, str | None], None]] = []
 
@@ -225,10 +227,37 @@ class EngineExecutor:
                     self.device.release(model)
             else:
                 result = op()
-                await asyncio.sleep(max(0.0, seconds(result)))
+                if name == "step" and getattr(result, "num_steps", 1) > 1:
+                    await self._fused_sleep(loop, seconds(result))
+                else:
+                    await asyncio.sleep(max(0.0, seconds(result)))
         finally:
             self._idle()
         return result
+
+    async def _fused_sleep(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        """Sleep through a fused simulated step, which ``interrupt`` may end sooner."""
+        done: asyncio.Future[None] = loop.create_future()
+        start = loop.time()
+        self._fused = (start, done, loop.call_at(start + seconds, _resolve, done))
+        try:
+            await done
+        finally:
+            self._fused = None
+
+    def interrupt(self) -> None:
+        """Something for the admission loop to act on arrived (a call, an abort): a fused
+        simulated step in flight ends at its next step boundary, as a live engine's loop
+        would act after the step it is running (``engine.sim.fused``). Otherwise nothing."""
+        cut = getattr(self.engine, "cut_fused", None)
+        if self._fused is None or cut is None:
+            return
+        start, done, timer = self._fused
+        loop = asyncio.get_running_loop()
+        seconds = cut(loop.time() - start)
+        if seconds is not None:
+            timer.cancel()
+            self._fused = (start, done, loop.call_at(start + seconds, _resolve, done))
 
     def _idle(self) -> None:
         self._busy = None
@@ -245,3 +274,8 @@ class EngineExecutor:
 
 def _secs(report: MoveReport) -> float:
     return report.seconds
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)

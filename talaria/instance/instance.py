@@ -236,6 +236,7 @@ class Instance:
         self.calls.add(pending)
         self.loop.split.arrive(call.call_id, call.model, now)
         self.loop.wake.set()
+        self.executor.interrupt()
         return handle
 
     async def stream(self, call: CallRequest) -> AsyncIterator[CallEvent]:
@@ -257,6 +258,7 @@ class Instance:
         else:
             self.loop.aborts.append(call_id)
             self.loop.wake.set()
+            self.executor.interrupt()
         return True
 
     def state(self) -> InstanceState:

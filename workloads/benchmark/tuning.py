@@ -75,7 +75,7 @@ def setup_key(sessions: Sequence[Session], spec: ClusterSpec, seed: int) -> str:
               [(c.input_tokens, c.output_tokens, c.tool_gap_s) for c in s.calls])
              for s in sessions]
     cluster = [spec.servers, spec.server, spec.tp, list(spec.models), spec.block_size,
-               spec.max_fused_decode_steps, seed]
+               spec.max_fused_decode_steps, seed] + (["cut"] if spec.cut_fused_steps else [])
     return hashlib.sha256(orjson.dumps([trace, cluster])).hexdigest()[:16]
 
 

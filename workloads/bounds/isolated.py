@@ -100,6 +100,7 @@ def simulate_isolated(
     config = SimEngineConfig(
         server=spec.server, tp=spec.tp, block_size=spec.block_size, stable_substrate=True,
         staging=False, host_kv_bytes=0, max_fused_decode_steps=spec.max_fused_decode_steps,
+        cut_fused_steps=spec.cut_fused_steps,
     )
     wall = time.perf_counter()
     results = []

@@ -83,6 +83,7 @@ def run_ideal(
             config = SimEngineConfig(
                 server=spec.server, tp=spec.tp, block_size=spec.block_size, staging=False,
                 host_kv_bytes=0, max_fused_decode_steps=spec.max_fused_decode_steps,
+                cut_fused_steps=spec.cut_fused_steps,
                 kv_tokens=need,
             )
             engine = SimEngine([s.model], config, clock=loop.time, answer_lengths=answers)

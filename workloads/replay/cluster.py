@@ -38,6 +38,7 @@ class ClusterSpec:
     models: tuple[str, ...] = DEFAULT_CATALOG
     block_size: int = 128  # engine KV block size; the router hashes prefixes at the same size
     max_fused_decode_steps: int = 8
+    cut_fused_steps: bool = False  # an arrival ends a fused step (engine.sim.fused)
     poll_interval_s: float = 1.0  # how often the router refreshes every instance's state
     kv_tokens: int | None = None  # every engine's KV capacity per model (None: its layout's)
     # Specs of catalog models that are not bundled (e.g. read from a checkpoint's
@@ -78,7 +79,7 @@ class ClusterSpec:
                 overrides[key] = getattr(self, key)
         return system.engine_config(self.server, self.tp, block_size=self.block_size,
                                     max_fused_decode_steps=self.max_fused_decode_steps,
-                                    **overrides)
+                                    cut_fused_steps=self.cut_fused_steps, **overrides)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ def run_day_command(args: argparse.Namespace) -> int:
         raise ValueError("--day-capacity searches the rate itself: it takes no --day-rate")
     config = DayConfig(args.day, args.day_load, args.day_rate, args.seed)
     spec = ClusterSpec(servers=args.servers, server=args.server, tp=args.tp,
-                       block_size=args.block_size, max_fused_decode_steps=args.fused_steps)
+                       block_size=args.block_size, max_fused_decode_steps=args.fused_steps,
+                       cut_fused_steps=args.cut_fused_steps)
     trace = args.trace or str(real_trace_path())
     pool = pool_sessions(load_any_trace(args.trace) if args.trace else read_real_trace(),
                          spec.models)

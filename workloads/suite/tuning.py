@@ -43,7 +43,7 @@ def suite_key(config: SuiteConfig) -> str:
     spec = config.spec
     parts = [config.sessions_per_server, config.pooled_sessions, config.seed,
              [spec.server, spec.tp, list(spec.models), spec.block_size,
-              spec.max_fused_decode_steps]]
+              spec.max_fused_decode_steps] + (["cut"] if spec.cut_fused_steps else [])]
     return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:16]
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from workloads.bounds.bound import LowerBound, pooled_bound
+from workloads.replay.cluster import ClusterSpec
 from workloads.suite.report import (
     BEST_OTHER,
     best_other,
@@ -38,7 +40,7 @@ from workloads.suite.scenarios import (
     scenarios,
 )
 from workloads.suite.stats import figure, interval
-from workloads.suite.tuning import suite_key
+from workloads.suite.tuning import SUITE_SETTINGS_PATH, suite_key
 from workloads.traces.split import dev_half, in_report_half, report_half
 
 
@@ -237,6 +239,16 @@ def test_suite_key_changes_with_what_tuning_depends_on() -> None:
     assert suite_key(SuiteConfig()) == suite_key(SuiteConfig(servers=(1,), loads=(0.5,)))
     assert suite_key(SuiteConfig()) != suite_key(SuiteConfig(pooled_sessions=60))
     assert suite_key(SuiteConfig()) != suite_key(SuiteConfig(seed=1))
+    # cutting fused steps changes the physics the settings were tuned under
+    cut = SuiteConfig(spec=ClusterSpec(cut_fused_steps=True))
+    assert suite_key(SuiteConfig()) != suite_key(cut)
+
+
+def test_the_cached_suite_settings_match_the_quick_suite() -> None:
+    """The shipped cache was tuned for ``make replay``'s quick suite at the default cluster
+    (a spec option left at its default adds nothing to the key), so ``make replay`` finds it."""
+    cached = orjson.loads(SUITE_SETTINGS_PATH.read_bytes())
+    assert cached["suite_key"] == suite_key(SuiteConfig(loads=(0.5, 1.0), pooled_sessions=60))
 
 
 def test_a_small_suite_runs_end_to_end() -> None:
