@@ -249,8 +249,10 @@ class EngineExecutor:
         """Something for the admission loop to act on arrived (a call, an abort): a fused
         simulated step in flight ends at its next step boundary, as a live engine's loop
         would act after the step it is running (``engine.sim.fused``). Otherwise nothing."""
+        if self._fused is None:
+            return
         cut = getattr(self.engine, "cut_fused", None)
-        if self._fused is None or cut is None:
+        if cut is None:
             return
         start, done, timer = self._fused
         loop = asyncio.get_running_loop()

@@ -4,11 +4,13 @@ run its decode steps one by one."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from itertools import accumulate
 
 import pytest
 
+from engine.sim.engine import SimEngine
 from talaria.instance.executor import EngineExecutor
 from tests.engine.sim.sim_helpers import QWEN, drain, make, output, req, tokens
 from workloads.replay.cluster import ClusterSpec
@@ -120,3 +122,44 @@ def test_a_call_arriving_mid_run_is_served_as_with_single_steps(
     monkeypatch.setattr(EngineExecutor, "interrupt", lambda self: None)
     uncut = _records(64, row)
     assert any(got[2] > want[2] + 1e-3 for got, want in zip(uncut, plain, strict=True))
+
+
+def _random_trace(seed: int) -> list[Session]:
+    rng = random.Random(seed)
+    sessions = []
+    for i in range(6):
+        calls = []
+        prompt = rng.randrange(300, 3000)
+        for _ in range(rng.randrange(1, 4)):
+            prompt += rng.randrange(50, 600)
+            calls.append(Call(prompt, rng.randrange(2, 300), rng.uniform(0.0, 3.0)))
+        calls[-1] = Call(calls[-1].input_tokens, calls[-1].output_tokens, None)
+        sessions.append(Session(f"s{i}", QWEN, tuple(calls), arrival_s=rng.uniform(0.0, 20.0)))
+    return sessions
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_arrivals_on_one_model_match_single_steps(
+    seed: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no time-driven rule acts (one model), fusing with cuts is single steps."""
+    trace = _random_trace(seed)
+    cuts = []
+    cut = SimEngine.cut_fused
+
+    def counted(self: SimEngine, elapsed_s: float) -> float | None:
+        seconds = cut(self, elapsed_s)
+        cuts.append(seconds is not None)
+        return seconds
+
+    monkeypatch.setattr(SimEngine, "cut_fused", counted)
+    for row in ("baseline", "talaria"):
+        runs = [run_sim(trace, SYSTEMS[row], replace(_ONE_MODEL, max_fused_decode_steps=f))
+                for f in (1, 64)]
+        plain, fused = ([(c.sent_s, c.first_token_s, c.done_s, c.output_tokens)
+                         for s in sorted(r.sessions, key=lambda s: s.session_id) for c in s.calls]
+                        for r in runs)
+        assert len(plain) == len(fused) == sum(len(s.calls) for s in trace)
+        for got, want in zip(fused, plain, strict=True):
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-9)
+    assert any(cuts), "some arrival fell inside a fused run"
