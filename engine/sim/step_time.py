@@ -108,8 +108,9 @@ def fusable_steps(
     limit = max_fused
     if limit == 1 or out.preempted_ids or len(decodes) != scheduler.num_running:
         return 1
+    last = 1 if finish_alone else 0  # the step that samples a request's last token
     for s in decodes:
-        limit = min(limit, tokens_left(s.request) - finish_alone)
+        limit = min(limit, tokens_left(s.request) - last)
     if limit <= 1:
         return 1
     bs = kv.block_size
