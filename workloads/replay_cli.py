@@ -66,7 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a call reaching an instance ends a fused decode step at the next step "
                    "boundary (engine.sim.fused): no arrival waits for fusion, so more steps "
                    "may fuse (e.g. --fused-steps 32) at the same fidelity; off by default, as "
-                   "the cached tuned settings were chosen without it")
+                   "the cached tuned settings were chosen without it. With --bench-sim: each "
+                   "server count also runs the default fusion first, for the ratio")
     p.add_argument("--no-staging", action="store_true",
                    help="drop the staging region from every policy (servers too small to "
                    "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
@@ -356,6 +357,7 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
 def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any],
                spec: Any) -> int:
     from workloads.benchmark.tuning import apply_settings, load_settings
+    from workloads.replay.cluster import ClusterSpec
     from workloads.replay.sim_bench import bench_sim
     from workloads.replay.systems import parse_policies
 
@@ -367,7 +369,14 @@ def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any]
     print(f"simulator speed: {chosen.name} at {chosen.setting}, {len(sessions)} sessions "
           f"({calls} calls) per server, replicated onto {servers} servers of {args.server} "
           "(one process per run)", flush=True)
-    rows = bench_sim(sessions, chosen, spec, servers, seed=args.seed)
+    reference = None
+    if spec.cut_fused_steps:  # against the default fusion, in the same run
+        reference = replace(spec, cut_fused_steps=False,
+                            max_fused_decode_steps=ClusterSpec().max_fused_decode_steps)
+        print(f"each server count twice: the reference (fused steps "
+              f"{reference.max_fused_decode_steps}, uncut), then this spec (fused steps "
+              f"{spec.max_fused_decode_steps}, cut by arrivals)", flush=True)
+    rows = bench_sim(sessions, chosen, spec, servers, seed=args.seed, reference=reference)
     return 1 if any(r.failed_calls for r in rows) else 0
 
 

@@ -178,3 +178,18 @@ def test_bench_sim_runs_each_server_count_on_the_replicated_trace(
     assert [(r[0], r[1]) for r in rows] == [("1", "2"), ("2", "4")]
     assert int(rows[1][2]) == 2 * int(rows[0][2])  # calls
     assert all(float(r[7]) > 0 and float(r[8]) > 0 for r in rows)  # peak RSS, simulated s
+
+
+def test_bench_sim_with_cut_fused_steps_runs_the_default_first_for_a_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc = main(["replay", "--bench-sim", "--bench-servers", "1", "--max-sessions", "2",
+               "--fused-steps", "32", "--cut-fused-steps", "--no-progress"])
+    assert rc == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0].isdigit()]
+    assert len(rows) == 2
+    assert rows[0].rstrip().endswith("reference")
+    ratio = float(rows[1].split("this: ")[1].split("x")[0])
+    # the printed ratio is the two rows' calls per CPU-second
+    assert ratio == pytest.approx(float(rows[1].split()[6]) / float(rows[0].split()[6]), rel=0.02)

@@ -5,7 +5,9 @@ r's sessions on their own, as ``--servers N`` does) on an N-instance simulated c
 fresh worker process so that its peak resident memory is that run's own. It prints simulated
 calls per second of wall time and of CPU time (the CPU figure is the one to compare on a
 shared machine: other processes' load inflates wall time, not CPU time), peak RSS, and the
-simulated makespan each run covered.
+simulated makespan each run covered. Given a ``reference`` cluster spec (``--cut-fused-steps``
+against the default fusion), each server count runs under both, back to back, and the
+second line of each pair says how many times the reference's calls per CPU-second it ran.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class SimBenchRow:
     peak_rss_mb: float
     simulated_s: float  # makespan of the replay in virtual time
     failed_calls: int
+    label: str = ""  # which spec ran, when two are compared
+    speedup: float | None = None  # calls per CPU-second over the reference run's
 
     @property
     def calls_per_s(self) -> float:
@@ -60,19 +64,28 @@ def _run_one(sessions: Sequence[Session], system: SystemConfig, spec: ClusterSpe
 def bench_sim(
     sessions: Sequence[Session], system: SystemConfig, spec: ClusterSpec,
     servers: Sequence[int] = (1, 16, 64), seed: int = 0, progress: bool = True,
+    reference: ClusterSpec | None = None,
 ) -> list[SimBenchRow]:
-    """One run per server count, each in its own fresh process (printed as it ends when
-    ``progress``)."""
-    rows = []
+    """One run per server count (two with a ``reference`` spec: it first), each in its own
+    fresh process (printed as it ends when ``progress``)."""
+    rows: list[SimBenchRow] = []
     for n in servers:
         if n < 1:
             raise ValueError(f"server counts must be >= 1, got {n}")
         copies = replicate(sessions, n)
-        with ProcessPoolExecutor(max_workers=1) as pool:
-            row = pool.submit(_run_one, copies, system, replace(spec, servers=n), seed).result()
-        rows.append(row)
-        if progress:
-            print(format_bench_sim([row], header=not rows[:-1]), flush=True)
+        pair = [(reference, "reference"), (spec, "this")] if reference else [(spec, "")]
+        first: SimBenchRow | None = None
+        for run_spec, label in pair:
+            with ProcessPoolExecutor(max_workers=1) as pool:
+                row = pool.submit(_run_one, copies, system, replace(run_spec, servers=n),
+                                  seed).result()
+            if first is not None and first.calls_per_cpu_s > 0:
+                row = replace(row, speedup=row.calls_per_cpu_s / first.calls_per_cpu_s)
+            row = replace(row, label=label)
+            first = first or row
+            rows.append(row)
+            if progress:
+                print(format_bench_sim([row], header=len(rows) == 1), flush=True)
     return rows
 
 
@@ -83,7 +96,10 @@ def format_bench_sim(rows: Sequence[SimBenchRow], header: bool = True) -> str:
                      f"{'calls/s':>8} {'calls/cpu-s':>11} {'peak RSS MB':>11} {'simulated s':>11}")
     for r in rows:
         failed = f"  ({r.failed_calls} failed calls)" if r.failed_calls else ""
+        which = f"  {r.label}" if r.label else ""
+        if r.speedup is not None:
+            which += f": {r.speedup:.2f}x the reference's calls/cpu-s"
         lines.append(f"{r.servers:7d} {r.sessions:8d} {r.calls:8d} {r.wall_s:8.1f} "
                      f"{r.cpu_s:8.1f} {r.calls_per_s:8.0f} {r.calls_per_cpu_s:11.0f} "
-                     f"{r.peak_rss_mb:11.0f} {r.simulated_s:11.0f}{failed}")
+                     f"{r.peak_rss_mb:11.0f} {r.simulated_s:11.0f}{which}{failed}")
     return "\n".join(lines)
