@@ -248,7 +248,10 @@ class EngineExecutor:
     def interrupt(self) -> None:
         """Something for the admission loop to act on arrived (a call, an abort): a fused
         simulated step in flight ends at its next step boundary, as a live engine's loop
-        would act after the step it is running (``engine.sim.fused``). Otherwise nothing."""
+        would act after the step it is running (``engine.sim.fused``). Otherwise nothing.
+        It touches the engine while that step is in flight, which only the simulation allows
+        (its op has returned; the virtual clock runs nothing beside this callback); live,
+        no step is ever fused, so this returns at once."""
         if self._fused is None:
             return
         cut = getattr(self.engine, "cut_fused", None)

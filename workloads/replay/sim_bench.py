@@ -73,7 +73,8 @@ def bench_sim(
         if n < 1:
             raise ValueError(f"server counts must be >= 1, got {n}")
         copies = replicate(sessions, n)
-        pair = [(reference, "reference"), (spec, "this")] if reference else [(spec, "")]
+        pair: list[tuple[ClusterSpec, str]] = (
+            [(reference, "reference"), (spec, "this")] if reference else [(spec, "")])
         first: SimBenchRow | None = None
         for run_spec, label in pair:
             with ProcessPoolExecutor(max_workers=1) as pool:
