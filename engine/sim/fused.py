@@ -19,7 +19,7 @@ its synthetic tokens are a function of position, so it samples the same ones aga
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.interface import StepResult
 from engine.request import Request, token_event
@@ -35,14 +35,17 @@ class FusedRun:
     context: int  # the decodes' summed context at the run's first step
     steps: int
     decoded: list[tuple[int, Request, list[int]]]  # (index in result.events, request, tokens)
+    scale: float = field(init=False)  # the run's price over its line's: fixed by a cut too
+
+    def __post_init__(self) -> None:
+        whole = self.line.seconds(self.context, self.steps)
+        self.scale = self.result.seconds / whole if whole > 0 else 0.0
 
     def boundary_s(self, steps: int) -> float:
         """Seconds from the run's start to the end of its ``steps``-th step."""
         if steps >= self.steps:
             return self.result.seconds
-        whole = self.line.seconds(self.context, self.steps)
-        scale = self.result.seconds / whole if whole > 0 else 0.0
-        return scale * self.line.seconds(self.context, steps)
+        return self.scale * self.line.seconds(self.context, steps)
 
     def steps_by(self, elapsed_s: float) -> int:
         """The fewest steps whose end is at or after ``elapsed_s`` (at least 1)."""

@@ -83,7 +83,8 @@ def bench_sim(
             if first is not None and first.calls_per_cpu_s > 0:
                 row = replace(row, speedup=row.calls_per_cpu_s / first.calls_per_cpu_s)
             row = replace(row, label=label)
-            first = first or row
+            if first is None:
+                first = row
             rows.append(row)
             if progress:
                 print(format_bench_sim([row], header=len(rows) == 1), flush=True)
