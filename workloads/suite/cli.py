@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --leave-one-out: only these of its rows, comma-separated "
                    f"(default all: {', '.join(LOO_ROWS)}; write --loo-rows=-sp,placebo, as the "
                    "rows begin with a dash); Talaria and the baseline always run")
+    p.add_argument("--tune-new-points", action="store_true",
+                   help="with --tune-suite: run only the grid points the cache records no run "
+                   "of (e.g. a quantum added to SUITE_QUANTA), keeping its best values for the "
+                   "rest; sound only while the rows' code is what made them")
     p.add_argument("--tune-servers", default=None,
                    help="with --tune-suite: tune only the scenarios on these server counts, "
                    "e.g. 1 (the cache keeps the other scenarios' settings)")
@@ -100,11 +104,14 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                                   progress=not args.no_progress)
         return (format_leave_one_out(found, args.leave_one_out),
                 {"leave_one_out": leave_one_out_json(found, args.leave_one_out)})
+    if args.tune_new_points and not args.tune_suite:
+        raise ValueError("--tune-new-points goes with --tune-suite")
     if args.tune_suite:
         servers = (None if args.tune_servers is None
                    else tuple(int(n) for n in args.tune_servers.split(",")))
         settings = tune_suite(config, fallback, workers=args.workers,
-                              progress=not args.no_progress, servers=servers)
+                              progress=not args.no_progress, servers=servers,
+                              new_points_only=args.tune_new_points)
     else:
         settings = load_suite_settings(config, fallback)
     suite = run_suite(config, settings, rows=SUITE_ROWS, workers=args.workers,

@@ -11,7 +11,10 @@ Talaria is not tuned: it runs one configuration everywhere. The result is cached
 ``SUITE_SETTINGS_PATH`` per scenario, under a key of what a scenario's runs depend on beyond
 its name (``suite_key``: sizes, seed, cluster), so ``make replay`` runs each row at its best
 settings without the grids. A tuning over some of the server counts (``servers``) adds its
-scenarios to the cache and keeps the others'.
+scenarios to the cache and keeps the others'. The cache also records, per scenario and row,
+the grid points it was run at (``grids``), so a grid extended by a point (30 s slots were
+added when half the rows' best settings sat at the shortest quantum, 60 s) runs that point
+alone (``new_points_only``, ``--tune-new-points``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ __all__ = ["SUITE_QUANTA", "SUITE_QUOTAS", "SUITE_RULES", "SUITE_SETTINGS_PATH",
 SUITE_SETTINGS_PATH = Path(__file__).parents[1] / "data" / "suite_settings.json"
 TUNED_ROWS: tuple[str, ...] = (BASELINE, *PEERS)
 SUITE_RULES: tuple[str, ...] = ("drained", "quantum")
-SUITE_QUANTA: tuple[float, ...] = (60.0, 240.0, 960.0)
+SUITE_QUANTA: tuple[float, ...] = (30.0, 60.0, 240.0, 960.0)
 SUITE_QUOTAS: tuple[float, ...] = (1.0, 2.0, 4.0)  # Aegaeon's, within its Q_MAX of 4 s
 
 
@@ -69,32 +72,70 @@ def _cached(config: SuiteConfig, path: Path) -> dict[str, Any]:
     return {"settings": {}, "values": {}}
 
 
+def _new_points(
+    grids: dict[str, list[dict[str, Any]]], cached: dict[str, Any], names: list[str],
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, dict[str, Any]]]]:
+    """Per row, the grid points some scenario of ``names`` has no recorded run of; and the
+    cached best of every scenario, figure by figure, to start from."""
+    recorded = cached.get("grids", {})
+    missing = [name for name in names
+               if not all(row in recorded.get(name, {}) and row in cached["values"].get(name, {})
+                          for row in grids)]
+    if missing:
+        raise ValueError(f"the cache records no grid for {missing[:3]}"
+                         f"{' ...' if len(missing) > 3 else ''}: tune them in full first")
+    points = {}
+    for row, grid in grids.items():
+        everywhere = set.intersection(*({(rule, float(q)) for rule, q in recorded[name][row]}
+                                        for name in names))
+        points[row] = [p for p in grid if (p["slot_close"], p["slot_quantum_s"]) not in everywhere]
+    seed = {name: {row: {f: {"value": cached["values"][name][row][f],
+                             "setting": cached["settings"][name][row][f]} for f in FIGURES}
+                   for row in grids} for name in names}
+    return points, seed
+
+
 def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, workers: int = 1,
                progress: bool = False, path: Path = SUITE_SETTINGS_PATH,
-               servers: tuple[int, ...] | None = None) -> SuiteSettings:
+               servers: tuple[int, ...] | None = None,
+               new_points_only: bool = False) -> SuiteSettings:
     """Run every tuned row's grid in every scenario (only those on ``servers`` when given);
-    write the best settings beside the cached ones of other scenarios; return them all."""
+    write the best settings beside the cached ones of other scenarios; return them all.
+
+    ``new_points_only``: run only the grid points the cache records no run of in these
+    scenarios (its ``grids``), starting from its best values: a grid extended by a point
+    costs one pass, not all of them. Sound only while the rows' code is what made the cached
+    values (they are not re-run); a point that ties a cached best keeps the cached setting."""
     if servers is not None:
         unknown = set(servers) - set(config.servers)
         if unknown:
             raise ValueError(f"server count(s) {sorted(unknown)} are not in the suite's "
                              f"{list(config.servers)}")
         config = replace(config, servers=tuple(servers))
-    points = {row: _grid(row, fallback.get(row)) for row in TUNED_ROWS}
+    grids = {row: _grid(row, fallback.get(row)) for row in TUNED_ROWS}
+    names = [s.name for s in scenarios(config)]
+    start = _cached(config, path)
+    points, seed = _new_points(grids, start, names) if new_points_only else (grids, {})
     checkpoint = _Checkpoint(_partial_path(path), config, points)
     done, best = checkpoint.load()
-    width = max(len(g) for g in points.values())
+    if not done:
+        best = seed
+    width = max((len(g) for g in points.values()), default=0)
     if progress and done:
         print(f"tuning resumes after {done} of {width} grid passes ({checkpoint.path})", flush=True)
     for i in range(done, width):
         # grid point i of every row at once: each pass is a complete suite (its Poisson
-        # rates come from the baseline at its fallback setting, the same in every pass)
-        chosen = {row: g[min(i, len(g) - 1)] for row, g in points.items()}
-        settings = SuiteSettings({s.name: {row: {f: chosen[row] for f in FIGURES}
-                                           for row in TUNED_ROWS}
-                                  for s in scenarios(config)}, fallback)
-        result = run_suite(config, settings, rows=TUNED_ROWS, workers=workers,
-                           progress=progress)
+        # rates come from the baseline at its fallback setting, the same in every pass); a
+        # row whose grid is shorter repeats its last point, except in a pass of new points
+        # only, where it sits out (the baseline always runs: its bursts set the rates)
+        chosen = {row: g[min(i, len(g) - 1)] for row, g in points.items()
+                  if i < len(g) or (g and not new_points_only)}
+        if BASELINE not in chosen:
+            chosen = {BASELINE: (points[BASELINE] or grids[BASELINE])[-1]} | chosen
+        rows = list(chosen)
+        settings = SuiteSettings({name: {row: {f: chosen[row] for f in FIGURES} for row in rows}
+                                  for name in names}, fallback)
+        result = run_suite(config, settings, rows=rows, workers=workers, progress=progress)
         for name, res in result.scenarios.items():
             for row, r in res.rows.items():
                 for f in FIGURES:
@@ -102,18 +143,30 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
                     if current is None or r.values[f] < current["value"]:
                         best[name][row][f] = {"value": r.values[f], "setting": chosen[row]}
         checkpoint.save(i + 1, best)
-    cached = _cached(config, path)
+    cached = _cached(config, path)  # read again: another tuning may have written it meanwhile
     tuned = cached["settings"] | {name: {row: {f: v["setting"] for f, v in by_fig.items()}
                                          for row, by_fig in rows.items()}
                                   for name, rows in best.items()}
     values = cached["values"] | {name: {row: {f: v["value"] for f, v in by_fig.items()}
                                         for row, by_fig in rows.items()}
                                  for name, rows in best.items()}
+    recorded = start.get("grids", {}) if new_points_only else {}
+    ran = {name: {row: _union(recorded.get(name, {}).get(row, []), grids[row])
+                  for row in TUNED_ROWS} for name in names}
     data = {"suite_key": suite_key(config), "criterion": "per figure, the lowest over the grid",
-            "settings": tuned, "values": values}
+            "settings": tuned, "values": values, "grids": cached.get("grids", {}) | ran}
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
     checkpoint.path.unlink(missing_ok=True)
     return SuiteSettings(tuned, fallback)
+
+
+def _union(recorded: list[list[Any]], grid: list[dict[str, Any]]) -> list[list[Any]]:
+    """The points a scenario's row has been run at: ``recorded`` ones, then ``grid``'s new."""
+    out = [[rule, float(q)] for rule, q in recorded]
+    for p in grid:
+        if [p["slot_close"], p["slot_quantum_s"]] not in out:
+            out.append([p["slot_close"], p["slot_quantum_s"]])
+    return out
 
 
 def _partial_path(path: Path) -> Path:
