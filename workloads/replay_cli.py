@@ -142,6 +142,8 @@ def _run(args: argparse.Namespace) -> int:
         if not args.leave_one_out:
             raise ValueError("--loo-rows chooses rows of --leave-one-out, which is not given")
         suite_cli.parse_loo_rows(args.loo_rows)  # refused before the default trace's table
+    if args.tune_new_points and not args.tune_suite:
+        raise ValueError("--tune-new-points goes with --tune-suite")  # before the default table
     if args.day_capacity and args.day is None:
         raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
     if args.day is not None:

@@ -129,6 +129,9 @@ def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
     assert "names a row twice" in capsys.readouterr().err
     assert main(["replay", "--leave-one-out", "1", "--loo-rows=,"]) == 2
     assert "names no row" in capsys.readouterr().err
+    # refused before the default trace's table runs, not after it
+    assert main(["replay", "--tune-new-points"]) == 2
+    assert "--tune-new-points goes with --tune-suite" in capsys.readouterr().err
 
 
 def test_loo_rows_runs_only_the_rows_named(

@@ -104,8 +104,6 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                                   progress=not args.no_progress)
         return (format_leave_one_out(found, args.leave_one_out),
                 {"leave_one_out": leave_one_out_json(found, args.leave_one_out)})
-    if args.tune_new_points and not args.tune_suite:
-        raise ValueError("--tune-new-points goes with --tune-suite")
     if args.tune_suite:
         servers = (None if args.tune_servers is None
                    else tuple(int(n) for n in args.tune_servers.split(",")))
