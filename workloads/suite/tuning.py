@@ -88,7 +88,7 @@ def _new_points(
     for row, grid in grids.items():
         everywhere = set.intersection(*({(rule, float(q)) for rule, q in recorded[name][row]}
                                         for name in names))
-        points[row] = [p for p in grid if (p["slot_close"], p["slot_quantum_s"]) not in everywhere]
+        points[row] = [p for p in grid if tuple(_pair(p)) not in everywhere]
     seed = {name: {row: {f: {"value": cached["values"][name][row][f],
                              "setting": cached["settings"][name][row][f]} for f in FIGURES}
                    for row in grids} for name in names}
@@ -163,10 +163,15 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
 def _union(recorded: list[list[Any]], grid: list[dict[str, Any]]) -> list[list[Any]]:
     """The points a scenario's row has been run at: ``recorded`` ones, then ``grid``'s new."""
     out = [[rule, float(q)] for rule, q in recorded]
-    for p in grid:
-        if [p["slot_close"], p["slot_quantum_s"]] not in out:
-            out.append([p["slot_close"], p["slot_quantum_s"]])
+    for pair in map(_pair, grid):
+        if pair not in out:
+            out.append(pair)
     return out
+
+
+def _pair(point: dict[str, Any]) -> list[Any]:
+    """A grid point as the cache records it: [rule, quantum]."""
+    return [point["slot_close"], float(point["slot_quantum_s"])]
 
 
 def _partial_path(path: Path) -> Path:
