@@ -4,7 +4,9 @@ prompt extends it, and known chains that let a continuation hash only its new bl
 from __future__ import annotations
 
 import random
+import struct
 import threading
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +15,7 @@ from router_fakes import FakeInstance
 import engine.block_hash
 from router.core import RouterCore
 from router.sessions.inference import ANSWER_TOKENS_KEPT, SessionInference
-from router.sessions.prefix_chain import ChainSample, KnownChains
+from router.sessions.prefix_chain import ChainSample, KnownChains, _pack
 from talaria.protocol import CallRequest, SamplingParams
 from talaria.protocol.text import block_hashes
 
@@ -117,3 +119,31 @@ def test_an_inferred_session_keeps_only_the_start_of_its_answer() -> None:
     sid = inference.assign("m", prompt, block_hashes(prompt, BS))
     inference.record_answer(sid, list(range(5000)))
     assert inference._anchors[sid].answer == tuple(range(ANSWER_TOKENS_KEPT))
+
+
+def test_tokens_pack_five_bytes_each_when_they_fit_in_32_bits_else_eight() -> None:
+    narrow, width = _pack([0, 7, 2**31 - 1])
+    assert width == 5 and list(struct.iter_unpack("<ci", narrow)) == [(b"i", 0), (b"i", 7), (b"i", 2**31 - 1)]
+    for wide in ([1, 2**31], array("q", [1, 2]), (1, True)):
+        packed, width = _pack(wide)
+        assert width == 8 and packed.tobytes() == array("q", wide).tobytes(), wide
+    assert _pack((5, 6))[0].tobytes() == _pack([5, 6])[0].tobytes()
+
+
+def test_a_prompt_past_32_bits_is_hashed_whole_and_its_own_continuations_reuse() -> None:
+    rng = random.Random(3)
+    known = KnownChains(BS)
+    prompt, answer = tokens(rng, 500), tokens(rng, 40) + [2**40] + tokens(rng, 40)
+    first = known.hash_prompt(["s"], prompt)
+    assert first.token_bytes == 5
+    full = len(first.hashes) * BS
+    tail = prompt[full:] + answer
+    known.remember("s", first, tail, block_hashes(tail, BS, parent=first.hashes[-1]))
+    # The answer's wide token makes the continuation pack wide: the narrow checkpoint of its
+    # prompt reads as a miss, never as a match, and the chain is the prompt's own.
+    longer = prompt + answer + tokens(rng, 100)
+    got = known.hash_prompt(["s"], longer)
+    assert got.token_bytes == 8 and got.reused == 0 and got.hashes == block_hashes(longer, BS)
+    known.remember("s", got, [], [])
+    again = longer + tokens(rng, 100)
+    assert known.hash_prompt(["s"], again).reused == len(longer) // BS  # wide meets wide
