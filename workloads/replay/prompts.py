@@ -7,9 +7,10 @@ see live) and two sessions share only what the trace says they share.
 
 from __future__ import annotations
 
-import array
 import random
 import zlib
+
+import numpy as np
 
 __all__ = ["SessionTokens", "next_prompt"]
 
@@ -26,9 +27,8 @@ class SessionTokens:
     def take(self, n: int) -> list[int]:
         if n <= 0:
             return []
-        raw = array.array("I", self._rng.randbytes(4 * n))
-        mod = self._mod
-        return [x % mod + 1 for x in raw]
+        raw = np.frombuffer(self._rng.randbytes(4 * n), dtype=np.uint32)
+        return (raw % self._mod + 1).tolist()  # Python ints, as a list comprehension made
 
 
 def next_prompt(
