@@ -111,7 +111,8 @@ def test_session_tokens_are_seeded_per_session() -> None:
     a = SessionTokens("s1", 0, 1000).take(100)
     assert a == SessionTokens("s1", 0, 1000).take(100)
     # The ids every replay and its saved results rest on (changing them moves every table),
-    # as plain ints (numpy's would be hashed and packed differently downstream).
+    # as plain ints (numpy's would miss the plain-int fast paths downstream: the router's
+    # 5-byte digest form, the engine's prompt check).
     assert a[:6] == [386, 63, 537, 247, 572, 62] and all(type(t) is int for t in a)
     assert a != SessionTokens("s2", 0, 1000).take(100)
     assert a != SessionTokens("s1", 1, 1000).take(100)
