@@ -27,8 +27,8 @@ class SessionTokens:
     def take(self, n: int) -> list[int]:
         if n <= 0:
             return []
-        raw = np.frombuffer(self._rng.randbytes(4 * n), dtype=np.uint32)
-        return (raw % self._mod + 1).tolist()  # Python ints, as a list comprehension made
+        raw = np.frombuffer(self._rng.randbytes(4 * n), dtype=np.uint32).astype(np.uint64)
+        return (raw % self._mod + 1).tolist()  # Python ints; uint64: any vocabulary size fits
 
 
 def next_prompt(

@@ -4,7 +4,10 @@ construction, and contention between policies on a small trace."""
 
 from __future__ import annotations
 
+import array
 import math
+import random
+import zlib
 
 import pytest
 
@@ -114,6 +117,9 @@ def test_session_tokens_are_seeded_per_session() -> None:
     # as plain ints (numpy's would miss the plain-int fast paths downstream: the router's
     # 5-byte digest form, the engine's prompt check).
     assert a[:6] == [386, 63, 537, 247, 572, 62] and all(type(t) is int for t in a)
+    # A vocabulary past 32 bits: every raw 32-bit draw is below vocab - 1, so each id is it + 1.
+    raw = array.array("I", random.Random(zlib.crc32(b"0/s1")).randbytes(4 * 100))
+    assert SessionTokens("s1", 0, 2**33).take(100) == [x + 1 for x in raw]
     assert a != SessionTokens("s2", 0, 1000).take(100)
     assert a != SessionTokens("s1", 1, 1000).take(100)
     with pytest.raises(ValueError, match="vocab_size"):
