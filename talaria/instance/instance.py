@@ -27,6 +27,7 @@ from talaria.policies.config import PolicyConfig
 from talaria.policies.priority import Service
 from talaria.policies.reservations import ReservationBook
 from talaria.policies.round_scheduler import RoundScheduler, Slot
+from talaria.policies.staging import call_capacity_blocks
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -74,9 +75,12 @@ class Instance:
         )
         self.executor.on_report.append(self.rates.observe)
         block_size = engine.stats().block_size
-        # What one call may hold whenever it runs: the KV region without the staging region
-        # (lent to it only at some switches), so a call within it always fits.
-        self.kv_capacity_tokens = {m: engine.kv_capacity_blocks(m) * block_size for m in self.models}
+        # What one call may hold whenever it runs: the KV region, with the staging region
+        # where the policy lends it (a call beyond the KV region makes its slot lend it)
+        self.kv_capacity_tokens = {
+            m: call_capacity_blocks(self.policy, engine.kv_capacity_blocks(m),
+                                    engine.kv_capacity_blocks(m, lent=True)) * block_size
+            for m in self.models}
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {
             "switches": 0,

@@ -36,6 +36,7 @@ from talaria.policies.priority import Service, order_queue, priority_key
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot
 from talaria.policies.session_prefill import SlotCosts, decide_queued, slot_costs
+from talaria.policies.staging import call_capacity_blocks
 from talaria.policies.view import InstanceView
 
 log = structlog.get_logger("talaria.intake")
@@ -48,7 +49,7 @@ class Room(enum.Enum):
 
     FITS = "fits"
     WAIT = "wait"  # not now: running calls or pinned reservations hold the room
-    FAILED = "failed"  # never: it is larger than the KV region, and has been failed
+    FAILED = "failed"  # never: larger than the KV region (lent one included), and failed
 
 
 class Intake:
@@ -159,7 +160,9 @@ class Intake:
     async def _make_room(self, pending: PendingCall) -> Room:
         """Whether ``pending`` fits the admission budget, yielding other sessions'
         reservations (least valuable first; offloaded to host when host KV is on) if that
-        makes it fit. A call larger than the whole KV region fails (and leaves its queue).
+        makes it fit. A call that needs more than the KV region waits while the staging
+        region can still be lent to it (``call_capacity_blocks``), and fails (leaving its
+        queue) beyond that.
         Under the engine's own admission, whether the engine would take it now."""
         if len(self.calls.running) >= self.policy.max_running_calls:
             return Room.WAIT
@@ -168,11 +171,18 @@ class Intake:
         model = pending.call.model
         total = self._stats().num_total_blocks
         if pending.need_blocks > total > 0:
+            most = max(total, call_capacity_blocks(
+                self.policy, self.executor.kv_capacity_blocks(model),
+                self.executor.kv_capacity_blocks(model, lent=True)))
+            if pending.need_blocks <= most:
+                # it fits once the staging region is lent: queued, it is pressure enough for
+                # the loop to lend it (at the switch, or once the calls in flight end)
+                return Room.WAIT
             self.finish(
                 pending,
                 "error",
                 None,
-                error=f"call needs {pending.need_blocks} KV blocks; the instance has {total}",
+                error=f"call needs {pending.need_blocks} KV blocks; the instance has {most}",
             )
             return Room.FAILED
         while True:

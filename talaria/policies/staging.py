@@ -16,10 +16,11 @@ H2D copy because nothing can be staged meanwhile.
 from __future__ import annotations
 
 from engine.interface import Residency
+from talaria.policies.config import PolicyConfig
 from talaria.policies.priority import best_key, first_model, priority_key
 from talaria.policies.view import InstanceView
 
-__all__ = ["lend_staging_due", "predicted_next", "staging_target"]
+__all__ = ["call_capacity_blocks", "lend_staging_due", "predicted_next", "staging_target"]
 
 
 def predicted_next(view: InstanceView) -> str | None:
@@ -69,6 +70,18 @@ def staging_target(view: InstanceView) -> str | None:
     if nxt is None or view.residency.get(nxt) != Residency.HOST or not view.can_stage(nxt):
         return None
     return nxt
+
+
+def call_capacity_blocks(policy: PolicyConfig, capacity_blocks: int,
+                         lent_capacity_blocks: int) -> int:
+    """The most KV blocks one call of a model can hold whenever it runs: its KV region with
+    the staging region lent to it where the policy lends under pressure (``lend_staging``
+    with ``d2d_staging``), else its KV region alone. A queued call that needs more than the
+    KV region is pressure by itself (``lend_staging_due``), so its slot lends the region
+    (at the switch, or once the calls in flight end) and the call then fits."""
+    if policy.lend_staging and policy.d2d_staging:
+        return max(capacity_blocks, lent_capacity_blocks)
+    return capacity_blocks
 
 
 def lend_staging_due(queued_blocks: int, capacity_blocks: int, lent_capacity_blocks: int) -> bool:

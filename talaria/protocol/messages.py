@@ -187,7 +187,8 @@ class ModelState:
     kv_restore_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
     # The most tokens (prompt and output) one call of the model can hold in the instance's
-    # KV cache whenever it runs; 0: not reported.
+    # KV cache whenever it runs (the staging region included where the instance lends it
+    # under pressure); 0: not reported.
     kv_capacity_tokens: int = 0
 
 

@@ -25,6 +25,7 @@ from talaria.policies.config import PolicyConfig
 from talaria.protocol import CallEvent, CallRequest, InstanceState, Overloaded, SamplingParams
 from talaria.serving.instance_server import (
     INFLIGHT_KEY,
+    INSTANCE_KEY,
     InstanceServerSettings,
     create_instance_app,
     engine_limits,
@@ -144,6 +145,28 @@ async def test_sessions_alternate_between_models_and_stream(
         await client.close()
 
 
+async def test_a_call_beyond_the_kv_region_runs_with_the_staging_region_lent(
+    served: tuple[web.Application, TestServer],
+) -> None:
+    """A prompt of 2100 tokens needs 132 blocks where the model's KV region has 128: the
+    instance accepts it (until the reported capacity counted the lent region, its API
+    refused it with a 400), lends the staging region to the KV cache at the switch to the
+    model, and serves it."""
+    app, server = served
+    client = HttpInstanceClient("e2e", str(server.make_url("/")))
+    prompt = [3 + (i * 7) % 400 for i in range(2100)]
+    try:
+        events = [e async for e in client.submit(call("long-prompt", "s-lp", QWEN, prompt, 4))]
+    finally:
+        await client.close()
+    assert events[-1].finished and events[-1].finish_reason == "length"
+    assert events[-1].error is None
+    assert sum(len(e.token_ids) for e in events) == 4
+    state = await wait_idle(app, server)
+    assert state.staging_lends == 1
+    assert state.total_kv_blocks > NUM_BLOCKS  # the lent view stays until the next switch
+
+
 async def test_client_disconnect_aborts_and_frees_blocks(
     served: tuple[web.Application, TestServer],
 ) -> None:
@@ -221,6 +244,9 @@ async def test_bad_requests_get_clear_json_errors_and_leak_nothing(
 ) -> None:
     app, server = served
     good = call("ok", "s", LLAMA, [3, 4, 5]).to_dict()
+    engine = app[INSTANCE_KEY].engine
+    lent = engine.kv_capacity_blocks(LLAMA, lent=True) * BLOCK
+    assert lent > NUM_BLOCKS * BLOCK  # the talaria policy lends its staging region
     cases: list[tuple[bytes, int, str]] = [
         (b"", 400, "empty"),
         (b"{not json", 400, "not valid JSON"),
@@ -234,10 +260,10 @@ async def test_bad_requests_get_clear_json_errors_and_leak_nothing(
         (orjson.dumps({**good, "params": {**good["params"], "temperature": -1}}), 400, "temperature"),
         (orjson.dumps({**good, "params": {**good["params"], "max_tokens": 0}}), 400, "max_tokens"),
         (orjson.dumps({**good, "params": {"beam_width": 4}}), 400, "beam_width"),
-        # Within the context (4096) but beyond the KV cache (128 blocks of 16): it would be
-        # accepted and then failed by the admission loop.
-        (orjson.dumps({**good, "params": {**good["params"], "max_tokens": 2100}}), 400,
-         f"the KV cache of instance 'e2e' holds {NUM_BLOCKS * BLOCK} tokens"),
+        # Within the context (4096) but beyond what one call's KV can hold (its 128 blocks of
+        # 16 with the staging region lent to them): it would be accepted and then failed.
+        (orjson.dumps({**good, "params": {**good["params"], "max_tokens": lent + 1}}), 400,
+         f"the KV cache of instance 'e2e' holds {lent} tokens"),
         # 1020 levels (orjson reads up to 1024): the seed's error message was a RecursionError
         (orjson.dumps({**good, "params": {"seed": 0}}).replace(
             b'"seed":0', b'"seed":' + b"[" * 1020 + b"0" + b"]" * 1020), 400,
@@ -253,7 +279,7 @@ async def test_bad_requests_get_clear_json_errors_and_leak_nothing(
             assert r.status == 404 and "error" in orjson.loads(await r.read())
     state = await wait_idle(app, server)
     assert state.models[LLAMA].queued_calls == 0 and state.switches == 0
-    assert state.models[LLAMA].kv_capacity_tokens == NUM_BLOCKS * BLOCK
+    assert state.models[LLAMA].kv_capacity_tokens == lent
     # Still serving after all that.
     client = HttpInstanceClient("e2e", str(server.make_url("/")))
     try:

@@ -302,3 +302,88 @@ def test_no_lending_inside_a_slot_without_the_mechanism() -> None:
     engine, counters = _pressure_after_b_opens("-lending")
     assert ("lend", "b") not in engine.log and "slot_lends" not in counters
     assert not engine.lent
+
+
+def _one_large_call_of_b(policy: str, prompt_len: int, initial_model: str,
+                         small_first: bool = False) -> tuple[FakeEngine, Instance, list]:
+    """One call of b whose prompt and answer need ``prompt_len // 16 + 1`` blocks, where b's
+    KV region holds 20 (40 with the staging region lent); ``small_first``: a call of b (10
+    blocks) is in flight when it arrives."""
+    engine = FakeEngine(["a", "b"], num_blocks=20, block_size=16, step_s=0.1,
+                        lendable_blocks=20, initial_model=initial_model)
+    inst = Instance("i", engine, preset(policy))
+
+    async def large():  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.25 if small_first else 0.0)
+        return await run_call(inst, call("big", "s1", "b", prompt_len, 10, last=True))
+
+    async def main():  # type: ignore[no-untyped-def]
+        await inst.start()
+        small = [run_call(inst, call("b0", "s0", "b", 150, 10, last=True))] if small_first else []
+        done = await asyncio.gather(large(), *small)
+        await inst.stop()
+        return done
+
+    return engine, inst, run_virtual(main())
+
+
+@pytest.mark.parametrize(("initial_model", "small_first"), [("a", False), ("b", True)])
+def test_a_call_beyond_the_kv_region_runs_in_the_lent_region(initial_model: str,
+                                                              small_first: bool) -> None:
+    """26 blocks for one call, 20 in b's KV region: the instance reports what the lent region
+    holds (40 blocks; until this change 20, so its API and the router refused the call) and
+    serves the call there, lent at the switch to b, or inside b's open slot once the call in
+    flight ends."""
+    engine, inst, done = _one_large_call_of_b("talaria", 400, initial_model, small_first)
+    assert inst.kv_capacity_tokens == {"a": 40 * 16, "b": 40 * 16}
+    assert done[0].last.finish_reason == "length" and done[0].last.error is None
+    assert len([e for e in done[0].events if e.token_ids]) == 10
+    assert engine.lent and inst.counters["staging_lends"] == 1
+    lend = ("lend", "b") if small_first else ("activate_lent", "b")
+    assert engine.log.index(lend) < engine.log.index(("add", "big"))
+    if small_first:
+        assert inst.counters["slot_lends"] == 1
+        assert engine.log.index(("add", "b0")) < engine.log.index(lend)
+
+
+@pytest.mark.parametrize(("policy", "prompt_len", "most"), [("talaria", 700, 40),
+                                                            ("-lending", 400, 20)])
+def test_a_call_beyond_what_one_call_can_hold_fails_naming_it(policy: str, prompt_len: int,
+                                                              most: int) -> None:
+    """Beyond the lent region (45 blocks of 40), or beyond the KV region where the policy
+    does not lend: the call fails at once with what it needs and what the instance has."""
+    engine, inst, done = _one_large_call_of_b(policy, prompt_len, "a")
+    need = (prompt_len + 10 + 15) // 16
+    assert inst.kv_capacity_tokens["b"] == most * 16
+    assert done[0].last.finish_reason == "error"
+    assert done[0].last.error == f"call needs {need} KV blocks; the instance has {most}"
+    assert ("add", "big") not in engine.log
+
+
+def test_a_call_that_fits_only_the_lent_region_waits_for_it_where_it_is_not_lent() -> None:
+    """Where admission meets such a call before the region is lent (session-prefill admits a
+    closed slot's continuations while its calls drain), it waits for the lending instead of
+    failing; beyond the lent region it fails."""
+    from talaria.instance.calls import CallHandle, PendingCall
+    from talaria.instance.intake import Room
+
+    engine = FakeEngine(["a", "b"], num_blocks=20, block_size=16, step_s=0.1,
+                        lendable_blocks=20, initial_model="b")
+    inst = Instance("i", engine, preset("talaria"))
+
+    def pending(call_id: str, blocks: int) -> PendingCall:
+        req = call(call_id, "s", "b", blocks * 16 - 10, 10, last=True)
+        made = PendingCall(req, CallHandle(req, lambda _: None), arrived=0.0, continuation=True)
+        made.need_blocks = blocks
+        return made
+
+    async def main():  # type: ignore[no-untyped-def]
+        await inst.start()
+        rooms = [await inst.loop.intake._make_room(pending(f"c{n}", n)) for n in (26, 40)]
+        inst.calls.add(last := pending("c41", 41))
+        rooms.append(await inst.loop.intake._make_room(last))
+        await inst.stop()
+        return rooms, "c41" in inst.calls
+
+    assert run_virtual(main()) == ([Room.WAIT, Room.WAIT, Room.FAILED], False)
+    assert not engine.lent
