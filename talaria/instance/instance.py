@@ -77,10 +77,12 @@ class Instance:
         block_size = engine.stats().block_size
         # What one call may hold whenever it runs: the KV region, with the staging region
         # where the policy lends it (a call beyond the KV region makes its slot lend it)
-        self.kv_capacity_tokens = {
-            m: call_capacity_blocks(self.policy, engine.kv_capacity_blocks(m),
-                                    engine.kv_capacity_blocks(m, lent=True)) * block_size
+        self._region_blocks = {m: engine.kv_capacity_blocks(m) for m in self.models}
+        self._call_blocks = {
+            m: call_capacity_blocks(self.policy, self._region_blocks[m],
+                                    engine.kv_capacity_blocks(m, lent=True))
             for m in self.models}
+        self.kv_capacity_tokens = {m: n * block_size for m, n in self._call_blocks.items()}
         self.calls = CallBook(self.models)
         self.counters: dict[str, int] = {
             "switches": 0,
@@ -235,13 +237,24 @@ class Instance:
         continuation = self.sessions.on_arrival(call, now)
         handle = CallHandle(call, self.abort)
         pending = PendingCall(call, handle, arrived=now, continuation=continuation)
-        pending.need_blocks = blocks_for(call, self.loop.est.expected_output(call),
-                                         self.stats.block_size)
+        pending.need_blocks = self._need_blocks(call)
         self.calls.add(pending)
         self.loop.split.arrive(call.call_id, call.model, now)
         self.loop.wake.set()
         self.executor.interrupt()
         return handle
+
+    def _need_blocks(self, call: CallRequest) -> int:
+        """The KV blocks admission counts for ``call``: its prompt and expected answer; its
+        longest answer where that outgrows the KV region but fits with the staging region
+        lent, so the call runs only where the region is lent (the engines refuse a request
+        that may outgrow the KV cache they have)."""
+        block_size = self.stats.block_size
+        need = blocks_for(call, self.loop.est.expected_output(call), block_size)
+        longest = blocks_for(call, call.params.max_tokens, block_size)
+        if self._region_blocks[call.model] < longest <= self._call_blocks[call.model]:
+            need = max(need, longest)
+        return need
 
     async def stream(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         """``submit`` as an async generator; closing it early aborts the call."""

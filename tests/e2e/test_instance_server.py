@@ -167,6 +167,27 @@ async def test_a_call_beyond_the_kv_region_runs_with_the_staging_region_lent(
     assert state.total_kv_blocks > NUM_BLOCKS  # the lent view stays until the next switch
 
 
+async def test_an_answer_that_may_outgrow_the_kv_region_runs_in_the_lent_region(
+    served: tuple[web.Application, TestServer],
+) -> None:
+    """1500 prompt tokens and up to 1600 of answer fit only with the staging region lent
+    (3100 tokens; the region holds 2048): the call is admitted only once it is lent and
+    gives its whole answer (admitted into the KV region alone, the engine refused it: "may
+    grow to 3100 tokens; the KV cache holds at most 2048")."""
+    app, server = served
+    client = HttpInstanceClient("e2e", str(server.make_url("/")))
+    prompt = [3 + (i * 11) % 400 for i in range(1500)]
+    try:
+        async with asyncio.timeout(20):
+            events = [e async for e in client.submit(call("long-answer", "s-la", QWEN, prompt,
+                                                          1600))]
+    finally:
+        await client.close()
+    assert events[-1].finish_reason == "length" and events[-1].error is None
+    assert sum(len(e.token_ids) for e in events) == 1600
+    assert (await wait_idle(app, server)).staging_lends == 1
+
+
 async def test_client_disconnect_aborts_and_frees_blocks(
     served: tuple[web.Application, TestServer],
 ) -> None:

@@ -387,3 +387,26 @@ def test_a_call_that_fits_only_the_lent_region_waits_for_it_where_it_is_not_lent
 
     assert run_virtual(main()) == ([Room.WAIT, Room.WAIT, Room.FAILED], False)
     assert not engine.lent
+
+
+@pytest.mark.parametrize(("max_tokens", "lends"), [(300, True), (100, False)])
+def test_a_call_whose_answer_may_outgrow_the_kv_region_runs_only_where_it_is_lent(
+        max_tokens: int, lends: bool) -> None:
+    """A 40-token prompt allowed 300 tokens of answer is expected to hold 19 blocks (the
+    prior's 256-token answer) but may come to hold 22, more than b's 20: admission counts
+    all 22, so b's slot lends the region before the call runs (the engines refuse a request
+    that may outgrow the KV cache they have). Allowed 100 (9 blocks), nothing is lent."""
+    engine = FakeEngine(["a", "b"], num_blocks=20, block_size=16, step_s=0.1,
+                        lendable_blocks=20, initial_model="a")
+    inst = Instance("i", engine, preset("talaria"))
+
+    async def main():  # type: ignore[no-untyped-def]
+        await inst.start()
+        done = await run_call(inst, call("c", "s", "b", 40, max_tokens, last=True))
+        await inst.stop()
+        return done
+
+    done = run_virtual(main())
+    assert done.last.finish_reason == "length" and done.last.error is None
+    assert (("activate_lent", "b") in engine.log) is lends
+    assert (("activate", "b") in engine.log) is not lends
