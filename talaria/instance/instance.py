@@ -147,6 +147,9 @@ class Instance:
     def can_stage(self, model: str) -> bool:
         return self.executor.can_stage(model)
 
+    def most_call_blocks(self, model: str) -> int:
+        return self._call_blocks[model]
+
     def service(self, session_id: str, waiting_s: float) -> Service:
         return self.sessions.service(session_id, waiting_s)
 

@@ -36,7 +36,6 @@ from talaria.policies.priority import Service, order_queue, priority_key
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot
 from talaria.policies.session_prefill import SlotCosts, decide_queued, slot_costs
-from talaria.policies.staging import call_capacity_blocks
 from talaria.policies.view import InstanceView
 
 log = structlog.get_logger("talaria.intake")
@@ -161,7 +160,7 @@ class Intake:
         """Whether ``pending`` fits the admission budget, yielding other sessions'
         reservations (least valuable first; offloaded to host when host KV is on) if that
         makes it fit. A call that needs more than the KV region waits while the staging
-        region can still be lent to it (``call_capacity_blocks``), and fails (leaving its
+        region can still be lent to it (``InstanceView.most_call_blocks``), and fails (leaving its
         queue) beyond that.
         Under the engine's own admission, whether the engine would take it now."""
         if len(self.calls.running) >= self.policy.max_running_calls:
@@ -171,9 +170,7 @@ class Intake:
         model = pending.call.model
         total = self._stats().num_total_blocks
         if pending.need_blocks > total > 0:
-            most = max(total, call_capacity_blocks(
-                self.policy, self.executor.kv_capacity_blocks(model),
-                self.executor.kv_capacity_blocks(model, lent=True)))
+            most = max(total, self.view.most_call_blocks(model))
             if pending.need_blocks <= most:
                 # it fits once the staging region is lent: queued, it is pressure enough for
                 # the loop to lend it (at the switch, or once the calls in flight end)

@@ -114,6 +114,11 @@ class InstanceView(Protocol):
         """Whether the model's weights fit the engine's staging region."""
         ...
 
+    def most_call_blocks(self, model: str) -> int:
+        """The most KV blocks one call of ``model`` can hold whenever it runs
+        (``talaria.policies.staging.call_capacity_blocks``)."""
+        ...
+
     def service(self, session_id: str, waiting_s: float) -> Service:
         """What the session has had so far (its current call waiting ``waiting_s``)."""
         ...

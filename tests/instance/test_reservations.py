@@ -10,7 +10,9 @@ from fake_engine import FakeEngine
 from instance_helpers import call, run_call
 
 from talaria.clock import run_virtual
+from talaria.instance.calls import CallHandle, PendingCall
 from talaria.instance.instance import Instance
+from talaria.instance.intake import Room
 from talaria.policies.config import preset
 
 
@@ -364,9 +366,6 @@ def test_a_call_that_fits_only_the_lent_region_waits_for_it_where_it_is_not_lent
     """Where admission meets such a call before the region is lent (session-prefill admits a
     closed slot's continuations while its calls drain), it waits for the lending instead of
     failing; beyond the lent region it fails."""
-    from talaria.instance.calls import CallHandle, PendingCall
-    from talaria.instance.intake import Room
-
     engine = FakeEngine(["a", "b"], num_blocks=20, block_size=16, step_s=0.1,
                         lendable_blocks=20, initial_model="b")
     inst = Instance("i", engine, preset("talaria"))
