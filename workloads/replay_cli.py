@@ -148,6 +148,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
     if args.day is not None:
         return day_cli.run_day_command(args)
+    if args.develop:
+        return _develop(args)
+    if args.dev_traces is not None or args.dev_draws != 1:
+        raise ValueError("--dev-traces and --dev-draws go with --develop")
     if args.trace:
         from workloads.traces.readers import load_any_trace
 
@@ -161,6 +165,31 @@ def _run(args: argparse.Namespace) -> int:
     if args.live:
         return _live(args, sessions)
     return _simulate(args, sessions)
+
+
+def _develop(args: argparse.Namespace) -> int:
+    """``--develop``: variants of Talaria on the development scenarios (the baseline's bursts
+    at its default-trace setting set the Poisson rates, as in the suite)."""
+    from workloads.benchmark.report import write_json
+    from workloads.benchmark.tuning import TUNED_PATH, load_settings, setup_key
+    from workloads.replay.cluster import ClusterSpec
+    from workloads.replay.systems import SYSTEMS
+    from workloads.traces.generator import default_trace
+
+    if (args.trace or args.policies or args.servers != 1 or args.leave_one_out
+            or args.tune_suite or args.suite != "quick"):
+        raise ValueError("--develop runs the development scenarios: it takes no --trace, "
+                         "--policies, --servers, --leave-one-out, --tune-suite or --suite")
+    if args.dev_draws < 1:
+        raise ValueError(f"--dev-draws must be >= 1, got {args.dev_draws}")
+    path = Path(args.settings) if args.settings else TUNED_PATH
+    tuned = load_settings(setup_key(default_trace(), ClusterSpec(), args.seed), path)
+    baseline = (tuned.settings.get("baseline") if tuned else None) or SYSTEMS["baseline"].setting
+    text, data = suite_cli.run_develop(args, dict(baseline))
+    print(text)
+    if args.json_path:
+        write_json(data, args.json_path)
+    return 0
 
 
 def _live(args: argparse.Namespace, sessions: list[Any]) -> int:

@@ -26,6 +26,13 @@ from typing import Any
 
 from workloads.replay.cluster import ClusterSpec
 from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
+from workloads.suite.develop import (
+    DEV_SUITE_TRACES,
+    check_development,
+    format_development,
+    parse_variant,
+    run_development,
+)
 from workloads.suite.leave_one_out import (
     LOO_ROWS,
     check_loo_rows,
@@ -39,7 +46,7 @@ from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
-           "format_capacity", "parse_loo_rows", "run_from_args"]
+           "format_capacity", "parse_loo_rows", "run_develop", "run_from_args"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
@@ -74,6 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-servers", default=None,
                    help="with --tune-suite: tune only the scenarios on these server counts, "
                    "e.g. 1 (the cache keeps the other scenarios' settings)")
+    p.add_argument("--develop", action="append", default=None, metavar="VARIANT",
+                   help="instead of everything else: try a variant of Talaria "
+                   "(ROW:field=value,..., e.g. talaria:min_slot_factor=20) against it in every "
+                   "development scenario, on the same sessions (repeat for several; "
+                   "workloads.suite.develop)")
+    p.add_argument("--dev-traces", default=None, metavar="TRACES",
+                   help="with --develop: only these development traces, comma-separated "
+                   f"(default all: {', '.join(DEV_SUITE_TRACES)})")
+    p.add_argument("--dev-draws", type=int, default=1, metavar="DRAWS",
+                   help="with --develop: independent draws of the scenarios, pooled (default 1)")
 
 
 def parse_loo_rows(text: str) -> tuple[str, ...]:
@@ -85,6 +102,20 @@ def parse_loo_rows(text: str) -> tuple[str, ...]:
     if len(set(rows)) != len(rows):
         raise ValueError(f"--loo-rows names a row twice: {', '.join(rows)}")
     return rows
+
+
+def run_develop(args: argparse.Namespace, baseline_setting: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``--develop``: the variants against Talaria in the development scenarios at the quick
+    suite's sizes; the printed comparison and its JSON (``develop``: as ``leave_one_out``'s)."""
+    traces = (DEV_SUITE_TRACES if args.dev_traces is None
+              else tuple(t.strip() for t in args.dev_traces.split(",") if t.strip()))
+    check_development(traces)
+    variants = [parse_variant(v) for v in args.develop]
+    config = replace(_SIZES["quick"], traces=traces, seed=args.seed)
+    found = run_development(config, variants, baseline_setting, draws=args.dev_draws,
+                            workers=args.workers, progress=not args.no_progress)
+    return (format_development(found, args.dev_draws),
+            {"develop": leave_one_out_json(found, args.dev_draws)})
 
 
 def run_from_args(args: argparse.Namespace, spec: ClusterSpec,

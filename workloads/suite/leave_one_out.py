@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from workloads.replay.systems import LADDER_LEAVE_ONE_OUT, LEAVE_ONE_OUT_ROWS
+from workloads.replay.systems import LADDER_LEAVE_ONE_OUT, LEAVE_ONE_OUT_ROWS, SystemConfig
 from workloads.suite.run import (
     BASELINE,
     FIGURES,
@@ -55,7 +55,7 @@ from workloads.suite.stats import figure, interval, paired_interval
 
 __all__ = ["Comparison", "LOO_ROWS", "SuiteVerdict", "check_loo_rows", "comparisons_from_json",
            "compare_rows", "format_leave_one_out", "leave_one_out_json", "run_leave_one_out",
-           "suite_level"]
+           "run_paired", "suite_level"]
 
 LOO_ROWS: tuple[str, ...] = (*LEAVE_ONE_OUT_ROWS, *LADDER_LEAVE_ONE_OUT, PLACEBO)
 _CHANCE = 0.025  # one tail of a 95% interval
@@ -156,12 +156,22 @@ def run_leave_one_out(config: SuiteConfig, baseline_setting: Mapping[str, Any], 
                       progress: bool = False) -> list[Comparison]:
     """``draws`` suites of Talaria, ``rows`` and the baseline (its bursts at
     ``baseline_setting`` set the Poisson rates, as in the suite), compared."""
+    check_loo_rows(rows)
+    return run_paired(config, baseline_setting, rows, draws=draws, workers=workers,
+                      progress=progress)
+
+
+def run_paired(config: SuiteConfig, baseline_setting: Mapping[str, Any], rows: Sequence[str],
+               *, draws: int = 1, workers: int = 1, progress: bool = False,
+               systems: Mapping[str, SystemConfig] | None = None) -> list[Comparison]:
+    """``draws`` suites of Talaria, ``rows`` (``systems``: those not in ``SYSTEMS``) and the
+    baseline, on the same sessions, each row compared with Talaria."""
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
-    check_loo_rows(rows)
     settings = SuiteSettings(fallback={BASELINE: dict(baseline_setting)})
     results = [run_suite(replace(config, seed=config.seed + d), settings,
-                         rows=(BASELINE, *rows, TALARIA), workers=workers, progress=progress)
+                         rows=(BASELINE, *rows, TALARIA), workers=workers, progress=progress,
+                         systems=systems)
                for d in range(draws)]
     return compare_rows(results, rows, seed=config.seed)
 

@@ -76,9 +76,11 @@ class SuiteSettings:
         fallback, so that Poisson rates do not move while the baseline is tuned."""
         return dict(self.fallback.get(BASELINE) or SYSTEMS[BASELINE].setting)
 
-    def for_row(self, scenario: str, row: str) -> tuple[dict[str, Setting], bool]:
-        """(figure -> setting, tuned?) for ``row`` in ``scenario``."""
-        system = SYSTEMS[system_row(row)]
+    def for_row(self, scenario: str, row: str,
+                system: SystemConfig | None = None) -> tuple[dict[str, Setting], bool]:
+        """(figure -> setting, tuned?) for ``row`` in ``scenario`` (``system``: the row's
+        own, where it is not one of ``SYSTEMS``)."""
+        system = system or SYSTEMS[system_row(row)]
         if system.grid == "fixed":  # Talaria's one configuration: never tuned
             return {f: dict(system.setting) for f in FIGURES}, True
         chosen = self.tuned.get(scenario, {}).get(row)
@@ -133,17 +135,19 @@ def _group(scenario: Scenario) -> str:
 
 
 def _jobs(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[str],
-          settings: SuiteSettings, config: SuiteConfig) -> list[Job]:
+          settings: SuiteSettings, config: SuiteConfig,
+          systems: Mapping[str, SystemConfig] | None = None) -> list[Job]:
+    systems = systems or {}
     jobs = []
     spec = config.spec_for(scenario.servers)
     for row in rows:
-        chosen, _ = settings.for_row(scenario.name, row)
+        chosen, _ = settings.for_row(scenario.name, row, systems.get(row))
         wanted = list(chosen.values())
         if row == BASELINE and scenario.load is None:
             wanted.append(settings.saturation_setting())
         for key in dict.fromkeys(setting_key(s) for s in wanted):
             setting = next(s for s in wanted if setting_key(s) == key)
-            system: SystemConfig = SYSTEMS[system_row(row)].with_setting(**setting)
+            system = (systems.get(row) or SYSTEMS[system_row(row)]).with_setting(**setting)
             for r, sessions in enumerate(runs):
                 if row == PLACEBO:
                     sessions = jittered(sessions, PLACEBO_SHIFT_S, seed=config.seed)
@@ -154,11 +158,13 @@ def _jobs(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[
 
 def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[str],
              settings: SuiteSettings, done: Mapping[Any, ReplayResult],
-             config: SuiteConfig, saturation: float | None) -> ScenarioResult:
+             config: SuiteConfig, saturation: float | None,
+             systems: Mapping[str, SystemConfig] | None = None) -> ScenarioResult:
+    systems = systems or {}
     spec = config.spec_for(scenario.servers)
     out: dict[str, RowResult] = {}
     for row in rows:
-        chosen, tuned = settings.for_row(scenario.name, row)
+        chosen, tuned = settings.for_row(scenario.name, row, systems.get(row))
         values, cis, failed, profiles, kept = {}, {}, 0, {}, {}
         for name, setting in chosen.items():
             results = [done[(scenario.name, row, setting_key(setting), r)]
@@ -181,13 +187,16 @@ def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequen
 
 def run_suite(
     config: SuiteConfig, settings: SuiteSettings, *, rows: Sequence[str] = SUITE_ROWS,
-    workers: int = 1, progress: bool = False,
+    workers: int = 1, progress: bool = False, systems: Mapping[str, SystemConfig] | None = None,
 ) -> SuiteResult:
     """Every scenario of ``config`` for ``rows`` (the baseline among them: its bursts set the
-    Poisson rates)."""
+    Poisson rates). ``systems``: rows that are not ``SYSTEMS``' (a variant of Talaria under
+    development, ``workloads.suite.develop``), by name; they run at the setting they carry
+    unless ``settings`` names one."""
+    systems = systems or {}
     if BASELINE not in rows:
         raise ValueError("the suite needs the baseline row: its bursts set the Poisson rates")
-    unknown = [r for r in rows if system_row(r) not in SYSTEMS]
+    unknown = [r for r in rows if r not in systems and system_row(r) not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown row(s) {unknown}")
     all_scenarios = scenarios(config)
@@ -196,11 +205,12 @@ def run_suite(
     for phase in ("burst", "poisson"):
         chosen = [s for s in all_scenarios if (s.load is None) == (phase == "burst")]
         runs = {s.name: _runs(s, config, saturation) for s in chosen}
-        jobs = [j for s in chosen for j in _jobs(s, runs[s.name], rows, settings, config)]
+        jobs = [j for s in chosen for j in _jobs(s, runs[s.name], rows, settings, config, systems)]
         done = run_many(jobs, workers, progress)
         for s in chosen:
             rate = saturation.get(_group(s)) if s.load is not None else None
-            results[s.name] = _collect(s, runs[s.name], rows, settings, done, config, rate)
+            results[s.name] = _collect(s, runs[s.name], rows, settings, done, config, rate,
+                                       systems)
             if s.load is None:
                 base = settings.saturation_setting()
                 makespans = [(len(run), done[(s.name, BASELINE, setting_key(base), r)].makespan_s)

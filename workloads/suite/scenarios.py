@@ -11,6 +11,11 @@ rules were chosen looking at it) or reports on (``report``: not looked at while 
 - ``miniswe``: mini-swe-agent's development sessions (``miniswe-dev.jsonl``), another agent:
   bash only, short prompts (dev; the held-out sessions of that source are not in the repo).
 
+``DEV_TRACES`` are development traces outside the headline, for ``workloads.suite.develop``
+(trying a constant or rule where the report never looks): the real trace's development half
+(``claude-code-dev``) and the generator at seeds 3, 5 and 13 (skews 2.0, 1.5, 2.0).
+``TRACES`` is both; a ``SuiteConfig`` may name any of them.
+
 Arrivals: a burst (every session of a run at t=0, ``sessions_per_server`` per server; runs
 pooled to ``pooled_sessions`` sessions), and Poisson arrivals of ``pooled_sessions`` sessions
 at fractions ``loads`` of the saturation rate, which is the baseline's burst throughput on
@@ -35,11 +40,11 @@ from workloads.traces.arrivals import poisson_arrivals
 from workloads.traces.assignment import assign_models, bundled_contexts
 from workloads.traces.generator import generate_trace
 from workloads.traces.readers import TRACES_DIR, read_real_trace
-from workloads.traces.split import report_half
+from workloads.traces.split import dev_half, report_half
 from workloads.traces.trace import Session, load_trace
 
-__all__ = ["SUITE_TRACES", "Scenario", "SuiteConfig", "TraceSource", "burst_runs", "draw_sessions",
-           "poisson_run", "pool_sessions", "scenarios"]
+__all__ = ["DEV_TRACES", "SUITE_TRACES", "TRACES", "Scenario", "SuiteConfig", "TraceSource",
+           "burst_runs", "draw_sessions", "poisson_run", "pool_sessions", "scenarios"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,10 @@ def _claude_code() -> list[Session]:
     return report_half(read_real_trace())
 
 
+def _claude_code_dev() -> list[Session]:
+    return dev_half(read_real_trace())
+
+
 def _miniswe() -> list[Session]:
     return load_trace(TRACES_DIR / "miniswe-dev.jsonl")
 
@@ -73,6 +82,14 @@ SUITE_TRACES: dict[str, TraceSource] = {t.name: t for t in (
                 _claude_code),
     TraceSource("miniswe", "dev", "mini-swe-agent sessions (development set)", _miniswe),
 )}
+DEV_TRACES: dict[str, TraceSource] = {t.name: t for t in (
+    TraceSource("claude-code-dev", "dev", "real Claude Code sessions, development half",
+                _claude_code_dev),
+    TraceSource("generated-3", "dev", "generated, seed 3, Zipf skew 2.0", _generated(3, 2.0)),
+    TraceSource("generated-5", "dev", "generated, seed 5, Zipf skew 1.5", _generated(5, 1.5)),
+    TraceSource("generated-13", "dev", "generated, seed 13, Zipf skew 2.0", _generated(13, 2.0)),
+)}
+TRACES: dict[str, TraceSource] = {**SUITE_TRACES, **DEV_TRACES}
 
 
 @dataclass(frozen=True)
@@ -88,7 +105,7 @@ class Scenario:
 
     @property
     def split(self) -> str:
-        return SUITE_TRACES[self.trace].split
+        return TRACES[self.trace].split
 
 
 @dataclass(frozen=True)
@@ -102,10 +119,10 @@ class SuiteConfig:
     spec: ClusterSpec = field(default_factory=ClusterSpec)
 
     def __post_init__(self) -> None:
-        unknown = set(self.traces) - set(SUITE_TRACES)
+        unknown = set(self.traces) - set(TRACES)
         if unknown:
             raise ValueError(f"unknown suite trace(s) {sorted(unknown)}; known: "
-                             f"{', '.join(SUITE_TRACES)}")
+                             f"{', '.join(TRACES)}")
         if not self.traces or not self.servers:
             raise ValueError("the suite needs at least one trace and one server count")
         if any(not 0 < f for f in self.loads) or any(n < 1 for n in self.servers):
@@ -137,7 +154,7 @@ def pool_sessions(sessions: Sequence[Session], models: Sequence[str]) -> list[Se
 
 @lru_cache(maxsize=8)
 def _pool(trace: str, models: tuple[str, ...]) -> tuple[Session, ...]:
-    return tuple(pool_sessions(SUITE_TRACES[trace].load(), models))
+    return tuple(pool_sessions(TRACES[trace].load(), models))
 
 
 def draw_sessions(trace: str, count: int, seed: int, spec: ClusterSpec, tag: str) -> list[Session]:

@@ -1,0 +1,112 @@
+"""``make develop``: a variant of Talaria tried against it on development traces only."""
+
+from __future__ import annotations
+
+import pytest
+
+from talaria.cli import main
+from workloads.replay.systems import SYSTEMS
+from workloads.suite.develop import (
+    DEV_SUITE_TRACES,
+    check_development,
+    format_development,
+    parse_variant,
+    run_development,
+)
+from workloads.suite.leave_one_out import comparisons_from_json, leave_one_out_json
+from workloads.suite.scenarios import SUITE_TRACES, TRACES, SuiteConfig, draw_sessions
+from workloads.traces.readers import real_trace_path
+
+QUANTUM_60 = {"slot_close": "quantum", "slot_quantum_s": 60.0}
+
+
+def test_a_variant_sets_policy_and_system_fields_by_their_types() -> None:
+    spec = ("talaria:min_slot_factor=20, session_prefill=false,session_priority=false,"
+            "queue_order=las,staging_region=second")
+    variant = parse_variant(spec)
+    talaria = SYSTEMS["talaria"]
+    assert variant.name == spec
+    assert variant.policy == talaria.policy.with_(min_slot_factor=20.0, session_prefill=False,
+                                                  session_priority=False, queue_order="las")
+    assert variant.staging_region == "second" and talaria.staging_region == "largest"
+    assert variant.host_kv == talaria.host_kv and variant.placement == talaria.placement
+    # a row alone is that row, renamed
+    assert parse_variant("-priority_switch").policy == SYSTEMS["-priority_switch"].policy
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("nobody:min_slot_factor=2", "no row 'nobody'"),
+    ("talaria:min_slot_factr=2", "no field 'min_slot_factr'"),
+    ("talaria:min_slot_factor=many", "min_slot_factor takes a float, not 'many'"),
+    ("talaria:session_prefill=yes", "session_prefill takes a bool, not 'yes'"),
+    ("talaria:slot_close=sideways", "slot_close must be one of"),
+    ("talaria:queue_order=las", "queue_order 'las' contradicts it"),
+    ("talaria:min_slot_factor", "'min_slot_factor' is not field=value"),
+    ("talaria:name=other", "no field 'name'"),
+    # a system the row's own checks refuse: staging policy without a staging region
+    ("baseline:d2d_staging=true", "the policy stages but the engine cannot"),
+])
+def test_a_bad_variant_is_refused_naming_what_is_wrong(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=f"variant '{spec}'") as raised:
+        parse_variant(spec)
+    assert says in str(raised.value)
+
+
+def test_development_never_touches_a_report_trace() -> None:
+    assert DEV_SUITE_TRACES == ("miniswe", "claude-code-dev", "generated-3", "generated-5",
+                                "generated-13")
+    assert all(TRACES[t].split == "dev" for t in DEV_SUITE_TRACES)
+    report = [t for t, source in SUITE_TRACES.items() if source.split == "report"]
+    assert report and not set(report) & set(DEV_SUITE_TRACES)
+    for trace in report:
+        with pytest.raises(ValueError, match=f"{trace}: report trace"):
+            check_development(("miniswe", trace))
+    with pytest.raises(ValueError, match="unknown trace"):
+        check_development(("generated-4",))
+    # the generator's development seeds draw other sessions than its report seeds
+    spec = SuiteConfig().spec
+    first = {t: [s.calls[0].input_tokens for s in draw_sessions(t, 5, 0, spec, "x")]
+             for t in ("generated-3", "generated-7", "generated-11")}
+    assert len({tuple(v) for v in first.values()}) == 3
+
+
+@pytest.mark.skipif(not real_trace_path().exists(), reason="the shared real trace is absent")
+def test_the_real_traces_development_half_is_not_its_report_half() -> None:
+    dev = {s.session_id for s in TRACES["claude-code-dev"].load()}
+    report = {s.session_id for s in TRACES["claude-code"].load()}
+    assert dev and report and not dev & report
+
+
+def test_a_variant_runs_on_talarias_sessions_and_its_own_value_changes_nothing() -> None:
+    config = SuiteConfig(traces=("generated-3",), loads=(1.0,), servers=(1,),
+                         sessions_per_server=3, pooled_sessions=3)
+    same = parse_variant("talaria:min_slot_factor=10")  # Talaria's own value
+    other = parse_variant("vllm_sleep")  # another system altogether
+    found = run_development(config, [same, other], QUANTUM_60)
+    assert {c.scenario for c in found} == {"generated-3/burst/1srv", "generated-3/poisson-1/1srv"}
+    assert len(found) == 2 * 2 * 3
+    for c in found:
+        if c.row == same.name:
+            assert c.value == c.talaria and c.ci95 == (0.0, 0.0) and c.verdict == "neither"
+    assert any(c.value != c.talaria for c in found if c.row == other.name)
+    text = format_development(found, 1)
+    assert "variant 1: talaria:min_slot_factor=10" in text and "variant 2: vllm_sleep" in text
+    assert "generated-3/poisson-1/1srv" in text
+    assert comparisons_from_json(leave_one_out_json(found, 1)) == found
+    with pytest.raises(ValueError, match="claude-code: report trace"):
+        run_development(SuiteConfig(traces=("claude-code",)), [same], QUANTUM_60)
+    with pytest.raises(ValueError, match="names of their own"):
+        run_development(config, [same, same], QUANTUM_60)
+    with pytest.raises(ValueError, match="at least one variant"):
+        run_development(config, [], QUANTUM_60)
+
+
+def test_the_command_refuses_what_develop_cannot_take(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--develop=talaria:min_slot_factor=20", "--dev-traces=claude-code"]) == 2
+    assert "claude-code: report trace" in capsys.readouterr().err
+    assert main(["replay", "--develop=talaria", "--policies", "talaria"]) == 2
+    assert "--develop runs the development scenarios" in capsys.readouterr().err
+    assert main(["replay", "--develop=talaria:nothing=1"]) == 2
+    assert "no field 'nothing'" in capsys.readouterr().err
+    assert main(["replay", "--dev-traces=miniswe"]) == 2
+    assert "--dev-traces and --dev-draws go with --develop" in capsys.readouterr().err
