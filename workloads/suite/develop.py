@@ -37,7 +37,7 @@ _MARK = {"pays": "+", "hurts": "-", "neither": " "}  # + slower than talaria, - 
 
 def parse_variant(spec: str) -> SystemConfig:
     """``ROW[:field=value,...]``: ``SYSTEMS[ROW]`` with those fields of its policy or its
-    system set, named ``spec``. Values are read as the field's type (``true`` / ``false``
+    system set (a field of both, ``host_kv``, in both), named ``spec``. Values are read as the field's type (``true`` / ``false``
     for a flag, ``none`` for an optional one); an unknown row or field, a value of the wrong
     type or a configuration the row refuses is a ValueError naming the variant."""
     base, _, assignments = spec.partition(":")
@@ -53,11 +53,14 @@ def parse_variant(spec: str) -> SystemConfig:
         key = key.strip()
         if not eq:
             raise ValueError(f"variant {spec!r}: {item!r} is not field=value")
+        known = False
         if key in policy_types and key != "name":
             policy[key] = _value(spec, key, policy_types[key], raw.strip())
-        elif key in system_types:
+            known = True
+        if key in system_types:  # host_kv is both: the policy's use and the engine's store
             system[key] = _value(spec, key, system_types[key], raw.strip())
-        else:
+            known = True
+        if not known:
             raise ValueError(f"variant {spec!r}: no field {key!r} in PolicyConfig or "
                              "SystemConfig")
     try:

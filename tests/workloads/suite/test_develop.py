@@ -30,6 +30,9 @@ def test_a_variant_sets_policy_and_system_fields_by_their_types() -> None:
                                                   session_priority=False, queue_order="las")
     assert variant.staging_region == "second" and talaria.staging_region == "largest"
     assert variant.host_kv == talaria.host_kv and variant.placement == talaria.placement
+    # host_kv is the policy's and the engine's: both go
+    without = parse_variant("talaria:host_kv=false,kv_demotion=false")
+    assert not without.policy.host_kv and not without.host_kv
     # a row alone is that row, renamed
     assert parse_variant("-priority_switch").policy == SYSTEMS["-priority_switch"].policy
 
