@@ -359,14 +359,17 @@ def test_tuning_some_server_counts_keeps_the_other_scenarios_settings(
 
 
 def test_every_suite_trace_fits_its_models_contexts() -> None:
-    """Each session of each suite trace, as the suite assigns it, fits its model's context
+    """Each session of each suite and development trace, as the suite assigns it, fits its model's context
     at its longest call (generated seed 11 once put a 132k-token session on a 131k model,
     which the replay refuses)."""
     from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec
     from workloads.suite.scenarios import _pool
 
     contexts = {m: ModelSpec.load(m).max_position_embeddings for m in DEFAULT_CATALOG}
-    for name in SUITE_TRACES:
+    from workloads.suite.scenarios import TRACES
+
+    assert set(SUITE_TRACES) < set(TRACES)  # the development traces too (make develop)
+    for name in TRACES:
         for s in _pool(name, DEFAULT_CATALOG):
             longest = max(c.input_tokens + c.output_tokens for c in s.calls)
             assert longest <= contexts[s.model], (name, s.session_id, s.model, longest)
