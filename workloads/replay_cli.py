@@ -146,10 +146,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--tune-new-points goes with --tune-suite")  # before the default table
     if args.day_capacity and args.day is None:
         raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
-    if args.day is not None:
-        return day_cli.run_day_command(args)
     if args.develop:
         return _develop(args)
+    if args.day is not None:
+        return day_cli.run_day_command(args)
     if args.dev_traces is not None or args.dev_draws != 1:
         raise ValueError("--dev-traces and --dev-draws go with --develop")
     if args.trace:
@@ -177,9 +177,10 @@ def _develop(args: argparse.Namespace) -> int:
     from workloads.traces.generator import default_trace
 
     if (args.trace or args.policies or args.servers != 1 or args.leave_one_out
-            or args.tune_suite or args.suite != "quick"):
+            or args.tune_suite or args.suite != "quick" or args.day is not None):
         raise ValueError("--develop runs the development scenarios: it takes no --trace, "
-                         "--policies, --servers, --leave-one-out, --tune-suite or --suite")
+                         "--policies, --servers, --leave-one-out, --tune-suite, --suite or "
+                         "--day")
     if args.dev_draws < 1:
         raise ValueError(f"--dev-draws must be >= 1, got {args.dev_draws}")
     path = Path(args.settings) if args.settings else TUNED_PATH

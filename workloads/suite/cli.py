@@ -104,7 +104,8 @@ def parse_loo_rows(text: str) -> tuple[str, ...]:
     return rows
 
 
-def run_develop(args: argparse.Namespace, baseline_setting: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def run_develop(args: argparse.Namespace,
+                baseline_setting: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``--develop``: the variants against Talaria in the development scenarios at the quick
     suite's sizes; the printed comparison and its JSON (``develop``: as ``leave_one_out``'s)."""
     traces = (DEV_SUITE_TRACES if args.dev_traces is None

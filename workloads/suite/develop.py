@@ -37,9 +37,10 @@ _MARK = {"pays": "+", "hurts": "-", "neither": " "}  # + slower than talaria, - 
 
 def parse_variant(spec: str) -> SystemConfig:
     """``ROW[:field=value,...]``: ``SYSTEMS[ROW]`` with those fields of its policy or its
-    system set (a field of both, ``host_kv``, in both), named ``spec``. Values are read as the field's type (``true`` / ``false``
-    for a flag, ``none`` for an optional one); an unknown row or field, a value of the wrong
-    type or a configuration the row refuses is a ValueError naming the variant."""
+    system set (a field of both, ``host_kv``, in both), named ``spec``. Values are read as
+    the field's type (``true`` / ``false`` for a flag, ``none`` for an optional one); an
+    unknown row or field, a value of the wrong type or a configuration the row refuses is a
+    ValueError naming the variant."""
     base, _, assignments = spec.partition(":")
     if base not in SYSTEMS:
         raise ValueError(f"variant {spec!r}: no row {base!r}; rows: {', '.join(SYSTEMS)}")

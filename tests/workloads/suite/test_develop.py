@@ -109,6 +109,8 @@ def test_the_command_refuses_what_develop_cannot_take(capsys: pytest.CaptureFixt
     assert "claude-code: report trace" in capsys.readouterr().err
     assert main(["replay", "--develop=talaria", "--policies", "talaria"]) == 2
     assert "--develop runs the development scenarios" in capsys.readouterr().err
+    assert main(["replay", "--develop=talaria", "--day", "1"]) == 2
+    assert "--develop runs the development scenarios" in capsys.readouterr().err
     assert main(["replay", "--develop=talaria:nothing=1"]) == 2
     assert "no field 'nothing'" in capsys.readouterr().err
     assert main(["replay", "--dev-traces=miniswe"]) == 2
