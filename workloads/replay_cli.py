@@ -183,10 +183,13 @@ def _develop(args: argparse.Namespace) -> int:
                          "--day")
     if args.dev_draws < 1:
         raise ValueError(f"--dev-draws must be >= 1, got {args.dev_draws}")
+    spec = ClusterSpec(server=args.server, tp=args.tp, block_size=args.block_size,
+                       max_fused_decode_steps=args.fused_steps,
+                       cut_fused_steps=args.cut_fused_steps)
     path = Path(args.settings) if args.settings else TUNED_PATH
-    tuned = load_settings(setup_key(default_trace(), ClusterSpec(), args.seed), path)
+    tuned = load_settings(setup_key(default_trace(), spec, args.seed), path)
     baseline = (tuned.settings.get("baseline") if tuned else None) or SYSTEMS["baseline"].setting
-    text, data = suite_cli.run_develop(args, dict(baseline))
+    text, data = suite_cli.run_develop(args, spec, dict(baseline))
     print(text)
     if args.json_path:
         write_json(data, args.json_path)

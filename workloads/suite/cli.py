@@ -104,15 +104,17 @@ def parse_loo_rows(text: str) -> tuple[str, ...]:
     return rows
 
 
-def run_develop(args: argparse.Namespace,
+def run_develop(args: argparse.Namespace, spec: ClusterSpec,
                 baseline_setting: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``--develop``: the variants against Talaria in the development scenarios at the quick
-    suite's sizes; the printed comparison and its JSON (``develop``: as ``leave_one_out``'s)."""
+    suite's sizes on ``spec``'s servers; the printed comparison and its JSON (``develop``: as
+    ``leave_one_out``'s)."""
     traces = (DEV_SUITE_TRACES if args.dev_traces is None
               else tuple(t.strip() for t in args.dev_traces.split(",") if t.strip()))
     check_development(traces)
     variants = [parse_variant(v) for v in args.develop]
-    config = replace(_SIZES["quick"], traces=traces, seed=args.seed)
+    config = replace(_SIZES["quick"], traces=traces, seed=args.seed,
+                     spec=replace(spec, servers=1))
     found = run_development(config, variants, baseline_setting, draws=args.dev_draws,
                             workers=args.workers, progress=not args.no_progress)
     return (format_development(found, args.dev_draws),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from talaria.cli import main
-from workloads.replay.systems import SYSTEMS
+from workloads.replay.systems import SYSTEMS, SystemConfig
 from workloads.suite.develop import (
     DEV_SUITE_TRACES,
     check_development,
@@ -115,3 +117,42 @@ def test_the_command_refuses_what_develop_cannot_take(capsys: pytest.CaptureFixt
     assert "no field 'nothing'" in capsys.readouterr().err
     assert main(["replay", "--dev-traces=miniswe"]) == 2
     assert "--dev-traces and --dev-draws go with --develop" in capsys.readouterr().err
+
+
+def test_the_command_runs_its_variants_on_the_servers_its_flags_describe(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What ``--develop`` hands the run: the variants parsed, the development traces asked
+    for, the quick suite's sizes, the simulator flags in the cluster spec, the baseline's
+    default-trace setting for the Poisson rates."""
+    import workloads.suite.cli as suite_cli
+    from workloads.suite.leave_one_out import Comparison
+
+    asked: dict[str, Any] = {}
+
+    def fake_run(config: SuiteConfig, variants: list[SystemConfig], baseline_setting: object,
+                 *, draws: int, workers: int, progress: bool) -> list[Comparison]:
+        asked.update(config=config, names=[v.name for v in variants],
+                     baseline=baseline_setting, draws=draws)
+        return [Comparison("miniswe/burst/1srv", name, f, 100.0, 103.0, (0.01, 0.05))
+                for name in asked["names"] for f in ("p50", "p95", "mean")]
+
+    monkeypatch.setattr(suite_cli, "run_development", fake_run)
+    assert main(["replay", "--develop=talaria:min_slot_factor=20", "--develop=-sp",
+                 "--dev-traces=miniswe,generated-5", "--dev-draws", "2", "--fused-steps", "32",
+                 "--cut-fused-steps", "--no-progress"]) == 0
+    config = asked["config"]
+    assert isinstance(config, SuiteConfig)
+    assert asked["names"] == ["talaria:min_slot_factor=20", "-sp"] and asked["draws"] == 2
+    assert config.traces == ("miniswe", "generated-5") and config.loads == (0.5, 1.0)
+    assert config.pooled_sessions == 60 and config.servers == (1, 4)
+    assert config.spec.max_fused_decode_steps == 32 and config.spec.cut_fused_steps
+    # settings tuned for other physics do not apply: the baseline's own setting, as the
+    # suite's fallback does under these flags
+    assert asked["baseline"] == SYSTEMS["baseline"].setting
+    out = capsys.readouterr().out
+    assert "variant 2: -sp" in out and "+3.0+" in out
+    # at the default physics, the baseline's setting tuned on the default trace, as in the suite
+    assert main(["replay", "--develop=-sp", "--dev-traces=miniswe", "--no-progress"]) == 0
+    assert asked["baseline"] == {"slot_close": "quantum", "slot_quantum_s": 480.0}
+    assert asked["baseline"] != SYSTEMS["baseline"].setting
