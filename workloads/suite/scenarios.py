@@ -152,7 +152,7 @@ def pool_sessions(sessions: Sequence[Session], models: Sequence[str]) -> list[Se
     return [s.alone() for s in pool]
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=16)  # every trace of TRACES (9) for one catalog
 def _pool(trace: str, models: tuple[str, ...]) -> tuple[Session, ...]:
     return tuple(pool_sessions(TRACES[trace].load(), models))
 
