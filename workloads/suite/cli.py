@@ -28,7 +28,6 @@ from workloads.replay.cluster import ClusterSpec
 from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
 from workloads.suite.develop import (
     DEV_SUITE_TRACES,
-    check_development,
     format_development,
     parse_variant,
     run_development,
@@ -111,7 +110,6 @@ def run_develop(args: argparse.Namespace, spec: ClusterSpec,
     ``leave_one_out``'s)."""
     traces = (DEV_SUITE_TRACES if args.dev_traces is None
               else tuple(t.strip() for t in args.dev_traces.split(",") if t.strip()))
-    check_development(traces)
     variants = [parse_variant(v) for v in args.develop]
     config = replace(_SIZES["quick"], traces=traces, seed=args.seed,
                      spec=replace(spec, servers=1))
