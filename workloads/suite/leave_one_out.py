@@ -171,7 +171,7 @@ def run_paired(config: SuiteConfig, baseline_setting: Mapping[str, Any], rows: S
     settings = SuiteSettings(fallback={BASELINE: dict(baseline_setting)})
     results = [run_suite(replace(config, seed=config.seed + d), settings,
                          rows=(BASELINE, *rows, TALARIA), workers=workers, progress=progress,
-                         systems=systems)
+                         systems=systems, yardsticks=False)
                for d in range(draws)]
     return compare_rows(results, rows, seed=config.seed)
 

@@ -110,8 +110,8 @@ class RowResult:
 class ScenarioResult:
     scenario: Scenario
     rows: dict[str, RowResult]
-    bound: LowerBound
-    isolated_p95_s: float  # each session alone: the SLO's yardstick
+    bound: LowerBound | None  # None where the run compared rows only (``yardsticks=False``)
+    isolated_p95_s: float | None  # each session alone: the SLO's yardstick (None: likewise)
     sessions: int
     saturation_rate: float | None = None  # sessions/s the Poisson rates are fractions of
 
@@ -134,17 +134,29 @@ def _group(scenario: Scenario) -> str:
     return f"{scenario.trace}/{scenario.servers}srv"
 
 
+def _scenario_rows(scenario: Scenario, rows: Sequence[str], yardsticks: bool) -> list[str]:
+    """The rows a scenario runs: without yardsticks the baseline runs only for the Poisson
+    rates, so only in bursts, and only at its saturation setting."""
+    if yardsticks or scenario.load is None:
+        return list(rows)
+    return [r for r in rows if r != BASELINE]
+
+
 def _jobs(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[str],
           settings: SuiteSettings, config: SuiteConfig,
-          systems: Mapping[str, SystemConfig] | None = None) -> list[Job]:
+          systems: Mapping[str, SystemConfig] | None = None, yardsticks: bool = True,
+          ) -> list[Job]:
     systems = systems or {}
     jobs = []
     spec = config.spec_for(scenario.servers)
-    for row in rows:
+    for row in _scenario_rows(scenario, rows, yardsticks):
         chosen, _ = settings.for_row(scenario.name, row, systems.get(row))
-        wanted = list(chosen.values())
-        if row == BASELINE and scenario.load is None:
-            wanted.append(settings.saturation_setting())
+        if row == BASELINE and not yardsticks:  # a burst's (``_scenario_rows``), for the rate
+            wanted = [settings.saturation_setting()]
+        else:
+            wanted = list(chosen.values())
+            if row == BASELINE and scenario.load is None:
+                wanted.append(settings.saturation_setting())
         for key in dict.fromkeys(setting_key(s) for s in wanted):
             setting = next(s for s in wanted if setting_key(s) == key)
             system = (systems.get(row) or SYSTEMS[system_row(row)]).with_setting(**setting)
@@ -159,11 +171,14 @@ def _jobs(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[
 def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequence[str],
              settings: SuiteSettings, done: Mapping[Any, ReplayResult],
              config: SuiteConfig, saturation: float | None,
-             systems: Mapping[str, SystemConfig] | None = None) -> ScenarioResult:
+             systems: Mapping[str, SystemConfig] | None = None,
+             yardsticks: bool = True) -> ScenarioResult:
     systems = systems or {}
     spec = config.spec_for(scenario.servers)
     out: dict[str, RowResult] = {}
     for row in rows:
+        if row == BASELINE and not yardsticks:
+            continue  # it ran in bursts only, at the saturation setting, for the rates
         chosen, tuned = settings.for_row(scenario.name, row, systems.get(row))
         values, cis, failed, profiles, kept = {}, {}, 0, {}, {}
         for name, setting in chosen.items():
@@ -179,20 +194,26 @@ def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequen
             cis[name] = interval(scts, name, seed=config.seed)
             failed = max(failed, sum(res.failed_calls for res in results))
         out[row] = RowResult(row, values, cis, chosen, tuned, failed, profiles, kept)
+    sessions = sum(len(r) for r in runs)
+    if not yardsticks:
+        return ScenarioResult(scenario, out, None, None, sessions, saturation)
     bound = pooled_bound([lower_bound(run, spec) for run in runs])
     isolated = [s.sct_s for run in runs for s in run_isolated(run, spec).sessions]
-    return ScenarioResult(scenario, out, bound, figure(isolated, "p95"),
-                          sum(len(r) for r in runs), saturation)
+    return ScenarioResult(scenario, out, bound, figure(isolated, "p95"), sessions, saturation)
 
 
 def run_suite(
     config: SuiteConfig, settings: SuiteSettings, *, rows: Sequence[str] = SUITE_ROWS,
     workers: int = 1, progress: bool = False, systems: Mapping[str, SystemConfig] | None = None,
+    yardsticks: bool = True,
 ) -> SuiteResult:
     """Every scenario of ``config`` for ``rows`` (the baseline among them: its bursts set the
     Poisson rates). ``systems``: rows that are not ``SYSTEMS``' (a variant of Talaria under
     development, ``workloads.suite.develop``), by name; they run at the setting they carry
-    unless ``settings`` names one."""
+    unless ``settings`` names one. ``yardsticks=False`` is for runs that only compare rows
+    with each other (leave-one-out, development): no bound, no isolated runs, and the
+    baseline runs only its bursts at the saturation setting, for the rates, and is not
+    among a scenario's rows."""
     systems = systems or {}
     if BASELINE not in rows:
         raise ValueError("the suite needs the baseline row: its bursts set the Poisson rates")
@@ -205,12 +226,13 @@ def run_suite(
     for phase in ("burst", "poisson"):
         chosen = [s for s in all_scenarios if (s.load is None) == (phase == "burst")]
         runs = {s.name: _runs(s, config, saturation) for s in chosen}
-        jobs = [j for s in chosen for j in _jobs(s, runs[s.name], rows, settings, config, systems)]
+        jobs = [j for s in chosen
+                for j in _jobs(s, runs[s.name], rows, settings, config, systems, yardsticks)]
         done = run_many(jobs, workers, progress)
         for s in chosen:
             rate = saturation.get(_group(s)) if s.load is not None else None
             results[s.name] = _collect(s, runs[s.name], rows, settings, done, config, rate,
-                                       systems)
+                                       systems, yardsticks)
             if s.load is None:
                 base = settings.saturation_setting()
                 makespans = [(len(run), done[(s.name, BASELINE, setting_key(base), r)].makespan_s)

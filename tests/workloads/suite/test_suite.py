@@ -28,18 +28,21 @@ from workloads.suite.run import (
     ScenarioResult,
     SuiteResult,
     SuiteSettings,
+    _jobs,
     run_suite,
+    setting_key,
 )
 from workloads.suite.scenarios import (
     SUITE_TRACES,
     Scenario,
     SuiteConfig,
     burst_runs,
+    draw_sessions,
     poisson_run,
     saturation_rate,
     scenarios,
 )
-from workloads.suite.stats import figure, interval
+from workloads.suite.stats import FIGURES, figure, interval
 from workloads.suite.tuning import SUITE_SETTINGS_PATH, suite_key
 from workloads.traces.split import dev_half, in_report_half, report_half
 
@@ -272,6 +275,34 @@ def test_a_small_suite_runs_end_to_end() -> None:
             assert row.values["p50"] >= res.bound.sct_p50_s
             assert row.values["p95"] >= res.bound.sct_p95_s
             assert row.values["mean"] >= res.bound.sct_mean_s
+    # comparing rows only (leave-one-out, development): the same rows, session by session,
+    # at the same rates, without the bound, the isolated runs or the baseline's row
+    compared = run_suite(config, settings, rows=("baseline", "talaria"), yardsticks=False)
+    assert compared.saturation == result.saturation
+    for name, res in compared.scenarios.items():
+        assert res.bound is None and res.isolated_p95_s is None
+        assert list(res.rows) == ["talaria"]
+        assert res.rows["talaria"].scts == result.scenarios[name].rows["talaria"].scts
+
+
+def test_without_yardsticks_the_baseline_runs_its_bursts_at_the_saturation_setting_only() -> None:
+    config = SuiteConfig(traces=("miniswe",), servers=(1,))
+    run = list(draw_sessions("miniswe", 4, 0, config.spec, "t"))
+    burst, poisson = Scenario("miniswe", 1, None), Scenario("miniswe", 1, 1.0)
+    tuned = {"slot_close": "quantum", "slot_quantum_s": 10.0}
+    settings = SuiteSettings(
+        tuned={s.name: {"baseline": {f: tuned for f in FIGURES}} for s in (burst, poisson)},
+        fallback={"baseline": {"slot_close": "quantum", "slot_quantum_s": 60.0}})
+
+    def keys(scenario: Scenario, yardsticks: bool) -> set[tuple[str, str]]:
+        return {(j.key[1], j.key[2]) for j in _jobs(scenario, [run], ("baseline", "talaria"),
+                                                    settings, config, yardsticks=yardsticks)}
+
+    talaria = ("talaria", setting_key(TALARIA_SETTING))
+    assert keys(burst, True) == {("baseline", "quantum/10s"), ("baseline", "quantum/60s"), talaria}
+    assert keys(burst, False) == {("baseline", "quantum/60s"), talaria}
+    assert keys(poisson, True) == {("baseline", "quantum/10s"), talaria}
+    assert keys(poisson, False) == {talaria}
 
 
 def _small_grid(monkeypatch: pytest.MonkeyPatch, rows: tuple[str, ...]) -> None:
