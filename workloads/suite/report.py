@@ -206,6 +206,7 @@ def format_suite(suite: SuiteResult) -> str:
     head = ["scenario", "split", "n"]
     for f in FIGURES:
         head += [f"{f}: bound", "base", "best other", "talaria [95% CI]", "x other", "/bound"]
+    head.append("busy")
     rows = [head]
     for name, res in suite.scenarios.items():
         line = [name, res.scenario.split, str(res.sessions)]
@@ -221,6 +222,8 @@ def format_suite(suite: SuiteResult) -> str:
             lo, hi = tal.ci95[f]
             line += [f"{tal.values[f]:.0f} [{lo:.0f}-{hi:.0f}]", f"{value / tal.values[f]:.2f}",
                      f"{tal.values[f] / _bound(res, f):.2f}"]
+        busy = res.rows[TALARIA].utilisation.get("p50") if TALARIA in res.rows else None
+        line.append("" if busy is None else f"{100 * busy:.0f}%")
         rows.append(line)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -234,7 +237,9 @@ def format_suite(suite: SuiteResult) -> str:
     out.append("SCT in seconds. best other: the baseline or a peer, each at its best setting for "
                "that figure in that scenario (* untuned: no suite settings cached for it); "
                "x other: best other / talaria (> 1: talaria ahead); /bound: talaria over the "
-               "lower bound (workloads.bounds.bound). Saturation (the baseline's burst throughput): "
+               "lower bound (workloads.bounds.bound); busy: the share of server time "
+               "talaria's engines were busy (modelled engine time over makespan x servers). "
+               "Saturation (the baseline's burst throughput): "
                + ", ".join(f"{k} {v * 3600:.0f} sessions/h" for k, v in suite.saturation.items()))
     out.append("talaria is not ahead in (best other / talaria - 1, paired 95% interval over the "
                "same sessions; behind: beyond it, tie: within it): "
@@ -270,6 +275,7 @@ def suite_json(suite: SuiteResult) -> dict[str, Any]:
                 "setting": {f: dict(r.settings[f]) for f in FIGURES},
                 "tuned": r.tuned,
                 "failed_calls": r.failed_calls,
+                "utilisation": dict(r.utilisation),
                 "at_setting": {f: {f"sct_{g}_s": v for g, v in prof.items()}
                                for f, prof in r.at_setting.items()},
             }

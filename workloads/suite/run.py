@@ -104,6 +104,9 @@ class RowResult:
     # figure -> the SCTs of that figure's runs, ordered by (run, session id): two rows of one
     # scenario line up session by session (``workloads.suite.leave_one_out`` pairs them)
     scts: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # figure -> the fraction of server time that figure's runs kept an engine busy (modelled
+    # engine time over makespan x servers, pooled over the runs): how loaded the servers were
+    utilisation: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -180,7 +183,7 @@ def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequen
         if row == BASELINE and not yardsticks:
             continue  # it ran in bursts only, at the saturation setting, for the rates
         chosen, tuned = settings.for_row(scenario.name, row, systems.get(row))
-        values, cis, failed, profiles, kept = {}, {}, 0, {}, {}
+        values, cis, failed, profiles, kept, busy = {}, {}, 0, {}, {}, {}
         for name, setting in chosen.items():
             results = [done[(scenario.name, row, setting_key(setting), r)]
                        for r in range(len(runs))]
@@ -193,13 +196,20 @@ def _collect(scenario: Scenario, runs: Sequence[Sequence[Session]], rows: Sequen
             values[name] = profiles[name][name]
             cis[name] = interval(scts, name, seed=config.seed)
             failed = max(failed, sum(res.failed_calls for res in results))
-        out[row] = RowResult(row, values, cis, chosen, tuned, failed, profiles, kept)
+            busy[name] = _utilisation(results, scenario.servers)
+        out[row] = RowResult(row, values, cis, chosen, tuned, failed, profiles, kept, busy)
     sessions = sum(len(r) for r in runs)
     if not yardsticks:
         return ScenarioResult(scenario, out, None, None, sessions, saturation)
     bound = pooled_bound([lower_bound(run, spec) for run in runs])
     isolated = [s.sct_s for run in runs for s in run_isolated(run, spec).sessions]
     return ScenarioResult(scenario, out, bound, figure(isolated, "p95"), sessions, saturation)
+
+
+def _utilisation(results: Sequence[ReplayResult], servers: int) -> float:
+    busy = sum(r.totals.busy_s for r in results if r.totals is not None)
+    span = sum(r.makespan_s for r in results) * servers
+    return busy / span if span > 0 else 0.0
 
 
 def run_suite(

@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from workloads.bounds.bound import LowerBound, pooled_bound
-from workloads.replay.cluster import ClusterSpec
+from workloads.replay.cluster import ClusterSpec, ClusterTotals
+from workloads.replay.driver import CallRecord, ReplayResult, SessionResult
 from workloads.suite.report import (
     BEST_OTHER,
     best_other,
@@ -29,6 +30,7 @@ from workloads.suite.run import (
     SuiteResult,
     SuiteSettings,
     _jobs,
+    _utilisation,
     run_suite,
     setting_key,
 )
@@ -137,6 +139,7 @@ def test_the_headline_reads_the_best_other_row_per_figure() -> None:
     rows = {"baseline": _row("baseline", 100, 400, 200, scts=(100.0,)),
             "aegaeon": _row("aegaeon", 120, 300, 190),
             "talaria": _row("talaria", 110, 290, 150, scts=(110.0,))}
+    rows["talaria"].utilisation = {"p50": 0.834, "p95": 0.834, "mean": 0.834}
     res = _scenario(None, rows)
     assert best_other(res, "p50") == ("baseline", 100)
     assert best_other(res, "p95") == ("aegaeon", 300)
@@ -145,8 +148,11 @@ def test_the_headline_reads_the_best_other_row_per_figure() -> None:
                         {"claude-code/1srv": 0.01})
     text = format_suite(suite)
     assert "claude-code/burst/1srv (p50 -9.1% [-9.1, -9.1] behind)" in text
+    head, _, line = text.splitlines()[:3]
+    assert head.split()[-1] == "busy" and line.split()[-1] == "83%"
     data = suite_json(suite)["claude-code/burst/1srv"]
     assert data["rows"]["talaria"]["sct_p95_s"] == 290
+    assert data["rows"]["talaria"]["utilisation"]["p50"] == 0.834
     assert data["lower_bound"]["sct_mean_s"] == 60.0
 
 
@@ -275,6 +281,7 @@ def test_a_small_suite_runs_end_to_end() -> None:
             assert row.values["p50"] >= res.bound.sct_p50_s
             assert row.values["p95"] >= res.bound.sct_p95_s
             assert row.values["mean"] >= res.bound.sct_mean_s
+            assert all(0.0 < row.utilisation[f] <= 1.0 for f in FIGURES)
     # comparing rows only (leave-one-out, development): the same rows, session by session,
     # at the same rates, without the bound, the isolated runs or the baseline's row
     compared = run_suite(config, settings, rows=("baseline", "talaria"), yardsticks=False)
@@ -283,6 +290,17 @@ def test_a_small_suite_runs_end_to_end() -> None:
         assert res.bound is None and res.isolated_p95_s is None
         assert list(res.rows) == ["talaria"]
         assert res.rows["talaria"].scts == result.scenarios[name].rows["talaria"].scts
+
+
+def test_utilisation_pools_engine_time_over_every_runs_makespan_and_server() -> None:
+    def result(busy: float, end: float) -> ReplayResult:
+        call = CallRecord(index=0, sent_s=0.0, first_token_s=1.0, done_s=end,
+                          prompt_tokens=1, output_tokens=1, reusable_tokens=0)
+        return ReplayResult("talaria", [SessionResult("s", "m", 0.0, [call])],
+                            ClusterTotals(busy_s=busy))
+
+    assert _utilisation([result(30.0, 100.0), result(10.0, 100.0)], servers=2) == 0.1
+    assert _utilisation([result(50.0, 100.0)], servers=1) == 0.5
 
 
 def test_without_yardsticks_the_baseline_runs_its_bursts_at_the_saturation_setting_only() -> None:
