@@ -129,6 +129,12 @@ def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
     assert "names a row twice" in capsys.readouterr().err
     assert main(["replay", "--leave-one-out", "1", "--loo-rows=,"]) == 2
     assert "names no row" in capsys.readouterr().err
+    # --suite-rows names rows of the suite's table, and not beside the other suite modes
+    assert main(["replay", "--suite-rows=aegaeon,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "not rows of the suite: nope;" in err and "vllm_sleep_lmcache" in err
+    assert main(["replay", "--leave-one-out", "1", "--suite-rows=aegaeon"]) == 2
+    assert "--suite-rows chooses rows of the suite's table" in capsys.readouterr().err
     # refused before the default trace's table runs, not after it
     assert main(["replay", "--tune-new-points"]) == 2
     assert "--tune-new-points goes with --tune-suite" in capsys.readouterr().err
@@ -159,6 +165,30 @@ def test_loo_rows_runs_only_the_rows_named(
                and line.strip().split()[0] in ("placebo", "-demotion", "-sp")]
     assert summary == ["placebo", "-demotion"]
     assert "miniswe/burst/1srv -demotion p50 90 against 100" in out
+
+
+def test_suite_rows_run_the_baseline_talaria_and_the_rows_named_in_the_suites_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import workloads.suite.cli as suite_cli
+
+    assert suite_cli.parse_suite_rows("talaria, aegaeon") == ("baseline", "aegaeon", "talaria")
+    assert suite_cli.parse_suite_rows("autellix,baseline") == ("baseline", "autellix", "talaria")
+    asked: dict[str, object] = {}
+
+    class Ran(Exception):
+        pass
+
+    def fake_suite(config: object, settings: object, *, rows: tuple[str, ...], workers: int,
+                   progress: bool) -> None:
+        asked["rows"] = rows
+        raise Ran
+
+    monkeypatch.setattr(suite_cli, "run_suite", fake_suite)
+    with pytest.raises(Ran):
+        main(["replay", "--suite-rows=continuum_ttl", "--max-sessions", "2", "--workers", "1",
+              "--no-progress"])
+    assert asked == {"rows": ("baseline", "continuum_ttl", "talaria")}
 
 
 @pytest.mark.skipif(not real_trace_path().exists(), reason="the shared real trace is absent")

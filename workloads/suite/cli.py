@@ -40,12 +40,21 @@ from workloads.suite.leave_one_out import (
     run_leave_one_out,
 )
 from workloads.suite.report import format_suite, margins, margins_json, suite_json
-from workloads.suite.run import PLACEBO_SHIFT_S, SUITE_ROWS, SuiteResult, SuiteSettings, run_suite
+from workloads.suite.run import (
+    BASELINE,
+    PLACEBO_SHIFT_S,
+    SUITE_ROWS,
+    TALARIA,
+    SuiteResult,
+    SuiteSettings,
+    run_suite,
+)
 from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
-           "format_capacity", "parse_loo_rows", "run_develop", "run_from_args"]
+           "format_capacity", "parse_loo_rows", "parse_suite_rows", "run_develop",
+           "run_from_args"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
@@ -73,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --leave-one-out: only these of its rows, comma-separated "
                    f"(default all: {', '.join(LOO_ROWS)}; write --loo-rows=-sp,placebo, as the "
                    "rows begin with a dash); Talaria and the baseline always run")
+    p.add_argument("--suite-rows", default=None, metavar="ROWS",
+                   help="only these rows of the suite and its capacity search, "
+                   f"comma-separated (default all: {', '.join(SUITE_ROWS)}); the baseline "
+                   "and talaria always run (the baseline's bursts set the Poisson rates)")
     p.add_argument("--tune-new-points", action="store_true",
                    help="with --tune-suite: run only the grid points the cache records no run "
                    "of (e.g. a quantum added to SUITE_QUANTA), keeping its best values for the "
@@ -90,6 +103,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"(default all: {', '.join(DEV_SUITE_TRACES)})")
     p.add_argument("--dev-draws", type=int, default=1, metavar="DRAWS",
                    help="with --develop: independent draws of the scenarios, pooled (default 1)")
+
+
+def parse_suite_rows(text: str) -> tuple[str, ...]:
+    """``--suite-rows``' rows in the suite's order, the baseline and Talaria among them;
+    an unknown row is refused, naming the known ones."""
+    named = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in named if r not in SUITE_ROWS]
+    if unknown:
+        raise ValueError(f"--suite-rows: not rows of the suite: {', '.join(unknown)}; "
+                         f"known: {', '.join(SUITE_ROWS)}")
+    wanted = {BASELINE, TALARIA, *named}
+    return tuple(r for r in SUITE_ROWS if r in wanted)
 
 
 def parse_loo_rows(text: str) -> tuple[str, ...]:
@@ -144,10 +169,12 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                               new_points_only=args.tune_new_points)
     else:
         settings = load_suite_settings(config, fallback)
-    suite = run_suite(config, settings, rows=SUITE_ROWS, workers=args.workers,
+    rows = SUITE_ROWS if args.suite_rows is None else parse_suite_rows(args.suite_rows)
+    suite = run_suite(config, settings, rows=rows, workers=args.workers,
                       progress=not args.no_progress)
     quick = args.suite == "quick"
-    caps = capacity(suite, settings, workers=args.workers, progress=not args.no_progress,
+    caps = capacity(suite, settings, rows=rows, workers=args.workers,
+                    progress=not args.no_progress,
                     search_servers=(1,) if quick else (1, 4),
                     config=CapacityConfig(slo_factor=SLO_FACTOR, bisections=2 if quick else 3))
     text = format_suite(suite) + "\n\n" + format_capacity(caps)
