@@ -30,7 +30,11 @@ Each (lam, theta) of ``GRID`` gives valid bounds; each order statistic takes the
 The simulator's virtual clock runs a timer up to ``VIRTUAL_CLOCK_RESOLUTION_S`` early, so
 each step and gap of the critical path is taken that much shorter. The bound assumes what
 the replay does: a prompt shares tokens only with its own session's earlier calls (and a
-subagent's with the call it continues), so nothing else could be cached for it.
+subagent's with the call it continues), so nothing else could be cached for it; and a call's
+answer is the one the replay gets, the trace's cut at the ``max_tokens`` it asks for
+(``AGENT_MAX_TOKENS``) and at its model's context (``call_work.answer_tokens``): a 57,811-token
+answer in mini-swe-agent's trace is 32,000 tokens in the replay, and counting it whole put
+one session's critical path 105 s above the SCT a schedule reached.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from engine.sim.config import SimEngineConfig
 from engine.sim.cost_model import CostModel
 from substrate.devices import server_preset
 from talaria.clock import VIRTUAL_CLOCK_RESOLUTION_S
-from workloads.bounds.call_work import WorkModel, call_shapes, critical_seconds
+from workloads.bounds.call_work import WorkModel, call_shapes, critical_seconds, replayed_lengths
 from workloads.replay.cluster import ClusterSpec
+from workloads.replay.driver import AGENT_MAX_TOKENS, call_contexts
 from workloads.suite.stats import percentile
 from workloads.traces.trace import Session
 
@@ -101,15 +106,16 @@ def session_bounds(
                                   lam, shares)
                      for lam, shares in grid]
               for name, cost in costs.items()}
-    lengths = {(s.session_id, k): c.input_tokens + c.output_tokens
-               for s in sessions for k, c in enumerate(s.calls)}
+    context = call_contexts(spec)
+    lengths = replayed_lengths(sessions, AGENT_MAX_TOKENS, context)
     out = []
     tick = VIRTUAL_CLOCK_RESOLUTION_S
     for s in sessions:
         cost, work = costs[s.model], models[s.model]
         critical = 0.0
         totals = [0.0] * len(work)
-        for shape in call_shapes(s, spec.block_size, lengths):
+        for shape in call_shapes(s, spec.block_size, lengths, max_tokens=AGENT_MAX_TOKENS,
+                                 context=context[s.model]):
             steps = math.ceil(shape.new_tokens / budget) + max(0, shape.output - 1)
             critical += critical_seconds(cost, shape, budget) - steps * tick
             for i, model in enumerate(work):

@@ -32,14 +32,15 @@ never the prompt's last token, as the replay counts ``reusable``), and its outpu
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.sim.cost_model import CostModel, combine
 from engine.sim.step_time import DecodeLine
 from workloads.traces.trace import Session
 
-__all__ = ["CallShape", "WorkModel", "alone_seconds", "call_shapes", "critical_seconds",
-           "prefill_chunks", "prefill_seconds"]
+__all__ = ["CallShape", "WorkModel", "alone_seconds", "answer_tokens", "call_shapes",
+           "critical_seconds", "prefill_chunks", "prefill_seconds", "replayed_lengths"]
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,40 @@ class CallShape:
         return self.prompt - self.cached
 
 
+def answer_tokens(input_tokens: int, output_tokens: int, max_tokens: int | None,
+                  context: int | None) -> int:
+    """The answer a simulated replay gets: the trace's, cut where the replay's ``max_tokens``
+    stops it and where the prompt leaves no more context (``workloads.replay.driver``)."""
+    limits = [output_tokens]
+    if max_tokens is not None:
+        limits.append(max_tokens)
+    if context is not None:
+        limits.append(context - input_tokens)
+    return max(0, min(limits))
+
+
+def replayed_lengths(sessions: Sequence[Session], max_tokens: int | None,
+                     context: Mapping[str, int] | None) -> dict[tuple[str, int], int]:
+    """(session id, call index) -> prompt + answer tokens as the replay makes them (what a
+    call ``prefix_from`` it finds)."""
+    return {(s.session_id, k): c.input_tokens + answer_tokens(
+                c.input_tokens, c.output_tokens, max_tokens, (context or {}).get(s.model))
+            for s in sessions for k, c in enumerate(s.calls)}
+
+
 def call_shapes(session: Session, block_size: int,
-                parent_lengths: dict[tuple[str, int], int] | None = None) -> list[CallShape]:
+                parent_lengths: dict[tuple[str, int], int] | None = None, *,
+                max_tokens: int | None = None, context: int | None = None) -> list[CallShape]:
     """Each call's shape. A call extending its session's previous one may find the previous
     prompt and output cached, but for the output's last token (its KV is never computed);
     ``prefix_from`` another session's call counts that call's prompt and output
-    (``parent_lengths``: (session id, call index) -> prompt + output tokens; missing: none)."""
+    (``parent_lengths``: (session id, call index) -> prompt + output tokens; missing: none).
+    Outputs are the answers the replay gets (``answer_tokens``: cut at ``max_tokens`` and
+    at the model's ``context``), not always the trace's."""
     shapes = []
     prev_total = 0  # the previous call's prompt + output tokens of this session
     for k, call in enumerate(session.calls):
+        output = answer_tokens(call.input_tokens, call.output_tokens, max_tokens, context)
         computed = 0
         ref = call.prefix_from
         if ref is not None and ref.session_id != session.session_id:
@@ -71,8 +97,8 @@ def call_shapes(session: Session, block_size: int,
         if call.prefix_tokens is not None:
             computed = min(computed, call.prefix_tokens)
         cached = min(computed, call.input_tokens - 1) // block_size * block_size
-        shapes.append(CallShape(call.input_tokens, max(0, cached), call.output_tokens))
-        prev_total = call.input_tokens + call.output_tokens
+        shapes.append(CallShape(call.input_tokens, max(0, cached), output))
+        prev_total = call.input_tokens + output
     return shapes
 
 

@@ -25,13 +25,20 @@ from talaria.clock import run_virtual
 from talaria.instance.instance import Instance
 from talaria.policies.config import preset
 from talaria.protocol import CallRequest
-from workloads.bounds.call_work import alone_seconds, call_shapes, prefill_seconds
+from workloads.bounds.call_work import (
+    alone_seconds,
+    call_shapes,
+    prefill_seconds,
+    replayed_lengths,
+)
 from workloads.replay.cluster import ClusterSpec
 from workloads.replay.driver import (
+    AGENT_MAX_TOKENS,
     CallOutcome,
     CallRecord,
     ReplayResult,
     SessionResult,
+    call_contexts,
     collect_outcome,
     drive,
     model_limits,
@@ -66,21 +73,22 @@ def run_isolated(sessions: Sequence[Session], spec: ClusterSpec | None = None) -
     budget = spec.max_num_batched_tokens or config.max_num_batched_tokens
     server = server_preset(spec.server)
     costs = {name: CostModel(server, model, spec.tp) for name, model in spec.catalog().items()}
-    lengths = {(s.session_id, k): c.input_tokens + c.output_tokens
-               for s in sessions for k, c in enumerate(s.calls)}
+    context = call_contexts(spec)
+    lengths = replayed_lengths(sessions, AGENT_MAX_TOKENS, context)
     results = []
     for s in sessions:
         result = SessionResult(s.session_id, s.model, s.arrival_s)
         now = s.arrival_s
-        for k, (call, shape) in enumerate(zip(s.calls, call_shapes(s, spec.block_size, lengths),
-                                              strict=True)):
+        shapes = call_shapes(s, spec.block_size, lengths, max_tokens=AGENT_MAX_TOKENS,
+                             context=context[s.model])
+        for k, (call, shape) in enumerate(zip(s.calls, shapes, strict=True)):
             if k > 0:
                 now += s.calls[k - 1].tool_gap_s or 0.0
             prefill = prefill_seconds(costs[s.model], shape, budget)
             done = now + alone_seconds(costs[s.model], shape, budget)
             result.calls.append(CallRecord(
                 index=k, sent_s=now, first_token_s=now + prefill, done_s=done,
-                prompt_tokens=call.input_tokens, output_tokens=call.output_tokens,
+                prompt_tokens=call.input_tokens, output_tokens=shape.output,
                 reusable_tokens=shape.cached, cached_tokens=shape.cached,
                 instance_id=f"alone-{s.session_id}", session_id=s.session_id))
             now = done

@@ -361,6 +361,15 @@ def model_limits(
             {m: s.max_position_embeddings for m, s in specs.items()})
 
 
+def call_contexts(spec: ClusterSpec) -> dict[str, int]:
+    """Each model's context as a simulated replay bounds a call (prompt + answer): the model's
+    own, and no more than a KV cache of ``spec.kv_tokens`` holds when that is set."""
+    _, context = model_limits(spec.catalog())
+    if spec.kv_tokens is not None:  # no call may outgrow the KV cache: the room it allows
+        context = {m: min(n, spec.kv_tokens) for m, n in context.items()}
+    return context
+
+
 def run_sim(
     sessions: Sequence[Session],
     system: SystemConfig,
@@ -388,9 +397,8 @@ def run_sim(
     if unknown:
         raise ValueError(f"trace sessions use model(s) {unknown} that the cluster does not "
                          f"serve ({list(spec.models)}); assign catalog models first")
-    vocab, context = model_limits(spec.catalog())
-    if spec.kv_tokens is not None:  # no call may outgrow the KV cache: the room it allows
-        context = {m: min(n, spec.kv_tokens) for m, n in context.items()}
+    vocab, _ = model_limits(spec.catalog())
+    context = call_contexts(spec)
     wall = time.perf_counter()
 
     answers: dict[str, int] | None = None if exact_max_tokens else {}

@@ -24,7 +24,7 @@ from workloads.bounds.isolated import run_isolated, simulate_isolated
 from workloads.bounds.oracle import ideal_schedules, run_ideal
 from workloads.bounds.shared_device import DeviceSchedule
 from workloads.replay.cluster import ClusterSpec
-from workloads.replay.driver import ReplayResult, run_sim
+from workloads.replay.driver import AGENT_MAX_TOKENS, ReplayResult, run_sim
 from workloads.replay.systems import SYSTEMS, SystemConfig
 from workloads.suite.stats import percentile
 from workloads.traces.trace import Call, Session
@@ -161,6 +161,25 @@ def test_closed_form_isolated_is_the_simulated_one() -> None:
             steps = 2 + x.output_tokens  # the virtual clock's resolution per timer
             assert x.done_s - x.sent_s == pytest.approx(y.done_s - y.sent_s, abs=steps * 1e-6)
             assert x.ttft_s == pytest.approx(y.ttft_s, abs=4e-6)
+
+
+def test_an_answer_longer_than_the_replay_asks_for_counts_as_the_replay_gets_it() -> None:
+    """The replay asks for ``AGENT_MAX_TOKENS``, so the simulated answer ends there however
+    long the trace's is; counting the trace's whole answer put a session's critical path
+    above what a schedule reached (mini-swe-agent's 57,811-token answer)."""
+    long = AGENT_MAX_TOKENS + 8_000
+    trace = [Session("long", "glm-4.5-air",
+                     (Call(2_000, long, 1.0), Call(2_000 + long + 500, 50, None)))]
+    served = run_sim(trace, SYSTEMS["talaria"], SPEC)
+    assert served.sessions[0].calls[0].output_tokens == AGENT_MAX_TOKENS
+    [alone] = session_bounds(trace, SPEC)
+    assert served.sessions[0].sct_s >= alone.critical_s
+    assert served.sessions[0].sct_s < alone.critical_s * 1.05  # the same answer, not a shorter
+    closed, simulated = run_isolated(trace, SPEC), simulate_isolated(trace, SPEC)
+    assert [c.output_tokens for c in closed.sessions[0].calls] == [AGENT_MAX_TOKENS, 50]
+    assert closed.sessions[0].sct_s == pytest.approx(simulated.sessions[0].sct_s, rel=1e-4)
+    # the next call finds the answer the replay got cached, not the trace's
+    assert served.sessions[0].calls[1].cached_tokens >= 2_000 + AGENT_MAX_TOKENS - SPEC.block_size
 
 
 def test_shared_device_never_runs_two_models_at_once() -> None:
