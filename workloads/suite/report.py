@@ -32,7 +32,7 @@ from workloads.suite.stats import interval, paired_interval
 
 __all__ = ["BEST_OTHER", "Gap", "Margin", "best_other", "format_margins", "format_suite", "gaps",
            "margins", "margins_json", "multi_figure_wins", "not_ahead", "setting_tradeoffs",
-           "suite_json"]
+           "suite_below_bound", "suite_json"]
 
 BEST_OTHER = "best other"  # the margins' row for the fastest other row, scenario by scenario
 
@@ -202,6 +202,20 @@ def _bound(result: ScenarioResult, figure: str) -> float:
     return {"p50": b.sct_p50_s, "p95": b.sct_p95_s, "mean": b.sct_mean_s}[figure]
 
 
+def suite_below_bound(suite: SuiteResult) -> list[str]:
+    """Every (scenario, row, figure) read below the scenario's lower bound (more than
+    rounding): a defect of the bound's proof or of the simulator, never a result."""
+    out = []
+    for name, res in suite.scenarios.items():
+        if res.bound is None:
+            continue
+        for row, r in res.rows.items():
+            for f in FIGURES:
+                if r.values[f] < _bound(res, f) * (1 - 1e-6):
+                    out.append(f"{name} {row} {f} {r.values[f]:.1f} < {_bound(res, f):.1f}")
+    return out
+
+
 def format_suite(suite: SuiteResult) -> str:
     head = ["scenario", "split", "n"]
     for f in FIGURES:
@@ -247,6 +261,10 @@ def format_suite(suite: SuiteResult) -> str:
     if every:
         out.append(f"  {len(every)} figure(s) not ahead: {beyond} behind beyond the interval, "
                    f"{len(every) - beyond} within it")
+    below = suite_below_bound(suite)
+    if below:
+        out.append("!! below the lower bound (the bound is then not one; see "
+                   "workloads/bounds/bound.py): " + "; ".join(below))
     tradeoffs = [line for r in suite.scenarios.values() for line in setting_tradeoffs(r)]
     if tradeoffs:
         out.append("what the winning settings cost at the other figures:")

@@ -21,6 +21,7 @@ from workloads.suite.report import (
     multi_figure_wins,
     not_ahead,
     setting_tradeoffs,
+    suite_below_bound,
     suite_json,
 )
 from workloads.suite.run import (
@@ -154,6 +155,17 @@ def test_the_headline_reads_the_best_other_row_per_figure() -> None:
     assert data["rows"]["talaria"]["sct_p95_s"] == 290
     assert data["rows"]["talaria"]["utilisation"]["p50"] == 0.834
     assert data["lower_bound"]["sct_mean_s"] == 60.0
+
+
+def test_a_row_below_the_bound_is_flagged_as_a_defect() -> None:
+    rows = {"baseline": _row("baseline", 100, 400, 200), "talaria": _row("talaria", 110, 290, 150)}
+    res = _scenario(None, rows)
+    suite = SuiteResult(SuiteConfig(traces=("claude-code",)), {res.scenario.name: res},
+                        {"claude-code/1srv": 0.01})
+    assert suite_below_bound(suite) == [] and "below the lower bound" not in format_suite(suite)
+    rows["talaria"] = _row("talaria", 110, 89.0, 150)  # the bound's p95 is 90 s
+    assert suite_below_bound(suite) == ["claude-code/burst/1srv talaria p95 89.0 < 90.0"]
+    assert "!! below the lower bound" in format_suite(suite)
 
 
 def test_margins_read_every_scenario_of_a_split_at_once() -> None:
