@@ -81,6 +81,9 @@ class PolicyConfig:
     # p95, 1072 s); las keeps Autellix's 8.
     remaining_starvation_ratio: float = 4.0
     min_slot_factor: float = 10.0  # priority_switch: a slot lasts this x its switches first
+    # the least wait that makes a session starved under session_priority; None: one slot
+    # quantum (starvation_min_wait_s)
+    starvation_floor_s: float | None = None
     # session-prefill
     sp_horizon_s: float = 10.0  # consider continuations expected within this horizon
     sp_budget_s: float = 20.0  # max extra slot time SP may add to one slot
@@ -154,6 +157,9 @@ class PolicyConfig:
                 raise ValueError(f"PolicyConfig.{key} must be > 0, got {getattr(self, key)!r}")
         non_negative = ("sp_horizon_s", "sp_budget_s", "sp_idle_margin_s", "default_gap_s",
                         "engine_fault_backoff_s", "engine_op_timeout_s", "min_slot_factor")
+        if self.starvation_floor_s is not None and not self.starvation_floor_s >= 0:
+            raise ValueError(f"PolicyConfig.starvation_floor_s must be >= 0, got "
+                             f"{self.starvation_floor_s!r}")
         for key in non_negative:
             if not getattr(self, key) >= 0:
                 raise ValueError(f"PolicyConfig.{key} must be >= 0, got {getattr(self, key)!r}")
@@ -185,7 +191,9 @@ class PolicyConfig:
         """The least wait that makes a session starved under ``remaining``: one slot quantum,
         the wait a rotation in round order bounds (``talaria.policies.priority``); none
         under the other orders (Autellix's guard is its own)."""
-        return self.slot_quantum_s if self.admission_order == "remaining" else 0.0
+        if self.admission_order != "remaining":
+            return 0.0
+        return self.slot_quantum_s if self.starvation_floor_s is None else self.starvation_floor_s
 
     @property
     def model_choice(self) -> str:

@@ -219,6 +219,9 @@ def test_the_starvation_guard_in_force_is_the_queue_orders_own() -> None:
     assert talaria.admission_order == "remaining"
     assert talaria.starvation_ratio == talaria.remaining_starvation_ratio == 4.0
     assert talaria.starvation_min_wait_s == talaria.slot_quantum_s
+    assert preset("talaria", starvation_floor_s=120.0).starvation_min_wait_s == 120.0
+    with pytest.raises(ValueError, match="starvation_floor_s"):
+        preset("talaria", starvation_floor_s=-1.0)
     autellix = preset("baseline", queue_order="las", model_order="las")
     assert autellix.starvation_ratio == autellix.las_starvation_ratio == 8.0
     assert autellix.starvation_min_wait_s == 0.0
