@@ -143,9 +143,11 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--loo-rows chooses rows of --leave-one-out, which is not given")
         suite_cli.parse_loo_rows(args.loo_rows)  # refused before the default trace's table
     if args.suite_rows is not None:
-        if args.leave_one_out or args.develop or args.suite == "off":
-            raise ValueError("--suite-rows chooses rows of the suite's table; it takes no "
-                             "--leave-one-out, --develop or --suite off")
+        if (args.leave_one_out or args.develop or args.suite == "off" or args.trace
+                or args.policies or args.servers != 1):
+            raise ValueError("--suite-rows chooses rows of the suite's table, which runs "
+                             "only on the embedded traces; it takes no --leave-one-out, "
+                             "--develop, --suite off, --trace, --policies or --servers")
         suite_cli.parse_suite_rows(args.suite_rows)  # refused before the default trace's table
     if args.tune_new_points and not args.tune_suite:
         raise ValueError("--tune-new-points goes with --tune-suite")  # before the default table

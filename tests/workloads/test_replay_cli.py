@@ -135,6 +135,9 @@ def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
     assert "not rows of the suite: nope;" in err and "vllm_sleep_lmcache" in err
     assert main(["replay", "--leave-one-out", "1", "--suite-rows=aegaeon"]) == 2
     assert "--suite-rows chooses rows of the suite's table" in capsys.readouterr().err
+    # the suite runs only without --trace, --policies and --servers: not silently ignored
+    assert main(["replay", "--policies", "talaria", "--suite-rows=aegaeon"]) == 2
+    assert "--suite-rows chooses rows of the suite's table" in capsys.readouterr().err
     # refused before the default trace's table runs, not after it
     assert main(["replay", "--tune-new-points"]) == 2
     assert "--tune-new-points goes with --tune-suite" in capsys.readouterr().err
