@@ -34,7 +34,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref: list[int] = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}
         self._num_free_hashed = 0
         self.presence: PrefixPresence | None = None
@@ -65,6 +65,10 @@ class BlockPool:
         """The block holding the prefix named by ``block_hash``, if still cached."""
         return self._cached.get(block_hash)
 
+    def lookup_all(self, block_hashes: Iterable[int]) -> list[int | None]:
+        """``lookup`` of each hash, in order."""
+        return list(map(self._cached.get, block_hashes))
+
     def hash_membership(self) -> Callable[[int], bool]:
         """Whether a hash is in the prefix map, as a function that does not keep the pool
         alive (a ``presence`` built on it makes no reference cycle with the pool)."""
@@ -82,10 +86,12 @@ class BlockPool:
         if num_blocks > len(self._free):
             raise RuntimeError(f"out of KV blocks: asked for {num_blocks}, {len(self._free)} free")
         out: list[int] = []
+        pop, ref, hashes, evict = self._free.popitem, self._ref, self._hash, self._evict
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
-            self._ref[block_id] = 1
+            block_id, _ = pop(last=False)
+            if hashes[block_id] is not None:
+                evict(block_id)
+            ref[block_id] = 1
             out.append(block_id)
         return out
 
@@ -115,17 +121,21 @@ class BlockPool:
     def cache_block(self, block_id: int, block_hash: int) -> bool:
         """Register a referenced, full block under ``block_hash``; False if the hash is taken
         by another block (this one then stays unhashed) or the block already has a hash."""
-        if self._ref[block_id] <= 0:
-            raise RuntimeError(f"cannot cache KV block {block_id}: it is not referenced")
-        if self._hash[block_id] is not None:
-            return self._hash[block_id] == block_hash
-        if block_hash in self._cached:
-            return False
-        self._cached[block_hash] = block_id
-        self._hash[block_id] = block_hash
-        if self.presence is not None:
-            self.presence.added(block_hash)
-        return True
+        self.cache_blocks((block_id,), (block_hash,))
+        return self._hash[block_id] == block_hash
+
+    def cache_blocks(self, block_ids: Iterable[int], block_hashes: Iterable[int]) -> None:
+        """``cache_block`` for each pair, in order."""
+        ref, hashes, cached, presence = self._ref, self._hash, self._cached, self.presence
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            if ref[block_id] <= 0:
+                raise RuntimeError(f"cannot cache KV block {block_id}: it is not referenced")
+            if hashes[block_id] is not None or block_hash in cached:
+                continue
+            cached[block_hash] = block_id
+            hashes[block_id] = block_hash
+            if presence is not None:
+                presence.added(block_hash)
 
     def reset(self, num_blocks: int | None = None) -> None:
         """Forget every cached prefix and restore the initial free order, with ``num_blocks``
@@ -144,7 +154,7 @@ class BlockPool:
         self._hash = [None] * self.num_blocks
         self._cached.clear()
         self._num_free_hashed = 0
-        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._free = OrderedDict.fromkeys(range(self.num_blocks))
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash[block_id]

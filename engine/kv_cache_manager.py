@@ -18,7 +18,7 @@ one token is always prefilled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool
@@ -102,12 +102,10 @@ class KVCacheManager:
             return prefix
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(request)[:max_blocks]
-        for h in hashes:
-            block_id = self.pool.lookup(h)
-            if block_id is None:
-                break
-            prefix.block_ids.append(block_id)
-        rest = hashes[len(prefix.block_ids) :]
+        found = self.pool.lookup_all(hashes)
+        hits = found.index(None) if None in found else len(found)
+        prefix.block_ids = cast(list[int], found[:hits])  # the leading hits: no None
+        rest = hashes[hits:]
         if self.secondary is not None and rest:
             found = self.secondary.lookup(list(rest))
             prefix.restore_hashes = list(rest[: max(0, min(found, len(rest)))])
@@ -143,8 +141,7 @@ class KVCacheManager:
                 except BaseException:
                     self.pool.free(reversed(hits + new))
                     raise
-                for block_id, h in zip(restored, prefix.restore_hashes, strict=True):
-                    self.pool.cache_block(block_id, h)
+                self.pool.cache_blocks(restored, prefix.restore_hashes)
             self._req_blocks[rid] = hits + new
             self._req_num_hashed[rid] = len(hits) + len(restored)
             return True
@@ -169,9 +166,7 @@ class KVCacheManager:
         start = self._req_num_hashed.get(rid, 0)
         if num_full <= start:
             return
-        hashes = self.block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        self.pool.cache_blocks(blocks[start:num_full], self.block_hashes(request)[start:num_full])
         self._req_num_hashed[rid] = num_full
 
     def free(self, request: Request, remember_session: bool = False) -> None:
@@ -204,8 +199,8 @@ class KVCacheManager:
     def session_block_ids(self, session_id: str) -> list[int]:
         """Device blocks of the session's remembered prefix that are still cached."""
         chain = self._sessions.chain(session_id) or []
-        lookup = self.pool.lookup
-        return [b for h in chain[: self._sessions.count(session_id)] if (b := lookup(h)) is not None]
+        found = self.pool.lookup_all(chain[: self._sessions.count(session_id)])
+        return [b for b in found if b is not None]
 
     def pin_session(self, session_id: str) -> int:
         """Reference the session's cached blocks so they cannot be evicted; returns how

@@ -23,13 +23,12 @@ from substrate.prefix_presence import PrefixPresence
 HostKVKey = tuple[str, int]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: ``None in found`` stays at C speed
 class HostKVEntry:
     model: str
     block_hash: int
     nbytes: int
     sessions: set[str] = field(default_factory=set)  # sessions that saved this block
-    stamp: int = 0  # recency: larger is more recent
 
     @property
     def key(self) -> HostKVKey:
@@ -57,8 +56,8 @@ class HostKVIndex:
         self.capacity_bytes = capacity_bytes
         self.value_hook = value_hook
         self.used_bytes = 0
-        self._entries: OrderedDict[HostKVKey, HostKVEntry] = OrderedDict()  # oldest first
-        self._clock = 0
+        # least recently used first: the order is the recency (``touch`` moves to the end)
+        self._entries: OrderedDict[HostKVKey, HostKVEntry] = OrderedDict()
         self._model_bytes: dict[str, int] = {}
         self.version = 0  # bumped whenever the set of stored blocks changes
         self._watchers: list[ChainLookups] = []  # told each block stored or removed
@@ -100,12 +99,11 @@ class HostKVIndex:
 
     def touch(self, model: str, block_hashes: Sequence[int]) -> None:
         """Mark present blocks of a chain most recently used, the head most recent."""
+        entries, move = self._entries, self._entries.move_to_end
         for h in reversed(block_hashes):
-            entry = self._entries.get((model, h))
-            if entry is not None:
-                self._clock += 1
-                entry.stamp = self._clock
-                self._entries.move_to_end(entry.key)
+            key = (model, h)
+            if key in entries:
+                move(key)
 
     def insert_chain(
         self,
@@ -149,11 +147,10 @@ class HostKVIndex:
                 if entry is not None:
                     entry.sessions.add(session_id)
         # touch (as ``touch``): the head ends most recent
+        move = entries.move_to_end
         for key, entry in zip(reversed(keys), reversed(found), strict=True):
             if entry is not None:
-                self._clock += 1
-                entry.stamp = self._clock
-                entries.move_to_end(key)
+                move(key)
         return ChainInsert(inserted, evicted)
 
     def remove(self, model: str, block_hash: int) -> HostKVEntry | None:
