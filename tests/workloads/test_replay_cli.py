@@ -205,15 +205,20 @@ def test_bench_sim_runs_each_server_count_on_the_replicated_trace(
 ) -> None:
     """``--bench-sim`` replays the trace once per server count (copies of it, in a fresh
     process each) and prints a row per count: its sessions and calls scale with the count,
-    and the simulated replay is the one ``--servers N`` runs (its makespan)."""
+    and the simulated replay is the one ``--servers N`` runs (its makespan); then the control
+    plane's floor, the same sessions on one server, with its ratio to the one-server row."""
     rc = main(["replay", "--bench-sim", "--bench-servers", "1,2", "--max-sessions", "2",
                "--no-progress"])
     assert rc == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.split() and line.split()[0].isdigit()]
-    assert [(r[0], r[1]) for r in rows] == [("1", "2"), ("2", "4")]
+    assert [(r[0], r[1]) for r in rows] == [("1", "2"), ("2", "4"), ("1", "2")]
     assert int(rows[1][2]) == 2 * int(rows[0][2])  # calls
     assert all(float(r[7]) > 0 and float(r[8]) > 0 for r in rows)  # peak RSS, simulated s
+    floor = " ".join(rows[2])
+    assert rows[2][9] == "floor" and rows[2][2] == rows[0][2]
+    ratio = float(floor.split("; ")[1].split("x")[0])
+    assert ratio == pytest.approx(float(rows[2][6]) / float(rows[0][6]), abs=0.1)
 
 
 def test_bench_sim_with_cut_fused_steps_runs_the_default_first_for_a_ratio(
@@ -224,7 +229,7 @@ def test_bench_sim_with_cut_fused_steps_runs_the_default_first_for_a_ratio(
     assert rc == 0
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.split() and line.split()[0].isdigit()]
-    assert len(rows) == 2
+    assert len(rows) == 3 and "floor" in rows[2]
     assert rows[0].rstrip().endswith("reference")
     ratio = float(rows[1].split("this: ")[1].split("x")[0])
     # the printed ratio is the two rows' calls per CPU-second
