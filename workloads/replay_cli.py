@@ -178,10 +178,8 @@ def _develop(args: argparse.Namespace) -> int:
     """``--develop``: variants of Talaria on the development scenarios (the baseline's bursts
     at its default-trace setting set the Poisson rates, as in the suite)."""
     from workloads.benchmark.report import write_json
-    from workloads.benchmark.tuning import TUNED_PATH, load_settings, setup_key
+    from workloads.benchmark.tuning import TUNED_PATH
     from workloads.replay.cluster import ClusterSpec
-    from workloads.replay.systems import SYSTEMS
-    from workloads.traces.generator import default_trace
 
     if (args.trace or args.policies or args.servers != 1 or args.leave_one_out
             or args.tune_suite or args.suite != "quick" or args.day is not None):
@@ -194,9 +192,8 @@ def _develop(args: argparse.Namespace) -> int:
                        max_fused_decode_steps=args.fused_steps,
                        cut_fused_steps=args.cut_fused_steps)
     path = Path(args.settings) if args.settings else TUNED_PATH
-    tuned = load_settings(setup_key(default_trace(), spec, args.seed), path)
-    baseline = (tuned.settings.get("baseline") if tuned else None) or SYSTEMS["baseline"].setting
-    text, data = suite_cli.run_develop(args, spec, dict(baseline))
+    baseline = suite_cli.default_trace_settings(spec, path)["baseline"]
+    text, data = suite_cli.run_develop(args, spec, baseline)
     print(text)
     if args.json_path:
         write_json(data, args.json_path)
@@ -381,7 +378,8 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         print()
         print(regime_summary(sweeps[0]))
     if args.trace is None and args.policies is None and args.servers == 1:
-        suite = suite_cli.run_from_args(args, spec, {s.name: s.setting for s in systems})
+        suite = suite_cli.run_from_args(args, spec,
+                                        suite_cli.default_trace_settings(spec, settings_path))
         if suite is not None:
             print()
             print(suite[0])

@@ -156,3 +156,32 @@ def test_the_command_runs_its_variants_on_the_servers_its_flags_describe(
     assert main(["replay", "--develop=-sp", "--dev-traces=miniswe", "--no-progress"]) == 0
     assert asked["baseline"] == {"slot_close": "quantum", "slot_quantum_s": 480.0}
     assert asked["baseline"] != SYSTEMS["baseline"].setting
+
+
+def test_the_poisson_rates_come_from_the_default_traces_seed_0_tuning(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The baseline setting whose bursts define load 1.0 is the default trace's tuned one at
+    seed 0 whatever ``--seed`` is (another seed draws other sessions at rates defined the same
+    way); a file tuned for another seed is not it, and a row never tuned runs its own."""
+    from workloads.benchmark.tuning import Tuned, save_settings, setup_key
+    from workloads.replay.cluster import ClusterSpec
+    from workloads.suite import cli as suite_cli
+    from workloads.traces.generator import default_trace
+
+    spec, path = ClusterSpec(), tmp_path / "tuned.json"
+    tuned = Tuned({"baseline": {"setting": {"slot_close": "quantum", "slot_quantum_s": 7.0}}})
+    save_settings(tuned, setup_key(default_trace(), spec, 0), path)
+    found = suite_cli.default_trace_settings(spec, path)
+    assert found["baseline"] == {"slot_close": "quantum", "slot_quantum_s": 7.0}
+    assert found["autellix"] == SYSTEMS["autellix"].setting
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(suite_cli, "run_develop",
+                        lambda args, spec, baseline: (seen.append(baseline), ("", {}))[1])
+    assert main(["replay", "--develop", "talaria:min_slot_factor=20", "--seed", "1",
+                 "--settings", str(path), "--no-progress"]) == 0
+    assert seen == [{"slot_close": "quantum", "slot_quantum_s": 7.0}]
+
+    save_settings(tuned, setup_key(default_trace(), spec, 1), path)
+    assert suite_cli.default_trace_settings(spec, path)["baseline"] == SYSTEMS["baseline"].setting
