@@ -102,9 +102,9 @@ class KVCacheManager:
             return prefix
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(request)[:max_blocks]
-        found = self.pool.lookup_all(hashes)
-        hits = found.index(None) if None in found else len(found)
-        prefix.block_ids = cast(list[int], found[:hits])  # the leading hits: no None
+        on_device = self.pool.lookup_all(hashes)
+        hits = on_device.index(None) if None in on_device else len(on_device)
+        prefix.block_ids = cast(list[int], on_device[:hits])  # the leading hits: no None
         rest = hashes[hits:]
         if self.secondary is not None and rest:
             found = self.secondary.lookup(list(rest))
