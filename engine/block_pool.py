@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 
 from substrate.prefix_presence import PrefixPresence
 
@@ -68,6 +71,10 @@ class BlockPool:
     def lookup_all(self, block_hashes: Iterable[int]) -> list[int | None]:
         """``lookup`` of each hash, in order."""
         return list(map(self._cached.get, block_hashes))
+
+    def lookup_prefix(self, block_hashes: Iterable[int]) -> list[int]:
+        """``lookup`` of each hash up to the first not cached (a chain's cached head)."""
+        return list(takewhile(partial(is_not, None), map(self._cached.get, block_hashes)))
 
     def hash_membership(self) -> Callable[[int], bool]:
         """Whether a hash is in the prefix map, as a function that does not keep the pool

@@ -18,7 +18,7 @@ one token is always prefilled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, cast, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool
@@ -102,10 +102,8 @@ class KVCacheManager:
             return prefix
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(request)[:max_blocks]
-        on_device = self.pool.lookup_all(hashes)
-        hits = on_device.index(None) if None in on_device else len(on_device)
-        prefix.block_ids = cast(list[int], on_device[:hits])  # the leading hits: no None
-        rest = hashes[hits:]
+        prefix.block_ids = self.pool.lookup_prefix(hashes)
+        rest = hashes[len(prefix.block_ids):]
         if self.secondary is not None and rest:
             found = self.secondary.lookup(list(rest))
             prefix.restore_hashes = list(rest[: max(0, min(found, len(rest)))])

@@ -378,8 +378,8 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
         print()
         print(regime_summary(sweeps[0]))
     if args.trace is None and args.policies is None and args.servers == 1:
-        suite = suite_cli.run_from_args(args, spec,
-                                        suite_cli.default_trace_settings(spec, settings_path))
+        fallback = suite_cli.default_trace_settings(spec, settings_path, args.fixed_settings)
+        suite = suite_cli.run_from_args(args, spec, fallback)
         if suite is not None:
             print()
             print(suite[0])

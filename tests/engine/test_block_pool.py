@@ -54,13 +54,14 @@ def test_duplicate_hash_keeps_first_block() -> None:
 def test_caching_a_run_is_caching_each_block_in_order() -> None:
     """``cache_blocks`` over a run: a hash repeated inside the run or already held by another
     block leaves the later block unhashed, as ``cache_block`` one by one would; ``lookup_all``
-    answers each hash, None where nothing holds it."""
+    answers each hash, None where nothing holds it; ``lookup_prefix`` up to the first such."""
     pool = BlockPool(6)
     blocks = pool.allocate(5)
     pool.cache_block(blocks[0], 100)
     pool.cache_blocks(blocks[1:], [200, 100, 300, 200])
     assert [pool.block_hash(b) for b in blocks] == [100, 200, None, 300, None]
     assert pool.lookup_all([100, 200, 300, 400]) == [blocks[0], blocks[1], blocks[3], None]
+    assert pool.lookup_prefix([100, 200, 400, 300]) == [blocks[0], blocks[1]]  # stops at 400
     with pytest.raises(ValueError):
         pool.cache_blocks(blocks[:2], [1])  # a hash for every block
     pool.free(blocks[4:])

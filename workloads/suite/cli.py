@@ -131,17 +131,21 @@ def parse_loo_rows(text: str) -> tuple[str, ...]:
     return rows
 
 
-def default_trace_settings(spec: ClusterSpec, path: Path) -> dict[str, dict[str, Any]]:
+def default_trace_settings(spec: ClusterSpec, path: Path,
+                           fixed: bool = False) -> dict[str, dict[str, Any]]:
     """Each row's setting as tuned on the default trace for ``spec`` at the default seed (0;
     a row's own where none was): the suite's fallback for a scenario with no tuned settings,
     and the baseline's sets the Poisson rates (its burst throughput is load 1.0). Read at seed
     0 whatever ``--seed`` is, so that another seed draws other sessions and arrivals at rates
     defined the same way (until 2026-12-05 ``--seed 1`` found no tuned entry and measured
     saturation at the baseline's own setting, drained / 480 s, whose bursts drain ~30% more
-    sessions an hour than at its tuned quantum / 480 s)."""
+    sessions an hour than at its tuned quantum / 480 s). ``fixed`` (``--fixed-settings``):
+    with no entry for ``spec``, whatever ``path`` holds, as the default trace's table reads it."""
     from workloads.traces.generator import default_trace
 
     tuned = load_settings(setup_key(default_trace(), spec, 0), path)
+    if tuned is None and fixed:
+        tuned = load_settings(None, path)
     systems = apply_settings(list(SYSTEMS.values()), tuned.settings if tuned else {})
     return {s.name: dict(s.setting) for s in systems}
 

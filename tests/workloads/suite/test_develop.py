@@ -163,7 +163,8 @@ def test_the_poisson_rates_come_from_the_default_traces_seed_0_tuning(
 ) -> None:
     """The baseline setting whose bursts define load 1.0 is the default trace's tuned one at
     seed 0 whatever ``--seed`` is (another seed draws other sessions at rates defined the same
-    way); a file tuned for another seed is not it, and a row never tuned runs its own."""
+    way); a file tuned for another seed is not it (unless the settings are fixed), and a row
+    never tuned runs its own."""
     from workloads.benchmark.tuning import Tuned, save_settings, setup_key
     from workloads.replay.cluster import ClusterSpec
     from workloads.suite import cli as suite_cli
@@ -185,3 +186,6 @@ def test_the_poisson_rates_come_from_the_default_traces_seed_0_tuning(
 
     save_settings(tuned, setup_key(default_trace(), spec, 1), path)
     assert suite_cli.default_trace_settings(spec, path)["baseline"] == SYSTEMS["baseline"].setting
+    # --fixed-settings: whatever the file holds, as the default trace's table reads it
+    fixed = suite_cli.default_trace_settings(spec, path, fixed=True)
+    assert fixed["baseline"] == {"slot_close": "quantum", "slot_quantum_s": 7.0}
