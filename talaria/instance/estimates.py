@@ -8,6 +8,7 @@ same code is right live and in simulation; unknown rates make the work they pric
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from engine.interface import Residency
 from talaria.instance.calls import CallBook
@@ -119,24 +120,39 @@ class Estimator:
             if m != model and self.calls.queues[m]
         )
 
-    def current_left_s(self) -> float:
+    def current_left_s(self, queue_service_s: Callable[[str], float] | None = None) -> float:
+        """Until the open slot's calls end: what is in flight, then its queue within its
+        quantum (``queue_service_s``: the price of a model's queue, ``queue_service_s`` by
+        default)."""
         slot = self.view.slot
         left = self.drain_left_s()
         if slot is not None and slot.open:
             quantum_left = max(0.0, slot.opened + slot.quantum_s - self.view.now())
-            left += min(quantum_left, self.queue_service_s(slot.model))
+            left += min(quantum_left, (queue_service_s or self.queue_service_s)(slot.model))
         return left
 
     def wait_s(self, model: str) -> float:
         """Until ``model``'s slot opens (the round scheduler's estimate)."""
+        return self._wait_s(model, self.current_left_s(), self.slot_s)
+
+    def waits_s(self) -> dict[str, float]:
+        """``wait_s`` of every model, for a report: each queue priced once, not once for
+        every model that waits behind it."""
+        priced = {m: self.queue_service_s(m) for m in self.view.models}
+        quantum = self.view.policy.slot_quantum_s
+        left = self.current_left_s(priced.__getitem__)
+        return {m: self._wait_s(m, left, lambda x: min(quantum, priced[x]))
+                for m in self.view.models}
+
+    def _wait_s(self, model: str, current_left_s: float, slot_s: Callable[[str], float]) -> float:
         slot = self.view.slot
         return self.view.rounds.wait_s(
             self.view.active_model,
             model,
             current_open=slot is not None and slot.open and slot.model == model,
-            current_left_s=self.current_left_s(),
+            current_left_s=current_left_s,
             has_work=self.calls.has_queued,
-            slot_s=self.slot_s,
+            slot_s=slot_s,
             switch_s=self.switch_s,
         )
 

@@ -153,6 +153,9 @@ class Instance:
     def service(self, session_id: str, waiting_s: float) -> Service:
         return self.sessions.service(session_id, waiting_s)
 
+    def best_waiting_key(self, calls: Sequence[PendingCall]) -> tuple[float, ...] | None:
+        return self.sessions.best_waiting_key(calls, self.now())
+
     def now(self) -> float:
         """The instance clock: the event loop's time (virtual in simulation)."""
         loop = self._event_loop or asyncio.get_running_loop()

@@ -32,7 +32,7 @@ from talaria.instance.faults import EngineFaults
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import TimeSplit
 from talaria.policies.config import PolicyConfig
-from talaria.policies.priority import Service, order_queue, priority_key
+from talaria.policies.priority import priority_key
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import Slot
 from talaria.policies.session_prefill import SlotCosts, decide_queued, slot_costs
@@ -66,7 +66,6 @@ class Intake:
         split: TimeSplit,
         *,
         finish: Callable[..., None],
-        service: Callable[[PendingCall], Service],
         stats: Callable[[], EngineStats],
         active_model: Callable[[], str | None],
     ) -> None:
@@ -81,7 +80,6 @@ class Intake:
         self.faults = faults
         self.split = split
         self.finish = finish  # AdmissionLoop.finish(pending, reason, event, error=None)
-        self._service = service
         self._stats = stats
         self._active_model = active_model
         # prompt blocks handed to the engine since its last step (engine admission): the
@@ -102,9 +100,7 @@ class Intake:
             return  # nothing can be admitted now: no need to order the queue
         order = self.policy.admission_order
         if order != "fifo" and len(queue) > 1:
-            ordered = order_queue(order, list(queue), self._service,
-                                  self.policy.starvation_ratio,
-                                  min_wait_s=self.policy.starvation_min_wait_s)
+            ordered = sorted(queue, key=self.sessions.waiting_key(self.now()))
             queue.clear()
             queue.extend(ordered)
         while queue:

@@ -96,7 +96,7 @@ class AdmissionLoop:
         self.split = TimeSplit(0.0, record=record_splits)
         self.intake = Intake(
             instance_id, view, policy, executor, calls, sessions, est, counters, self.faults,
-            self.split, finish=self.finish, service=self._service, stats=lambda: self.stats,
+            self.split, finish=self.finish, stats=lambda: self.stats,
             active_model=lambda: self.active_model,
         )
         executor.on_device_wait.append(lambda waiting: self.split.device_wait(self.now(), waiting))
@@ -245,15 +245,16 @@ class AdmissionLoop:
         now = self.now()
         order, ratio = policy.admission_order, policy.starvation_ratio
         floor = policy.starvation_min_wait_s
+        best_waiting = self.sessions.best_waiting_key
         waiting_best = {}
         for m in self.rounds.order:
-            key = best_key(order, self.calls.waiting(m), self._service, ratio, min_wait_s=floor)
-            if m != slot.model and key is not None:
+            key = None if m == slot.model else best_waiting(self.calls.waiting(m), now)
+            if key is not None:
                 waiting_best[m] = key
         if not waiting_best:
             return SlotYield(None, "nothing else waits")
         own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
-        keys = [best_key(order, own, self._service, ratio, min_wait_s=floor)]
+        keys = [best_waiting(own, now)]
         waiting_calls = {m: len(self.calls.waiting(m)) for m in waiting_best}
         switch_s = self.est.switch_s(first_model(order, waiting_best, waiting_calls))
         reserved = self.sessions.reservations.for_model(slot.model)

@@ -17,6 +17,7 @@ router no longer holds is dropped here too (``drop``).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -25,9 +26,10 @@ from talaria.instance.rates import RateBook
 from talaria.instance.session_report import SessionReport, TouchingDict
 from talaria.policies.config import PolicyConfig
 from talaria.policies.gap_predictor import GapPredictor
-from talaria.policies.priority import Service
+from talaria.policies.priority import Service, priority_key, remaining_key
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
 from talaria.policies.ttl import continuum_ttl
+from talaria.policies.view import QueuedCall
 from talaria.protocol import CallRequest, SessionKV
 
 log = structlog.get_logger("talaria.sessions")
@@ -94,6 +96,31 @@ class SessionKeeper:
         cached = self.kv_tokens.get(session_id, (0, 0))[0] if self.policy.queue_order == "lpm" else 0
         return Service(hist.attained_s, hist.waited_s + waiting_s, hist.first_arrival, pinned,
                        hist.calls, cached)
+
+    def waiting_key(self, now: float) -> Callable[[QueuedCall], tuple[float, ...]]:
+        """A waiting call's priority key at loop time ``now`` under the policy's admission
+        order, its wait counted from its arrival: ``priority.priority_key`` of its session's
+        ``service``. Under ``remaining`` it reads the session's history directly instead of
+        building a ``Service`` (the loop ranks every queue each turn)."""
+        policy = self.policy
+        order, ratio = policy.admission_order, policy.starvation_ratio
+        floor = policy.starvation_min_wait_s
+        if order != "remaining":
+            return lambda c: priority_key(order, self.service(c.call.session_id, now - c.arrived),
+                                          ratio, min_wait_s=floor)
+        history = self.gaps.get
+
+        def key(c: QueuedCall) -> tuple[float, ...]:
+            hist = history(c.call.session_id)
+            if hist is None:
+                return remaining_key(now - c.arrived, 0.0, 0.0, 0, ratio, floor)
+            return remaining_key(hist.waited_s + (now - c.arrived), hist.attained_s,
+                                 hist.first_arrival, hist.calls, ratio, floor)
+        return key
+
+    def best_waiting_key(self, calls: Iterable[QueuedCall], now: float) -> tuple[float, ...] | None:
+        """The best of ``waiting_key`` over ``calls`` (None: no calls)."""
+        return min(map(self.waiting_key(now), calls), default=None)
 
     def on_call_end(
         self, call: CallRequest, output_tokens: int, now: float, waited_s: float = 0.0,

@@ -52,6 +52,7 @@ def build_state(inst: ReportSource) -> InstanceState:
     now = inst.now()
     est = inst.est
     models: dict[str, ModelState] = {}
+    waits = est.waits_s()
     for name in inst.models:
         rates = inst.rates.models[name]
         queue = inst.calls.queues[name]
@@ -67,7 +68,7 @@ def build_state(inst: ReportSource) -> InstanceState:
             queued_tokens=sum(est.new_tokens(p.call) for p in queue),
             running_calls=len(running),
             running_tokens=running_tokens,
-            wait_s=est.wait_s(name),
+            wait_s=waits[name],
             prefill_tokens_per_s=rates.prefill_tokens_per_s.value,
             decode_step_s=rates.decode_step_s.value,
             switch_host_s=rates.switch_host_s.value,

@@ -53,7 +53,7 @@ from talaria.policies.round_scheduler import RoundScheduler
 from talaria.policies.session_length import swe_agent_prior
 
 __all__ = ["Service", "best_key", "first_model", "model_key", "next_model", "order_queue",
-           "priority_key"]
+           "priority_key", "remaining_key"]
 
 T = TypeVar("T")
 
@@ -82,16 +82,24 @@ def priority_key(order: str, service: Service, starvation_ratio: float, *,
         return (0.0 if service.pinned else 1.0, service.first_arrival)
     if order == "lpm":
         return (-float(service.device_cached_tokens),)
-    starved = service.waited_s >= starvation_ratio * service.attained_s > 0
-    if order == "las":
-        return (0.0 if starved else 1.0, service.attained_s)
     if order == "remaining":
-        # Among the starved, the one that has waited longest; otherwise the fewest expected
-        # remaining calls, then the earliest session.
-        if starved and service.waited_s >= min_wait_s:
-            return (0.0, -service.waited_s, service.first_arrival)
-        return (1.0, swe_agent_prior().expected_remaining(service.calls), service.first_arrival)
+        return remaining_key(service.waited_s, service.attained_s, service.first_arrival,
+                             service.calls, starvation_ratio, min_wait_s)
+    if order == "las":
+        starved = service.waited_s >= starvation_ratio * service.attained_s > 0
+        return (0.0 if starved else 1.0, service.attained_s)
     raise ValueError(f"unknown queue order {order!r}")
+
+
+def remaining_key(waited_s: float, attained_s: float, first_arrival: float, calls: int,
+                  starvation_ratio: float, min_wait_s: float) -> tuple[float, float, float]:
+    """``priority_key`` under ``remaining``, from a session's facts (``Service``'s fields of
+    the same names) without building a ``Service``: the key every loop turn ranks each
+    queue by. Among the starved, the one that has waited longest; otherwise the fewest
+    expected remaining calls, then the earliest session."""
+    if waited_s >= starvation_ratio * attained_s > 0 and waited_s >= min_wait_s:
+        return (0.0, -waited_s, first_arrival)
+    return (1.0, swe_agent_prior().expected_remaining(calls), first_arrival)
 
 
 def order_queue(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from engine.interface import Residency
 from talaria.policies.config import PolicyConfig
-from talaria.policies.priority import best_key, first_model, priority_key
+from talaria.policies.priority import first_model, priority_key
 from talaria.policies.view import InstanceView
 
 __all__ = ["call_capacity_blocks", "lend_staging_due", "predicted_next", "staging_target"]
@@ -37,14 +37,11 @@ def predicted_next(view: InstanceView) -> str | None:
 def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
     order, ratio = view.policy.admission_order, view.policy.starvation_ratio
     floor = view.policy.starvation_min_wait_s
-    now = view.now()
     best: dict[str, tuple[float, ...]] = {}
     for m in view.models:
         if m == active:
             continue
-        key = best_key(order, view.queued(m),
-                       lambda c: view.service(c.call.session_id, now - c.arrived), ratio,
-                       min_wait_s=floor)
+        key = view.best_waiting_key(view.queued(m))
         if key is not None:
             best[m] = key
     if best:

@@ -122,3 +122,9 @@ class InstanceView(Protocol):
     def service(self, session_id: str, waiting_s: float) -> Service:
         """What the session has had so far (its current call waiting ``waiting_s``)."""
         ...
+
+    def best_waiting_key(self, calls: Sequence[QueuedCall]) -> tuple[float, ...] | None:
+        """The best priority key among ``calls`` now under the policy's admission order, each
+        one's wait counted from its arrival (``priority.best_key`` over their ``service``);
+        None when there are none."""
+        ...

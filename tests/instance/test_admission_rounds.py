@@ -139,3 +139,39 @@ def test_staging_makes_the_next_switch_device_to_device(staging: bool) -> None:
         assert not any(kind == "stage" for kind, _ in engine.log)
         assert b.first == pytest.approx(2.0 + 0.5 + 2.0 + 0.1)
         assert state.models["b"].switch_host_s == pytest.approx(2.0)
+
+
+def test_the_reports_waits_are_each_models_round_estimate() -> None:
+    """The state report prices every queue once (``Estimator.waits_s``); each model's wait
+    there is what ``Estimator.wait_s`` says for it alone, while a's slot runs and b's and c's
+    calls queue behind it (every model's rates learned first)."""
+
+    async def main() -> list[tuple[dict[str, float], dict[str, float], dict[str, float]]]:
+        inst = Instance("i", FakeEngine(["a", "b", "c"], step_s=0.1, switch_host_s=2.0),
+                        preset("baseline", slot_quantum_s=3.0))
+        await inst.start()
+        seen = []
+        try:
+            for model in "bca":  # each model's rates learned: its queue has a price
+                await run_call(inst, call(f"warm-{model}", f"w{model}", model, 40, 4))
+            tasks = [asyncio.create_task(run_call(inst, call("a0", "sa", "a", 40, 30)))]
+            await asyncio.sleep(0.35)
+            for i, model in enumerate("bcbca"):
+                tasks.append(asyncio.create_task(
+                    run_call(inst, call(f"{model}{i}", f"s{model}{i}", model, 50 + 40 * i, 8))))
+            for _ in range(6):
+                await asyncio.sleep(0.8)
+                state = inst.state()
+                est = inst.loop.est
+                seen.append((est.waits_s(), {m: est.wait_s(m) for m in "abc"},
+                             {m: s.wait_s for m, s in state.models.items()}))
+            await asyncio.gather(*tasks)
+        finally:
+            await inst.stop()
+        return seen
+
+    seen = run_virtual(main())
+    for together, alone, reported in seen:
+        assert together == pytest.approx(alone, rel=1e-12)
+        assert reported == pytest.approx(alone, rel=1e-12)
+    assert any(w["c"] > w["b"] > 0 for w, _, _ in seen)  # c waits for b's slot too

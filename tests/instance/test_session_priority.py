@@ -5,6 +5,8 @@ own (decision functions on hand-built cases, then one instance on the fake engin
 from __future__ import annotations
 
 import asyncio
+import random
+from dataclasses import dataclass
 
 import pytest
 from fake_engine import FakeEngine
@@ -25,6 +27,7 @@ from talaria.policies.priority import (
 from talaria.policies.reservations import Reservation
 from talaria.policies.round_scheduler import RoundScheduler
 from talaria.policies.session_length import SWE_AGENT_CALLS, SessionLengthPrior, swe_agent_prior
+from talaria.protocol import CallRequest
 
 
 def test_expected_remaining_calls_of_a_uniform_prior() -> None:
@@ -294,3 +297,41 @@ def test_under_kv_pressure_the_session_that_comes_last_yields_first() -> None:
     by_priority, by_return = run_virtual(main())
     assert by_priority == ["fresh", "near_end"]  # fewest calls left stays on the device
     assert by_return == ["near_end", "fresh"]  # without session priority: latest return first
+
+
+@dataclass
+class _Waiting:
+    call: CallRequest
+    arrived: float
+    continuation: bool = True
+
+
+@pytest.mark.parametrize("order", ["remaining", "las", "program_fcfs", "fifo"])
+def test_a_waiting_calls_key_is_its_sessions_priority_key(order: str) -> None:
+    """``SessionKeeper.waiting_key`` (which under ``remaining`` reads session histories
+    directly) ranks each waiting call as ``priority_key`` of its session's ``service`` does,
+    starved or not, unknown sessions included; ``best_waiting_key`` is their minimum."""
+    rng = random.Random(7)
+    policy = (preset("talaria") if order == "remaining"
+              else preset("baseline", queue_order=order))
+    assert policy.admission_order == order
+    sessions = Instance("i", FakeEngine(["a"]), policy).sessions
+    for n in range(40):
+        sid = f"s{n}"
+        sessions.gaps.on_arrival(sid, "a", 100, rng.uniform(0.0, 50.0))
+        for _ in range(rng.randrange(0, 80)):
+            sessions.gaps.on_end(sid, 100, 10, 60.0, None, False)
+        sessions.gaps.on_service(sid, rng.choice([0.0, rng.uniform(0.0, 400.0)]),
+                                 rng.choice([0.0, rng.uniform(0.0, 100.0)]))
+    now = 1000.0
+    waiting = [_Waiting(call(f"c{i}", f"s{rng.randrange(0, 50)}", "a", 8), rng.uniform(0.0, now))
+               for i in range(200)]  # s40..s49 have no history here
+    key = sessions.waiting_key(now)
+    expected = [priority_key(order, sessions.service(c.call.session_id, now - c.arrived),
+                             policy.starvation_ratio, min_wait_s=policy.starvation_min_wait_s)
+                for c in waiting]
+    assert [key(c) for c in waiting] == expected
+    assert sessions.best_waiting_key(waiting, now) == min(expected)
+    assert sessions.best_waiting_key([], now) is None
+    if order == "remaining":  # both branches ran: some starved, some ranked by the prior
+        assert {k[0] for k in expected} == {0.0, 1.0}

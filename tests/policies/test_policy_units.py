@@ -11,7 +11,7 @@ from engine.interface import Residency
 from engine.sampling_params import SamplingParams
 from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.gap_predictor import GapPredictor
-from talaria.policies.priority import Service
+from talaria.policies.priority import Service, best_key
 from talaria.policies.reservations import (
     Reservation,
     ReservationBook,
@@ -135,6 +135,12 @@ class _View:
 
     def service(self, session_id: str, waiting_s: float) -> Service:
         return Service(5.0, waiting_s, 0.0, calls=self.calls_done[session_id])
+
+    def best_waiting_key(self, calls: list[_Queued]) -> tuple[float, ...] | None:
+        p = self.policy
+        return best_key(p.admission_order, calls,
+                        lambda c: self.service(c.call.session_id, self.now() - c.arrived),
+                        p.starvation_ratio, min_wait_s=p.starvation_min_wait_s)
 
 
 def _queued(session: str, model: str) -> _Queued:
