@@ -17,7 +17,7 @@ router no longer holds is dropped here too (``drop``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 
 import structlog
 
@@ -118,9 +118,9 @@ class SessionKeeper:
                                  hist.first_arrival, hist.calls, ratio, floor)
         return key
 
-    def best_waiting_key(self, calls: Iterable[QueuedCall], now: float) -> tuple[float, ...] | None:
+    def best_waiting_key(self, calls: Collection[QueuedCall], now: float) -> tuple[float, ...] | None:
         """The best of ``waiting_key`` over ``calls`` (None: no calls)."""
-        return min(map(self.waiting_key(now), calls), default=None)
+        return min(map(self.waiting_key(now), calls)) if calls else None
 
     def on_call_end(
         self, call: CallRequest, output_tokens: int, now: float, waited_s: float = 0.0,
