@@ -335,3 +335,45 @@ def test_a_waiting_calls_key_is_its_sessions_priority_key(order: str) -> None:
     assert sessions.best_waiting_key([], now) is None
     if order == "remaining":  # both branches ran: some starved, some ranked by the prior
         assert {k[0] for k in expected} == {0.0, 1.0}
+
+
+def _fresh_session_first_token(limit: int | None) -> float:
+    """Two advanced sessions of model a keep a's queue from emptying while a fresh session
+    of b waits from 0.5 s: the priority's choice reopens a's slot at each of its 2 s quanta.
+    When does b's call get its first token?"""
+
+    async def main() -> float:
+        policy = preset("talaria", slot_quantum_s=2.0, model_pass_limit=limit,
+                        session_prefill=False)  # else a's closed slot admits its continuations
+        inst = Instance("i", FakeEngine(["a", "b"], step_s=0.1), policy)
+        await inst.start()
+        try:
+            for sid in ("s1", "s2"):
+                await run_call(inst, call(f"{sid}#0", sid, "a", 40, max_tokens=2))
+                inst.loop.sessions.gaps.sessions[sid].calls = 90  # near their end
+
+            async def advanced(sid: str) -> None:  # a call every 0.15 s: a's queue never empties
+                sent = []
+                for i in range(1, 60):
+                    sent.append(asyncio.create_task(
+                        run_call(inst, call(f"{sid}#{i}", sid, "a", 40 + 5 * i, max_tokens=3))))
+                    await asyncio.sleep(0.15)
+                await asyncio.gather(*sent)
+
+            busy = [asyncio.create_task(advanced(sid)) for sid in ("s1", "s2")]
+            await asyncio.sleep(0.5)
+            fresh = await run_call(inst, call("t#0", "t", "b", 40, max_tokens=2))
+            await asyncio.gather(*busy)
+            assert fresh.first is not None
+            return fresh.first
+        finally:
+            await inst.stop()
+
+    return run_virtual(main())
+
+
+def test_a_pass_over_limit_bounds_how_many_slots_a_fresh_model_waits() -> None:
+    # unbounded, b waits until a's sessions stop sending and their queue drains (11.8 s);
+    # one pass-over allowed, it gets the slot after a's next one (6.8 s); two, one later
+    assert _fresh_session_first_token(1) < _fresh_session_first_token(2) < 10.0
+    assert _fresh_session_first_token(None) > 11.0
