@@ -33,7 +33,7 @@ from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
 from talaria.policies.config import PolicyConfig
-from talaria.policies.model_choice import PassOverGuard, SlotYield, holds_slot, outranking_model
+from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
 from talaria.policies.priority import Service, best_key, first_model, next_model
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import hold_until
@@ -85,7 +85,6 @@ class AdmissionLoop:
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
         self._stage_failed: set[str] = set()  # models whose staging failed since the switch
-        self.passes = PassOverGuard(policy.model_pass_limit)
         self.staging_lent = False  # the active model's KV spans the staging region: no staging
         self.pressure = KVPressure(instance_id, policy, executor, calls, sessions, counters)
         self._idle_steps = 0  # engine steps that ran nothing since the last warning
@@ -211,7 +210,6 @@ class AdmissionLoop:
             # wait for a change, at most until its quantum ends when another model waits.
             await self.idle_wait(None if nxt == active else slot.ends)
             return
-        nxt = self.passes.pick(nxt, [m for m in self.rounds.after(active) if waiting[m]])
         if nxt == active:
             if self.calls.suspended[nxt]:
                 await self._switch(nxt)  # its suspended calls resume
@@ -248,8 +246,11 @@ class AdmissionLoop:
         order, ratio = policy.admission_order, policy.starvation_ratio
         floor = policy.starvation_min_wait_s
         best_waiting = self.sessions.best_waiting_key
-        waiting_best = {m: k for m in self.rounds.order if m != slot.model
-                        if (k := best_waiting(self.calls.waiting(m), now)) is not None}
+        waiting_best = {}
+        for m in self.rounds.order:
+            key = None if m == slot.model else best_waiting(self.calls.waiting(m), now)
+            if key is not None:
+                waiting_best[m] = key
         if not waiting_best:
             return SlotYield(None, "nothing else waits")
         own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
@@ -274,7 +275,6 @@ class AdmissionLoop:
     def _open_slot(self, model: str, switch_s: float = 0.0) -> Slot:
         self.slot = Slot(model=model, opened=self.now(), quantum_s=self.policy.slot_quantum_s,
                          switch_s=switch_s)
-        self.passes.opened(model, [m for m in self.rounds.order if self.calls.waiting(m)])
         self._account()
         return self.slot
 

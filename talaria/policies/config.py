@@ -81,9 +81,6 @@ class PolicyConfig:
     # p95, 1072 s); las keeps Autellix's 8.
     remaining_starvation_ratio: float = 4.0
     min_slot_factor: float = 10.0  # priority_switch: a slot lasts this x its switches first
-    # a model passed over by the priority's choice of the next slot this many times in a row
-    # (slots opened while it had calls waiting) takes the next one (PassOverGuard); None: never
-    model_pass_limit: int | None = None
     # the least wait that makes a session starved under session_priority; None: one slot
     # quantum (starvation_min_wait_s)
     starvation_floor_s: float | None = None
@@ -160,10 +157,6 @@ class PolicyConfig:
                 raise ValueError(f"PolicyConfig.{key} must be > 0, got {getattr(self, key)!r}")
         non_negative = ("sp_horizon_s", "sp_budget_s", "sp_idle_margin_s", "default_gap_s",
                         "engine_fault_backoff_s", "engine_op_timeout_s", "min_slot_factor")
-        if self.model_pass_limit is not None and (
-                not isinstance(self.model_pass_limit, int) or self.model_pass_limit < 1):
-            raise ValueError(f"PolicyConfig.model_pass_limit must be None or an integer >= 1, "
-                             f"got {self.model_pass_limit!r}")
         if self.starvation_floor_s is not None and not self.starvation_floor_s >= 0:
             raise ValueError(f"PolicyConfig.starvation_floor_s must be >= 0, got "
                              f"{self.starvation_floor_s!r}")

@@ -24,12 +24,12 @@ of milliseconds and slots may be that short; over host-to-device copies they las
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from talaria.policies.priority import first_model, model_key
 
-__all__ = ["PassOverGuard", "SlotYield", "outranking_model", "holds_slot"]
+__all__ = ["SlotYield", "outranking_model", "holds_slot"]
 
 Key = tuple[float, ...]
 
@@ -85,34 +85,3 @@ def holds_slot(expected_return: float, now: float, switch_s: float, overdue_marg
     ``switch_s``: it is due before that switch would be over, and not more than
     ``overdue_margin_s`` late."""
     return now - overdue_margin_s < expected_return <= now + switch_s
-
-
-class PassOverGuard:
-    """Bounds how often the priority's choice of the next slot passes a model over.
-
-    Each time a slot opens (after a switch, or the active model's slot reopening), every
-    other model with calls waiting then has been passed over once more; the model served
-    starts again from none. With ``limit`` set, a model passed over ``limit`` times in a row takes the
-    next slot whatever the priority says (the most passed over first, then round order):
-    a whole model's sessions cannot wait behind the priority's favourites for more than
-    ``limit`` slots. ``limit`` None: the priority's choice stands (the counts are still kept).
-    """
-
-    def __init__(self, limit: int | None) -> None:
-        if limit is not None and limit < 1:
-            raise ValueError(f"a pass-over limit must be >= 1, got {limit}")
-        self.limit = limit
-        self.passed: dict[str, int] = {}
-
-    def pick(self, chosen: str, waiting: Sequence[str]) -> str:
-        """The model whose slot opens next, given the priority's ``chosen`` and the models
-        with calls waiting (``waiting``, in round order after the active model)."""
-        overdue = [m for m in waiting if self.limit is not None and self.passed.get(m, 0) >= self.limit]
-        return max(overdue, key=lambda m: self.passed.get(m, 0)) if overdue else chosen
-
-    def opened(self, model: str, waiting: Sequence[str]) -> None:
-        """``model``'s slot opened while the models ``waiting`` had calls waiting."""
-        for m in waiting:
-            if m != model:
-                self.passed[m] = self.passed.get(m, 0) + 1
-        self.passed[model] = 0

@@ -11,7 +11,6 @@ from engine.interface import Residency
 from engine.sampling_params import SamplingParams
 from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.gap_predictor import GapPredictor
-from talaria.policies.model_choice import PassOverGuard
 from talaria.policies.priority import Service, best_key
 from talaria.policies.reservations import (
     Reservation,
@@ -190,33 +189,3 @@ def test_staging_is_lent_only_when_queued_calls_overflow_the_kv_region_and_it_ad
     assert not lend_staging_due(queued_blocks=30, capacity_blocks=20, lent_capacity_blocks=20)
     with pytest.raises(ValueError):
         lend_staging_due(queued_blocks=-1, capacity_blocks=20, lent_capacity_blocks=40)
-
-
-def test_a_model_passed_over_limit_times_takes_the_next_slot() -> None:
-    guard = PassOverGuard(2)
-    # the priority keeps choosing a while b and c wait: after two slots of a both are due
-    for _ in range(2):
-        assert guard.pick("a", ["b", "c", "a"]) == "a"
-        guard.opened("a", ["a", "b", "c"])
-    assert guard.passed == {"a": 0, "b": 2, "c": 2}
-    assert guard.pick("a", ["b", "c", "a"]) == "b"  # equally overdue: round order
-    assert guard.pick("a", ["c", "b", "a"]) == "c"
-    guard.opened("b", ["a", "b", "c"])
-    assert guard.passed == {"a": 1, "b": 0, "c": 3}
-    assert guard.pick("b", ["c", "a", "b"]) == "c"  # the most passed over first
-    guard.opened("c", ["a", "c"])  # b has nothing waiting now: not passed over
-    assert guard.passed == {"a": 2, "b": 0, "c": 0}
-    assert guard.pick("c", ["a", "c"]) == "a"
-    assert guard.pick("c", ["c"]) == "c"  # a due model with nothing waiting is not chosen
-
-
-def test_without_a_pass_over_limit_the_priority_choice_stands() -> None:
-    guard = PassOverGuard(None)
-    for _ in range(50):
-        assert guard.pick("a", ["b", "a"]) == "a"
-        guard.opened("a", ["a", "b"])
-    assert guard.passed["b"] == 50
-    with pytest.raises(ValueError, match="pass-over limit"):
-        PassOverGuard(0)
-    with pytest.raises(ValueError, match="model_pass_limit"):
-        preset("talaria", model_pass_limit=0)
