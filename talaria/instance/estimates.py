@@ -122,8 +122,8 @@ class Estimator:
 
     def current_left_s(self, queue_service_s: Callable[[str], float] | None = None) -> float:
         """Until the open slot's calls end: what is in flight, then its queue within its
-        quantum (``queue_service_s``: the price of a model's queue, ``queue_service_s`` by
-        default)."""
+        quantum (``queue_service_s``: a model's queue's price, this estimator's own
+        ``queue_service_s`` unless a report passes the prices it already has)."""
         slot = self.view.slot
         left = self.drain_left_s()
         if slot is not None and slot.open:

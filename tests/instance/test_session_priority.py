@@ -306,7 +306,7 @@ class _Waiting:
     continuation: bool = True
 
 
-@pytest.mark.parametrize("order", ["remaining", "las", "program_fcfs", "fifo"])
+@pytest.mark.parametrize("order", ["remaining", "las", "program_fcfs", "lpm", "fifo"])
 def test_a_waiting_calls_key_is_its_sessions_priority_key(order: str) -> None:
     """``SessionKeeper.waiting_key`` (which under ``remaining`` reads session histories
     directly) ranks each waiting call as ``priority_key`` of its session's ``service`` does,
