@@ -58,15 +58,26 @@ def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
 
 def staging_target(view: InstanceView) -> str | None:
     """The model to start staging now, or None. The prediction (which ranks every queued
-    call) is made only when some model could be staged at all."""
+    call) is made only when a model it could name could be staged (``_could_be_next``)."""
     if any(r == Residency.STAGING for r in view.residency.values()):
         return None
-    if not any(r == Residency.HOST and view.can_stage(m) for m, r in view.residency.items()):
+    stageable = {m for m, r in view.residency.items()
+                 if r == Residency.HOST and view.can_stage(m)}
+    if not stageable or not _could_be_next(view, stageable):
         return None
     nxt = predicted_next(view)
-    if nxt is None or view.residency.get(nxt) != Residency.HOST or not view.can_stage(nxt):
-        return None
-    return nxt
+    return nxt if nxt in stageable else None
+
+
+def _could_be_next(view: InstanceView, models: set[str]) -> bool:
+    """Whether ``predicted_next`` could name one of ``models``: it names a model other than
+    the active one with calls queued when there is one (under either rule), else one with a
+    live reservation."""
+    active = view.active_model
+    queued = [m for m in view.models if m != active and view.queued(m)]
+    if queued:
+        return any(m in models for m in queued)
+    return any(r.model != active and r.model in models for r in view.reservations.all())
 
 
 def call_capacity_blocks(policy: PolicyConfig, capacity_blocks: int,

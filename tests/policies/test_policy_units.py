@@ -3,6 +3,7 @@ what to stage."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,7 +20,7 @@ from talaria.policies.reservations import (
     yield_offload_pays,
 )
 from talaria.policies.round_scheduler import RoundScheduler
-from talaria.policies.staging import lend_staging_due, staging_target
+from talaria.policies.staging import lend_staging_due, predicted_next, staging_target
 from talaria.protocol import CallRequest
 
 
@@ -189,3 +190,27 @@ def test_staging_is_lent_only_when_queued_calls_overflow_the_kv_region_and_it_ad
     assert not lend_staging_due(queued_blocks=30, capacity_blocks=20, lent_capacity_blocks=20)
     with pytest.raises(ValueError):
         lend_staging_due(queued_blocks=-1, capacity_blocks=20, lent_capacity_blocks=40)
+
+
+@pytest.mark.parametrize("policy", ["+sp", "talaria"])
+def test_staging_predicts_only_when_its_prediction_could_be_staged(policy: str) -> None:
+    """``staging_target`` skips the prediction when no model it could name can be staged;
+    on random instances it stages exactly what predicting every time would."""
+    rng = random.Random(3)
+    models = ("a", "b", "c", "d")
+    for _ in range(400):
+        residency = {m: rng.choice([Residency.HOST, Residency.STAGED]) for m in models}
+        active = rng.choice(models)
+        residency[active] = Residency.ACTIVE
+        queues = {m: [_queued(f"{m}{i}", m) for i in range(rng.randrange(3))]
+                  for m in models if rng.random() < 0.5}
+        done = {f"{m}{i}": rng.randrange(80) for m in models for i in range(3)}
+        view = _View(preset(policy), residency, queues, done,
+                     {m for m in models if rng.random() < 0.7}, active_model=active,
+                     models=models)
+        for m in models:
+            if rng.random() < 0.3:
+                view.reservations.add(Reservation(f"{m}0", m, 0.0, rng.uniform(1, 20), 60.0))
+        nxt = predicted_next(view)
+        stageable = {m for m, r in residency.items() if r == Residency.HOST and view.can_stage(m)}
+        assert staging_target(view) == (nxt if nxt in stageable else None)
