@@ -24,32 +24,39 @@ __all__ = ["call_capacity_blocks", "lend_staging_due", "predicted_next", "stagin
 
 
 def predicted_next(view: InstanceView) -> str | None:
-    active = view.active_model
+    return _predict(view, *_candidates(view))
+
+
+def _predict(view: InstanceView, candidates: set[str], by_queue: bool) -> str | None:
     if view.policy.priority_switch:
-        return _first_by_priority(view, active)
-    reserved = {r.model for r in view.reservations.all()}
-    nxt = view.rounds.next_model(active, lambda m: m != active and bool(view.queued(m)))
-    if nxt is None:
-        nxt = view.rounds.next_model(active, lambda m: m != active and m in reserved)
-    return nxt
+        return _first_by_priority(view, candidates, by_queue)
+    return view.rounds.next_model(view.active_model, candidates.__contains__)
 
 
-def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
+def _candidates(view: InstanceView) -> tuple[set[str], bool]:
+    """The models the prediction chooses among: those other than the active one with calls
+    queued (True), else those with a live reservation (False)."""
+    active = view.active_model
+    queued = {m for m in view.models if m != active and view.queued(m)}
+    if queued:
+        return queued, True
+    return {r.model for r in view.reservations.all() if r.model != active}, False
+
+
+def _first_by_priority(view: InstanceView, candidates: set[str], by_queue: bool) -> str | None:
     order, ratio = view.policy.admission_order, view.policy.starvation_ratio
     floor = view.policy.starvation_min_wait_s
     best: dict[str, tuple[float, ...]] = {}
-    for m in view.models:
-        if m == active:
-            continue
-        key = view.best_waiting_key(view.queued(m))
-        if key is not None:
-            best[m] = key
-    if best:
+    if by_queue:
+        for m in view.models:
+            key = view.best_waiting_key(view.queued(m)) if m in candidates else None
+            if key is not None:
+                best[m] = key
         return first_model(order, best, {m: len(view.queued(m)) for m in best})
     counts: dict[str, int] = {}
     for res in view.reservations.all():
         key = priority_key(order, view.service(res.session_id, 0.0), ratio, min_wait_s=floor)
-        if res.model != active:
+        if res.model in candidates:
             counts[res.model] = counts.get(res.model, 0) + 1
             if res.model not in best or key < best[res.model]:
                 best[res.model] = key
@@ -58,26 +65,16 @@ def _first_by_priority(view: InstanceView, active: str | None) -> str | None:
 
 def staging_target(view: InstanceView) -> str | None:
     """The model to start staging now, or None. The prediction (which ranks every queued
-    call) is made only when a model it could name could be staged (``_could_be_next``)."""
+    call) is made only when a model it could name could be staged."""
     if any(r == Residency.STAGING for r in view.residency.values()):
         return None
     stageable = {m for m, r in view.residency.items()
                  if r == Residency.HOST and view.can_stage(m)}
-    if not stageable or not _could_be_next(view, stageable):
+    candidates, by_queue = _candidates(view)
+    if not stageable & candidates:
         return None
-    nxt = predicted_next(view)
+    nxt = _predict(view, candidates, by_queue)
     return nxt if nxt in stageable else None
-
-
-def _could_be_next(view: InstanceView, models: set[str]) -> bool:
-    """Whether ``predicted_next`` could name one of ``models``: it names a model other than
-    the active one with calls queued when there is one (under either rule), else one with a
-    live reservation."""
-    active = view.active_model
-    queued = [m for m in view.models if m != active and view.queued(m)]
-    if queued:
-        return any(m in models for m in queued)
-    return any(r.model != active and r.model in models for r in view.reservations.all())
 
 
 def call_capacity_blocks(policy: PolicyConfig, capacity_blocks: int,
