@@ -61,6 +61,10 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
+    def count_unreferenced(self, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` no request references (free, maybe cached)."""
+        return list(map(self._ref.__getitem__, block_ids)).count(0)
+
     def block_hash(self, block_id: int) -> int | None:
         return self._hash[block_id]
 

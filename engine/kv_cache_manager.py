@@ -125,7 +125,7 @@ class KVCacheManager:
             if rid in self._req_blocks:
                 raise RuntimeError(f"request {rid!r} already holds KV blocks")
             hits = prefix.block_ids
-            hits_free = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+            hits_free = self.pool.count_unreferenced(hits)
             need = -(-(prefix.num_tokens + num_new_tokens) // bs) - len(hits)
             if need > self.pool.num_free_blocks - hits_free:
                 return False

@@ -25,6 +25,10 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_computed_tokens: int  # KV already in the blocks before this step
+    # The request's block table itself (the KV manager's list, not a copy: a long context
+    # holds thousands of blocks and every step schedules it). Read it before the next
+    # ``schedule``, which may extend it; a step's readers (the model runner, the TP channel,
+    # the simulated step's pricing) all do.
     block_ids: list[int]
     # True when this step reaches the request's last token, so it yields a new token.
     samples: bool = False
@@ -186,7 +190,7 @@ class Scheduler:
             request=request,
             num_new_tokens=num_new,
             num_computed_tokens=request.num_computed_tokens,
-            block_ids=list(self.kv.block_ids(request.request_id)),
+            block_ids=self.kv.block_ids(request.request_id),
             samples=request.num_computed_tokens + num_new == request.num_tokens,
         )
         out.scheduled.append(s)
