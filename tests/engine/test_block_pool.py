@@ -135,7 +135,7 @@ def test_random_operations_keep_counts_consistent(program: list[tuple[str, int]]
             for b in blocks:
                 refs[b] += 1
         assert [pool.ref_count(b) for b in range(n)] == refs
-        probe = [*range(n), arg % n]  # a repeated id counts each time, as a prefix's hits would
+        probe = [*range(n), arg % n]  # a repeated id counts each time it is named
         assert pool.count_unreferenced(probe) == sum(1 for b in probe if refs[b] == 0)
         free = pool.free_block_ids()
         assert sorted(free) == [b for b in range(n) if refs[b] == 0]
