@@ -134,7 +134,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -152,7 +151,6 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
             self._add_scheduled(out, request, num_new)
-            scheduled_ids.add(request.request_id)
             budget -= num_new
             i += 1
 
