@@ -52,7 +52,7 @@ from typing import TypeVar
 from talaria.policies.round_scheduler import RoundScheduler
 from talaria.policies.session_length import swe_agent_prior
 
-__all__ = ["Service", "best_key", "first_model", "model_key", "next_model", "order_queue",
+__all__ = ["Service", "best_key", "first_model", "model_key", "next_model",
            "priority_key", "remaining_key"]
 
 T = TypeVar("T")
@@ -100,17 +100,6 @@ def remaining_key(waited_s: float, attained_s: float, first_arrival: float, call
     if waited_s >= starvation_ratio * attained_s > 0 and waited_s >= min_wait_s:
         return (0.0, -waited_s, first_arrival)
     return (1.0, swe_agent_prior().expected_remaining(calls), first_arrival)
-
-
-def order_queue(
-    order: str, calls: Sequence[T], service_of: Callable[[T], Service], starvation_ratio: float,
-    *, min_wait_s: float = 0.0,
-) -> list[T]:
-    """``calls`` (in arrival order) in admission order."""
-    if order == "fifo":
-        return list(calls)
-    return sorted(calls, key=lambda c: priority_key(order, service_of(c), starvation_ratio,
-                                                    min_wait_s=min_wait_s))
 
 
 def best_key(

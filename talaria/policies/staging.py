@@ -48,15 +48,14 @@ def _first_by_priority(view: InstanceView, candidates: set[str], by_queue: bool)
     floor = view.policy.starvation_min_wait_s
     best: dict[str, tuple[float, ...]] = {}
     if by_queue:
-        for m in view.models:
-            key = view.best_waiting_key(view.queued(m)) if m in candidates else None
-            if key is not None:
+        for m in view.models:  # the catalog's order: first_model's last tie-break
+            if m in candidates and (key := view.best_waiting_key(view.queued(m))) is not None:
                 best[m] = key
         return first_model(order, best, {m: len(view.queued(m)) for m in best})
     counts: dict[str, int] = {}
     for res in view.reservations.all():
-        key = priority_key(order, view.service(res.session_id, 0.0), ratio, min_wait_s=floor)
         if res.model in candidates:
+            key = priority_key(order, view.service(res.session_id, 0.0), ratio, min_wait_s=floor)
             counts[res.model] = counts.get(res.model, 0) + 1
             if res.model not in best or key < best[res.model]:
                 best[res.model] = key

@@ -21,7 +21,6 @@ from talaria.policies.priority import (
     first_model,
     model_key,
     next_model,
-    order_queue,
     priority_key,
 )
 from talaria.policies.reservations import Reservation
@@ -66,14 +65,14 @@ def test_fewest_expected_remaining_calls_first_with_a_starvation_guard() -> None
         "starved_longer": Service(4.0, 40.0, 5.0, calls=1),
     }
 
-    def service(name: str) -> Service:
-        return services[name]
+    def order_queue(names: list[str], of: dict[str, Service]) -> list[str]:
+        return sorted(names, key=lambda n: priority_key("remaining", of[n], ratio))
 
-    order = order_queue("remaining", list(services), service, ratio)
+    order = order_queue(list(services), services)
     assert order == ["starved_longer", "starved", "late", "midway", "early", "fresh"]
     # equal progress: the earlier session first
     twins = {"b": Service(1.0, 0.0, 5.0, calls=3), "a": Service(1.0, 0.0, 2.0, calls=3)}
-    assert order_queue("remaining", ["b", "a"], twins.__getitem__, ratio) == ["a", "b"]
+    assert order_queue(["b", "a"], twins) == ["a", "b"]
 
 
 def test_the_next_model_is_the_one_of_the_first_session() -> None:
