@@ -340,12 +340,14 @@ async def _complete(
             if first is None:
                 return web.Response(status=499)  # the client left before the first token
             out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id)
-            return await respond(request, body, call, out, first, events, answer)
+            response = await respond(request, body, call, out, first, events, answer)
+            if out.stopped_at_string:  # closing the events now is no abort: the answer is whole
+                request.app[CORE_KEY].stopped_at_string(call.call_id)
+            return response
 
 
-def _answer_parser(
-    config: RouterConfig, body: schema.CompletionBody, tok: ModelTokenizer, id_prefix: str = "call_"
-) -> AnswerParser | None:
+def _answer_parser(config: RouterConfig, body: schema.CompletionBody, tok: ModelTokenizer,
+                   id_prefix: str = "call_") -> AnswerParser | None:
     fmt = config.tool_formats.get(tok.name) or detect_tool_format(tok.chat_template)
     return answer_parser(body.tools, tok.name, fmt, id_prefix)
 

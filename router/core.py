@@ -1,30 +1,27 @@
 """The router's core: place a call, forward it, stream its events, keep the books.
 
 Nothing here is HTTP: the aiohttp layer (router.app) and the replay driver (in-process,
-virtual clock) call :meth:`RouterCore.submit` alike. Time comes from the injected clock
+virtual clock) call :meth:`RouterCore.submit` alike; time comes from the injected clock
 (default: the running loop's ``loop.time()``).
 
-Sessions (:mod:`router.sessions.books`): a call sent without a session id (``session_id == ""``)
-gets one before it is placed: the session its prompt continues when inference is on
-(:mod:`router.sessions.inference`), else a session of one (``anon-<call id>``, ended with the
-call); ``call.session_id`` is updated in place so the caller can answer with it. Within its
-session the call joins the KV chain (branch, :mod:`router.sessions.table`) its prompt continues;
-placement reads that branch's KV, and the instance receives the call under the branch's key,
-so a side call never moves the main loop or takes its KV. A session's first call that names
-a parent (a subagent) is placed as its parent's continuation would be, where the parent's KV
-is.
+Sessions (:mod:`router.sessions.books`): a call sent without a session id gets one before it
+is placed (the session its prompt continues when inference is on, else a session of one,
+``anon-<call id>``); ``call.session_id`` is updated in place. Within its session the call
+joins the KV chain (branch, :mod:`router.sessions.table`) its prompt continues; placement
+reads that branch's KV and the instance receives the call under the branch's key, so a side
+call never moves the main loop or takes its KV. A subagent's first call (it names a parent)
+is placed as its parent's continuation would be.
 
-Failure rules: a call that fails before its first event (:class:`InstanceUnavailable`: the
-instance is unreachable, answers an error, breaks the stream, or misses the first-token
-deadline) is retried once on the next-best instance; an overloaded one is skipped the same
-way. After the first event a failure (a broken or malformed stream, a missed stall
-deadline) ends the stream with an error event (``finish_reason="error"``): never a silent
-truncation. An instance marked down for not answering cuts the calls waiting on it within
-``Deadlines.down_grace_s`` (``router.instances.waits``): one with no event yet is re-placed
-(that does not count as its retry), one with events gets its error event. A call that
-missed a deadline is aborted on its instance, and so is one whose consumer stops iterating
-early (``aclose``). Every failure counts against the instance's
-health (``router.instances.call_health``); deadlines are ``router.instances.deadlines.Deadlines``.
+Failures: a call that fails before its first event (:class:`InstanceUnavailable`:
+unreachable, an error answer, a broken stream, a missed first-token deadline) is retried
+once on the next-best instance; an overloaded one is skipped the same way. After the first
+event a failure ends the stream with an error event (``finish_reason="error"``), never a
+silent truncation. An instance marked down for not answering cuts the calls waiting on it
+within ``Deadlines.down_grace_s`` (``router.instances.waits``): one with no event yet is
+re-placed (not its retry), one with events gets its error event. A call that missed a
+deadline is aborted on its instance, and so is one whose consumer stops early (``aclose``;
+after ``stopped_at_string`` it counts as answered). Every failure counts against the
+instance's health (``router.instances.call_health``; deadlines: ``Deadlines``).
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from router.sessions.table import SessionBranch, SessionRecord, SessionTable
 from talaria.protocol import (
     CallEvent,
     CallRequest,
+    CallUsage,
     InstanceClient,
     InstanceState,
     InstanceUnavailable,
@@ -120,6 +118,7 @@ class RouterCore:
         # instance is healthy (better a suspect instance than a 503).
         self.suspect: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopped: set[str] = set()  # calls whose consumer found a stop string
         self._polls = StatePolls(self._poll_state, refresh_interval_s)
 
     def now(self) -> float:
@@ -180,10 +179,8 @@ class RouterCore:
     def call_failed(self, instance_id: str, exc: Exception) -> None:
         """A call failed on the instance: unreachable is down at once (until a poll finds it
         back); other failures count towards a cooldown (``router.instances.call_health``)."""
-        kind = (
-            "unreachable" if isinstance(exc, InstanceUnreachable)
-            else "deadline" if isinstance(exc, DeadlineMissed) else "unavailable"
-        )
+        kind = ("unreachable" if isinstance(exc, InstanceUnreachable)
+                else "deadline" if isinstance(exc, DeadlineMissed) else "unavailable")
         self.metrics.call_failures.inc(instance=instance_id, kind=kind)
         log.warning("router.call_failed", instance=instance_id, kind=kind, error=str(exc))
         if kind == "unreachable" or self.call_health.failure(instance_id, self.now()):
@@ -260,7 +257,7 @@ class RouterCore:
                     outcome = "error" if failed else "ok"
                     if not failed:
                         self.call_health.success(instance_id)
-                    self._count_usage(call, event, len(outputs))
+                    self._count_usage(call, event.usage, len(outputs))
                 yield event
                 if finished:
                     break
@@ -273,6 +270,10 @@ class RouterCore:
             label = instance_id or (tried[-1] if tried and outcome != "error" else "none")
             await self._finish(call, books, instance_id, stream, start, outputs, outcome, pcall,
                                prefilling, label)
+
+    def stopped_at_string(self, call_id: str) -> None:
+        """A stop string ended the call: closing its events now, its consumer has the answer."""
+        self._stopped.add(call_id)
 
     async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
         """The prompt's block hashes, reusing a known chain of its session's (``router.sessions.prefix_chain``);
@@ -305,9 +306,7 @@ class RouterCore:
             stream = aiter(self.clients[instance_id].submit(call))
             self.context.add(instance_id, pcall.prompt_len, pcall.prompt_len + pcall.expected_output)
             try:
-                deadline = first_token_deadline(
-                    self.deadlines, self.states.get(instance_id), call.model
-                )
+                deadline = first_token_deadline(self.deadlines, self.states.get(instance_id), call.model)
                 first = await self.waits.next_event(instance_id, stream, deadline, "first token")
             except InstanceMarkedDown as exc:
                 self._cut(instance_id, call.call_id, exc)
@@ -379,8 +378,7 @@ class RouterCore:
             self.context.prefill_done(instance_id, pcall.prompt_len)
         self.context.remove(instance_id, pcall.prompt_len + pcall.expected_output)
 
-    def _count_usage(self, call: CallRequest, event: CallEvent, n_outputs: int) -> None:
-        usage = event.usage
+    def _count_usage(self, call: CallRequest, usage: CallUsage | None, n_outputs: int) -> None:
         prompt = usage.prompt_tokens if usage else len(call.prompt_token_ids)
         self.metrics.prompt_tokens.inc(prompt, model=call.model)
         completion = usage.completion_tokens if usage else n_outputs
@@ -399,8 +397,13 @@ class RouterCore:
             self._release(instance_id, pcall, prefilling)
             if outcome == "aborted":
                 await self._abort_quietly(instance_id, call.call_id)
+                if call.call_id in self._stopped:  # answered: counted as a finished call is
+                    outcome = "ok"
+                    self.call_health.success(instance_id)
+                    self._count_usage(call, None, len(outputs))
             await _close(stream)
             self.metrics.call_time.observe(now - start, model=call.model)
+        self._stopped.discard(call.call_id)
         self.metrics.requests.inc(model=call.model, instance=label, outcome=outcome)
         more = self.books.end(call, books, instance_id, now, outputs)
         if instance_id is not None:
@@ -428,7 +431,7 @@ class RouterCore:
 
 def _outcome(exc: BaseException, opened: bool) -> str:
     """How a call that raised before its last event ends in the metrics: ``aborted`` (its
-    consumer stopped after the first event: a client gone or a stop string), ``client_left``
+    consumer stopped after the first event: a client gone; a stop string is ``ok``), ``client_left``
     (cancelled before its first event), ``rejected`` (the instance refused it as invalid: the
     client's error), ``overloaded``, else ``error``."""
     if opened:

@@ -86,7 +86,7 @@ class Histogram:
 
 class RouterMetrics:
     def __init__(self) -> None:
-        self.requests = Counter("talaria_router_requests_total", "Calls by model, instance and outcome (ok, error, aborted, client_left, rejected, overloaded).")
+        self.requests = Counter("talaria_router_requests_total", "Calls by model, instance and outcome (ok, error, aborted, client_left, rejected, overloaded; a stop string's end is ok).")
         self.prompt_tokens = Counter("talaria_router_prompt_tokens_total", "Prompt tokens of finished calls.")
         self.cached_tokens = Counter("talaria_router_cached_tokens_total", "Prompt tokens served from cache (device or host).")
         self.completion_tokens = Counter("talaria_router_completion_tokens_total", "Generated tokens.")

@@ -94,6 +94,11 @@ class OutputAssembler:
         return "".join(self._text)
 
     @property
+    def stopped_at_string(self) -> bool:
+        """A stop string ended the answer here (its instance may not have finished it)."""
+        return self._stop.stopped
+
+    @property
     def matched_stop(self) -> str | None:
         """The stop string that ended the answer (None when none did): the earliest in the
         whole output, as the matcher cut at the earliest."""

@@ -85,7 +85,30 @@ async def test_stop_string_truncates_and_aborts(tokenizer: ModelTokenizer) -> No
                 text = data["choices"][0]["message"]["content"]
                 assert data["choices"][0]["finish_reason"] == "stop"
             assert text == "Hello world, this"
+        core = client.app[CORE_KEY]
     assert a.aborted == [c.call_id for c in a.calls]
+    # the answer ended at the router, whole: a call answered, not one its client left
+    assert core.metrics.requests.get(model="tiny", instance="a", outcome="ok") == 2
+    assert core.metrics.requests.get(model="tiny", instance="a", outcome="aborted") == 0
+    prompt = len(a.calls[0].prompt_token_ids)
+    assert core.metrics.prompt_tokens.get(model="tiny") == 2 * prompt
+    assert core.metrics.completion_tokens.get(model="tiny") > 0
+    assert core.metrics.completion_tokens.get(model="tiny") < 2 * len(reply(tokenizer))
+
+
+async def test_stop_string_in_the_last_event_leaves_nothing_behind(tokenizer: ModelTokenizer) -> None:
+    """A stop string in the event that also finishes the call: the instance finished it
+    (nothing to abort), and the router keeps no mark of it."""
+    a = FakeInstance("a", reply(tokenizer))
+    assert tokenizer.decode(reply(tokenizer)[-1:]) == "."  # the last event's token
+    async with serve(tokenizer, {"a": a}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(stop=["."]))
+        data = await resp.json()
+        core = client.app[CORE_KEY]
+    assert data["choices"][0]["message"]["content"] == "Hello world, this is a test"
+    assert a.aborted == []
+    assert core.metrics.requests.get(model="tiny", instance="a", outcome="ok") == 1
+    assert not core._stopped
 
 
 async def test_sessions_from_header_and_body(tokenizer: ModelTokenizer) -> None:
