@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["block_hashes", "hash_block_tokens"]
+__all__ = ["BlockChain", "block_hashes", "hash_block_tokens"]
 
 _ROOT = b"talaria-kv-root"
 
@@ -36,3 +37,20 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None =
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         out.append(parent)
     return out
+
+
+@dataclass(frozen=True)
+class BlockChain:
+    """The full-block hash chain of a token sequence (``block_hashes`` at ``block_size``), sent
+    along with the tokens by a sender that has it anyway, so that no receiver hashes them again.
+    Its list is shared between receivers: none may change it (copy to extend)."""
+
+    block_size: int
+    hashes: list[int]
+
+    def of(self, num_tokens: int, block_size: int) -> list[int] | None:
+        """The chain for ``num_tokens`` tokens at ``block_size``; None when it cannot be that
+        chain (another block size or length): the receiver hashes the tokens itself."""
+        if block_size != self.block_size or len(self.hashes) != num_tokens // block_size:
+            return None
+        return self.hashes

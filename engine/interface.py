@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from engine.block_hash import BlockChain
 from engine.sampling_params import SamplingParams
 from substrate.moves import MoveRecord
 
@@ -34,6 +35,7 @@ class EngineRequest:
     params: SamplingParams
     model: str | None = None  # multi-model engines check it is the active model
     session_id: str | None = None  # lets the engine account / offload KV per session
+    prompt_chain: BlockChain | None = None  # the prompt's hashes, when its sender has them
 
 
 @dataclass

@@ -279,8 +279,8 @@ class RouterCore:
         """The prompt's block hashes, reusing a known chain of its session's (``router.sessions.prefix_chain``);
         on ``hash_executor`` when there is one, so a long prompt does not hold the loop."""
         hash_prompt, keys = self.books.chains.hash_prompt, self.books.chain_keys(call)
-        if self.hash_executor is None:
-            return hash_prompt(keys, call.prompt_token_ids)
+        if self.hash_executor is None or call.prompt_chain is not None:
+            return hash_prompt(keys, call.prompt_token_ids, call.prompt_chain)
         return await asyncio.get_running_loop().run_in_executor(
             self.hash_executor, hash_prompt, keys, call.prompt_token_ids
         )

@@ -144,10 +144,9 @@ class SimEngine(ServesModels):
         assert self.scheduler is not None  # a model is active
         req = Request(rid, list(request.prompt_token_ids), request.params, request.session_id)
         # Tokens of the session's previous call were checked then: check only the rest.
-        req.block_hashes = self.sessions.reusable_hashes(req)
-        self.served.check_request(
-            request, self.scheduler.requests, len(req.block_hashes) * self.config.block_size
-        )
+        req.block_hashes, checked = self.sessions.prompt_hashes(req, request.prompt_chain)
+        self.served.check_request(request, self.scheduler.requests,
+                                  checked * self.config.block_size)
         self.scheduler.add_request(req)
         self._seeds[rid] = zlib.crc32(rid.encode())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.block_hash import BlockChain
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from substrate.host_kv_index import ChainLookups, HostKVIndex
@@ -99,6 +100,25 @@ class SimSessions:
             record = self.records.get(sid)
             if record is not None:
                 record.prompt_token_ids, record.output_token_ids = [], []
+
+    def prompt_hashes(self, req: Request, chain: BlockChain | None) -> tuple[list[int], int]:
+        """``req``'s leading block hashes known without hashing its prompt, and how many of
+        them its session's last call already checked (its tokens are valid: the engine
+        checks only the rest). With the prompt's ``chain`` (``BlockChain.of``): a copy of it
+        (the request extends its own), checked as far as it equals the last call's chain
+        (equal hashes name equal tokens); else ``reusable_hashes``, all checked."""
+        hashes = chain.of(len(req.prompt_token_ids), self.block_size) if chain else None
+        if hashes is None:
+            reused = self.reusable_hashes(req)
+            return reused, len(reused)
+        prev = self.records.get(req.session_id) if req.session_id is not None else None
+        if prev is None:
+            return list(hashes), 0
+        known = prev.block_hashes
+        n = min(len(known), len(hashes))
+        if known[:n] != hashes[:n]:
+            n = next(i for i, (a, b) in enumerate(zip(known, hashes, strict=False)) if a != b)
+        return list(hashes), n
 
     def reusable_hashes(self, req: Request) -> list[int]:
         """The leading block hashes of ``req`` already known from its session's last call

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from talaria.protocol.text import block_hashes
+from talaria.protocol.text import BlockChain, block_hashes
 
 __all__ = ["ChainSample", "KnownChains", "PromptHashes"]
 
@@ -112,12 +112,17 @@ class KnownChains:
     def __len__(self) -> int:
         return len(self._known)
 
-    def hash_prompt(self, keys: Sequence[str] | None, prompt: Sequence[int]) -> PromptHashes:
+    def hash_prompt(self, keys: Sequence[str] | None, prompt: Sequence[int],
+                    chain: BlockChain | None = None) -> PromptHashes:
         """``prompt``'s chain, its leading blocks reused from the known chain (of those named
         by ``keys``: its session's branches) whose checkpoint digests show the prompt repeats
         the most of its tokens. ``keys`` None: the call has no session (yet), so nothing to
-        reuse and nothing to remember it for."""
+        reuse and nothing to remember it for. The call's own ``chain``, when it has one, is
+        the answer: its next call will carry its own too, so nothing is remembered either."""
         bs = self.block_size
+        given = chain.of(len(prompt), bs) if chain is not None else None
+        if given is not None:
+            return PromptHashes(given)
         full = len(prompt) // bs * bs
         if keys is None:
             return PromptHashes(block_hashes(prompt[:full], bs))

@@ -131,6 +131,7 @@ class Intake:
                     params=call.params,
                     model=call.model,
                     session_id=call.session_id,
+                    prompt_chain=call.prompt_chain,
                 )
             )
         except ValueError as exc:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from engine.block_hash import BlockChain
 from engine.interface import Residency
 from engine.sampling_params import SamplingParams
 from talaria.protocol.fields import (
@@ -73,9 +74,16 @@ class CallRequest:
     # replay), so after the first event with tokens the instance holds each step's tokens
     # and sends them with the last event instead of one event per engine step.
     step_events: bool = True
+    # In-process only, never serialized: the prompt's block-hash chain when the sender built
+    # the prompt from its last one and so has it for the new blocks' hashing alone (the
+    # simulated replay); the router and the simulated engine then read it instead of the
+    # tokens (``BlockChain.of``). None: they hash the prompt, as for every call live.
+    prompt_chain: BlockChain | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["prompt_chain"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> CallRequest:
@@ -110,7 +118,7 @@ class CallRequest:
         )
 
 
-_CALL_FIELDS = frozenset(f.name for f in fields(CallRequest))
+_CALL_FIELDS = frozenset(f.name for f in fields(CallRequest)) - {"prompt_chain"}
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 

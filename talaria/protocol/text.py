@@ -5,7 +5,7 @@ and session table name KV exactly as the instances' prefix caches and host KV st
 it turns streamed token ids into text with the engine's detokenizer and stop matcher.
 """
 
-from engine.block_hash import block_hashes
+from engine.block_hash import BlockChain, block_hashes
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "block_hashes"]
+__all__ = ["BlockChain", "IncrementalDetokenizer", "StopMatcher", "block_hashes"]

@@ -133,6 +133,7 @@ def simulate_isolated(
                     alone, InstanceTarget(instances), seed=seed, vocab_of=vocab.__getitem__,
                     context_of=context.__getitem__, block_size=spec.block_size,
                     progress=progress, desc=LOWER_BOUND_NAME, answers=answers,
+                    prompt_chains=True,
                 )
             finally:
                 for inst in instances.values():

@@ -96,7 +96,7 @@ def run_ideal(
             results = await drive(
                 sessions, InstanceTarget(instances), seed=seed, vocab_of=vocab.__getitem__,
                 context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
-                desc=IDEAL_NAME, answers=answers,
+                desc=IDEAL_NAME, answers=answers, prompt_chains=True,
             )
             splits = {k: v for inst in instances.values() for k, v in inst.loop.split.done.items()}
             engines = {inst.instance_id: inst.engine for inst in instances.values()}

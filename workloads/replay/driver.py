@@ -38,10 +38,11 @@ from engine.sim.model_spec import ModelSpec
 from router.core import CallRejected, NoHealthyInstance
 from talaria.clock import run_virtual
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
+from talaria.protocol.text import BlockChain
 from workloads.benchmark.breakdown import attach_splits
 from workloads.replay.cluster import ClusterSpec, ClusterTotals, start_cluster
 from workloads.replay.dependencies import CallBoard
-from workloads.replay.prompts import SessionTokens, next_prompt
+from workloads.replay.prompts import SessionTokens, next_prompt, prompt_chain
 from workloads.replay.systems import SystemConfig
 from workloads.traces.trace import CallRef, Session
 
@@ -174,6 +175,7 @@ async def drive(
     send_session_ids: bool = True,
     shared_prefix_tokens: int = 0,
     answers: dict[str, int] | None = None,
+    prompt_chains: bool = False,
 ) -> list[SessionResult]:
     """Replay ``sessions`` closed-loop against ``target`` on the running loop. Arrivals and
     tool gaps are multiplied by ``time_scale``. ``block_size``: KV reuse is counted in whole
@@ -185,7 +187,9 @@ async def drive(
     same tokens, as an agent's system prompt and tool definitions do (at most all but one of
     the prompt's tokens). ``answers``: the simulated engines' registry of answer lengths (call
     id -> output tokens), filled here while each call runs; calls then ask for
-    ``AGENT_MAX_TOKENS`` (None: for the trace's length, as a live target needs)."""
+    ``AGENT_MAX_TOKENS`` (None: for the trace's length, as a live target needs).
+    ``prompt_chains``: each call carries its prompt's block-hash chain (``CallRequest.
+    prompt_chain``), hashed from the last one's: for in-process targets only."""
     if time_scale < 0:
         raise ValueError(f"time_scale must be >= 0, got {time_scale}")
     loop = asyncio.get_running_loop()
@@ -207,11 +211,12 @@ async def drive(
         context = context_of(session.model) if context_of is not None else None
         prompt: list[int] = []
         output: list[int] = []
+        chain: BlockChain | None = None  # the last prompt's, when ``prompt_chains``
         for k, call in enumerate(session.calls):
             if k > 0:
                 await board.wait(call.waits_for)
                 await asyncio.sleep((session.calls[k - 1].tool_gap_s or 0.0) * time_scale)
-            reusable = 0
+            reusable, repeated = 0, 0  # repeated: leading tokens of the last prompt + output
             if call.prefix_from is not None and call.prefix_from.session_id != session.session_id:
                 prompt = next_prompt(board.tokens(call.prefix_from), [], call.input_tokens, tokens,
                                      call.prefix_tokens)
@@ -224,7 +229,12 @@ async def drive(
                 base_len = len(prev) + len(out)
                 keep = min(base_len if call.prefix_tokens is None else call.prefix_tokens, computed)
                 reusable = min(keep, call.input_tokens - 1) // block_size * block_size
+                if call.prefix_from is None:
+                    repeated = min(base_len if call.prefix_tokens is None else call.prefix_tokens,
+                                   call.input_tokens)
                 prompt = next_prompt(prev, out, call.input_tokens, tokens, call.prefix_tokens)
+            if prompt_chains:
+                chain = prompt_chain(prompt, chain if repeated else None, repeated, block_size)
             max_tokens = call.output_tokens if answers is None else AGENT_MAX_TOKENS
             if context is not None:
                 if len(prompt) >= context:
@@ -240,6 +250,7 @@ async def drive(
                 prompt_token_ids=prompt,
                 params=SamplingParams(max_tokens=max_tokens, ignore_eos=answers is None,
                                       temperature=0.0),
+                prompt_chain=chain,
             )
             if answers is not None:
                 answers[request.call_id] = call.output_tokens
@@ -415,7 +426,7 @@ def run_sim(
                 context_of=context.__getitem__, block_size=spec.block_size, progress=progress,
                 desc=system.name, send_session_ids=send_session_ids,
                 shared_prefix_tokens=shared_prefix_tokens, time_scale=time_scale,
-                output_kv_reusable=output_kv_reusable, answers=answers,
+                output_kv_reusable=output_kv_reusable, answers=answers, prompt_chains=True,
             )
             totals = cluster.totals()
             attach_splits(results, cluster.call_splits(), cluster.engines)

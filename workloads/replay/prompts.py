@@ -12,7 +12,9 @@ import zlib
 
 import numpy as np
 
-__all__ = ["SessionTokens", "next_prompt"]
+from talaria.protocol.text import BlockChain, block_hashes
+
+__all__ = ["SessionTokens", "next_prompt", "prompt_chain"]
 
 
 class SessionTokens:
@@ -45,3 +47,14 @@ def next_prompt(
         return base
     base.extend(tokens.take(input_tokens - len(base)))
     return base
+
+
+def prompt_chain(prompt: list[int], known: BlockChain | None, shared: int,
+                 block_size: int) -> BlockChain:
+    """``prompt``'s block-hash chain, given ``known``: the chain of an earlier prompt whose
+    first ``shared`` tokens ``prompt`` repeats (None: no such prompt). Only the blocks past
+    the known ones are hashed, so a continuation costs its new tokens, not its length."""
+    head = known.hashes[: shared // block_size] if known is not None else []
+    done, full = len(head) * block_size, len(prompt) // block_size * block_size
+    parent = head[-1] if head else None
+    return BlockChain(block_size, head + block_hashes(prompt[done:full], block_size, parent))
