@@ -28,7 +28,9 @@ class FinishReason(enum.StrEnum):
 
 @dataclass
 class EngineRequest:
-    """One call as the engine sees it: token ids in, token ids out."""
+    """One call as the engine sees it: token ids in, token ids out. Its prompt list may be
+    shared with its sender (the simulated engine keeps it as is): nobody changes a prompt
+    list in place (a prompt that grows is a new list)."""
 
     request_id: str
     prompt_token_ids: list[int]

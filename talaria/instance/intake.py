@@ -127,7 +127,7 @@ class Intake:
             self.executor.add_request(
                 EngineRequest(
                     request_id=call.call_id,
-                    prompt_token_ids=list(call.prompt_token_ids),
+                    prompt_token_ids=call.prompt_token_ids,  # shared: never changed in place
                     params=call.params,
                     model=call.model,
                     session_id=call.session_id,
