@@ -227,14 +227,13 @@ async def drive(
                 computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
                 prev, out = (board.tokens(call.prefix_from), []) if call.prefix_from else (prompt, output)
                 base_len = len(prev) + len(out)
-                keep = min(base_len if call.prefix_tokens is None else call.prefix_tokens, computed)
-                reusable = min(keep, call.input_tokens - 1) // block_size * block_size
+                kept = base_len if call.prefix_tokens is None else call.prefix_tokens
+                reusable = min(kept, computed, call.input_tokens - 1) // block_size * block_size
                 if call.prefix_from is None:
-                    repeated = min(base_len if call.prefix_tokens is None else call.prefix_tokens,
-                                   call.input_tokens)
+                    repeated = min(kept, call.input_tokens)
                 prompt = next_prompt(prev, out, call.input_tokens, tokens, call.prefix_tokens)
             if prompt_chains:
-                chain = prompt_chain(prompt, chain if repeated else None, repeated, block_size)
+                chain = prompt_chain(prompt, chain, repeated, block_size)
             max_tokens = call.output_tokens if answers is None else AGENT_MAX_TOKENS
             if context is not None:
                 if len(prompt) >= context:
