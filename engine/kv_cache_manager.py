@@ -143,13 +143,16 @@ class KVCacheManager:
             self._req_blocks[rid] = hits + new
             self._req_num_hashed[rid] = len(hits) + len(restored)
             return True
-        blocks = self._req_blocks.setdefault(rid, [])
-        self._req_num_hashed.setdefault(rid, 0)
+        blocks = self._req_blocks.get(rid)
+        if blocks is None:
+            blocks = self._req_blocks[rid] = []
+            self._req_num_hashed[rid] = 0
         need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(blocks)
+        if need <= 0:  # most decode steps: the last block has room
+            return True
         if need > self.pool.num_free_blocks:
             return False
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
+        blocks.extend(self.pool.allocate(need))
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:

@@ -126,14 +126,15 @@ class Request:
 
 def token_event(req: Request, tokens: list[int], logprobs: list[float] | None = None) -> TokenEvent:
     """The event that reports ``tokens`` (new since the last event) of ``req`` as it is now."""
+    reason = _FINISH_REASONS.get(req.status)  # every engine step calls this for each request
     return TokenEvent(
         request_id=req.request_id,
         new_token_ids=tokens,
-        finished=req.is_finished,
-        finish_reason=req.status.finish_reason,
+        finished=reason is not None,
+        finish_reason=reason,
         logprobs=logprobs,
-        num_prompt_tokens=req.num_prompt_tokens,
+        num_prompt_tokens=len(req.prompt_token_ids),
         num_cached_tokens=req.num_cached_tokens,
         num_restored_tokens=req.num_restored_tokens,
-        num_output_tokens=req.num_output_tokens,
+        num_output_tokens=len(req.output_token_ids),
     )

@@ -136,14 +136,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        running, allocate = self.running, self.kv.allocate_slots
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
+                          - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
+            while not allocate(request, num_new):
+                victim = running[-1]
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -184,15 +186,11 @@ class Scheduler:
         return out
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        s = ScheduledRequest(
-            request=request,
-            num_new_tokens=num_new,
-            num_computed_tokens=request.num_computed_tokens,
-            block_ids=self.kv.block_ids(request.request_id),
-            samples=request.num_computed_tokens + num_new == request.num_tokens,
-        )
-        out.scheduled.append(s)
-        if s.samples and num_new == 1 and request.num_output_tokens > 0:
+        computed = request.num_computed_tokens
+        samples = computed + num_new == len(request.prompt_token_ids) + len(request.output_token_ids)
+        out.scheduled.append(ScheduledRequest(request, num_new, computed,
+                                              self.kv.block_ids(request.request_id), samples))
+        if samples and num_new == 1 and request.output_token_ids:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new

@@ -258,21 +258,22 @@ class SimEngine(ServesModels):
         vocab = self.costs[self.served.active or ""].model.vocab_size
         max_len = self.scheduler.max_model_len
         events: list[TokenEvent] = []
+        seeds, answers, running = self._seeds, self.answer_lengths, RequestStatus.RUNNING
         for s in out.scheduled:
             req = s.request
-            if not s.samples or req.status != RequestStatus.RUNNING:
+            if not s.samples or req.status is not running:
                 continue
-            n = fused if s.num_new_tokens == 1 and req.num_output_tokens > 0 else 1
-            seed = self._seeds[req.request_id]
-            start = req.num_tokens
+            output = req.output_token_ids
+            seed, start = seeds[req.request_id], len(req.prompt_token_ids) + len(output)
+            n = fused if s.num_new_tokens == 1 and output else 1
             tokens = [_synthetic_token(seed, start + k, vocab) for k in range(n)]
-            req.output_token_ids.extend(tokens)
+            output.extend(tokens)
             if n > 1:
                 req.num_computed_tokens = s.num_computed_tokens + n
                 self.kv.cache_computed_blocks(req)
-            answer = self.answer_lengths.get(req.request_id)
-            ended = answer is not None and req.num_output_tokens >= answer
-            if ended or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
+            answer, num_output = answers.get(req.request_id), len(output)
+            ended = answer is not None and num_output >= answer
+            if ended or num_output >= req.params.max_tokens or start + len(tokens) >= max_len:
                 status = RequestStatus.FINISHED_STOPPED if ended else RequestStatus.FINISHED_LENGTH
                 self.scheduler.finish_request(req.request_id, status)
                 self._seeds.pop(req.request_id, None)

@@ -80,13 +80,20 @@ class Estimator:
             out = self.output_tokens.value
         return rates.prefill_s(int(new)) + out * rates.decode_step_s.value
 
-    def queue_service_s(self, model: str) -> float:
-        """A batch of the model's queued calls: their prefills, then the longest decode."""
+    def queue_new_tokens(self, model: str) -> list[int]:
+        """``new_tokens`` of each of the model's queued calls, in queue order."""
+        return [self.new_tokens(p.call) for p in self.calls.queues[model]]
+
+    def queue_service_s(self, model: str, new_tokens: list[int] | None = None) -> float:
+        """A batch of the model's queued calls: their prefills, then the longest decode
+        (``new_tokens``: ``queue_new_tokens(model)``, when the caller has it already)."""
         rates = self.rates.models[model]
         queue = self.calls.queues[model]
         if not queue:
             return 0.0
-        prefill = sum(rates.prefill_s(self.new_tokens(p.call)) for p in queue)
+        if new_tokens is None:
+            new_tokens = self.queue_new_tokens(model)
+        prefill = sum(map(rates.prefill_s, new_tokens))
         decode = max(self.expected_output(p.call) for p in queue) * rates.decode_step_s.value
         return prefill + decode
 
@@ -135,10 +142,12 @@ class Estimator:
         """Until ``model``'s slot opens (the round scheduler's estimate)."""
         return self._wait_s(model, self.current_left_s(), self.slot_s)
 
-    def waits_s(self) -> dict[str, float]:
+    def waits_s(self, new_tokens: dict[str, list[int]] | None = None) -> dict[str, float]:
         """``wait_s`` of every model, for a report: each queue priced once, not once for
-        every model that waits behind it."""
-        priced = {m: self.queue_service_s(m) for m in self.view.models}
+        every model that waits behind it (``new_tokens``: ``queue_new_tokens`` of each
+        model, when the report has them already)."""
+        new_tokens = new_tokens or {}
+        priced = {m: self.queue_service_s(m, new_tokens.get(m)) for m in self.view.models}
         quantum = self.view.policy.slot_quantum_s
         left = self.current_left_s(priced.__getitem__)
         return {m: self._wait_s(m, left, lambda x: min(quantum, priced[x]))

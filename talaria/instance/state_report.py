@@ -52,7 +52,8 @@ def build_state(inst: ReportSource) -> InstanceState:
     now = inst.now()
     est = inst.est
     models: dict[str, ModelState] = {}
-    waits = est.waits_s()
+    new_tokens = {name: est.queue_new_tokens(name) for name in inst.models}
+    waits = est.waits_s(new_tokens)
     for name in inst.models:
         rates = inst.rates.models[name]
         queue = inst.calls.queues[name]
@@ -65,7 +66,7 @@ def build_state(inst: ReportSource) -> InstanceState:
             name=name,
             residency=inst.residency.get(name, Residency.ABSENT),
             queued_calls=len(queue),
-            queued_tokens=sum(est.new_tokens(p.call) for p in queue),
+            queued_tokens=sum(new_tokens[name]),
             running_calls=len(running),
             running_tokens=running_tokens,
             wait_s=waits[name],
