@@ -137,16 +137,20 @@ class BlockPool:
 
     def cache_blocks(self, block_ids: Iterable[int], block_hashes: Iterable[int]) -> None:
         """``cache_block`` for each pair, in order."""
-        ref, hashes, cached, presence = self._ref, self._hash, self._cached, self.presence
-        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
-            if ref[block_id] <= 0:
-                raise RuntimeError(f"cannot cache KV block {block_id}: it is not referenced")
-            if hashes[block_id] is not None or block_hash in cached:
-                continue
-            cached[block_hash] = block_id
-            hashes[block_id] = block_hash
-            if presence is not None:
-                presence.added(block_hash)
+        ref, hashes, cached = self._ref, self._hash, self._cached
+        added: list[int] = []
+        try:
+            for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+                if ref[block_id] <= 0:
+                    raise RuntimeError(f"cannot cache KV block {block_id}: it is not referenced")
+                if hashes[block_id] is not None or block_hash in cached:
+                    continue
+                cached[block_hash] = block_id
+                hashes[block_id] = block_hash
+                added.append(block_hash)
+        finally:  # what entered the map is told, even when a later pair was refused
+            if self.presence is not None and added:
+                self.presence.added_all(added)
 
     def reset(self, num_blocks: int | None = None) -> None:
         """Forget every cached prefix and restore the initial free order, with ``num_blocks``

@@ -13,7 +13,7 @@ dict entries per hash of each chain registered (chains leave with ``drop``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import repeat
 
 __all__ = ["PrefixPresence"]
@@ -110,6 +110,18 @@ class PrefixPresence:
         for name in (held,) if isinstance(held, str) else held:
             if self._counts[name] == self._pos[name][h]:
                 self._extend(name)
+
+    def added_all(self, hashes: Iterable[Hashable]) -> None:
+        """``added`` of each hash, once the set holds them all: a chain restored block by
+        block is walked once, not extended by one at each of its hashes."""
+        owner, counts, pos = self._owner, self._counts, self._pos
+        for h in hashes:
+            held = owner.get(h)
+            if held is None:
+                continue
+            for name in (held,) if isinstance(held, str) else held:
+                if counts[name] == pos[name][h]:
+                    self._extend(name)
 
     def removed(self, h: Hashable) -> None:
         """The set no longer holds ``h``: chains that held it end before it."""

@@ -11,9 +11,10 @@ are pure functions of their inputs: no clock, no I/O, so the replay driver runs 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Protocol
 
 from router.sessions.table import SessionBranch
@@ -48,10 +49,12 @@ class PrefixIndex:
         self._sets: dict[tuple[str, str], OrderedDict[int, None]] = {}
 
     def insert(self, instance_id: str, model: str, hashes: list[int]) -> None:
+        """The hashes become the most recently used, in their order (a repeated hash at its
+        last place); the least recently used leave beyond ``max_blocks``."""
         blocks = self._sets.setdefault((instance_id, model), OrderedDict())
-        for h in hashes:
-            blocks[h] = None
-            blocks.move_to_end(h)
+        # in at the end if new, then each moved to the end in turn (loops at C speed)
+        deque(map(blocks.setdefault, hashes), maxlen=0)
+        deque(map(blocks.move_to_end, hashes), maxlen=0)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
 
@@ -59,12 +62,7 @@ class PrefixIndex:
         blocks = self._sets.get((instance_id, model))
         if not blocks:
             return 0
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(blocks.__contains__, hashes)))
 
     def drop_instance(self, instance_id: str) -> None:
         for key in [k for k in self._sets if k[0] == instance_id]:

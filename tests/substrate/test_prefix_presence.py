@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from substrate.prefix_presence import PrefixPresence
 
 _OPS = st.lists(
-    st.tuples(st.sampled_from(["add", "remove", "set", "drop", "clear"]),
+    st.tuples(st.sampled_from(["add", "add_all", "remove", "set", "drop", "clear"]),
               st.sampled_from(["a", "b", "c"]),
               st.lists(st.integers(0, 5), max_size=8)),
     max_size=50,
@@ -29,6 +29,10 @@ def test_counts_equal_a_walk_of_each_chain(ops: list[tuple[str, str, list[int]]]
                 if h not in members:
                     members.add(h)
                     presence.added(h)
+        elif op == "add_all":  # the set gains them all, then is told at once
+            fresh = [h for h in dict.fromkeys(hashes) if h not in members]
+            members.update(fresh)
+            presence.added_all(fresh)
         elif op == "remove":
             for h in hashes:
                 if h in members:
