@@ -55,6 +55,7 @@ from engine.sim.memory import ACTIVATE_WAKE, SimMemory
 from engine.sim.model_spec import ModelSpec, resolve_catalog
 from engine.sim.parking import Parking
 from engine.sim.step_time import DecodeLine, fusable_steps, split_scheduled
+from engine.sim.tokens import token_ids
 from substrate.devices import server_preset
 from substrate.moves import MoveKind, MoveRecord
 
@@ -252,11 +253,10 @@ class SimEngine(ServesModels):
         return line
 
     def _emit(self, out: SchedulerOutput, fused: int) -> list[TokenEvent]:
-        """Append synthetic tokens to the requests that sampled, finish those at their length
-        limit, and describe it all as events."""
+        """Append synthetic tokens to the requests that sampled, finish those at a limit."""
         assert self.scheduler is not None and self.kv is not None
         vocab = self.costs[self.served.active or ""].model.vocab_size
-        max_len = self.scheduler.max_model_len
+        max_len, ids = self.scheduler.max_model_len, token_ids(vocab)
         events: list[TokenEvent] = []
         seeds, answers, running = self._seeds, self.answer_lengths, RequestStatus.RUNNING
         for s in out.scheduled:
@@ -266,7 +266,7 @@ class SimEngine(ServesModels):
             output = req.output_token_ids
             seed, start = seeds[req.request_id], len(req.prompt_token_ids) + len(output)
             n = fused if s.num_new_tokens == 1 and output else 1
-            tokens = [_synthetic_token(seed, start + k, vocab) for k in range(n)]
+            tokens = [ids[_synthetic_token(seed, start + k, vocab)] for k in range(n)]
             output.extend(tokens)
             if n > 1:
                 req.num_computed_tokens = s.num_computed_tokens + n

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import random
 import zlib
+from functools import lru_cache
 
 import numpy as np
 
+from engine.sim.tokens import token_ids
 from talaria.protocol.text import BlockChain, block_hashes
 
 __all__ = ["SessionTokens", "next_prompt", "prompt_chain"]
@@ -25,12 +27,27 @@ class SessionTokens:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         self._rng = random.Random(zlib.crc32(f"{seed}/{session_id}".encode()))
         self._mod = vocab_size - 1
+        self._ids = _shared_ids(vocab_size)
 
     def take(self, n: int) -> list[int]:
         if n <= 0:
             return []
         raw = np.frombuffer(self._rng.randbytes(4 * n), dtype=np.uint32).astype(np.uint64)
-        return (raw % self._mod + 1).tolist()  # Python ints; uint64: any vocabulary size fits
+        drawn = raw % self._mod + 1  # uint64: any vocabulary size fits
+        return (self._ids[drawn] if self._ids is not None else drawn).tolist()
+
+
+@lru_cache(maxsize=16)
+def _shared_ids(vocab_size: int) -> np.ndarray | None:
+    """``engine.sim.tokens.token_ids`` as a read-only object array: indexing it with the
+    drawn ids gives the shared int objects in one C-level pass (None: a vocabulary too
+    large to share)."""
+    shared = token_ids(vocab_size)
+    if not isinstance(shared, tuple):
+        return None
+    ids = np.array(shared, dtype=object)
+    ids.flags.writeable = False
+    return ids
 
 
 def next_prompt(

@@ -17,6 +17,7 @@ from engine.served_models import ModelNotActiveError
 from engine.sim.engine import DecodeLine, SimEngine, SimEngineConfig
 from engine.sim.model_spec import ModelSpec
 from engine.sim.switching import SleepWakeRates
+from engine.sim.tokens import token_ids
 from tests.engine.sim.sim_helpers import (
     BS,
     GLM,
@@ -398,8 +399,11 @@ def test_synthetic_tokens_are_deterministic_and_in_vocabulary() -> None:
         _, events = drain(engine)
         outs.append(output(events["same"]))
     assert outs[0] == outs[1]
-    assert all(0 <= t < ModelSpec.load(MISTRAL).vocab_size for t in outs[0])
+    vocab = ModelSpec.load(MISTRAL).vocab_size
+    assert all(0 <= t < vocab for t in outs[0])
     assert len(set(outs[0])) > 20
+    shared = token_ids(vocab)  # each id the vocabulary's one object, not an int of its own
+    assert all(t is shared[t] for t in outs[0])
 
 
 def test_model_rates_come_from_the_cost_model() -> None:
