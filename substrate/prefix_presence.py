@@ -113,15 +113,10 @@ class PrefixPresence:
 
     def added_all(self, hashes: Iterable[Hashable]) -> None:
         """``added`` of each hash, once the set holds them all: a chain restored block by
-        block is walked once, not extended by one at each of its hashes."""
-        owner, counts, pos = self._owner, self._counts, self._pos
+        block is walked once (its first hash's ``added`` extends it over the rest, which then
+        find it past them), not extended by one at each of its hashes."""
         for h in hashes:
-            held = owner.get(h)
-            if held is None:
-                continue
-            for name in (held,) if isinstance(held, str) else held:
-                if counts[name] == pos[name][h]:
-                    self._extend(name)
+            self.added(h)
 
     def removed(self, h: Hashable) -> None:
         """The set no longer holds ``h``: chains that held it end before it."""
