@@ -28,6 +28,7 @@ from talaria.policies.config import PolicyConfig
 from talaria.policies.gap_predictor import GapPredictor
 from talaria.policies.priority import Service, priority_key, remaining_key
 from talaria.policies.reservations import Reservation, ReservationBook, yield_offload_pays
+from talaria.policies.session_length import swe_agent_prior
 from talaria.policies.ttl import continuum_ttl
 from talaria.policies.view import QueuedCall
 from talaria.protocol import CallRequest, SessionKV
@@ -119,8 +120,39 @@ class SessionKeeper:
         return key
 
     def best_waiting_key(self, calls: Collection[QueuedCall], now: float) -> tuple[float, ...] | None:
-        """The best of ``waiting_key`` over ``calls`` (None: no calls)."""
-        return min(map(self.waiting_key(now), calls)) if calls else None
+        """The best of ``waiting_key`` over ``calls`` (None: no calls). Under ``remaining``
+        the same minimum without a key per call (the priority switch ranks the slot's calls
+        and every other queue each turn): the starved call that has waited longest (the
+        earliest session among equal waits), else the fewest expected remaining calls (the
+        earliest session among equals), as ``remaining_key`` orders them."""
+        if not calls:
+            return None
+        policy = self.policy
+        if policy.admission_order != "remaining":
+            return min(map(self.waiting_key(now), calls))
+        ratio, floor = policy.starvation_ratio, policy.starvation_min_wait_s
+        history, expected = self.gaps.sessions.get, swe_agent_prior().expected_remaining
+        inf = float("inf")
+        starved_wait, starved_first = -inf, inf  # the longest wait among the starved
+        fewest, fewest_first = inf, inf  # the fewest expected remaining calls otherwise
+        for c in calls:
+            hist = history(c.call.session_id)
+            if hist is None:  # unknown here: never starved, no call made, first arrival 0
+                remaining, first = expected(0), 0.0
+            else:
+                waited, first = hist.waited_s + (now - c.arrived), hist.first_arrival
+                if waited >= ratio * hist.attained_s > 0 and waited >= floor:
+                    if waited > starved_wait or (waited == starved_wait and first < starved_first):
+                        starved_wait, starved_first = waited, first
+                    continue
+                if starved_wait > -inf:  # a starved call outranks every other
+                    continue
+                remaining = expected(hist.calls)
+            if remaining < fewest or (remaining == fewest and first < fewest_first):
+                fewest, fewest_first = remaining, first
+        if starved_wait > -inf:
+            return (0.0, -starved_wait, starved_first)
+        return (1.0, fewest, fewest_first)
 
     def on_call_end(
         self, call: CallRequest, output_tokens: int, now: float, waited_s: float = 0.0,

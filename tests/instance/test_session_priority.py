@@ -334,3 +334,30 @@ def test_a_waiting_calls_key_is_its_sessions_priority_key(order: str) -> None:
     assert sessions.best_waiting_key([], now) is None
     if order == "remaining":  # both branches ran: some starved, some ranked by the prior
         assert {k[0] for k in expected} == {0.0, 1.0}
+    kinds = set()
+    for size in (1, 2, 3, 5, 8, 13):  # subsets with and without a starved call, repeats too
+        for _ in range(60):
+            picked = [rng.randrange(len(waiting)) for _ in range(size)]
+            best = min(expected[i] for i in picked)
+            assert sessions.best_waiting_key([waiting[i] for i in picked], now) == best
+            kinds.add(best[:1])
+    if order == "remaining":
+        assert kinds == {(0.0,), (1.0,)}
+
+
+def test_the_best_waiting_key_breaks_equal_waits_and_equal_ranks_by_first_arrival() -> None:
+    """Under ``remaining``: two starved calls that have waited as long rank by their
+    sessions' first arrival, as do two unstarved sessions with as many calls made."""
+    sessions = Instance("i", FakeEngine(["a"]), preset("talaria")).sessions
+    for sid, first in (("late", 30.0), ("early", 10.0)):
+        sessions.gaps.on_arrival(sid, "a", 100, first)
+        sessions.gaps.on_end(sid, 100, 10, first + 1.0, None, False)
+        sessions.gaps.on_service(sid, 0.0, 1.0)
+    ratio = sessions.policy.starvation_ratio
+    floor = sessions.policy.starvation_min_wait_s
+    starved_at = max(ratio * 1.0, floor) + 100.0
+    both = [_Waiting(call("c1", "late", "a", 8), 0.0), _Waiting(call("c2", "early", "a", 8), 0.0)]
+    for calls in (both, both[::-1]):
+        assert sessions.best_waiting_key(calls, starved_at) == (0.0, -starved_at, 10.0)
+        key = sessions.best_waiting_key(calls, 0.0)
+        assert key == (1.0, swe_agent_prior().expected_remaining(1), 10.0)
