@@ -96,7 +96,9 @@ def remaining_key(waited_s: float, attained_s: float, first_arrival: float, call
     """``priority_key`` under ``remaining``, from a session's facts (``Service``'s fields of
     the same names) without building a ``Service``: the key every loop turn ranks each
     queue by. Among the starved, the one that has waited longest; otherwise the fewest
-    expected remaining calls, then the earliest session."""
+    expected remaining calls, then the earliest session. ``SessionKeeper.best_waiting_key``
+    finds the least of these keys without building them: a change to the rule here goes
+    there too (``tests/instance/test_session_priority.py`` holds the two equal)."""
     if waited_s >= starvation_ratio * attained_s > 0 and waited_s >= min_wait_s:
         return (0.0, -waited_s, first_arrival)
     return (1.0, swe_agent_prior().expected_remaining(calls), first_arrival)
