@@ -31,10 +31,12 @@ from typing import Protocol, TypeVar
 from engine.interface import (
     EngineRequest,
     EngineStats,
+    FinishReason,
     MoveReport,
     MultiModelEngineProtocol,
     Residency,
     StepResult,
+    TokenEvent,
 )
 
 T = TypeVar("T")
@@ -85,12 +87,15 @@ class EngineExecutor:
         self._fused: tuple[float, asyncio.Future[None], asyncio.TimerHandle] | None = None
         self.busy_since: float | None = None  # loop time the operation in flight started
         self.on_report: list[Callable[[str, StepResult | MoveReport, str | None], None]] = []
+        self._aborted: set[str] = set()  # ids aborted here whose abort event is still to come
 
     # timed operations -------------------------------------------------------------------
 
     async def step(self) -> StepResult:
         model = self.engine.active_model
         result = await self._timed("step", self.engine.step, lambda r: r.seconds)
+        if self._aborted:
+            result.events = self._without_abort_events(result.events)
         self._report("step", result, model)
         return result
 
@@ -139,8 +144,13 @@ class EngineExecutor:
         self.engine.add_request(request)
 
     def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` in the engine. The abort event the engine reports for it at
+        its next step is not passed on: whoever aborts has ended the call already, and by that
+        step a new call may use the same id (a client may reuse one), which that event would
+        end."""
         self._check_idle("abort")
         self.engine.abort(request_id)
+        self._aborted.add(request_id)
 
     def has_unfinished(self) -> bool:
         self._check_idle("has_unfinished")
@@ -192,6 +202,20 @@ class EngineExecutor:
             self._pool = None
 
     # internals --------------------------------------------------------------------------
+
+    def _without_abort_events(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """``events`` less the first abort event of each id aborted here (the engine reports
+        one per request it held); once the engine has nothing left to report, no such event
+        can come, so the ids it never held are forgotten."""
+        kept = []
+        for event in events:
+            if event.finish_reason is FinishReason.ABORT and event.request_id in self._aborted:
+                self._aborted.discard(event.request_id)
+            else:
+                kept.append(event)
+        if self._aborted and not self.engine.has_unfinished():
+            self._aborted.clear()
+        return kept
 
     async def _timed(self, name: str, op: Callable[[], T], seconds: Callable[[T], float]) -> T:
         """Run ``op``: live on the engine thread, which stays busy until ``op`` returns even

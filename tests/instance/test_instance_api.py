@@ -66,6 +66,36 @@ def test_abort_running_call_frees_its_blocks() -> None:
     assert idle.models["a"].running_calls == 0
 
 
+def test_a_call_reusing_an_aborted_calls_id_gets_its_own_answer() -> None:
+    """The first call's abort event stays in the engine until its next step (nothing else
+    runs meanwhile); it must not end the second call with the same id, whose request would
+    then stay in the engine and refuse every switch (model b's call)."""
+    engine = _engine()
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, preset("talaria"))
+        await inst.start()
+        first = inst.submit(call("x", "s1", "a", 40, max_tokens=50))
+        assert not (await anext(first)).finished
+        first.abort()
+        ended = [e async for e in first]
+        await asyncio.sleep(1.0)
+        second = await inst.submit(call("x", "s2", "a", 40, max_tokens=3)).collect()
+        other = await inst.submit(call("y", "s3", "b", 40, max_tokens=3)).collect()
+        await asyncio.sleep(0.5)
+        idle = inst.state()
+        await inst.stop()
+        return ended, second, other, idle
+
+    ended, second, other, idle = run_virtual(main())
+    assert ended[-1].finish_reason == "abort"
+    assert second[-1].finish_reason == "length"
+    assert sum(len(e.token_ids) for e in second) == 3
+    assert other[-1].finish_reason == "length", other[-1].error
+    assert engine.aborted == ["x"]
+    assert idle.healthy and idle.models["a"].running_calls == 0
+
+
 def test_leaving_the_stream_early_aborts_the_call() -> None:
     engine = _engine()
 
