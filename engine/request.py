@@ -78,7 +78,7 @@ _FINISH_REASONS = {
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # read only: shared with the call it serves, never changed
     params: SamplingParams
     session_id: str | None = None
     status: RequestStatus = RequestStatus.WAITING
@@ -96,7 +96,7 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
     def num_tokens(self) -> int:

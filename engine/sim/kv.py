@@ -4,7 +4,7 @@ cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.block_hash import BlockChain
@@ -23,10 +23,10 @@ class SessionRecord:
 
     model: str
     block_hashes: list[int]
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     output_token_ids: list[int]
 
-    def starts(self, tokens: list[int], n: int) -> bool:
+    def starts(self, tokens: Sequence[int], n: int) -> bool:
         """Whether ``tokens[:n]`` equals this call's first ``n`` tokens (n within them)."""
         prompt = self.prompt_token_ids
         p = min(n, len(prompt))

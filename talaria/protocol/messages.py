@@ -8,8 +8,8 @@ inside a simulation.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
 import orjson
@@ -65,7 +65,7 @@ class CallRequest:
     call_id: str
     session_id: str  # to an instance: one KV chain of the client's session (router.sessions.table)
     model: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # read only, never changed (a list, or a replay's view)
     params: SamplingParams
     expected_gap_s: float | None = None  # client hint: tool gap expected after this call
     last_call: bool = False  # client hint: the session ends after this call
@@ -81,7 +81,9 @@ class CallRequest:
     prompt_chain: BlockChain | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        """JSON-ready fields (the prompt as a list: any sequence of ids may be sent in)."""
+        data = asdict(replace(self, prompt_token_ids=[], prompt_chain=None))
+        data["prompt_token_ids"] = list(self.prompt_token_ids)
         del data["prompt_chain"]
         return data
 

@@ -42,7 +42,7 @@ from talaria.protocol.text import BlockChain
 from workloads.benchmark.breakdown import attach_splits
 from workloads.replay.cluster import ClusterSpec, ClusterTotals, start_cluster
 from workloads.replay.dependencies import CallBoard
-from workloads.replay.prompts import SessionTokens, next_prompt, prompt_chain
+from workloads.replay.prompts import PromptView, SessionTokens, next_prompt, prompt_chain
 from workloads.replay.systems import SystemConfig
 from workloads.traces.trace import CallRef, Session
 
@@ -209,7 +209,7 @@ async def drive(
         result = SessionResult(session.session_id, session.model, start + session.arrival_s * time_scale)
         tokens = SessionTokens(session.session_id, seed, vocab_of(session.model))
         context = context_of(session.model) if context_of is not None else None
-        prompt: list[int] = []
+        prompt: Sequence[int] = []
         output: list[int] = []
         chain: BlockChain | None = None  # the last prompt's, when ``prompt_chains``
         for k, call in enumerate(session.calls):
@@ -221,8 +221,9 @@ async def drive(
                 prompt = next_prompt(board.tokens(call.prefix_from), [], call.input_tokens, tokens,
                                      call.prefix_tokens)
             elif k == 0:
-                prompt = shared[session.model][: call.input_tokens - 1]
-                prompt = prompt + tokens.take(call.input_tokens - len(prompt))
+                first = shared[session.model][: call.input_tokens - 1]
+                first.extend(tokens.take(call.input_tokens - len(first)))
+                prompt = PromptView(first, len(first))
             else:
                 computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
                 prev, out = (board.tokens(call.prefix_from), []) if call.prefix_from else (prompt, output)

@@ -80,7 +80,7 @@ class LiveTarget:
         loop = asyncio.get_running_loop()
         body = {
             "model": request.model,
-            "prompt": request.prompt_token_ids,
+            "prompt": list(request.prompt_token_ids),
             "max_tokens": request.params.max_tokens,
             "ignore_eos": True,
             "temperature": 0.0,
