@@ -28,8 +28,9 @@ from aiohttp import web
 
 from router.api import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
 from router.api import openai_schema as schema
-from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, off_loop_if_large, parsed_body
+from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
+from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
 from router.api.stream_output import OutputAssembler, Responder
 from router.api.tool_calls import (
     TOOL_FORMATS,
@@ -43,14 +44,7 @@ from router.instances.health import HealthPoller
 from router.instances.http import HttpInstanceClient
 from router.instances.kv_room import OutputRoom, kv_capacity, output_room
 from router.instances.placement import POLICIES, PlacementContext
-from router.limits import (
-    LIMITS_KEY,
-    InflightGate,
-    RouterLimits,
-    body_items_bound,
-    check_prompt_bytes,
-    prompt_bytes,
-)
+from router.limits import LIMITS_KEY, InflightGate, RouterLimits, body_items_bound
 from router.metrics import RouterMetrics
 from router.sessions.identity import SessionHeaders, resolve_session
 from router.sessions.inference import SessionInference
@@ -257,8 +251,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
     with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
-        ids = await _tokenize(request, tok, parsed.body,
-                              parsed.prefill + (answer.prefill if answer else ""))
+        ids = await tokenize_prompt(request, tok, parsed.body,
+                                    parsed.prefill + (answer.prefill if answer else ""), within_context=False)
     return _json({"input_tokens": len(ids)})
 
 
@@ -323,7 +317,7 @@ async def _complete(
     answer = _answer_parser(request.app[CONFIG_KEY], body, tok, tool_id_prefix)
     limits = request.app[LIMITS_KEY]
     with request.app[GATE_KEY].admit():
-        prompt_ids = await _tokenize(request, tok, body, prefill + (answer.prefill if answer else ""))
+        prompt_ids = await tokenize_prompt(request, tok, body, prefill + (answer.prefill if answer else ""))
         budget = _output_budget(request, body, tok, len(prompt_ids))
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
         call = _call_request(request, body, prompt_ids, budget)
@@ -340,6 +334,9 @@ async def _complete(
             if first is None:
                 return web.Response(status=499)  # the client left before the first token
             out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id)
+            if not first.token_ids and OutputAssembler.ends_in_failure(first):
+                out.add(first)  # failed before its first token: its HTTP status, streamed or not
+                raise ApiError(502, out.error or "", code="instance_failed")
             response = await respond(request, body, call, out, first, events, answer)
             if out.stopped_at_string:  # closing the events now is no abort: the answer is whole
                 request.app[CORE_KEY].stopped_at_string(call.call_id)
@@ -350,49 +347,6 @@ def _answer_parser(config: RouterConfig, body: schema.CompletionBody, tok: Model
                    id_prefix: str = "call_") -> AnswerParser | None:
     fmt = config.tool_formats.get(tok.name) or detect_tool_format(tok.chat_template)
     return answer_parser(body.tools, tok.name, fmt, id_prefix)
-
-
-async def _tokenize(
-    request: web.Request, tok: ModelTokenizer, body: schema.CompletionBody, prefill: str
-) -> list[int]:
-    """Token ids of the request's prompt, its size checked first (``router.limits``): the
-    bytes of its text, or the count of its token ids before any id is looked at."""
-    limits = request.app[LIMITS_KEY]
-    param = "messages" if body.kind == "chat" else "prompt"
-    size = await off_loop_if_large(request, prompt_bytes, body.messages, body.prompt,
-                                   body.tools.tools)
-    size += len(prefill.encode())
-    check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
-    try:
-        if body.messages is not None:
-            ids = await tok.tokenize_chat(body.messages, size, body.tools.tools, prefill)
-        elif isinstance(body.prompt, str):
-            ids = await tok.tokenize_text(body.prompt, size)
-        elif body.prompt is not None:
-            _check_prompt_len(len(body.prompt), tok, param)
-            tok.check_token_ids(body.prompt)
-            ids = list(body.prompt)
-        else:
-            raise bad_request("the request has neither messages nor prompt", param)
-    except ValueError as exc:
-        raise bad_request(str(exc), param) from exc
-    except ApiError:
-        raise
-    except Exception as exc:  # a chat template that rejects the conversation raises its own types
-        raise bad_request(f"cannot apply the chat template: {exc}", param) from exc
-    if not ids:
-        raise bad_request("the prompt tokenizes to nothing", param)
-    _check_prompt_len(len(ids), tok, param)
-    return ids
-
-
-def _check_prompt_len(n: int, tok: ModelTokenizer, param: str) -> None:
-    if n >= tok.context_len:
-        raise bad_request(
-            f"the prompt has {n} tokens; model {tok.name!r} allows at most "
-            f"{tok.context_len - 1} prompt tokens (context length {tok.context_len})",
-            param,
-        )
 
 
 def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:
@@ -412,10 +366,8 @@ def _output_budget(
                        kv_capacity(core.states, core.clients, tok.name))
     if room.tokens < 1:
         _count_refusal(core, tok.name, room)
-        raise bad_request(
-            f"the prompt has {prompt_tokens} tokens and {room.limit}: none is left for output",
-            "messages" if body.kind == "chat" else "prompt",
-        )
+        raise ContextOverflow(f"the prompt has {prompt_tokens} tokens and {room.limit}: none is left for output",
+                              body.prompt_param, prompt_tokens, prompt_tokens + room.tokens - 1)
     try:
         return output_budget(body.max_tokens, prompt_tokens, room.tokens, room.limit,
                              request.app[CONFIG_KEY].overflow_rule(tok.name),

@@ -10,7 +10,9 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
   block's input as one ``input_json_delta`` that is the whole JSON object), ``message_delta``
   (stop reason, cumulative usage), ``message_stop``; a failure after the stream began is an
   ``error`` event;
-- errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path.
+- errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path;
+  a prompt over the model's context in Anthropic's words, ``prompt is too long: N tokens > M
+  maximum`` (``router.api.prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import structlog
 from aiohttp import web
 
 from router.api.openai_schema import CompletionBody
+from router.api.prompt_tokens import ContextOverflow
 from router.api.stream_output import OutputAssembler, Piece, collect
 from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
@@ -57,6 +60,8 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     try:
         return await handler(request)
+    except ContextOverflow as exc:
+        return error_response(exc.status, exc.anthropic_message(), exc.headers)
     except ApiError as exc:
         return error_response(exc.status, exc.message, exc.headers)
     except web.HTTPRequestEntityTooLarge as exc:
@@ -83,7 +88,7 @@ async def respond(
     text = out.text
     items: list[str | ToolCall] = [text]
     if answer is not None:
-        items = answer.feed(text) + answer.finish()
+        items = _runs(answer.feed(text) + answer.finish())
     content = [_block(item) for item in items if not isinstance(item, str) or item]
     message = _message(call, body.model, content or [{"type": "text", "text": ""}])
     message.update(_stop(out, answer))
@@ -96,6 +101,19 @@ async def respond(
 def _message(call: CallRequest, model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": f"msg_{call.call_id}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": None, "stop_sequence": None}
+
+
+def _runs(items: list[str | ToolCall]) -> list[str | ToolCall]:
+    """Adjacent text items as one: a run of text is one block, as the stream writes it (the
+    parser may release a held tail of the run as an item of its own)."""
+    out: list[str | ToolCall] = []
+    for item in items:
+        last = out[-1] if out else None
+        if isinstance(item, str) and isinstance(last, str):
+            out[-1] = last + item
+        else:
+            out.append(item)
+    return out
 
 
 def _block(item: str | ToolCall) -> dict[str, Any]:

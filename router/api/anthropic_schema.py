@@ -5,7 +5,7 @@ A ``/v1/messages`` body is translated into the OpenAI chat body the chat templat
 ``tool_result`` block -> a ``tool`` message, ``tools[].input_schema`` -> function
 ``parameters``) and then validated by the same parser as ``/v1/chat/completions``, so both APIs
 accept and reject alike. What has no OpenAI counterpart stays here: consecutive turns of one
-role merge (as Anthropic's API does); a final assistant turn is a prefill the answer continues;
+role merge (as Anthropic's API does; each message's text on lines of its own); a final assistant turn is a prefill the answer continues;
 Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``document`` blocks, in
 a user turn or a tool result, become a line naming what was left out
 (``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
@@ -15,6 +15,7 @@ resends every image its Read tool ever returned. Fields the router has no use fo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,29 +115,30 @@ def _stop_sequences(stops: Any) -> list[str] | None:
 def _messages(messages: Any, system: Any, omitted: Omissions) -> tuple[list[dict[str, Any]], str]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array", "messages")
-    turns: list[tuple[str, list[dict[str, Any]]]] = []  # consecutive turns of one role merged
+    # Consecutive messages of one role merge into one turn: the blocks of each message of it.
+    turns: list[tuple[str, list[list[dict[str, Any]]]]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
             raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system'", f"{where}.role")
         blocks = _blocks(message.get("content"), f"{where}.content", omitted)
         if turns and turns[-1][0] == message["role"]:
-            turns[-1][1].extend(blocks)
+            turns[-1][1].append(blocks)
         else:
-            turns.append((message["role"], blocks))
+            turns.append((message["role"], [blocks]))
     prefill = ""
     if turns[-1][0] == "assistant":
-        role, blocks = turns.pop()
-        if any(b["type"] != "text" for b in blocks if b["type"] not in _IGNORED_BLOCKS):
+        role, merged = turns.pop()
+        if any(b["type"] not in ("text", *_IGNORED_BLOCKS) for blocks in merged for b in blocks):
             raise bad_request("a final assistant turn (prefill) may hold only text", "messages")
-        prefill = "".join(b["text"] for b in blocks if b["type"] == "text")
+        prefill = _turn_text("".join(b["text"] for b in blocks if b["type"] == "text") for blocks in merged)
         if not turns:
             raise bad_request("messages must hold a user turn before a final assistant turn", "messages")
     out: list[dict[str, Any]] = []
     if system is not None:
         out.append({"role": "system", "content": _text(system, "system", omitted)})
-    for role, blocks in turns:
-        out.extend(_assistant(blocks) if role == "assistant" else _user(role, blocks))
+    for role, merged in turns:
+        out.extend(_assistant(merged) if role == "assistant" else _user(role, merged))
     return out, prefill
 
 
@@ -200,27 +202,34 @@ def _media(block: dict[str, Any], kind: str, where: str, omitted: Omissions) -> 
     return omitted.anthropic_source(kind, block, where)
 
 
-def _user(role: str, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _turn_text(texts: Iterable[str]) -> str:
+    """The text of a turn merged from consecutive messages: each message's text on lines of
+    its own (a line break between two; an empty one adds none), so no words are glued. The
+    text blocks of one message are joined as they are."""
+    return "\n".join(text for text in texts if text)
+
+
+def _user(role: str, merged: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Tool results first (as ``tool`` messages, in order), then the turn's text."""
     out: list[dict[str, Any]] = []
-    for block in blocks:
+    for block in (b for blocks in merged for b in blocks):
         if block["type"] == "tool_result":
             text = block["content"]
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": f"Error: {text}" if block.get("is_error") else text})
-    texts = [b["text"] for b in blocks if b["type"] == "text"]
-    if texts or not out:
-        out.append({"role": role, "content": join_text(texts)})
+    texts = [[b["text"] for b in blocks if b["type"] == "text"] for blocks in merged]
+    if any(texts) or not out:
+        out.append({"role": role, "content": _turn_text(join_text(t) for t in texts)})
     return out
 
 
-def _assistant(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    message: dict[str, Any] = {
-        "role": "assistant", "content": "".join(b["text"] for b in blocks if b["type"] == "text")}
+def _assistant(merged: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    message: dict[str, Any] = {"role": "assistant", "content": _turn_text(
+        "".join(b["text"] for b in blocks if b["type"] == "text") for blocks in merged)}
     calls = [
         {"id": b["id"], "type": "function",
          "function": {"name": b["name"], "arguments": b.get("input", {})}}  # the template's tojson
-        for b in blocks if b["type"] == "tool_use"
+        for blocks in merged for b in blocks if b["type"] == "tool_use"
     ]
     if calls:
         message["tool_calls"] = calls

@@ -45,6 +45,7 @@ class CompletionBody:
     tools: ToolRequest = field(default_factory=ToolRequest)
     metadata_session_id: str | None = None  # the session Anthropic metadata.user_id names
     max_tokens_param: str = "max_tokens"  # the field ``max_tokens`` came from, named in errors
+    prompt_param: str = "messages"  # the field the prompt came from, named in errors
     media: Omissions = field(default_factory=Omissions)  # images and files left out (router.api.media_placeholders)
 
 
@@ -75,6 +76,7 @@ def parse_completion(body: Any) -> CompletionBody:
     check_fields(data, "completion")
     parsed = _common(data, "completion")
     parsed.prompt = _prompt(data.get("prompt"))
+    parsed.prompt_param = "prompt"
     parsed.max_tokens = max_tokens_field(data.get("max_tokens"), "max_tokens")
     logprobs = data.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):

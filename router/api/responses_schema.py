@@ -103,6 +103,7 @@ def parse_responses(data: Any) -> ResponsesRequest:
         chat["tool_choice"] = tool_choice(data["tool_choice"], tools)
     body = openai_schema.parse_chat(chat)
     body.max_tokens_param = "max_output_tokens"
+    body.prompt_param = "input"
     body.media.count += omitted.count
     if tools.skipped:
         log.info("router.responses.tools_skipped", types=tools.skipped)

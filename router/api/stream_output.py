@@ -72,9 +72,14 @@ class OutputAssembler:
         elif event.finished:
             self.done = True
             self.finish_reason = event.finish_reason or "stop"
-            if event.error is not None or self.finish_reason in ("error", "abort"):
+            if self.ends_in_failure(event):
                 self.fail(event.error or "the instance aborted the call")
         return piece
+
+    @staticmethod
+    def ends_in_failure(event: CallEvent) -> bool:
+        """The event ends its call in failure (an error, or an abort by the instance)."""
+        return event.finished and (event.error is not None or event.finish_reason in ("error", "abort"))
 
     def fail(self, detail: str) -> None:
         """The call failed: log ``detail``; the client is told only that, and the id."""

@@ -22,7 +22,8 @@ __all__ = ["CallBook", "CallHandle", "PendingCall", "terminal_event", "token_eve
 
 
 class CallHandle:
-    """Events of one call, in order; the last one has ``finished`` set and carries usage.
+    """Events of one call, in order; the last one has ``finished`` set and carries usage (the
+    first one with tokens carries the usage so far too: ``token_event``).
 
     A call sent with ``step_events`` False gets its events up to the first one with tokens,
     then only its last: the tokens of the steps between are held and sent with it (the
@@ -220,11 +221,16 @@ class CallBook:
 
 
 def token_event(pending: PendingCall, event: TokenEvent, instance_id: str) -> CallEvent:
-    """A call's non-final event: the tokens one engine step produced for it."""
+    """A call's non-final event: the tokens one engine step produced for it. The first one
+    with tokens also carries the usage so far (its prompt, cached and restored tokens are
+    final then), so a consumer that stops reading early (a stop string reached) still has
+    them; the last event carries the final usage."""
+    first = bool(event.new_token_ids) and event.num_output_tokens == len(event.new_token_ids)
     return CallEvent(
         call_id=pending.call.call_id,
         token_ids=list(event.new_token_ids),
         logprobs=event.logprobs,
+        usage=pending.usage if first else None,
         instance_id=instance_id,
     )
 

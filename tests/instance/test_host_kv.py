@@ -32,6 +32,12 @@ def test_returning_session_restores_instead_of_recomputing(policy_name: str) -> 
     assert engine.log.index(("activate", "b")) < engine.log.index(("add", "s-1"))
     usage = s[1].last.usage
     assert usage is not None and usage.prompt_tokens == 125
+    # The first event with tokens carries the prompt's usage too (a router that stops reading
+    # at a stop string has it); the events between carry none.
+    first, *between = [e for e in s[1].events[:-1] if e.token_ids]
+    assert first.usage is not None and all(e.usage is None for e in between)
+    assert ((first.usage.prompt_tokens, first.usage.cached_tokens, first.usage.restored_tokens)
+            == (usage.prompt_tokens, usage.cached_tokens, usage.restored_tokens))
     if policy_name == "+host_kv":
         assert away.sessions["s"].host_tokens == 105 and away.sessions["s"].device_tokens == 0
         assert usage.restored_tokens == 105 and usage.cached_tokens == 105

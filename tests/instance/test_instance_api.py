@@ -337,7 +337,7 @@ def test_a_call_too_big_for_the_kv_region_fails_alone_and_the_next_one_runs() ->
 def test_a_call_without_step_events_gets_the_same_tokens_and_times_in_two_events() -> None:
     """``step_events=False``: the first event with tokens goes at once, the steps after it
     are held and come with the last event: same tokens in order, same first-token and
-    finish times, same usage; an abort mid-call still delivers the held tokens."""
+    finish times, same usage (the first event's too); an abort mid-call still delivers the held tokens."""
 
     async def main(step_events: bool, abort_at: float | None = None):  # type: ignore[no-untyped-def]
         inst = Instance("i", _engine(), preset("baseline"))
@@ -357,6 +357,7 @@ def test_a_call_without_step_events_gets_the_same_tokens_and_times_in_two_events
     tokens = [t for e in every.events for t in e.token_ids]
     assert [t for e in ends.events for t in e.token_ids] == tokens and len(tokens) == 30
     assert ends.events[0].token_ids == every.events[0].token_ids
+    assert ends.events[0].usage == every.events[0].usage and every.events[0].usage is not None
     assert (ends.first, ends.done) == (every.first, every.done)
     assert ends.last.usage == every.last.usage and ends.last.finish_reason == "length"
     aborted_every, aborted = run_virtual(main(True, 3.05)), run_virtual(main(False, 3.05))

@@ -60,8 +60,8 @@ def write_tokenizer(path: Path, context_len: int = CONTEXT_LEN) -> Path:
 
 
 class FakeInstance:
-    """An in-process InstanceClient. Streams ``reply`` one token per event (the last event
-    carries finished + usage), or fails as configured."""
+    """An in-process InstanceClient. Streams ``reply`` one token per event (the first carries
+    the usage so far, the last finished + usage), or fails as configured."""
 
     def __init__(
         self,
@@ -109,9 +109,15 @@ class FakeInstance:
                 logprobs=[-0.25],
                 finished=last,
                 finish_reason=("length" if len(tokens) == call.params.max_tokens else "stop") if last else None,
-                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens,
-                                self.restored_tokens) if last else None,
+                usage=self.usage(call, i, len(tokens)),
             )
+
+    def usage(self, call: CallRequest, i: int, n: int) -> CallUsage | None:
+        """What the ``i``-th of ``n`` events carries, as an instance sends it: the usage so
+        far on the first (``talaria.instance.calls.token_event``), the final one on the last."""
+        if i not in (0, n - 1):
+            return None
+        return CallUsage(len(call.prompt_token_ids), i + 1, self.cached_tokens, self.restored_tokens)
 
     async def abort(self, call_id: str) -> None:
         self.aborted.append(call_id)
@@ -154,8 +160,7 @@ class ScriptedInstance(FakeInstance):
             yield CallEvent(
                 call_id=call.call_id, token_ids=[token], finished=last,
                 finish_reason=("length" if len(tokens) == call.params.max_tokens else "stop") if last else None,
-                usage=CallUsage(len(call.prompt_token_ids), len(tokens), self.cached_tokens,
-                                self.restored_tokens) if last else None,
+                usage=self.usage(call, i, len(tokens)),
             )
 
 

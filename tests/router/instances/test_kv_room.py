@@ -6,6 +6,7 @@ beyond that room is clamped to it by default (``router.api.output_budget``), ref
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -76,15 +77,26 @@ async def test_output_beyond_the_kv_cache_is_a_400_before_the_call_is_accepted_i
     assert core.metrics.rejected.get(model="tiny", reason="kv_capacity") == 1
 
 
-async def test_a_prompt_that_leaves_no_room_in_the_kv_cache_is_a_400(tokenizer: ModelTokenizer) -> None:
+@pytest.mark.parametrize(("api", "param"), [("chat", "messages"), ("completions", "prompt"),
+                                          ("messages", None), ("responses", "input")])
+async def test_a_prompt_that_leaves_no_room_in_the_kv_cache_is_a_400(
+    tokenizer: ModelTokenizer, api: str, param: str | None,
+) -> None:
+    """The context overflow error of each API (``context_length_exceeded`` naming the
+    prompt's field; Anthropic's ``prompt is too long``), bounded by the KV cache."""
     a = instance("a", capacity=16)
     async with serve(tokenizer, {"a": a}) as client:
         await client.server.app[CORE_KEY].refresh("a")
-        resp = await client.post("/v1/chat/completions", json=chat_body(
-            messages=[{"role": "user", "content": "Hello world, this is a test " * 4}]))
+        path, body = request_of(api, max_tokens=8, text="Hello world, this is a test " * 4)
+        resp = await client.post(path, json=body)
         assert resp.status == 400, await resp.text()
         error = (await resp.json())["error"]
-    assert error["param"] == "messages" and "none is left for output" in error["message"]
+    if param is None:
+        assert error["type"] == "invalid_request_error"
+        assert re.fullmatch(r"prompt is too long: \d+ tokens > 15 maximum", error["message"]), error
+    else:
+        assert error["param"] == param and "none is left for output" in error["message"]
+        assert error["code"] == "context_length_exceeded"
     assert not a.calls
 
 
