@@ -36,7 +36,7 @@ from workloads.suite.stats import figure
 from workloads.traces.arrivals import poisson_arrivals
 from workloads.traces.trace import Session
 
-__all__ = ["CapacityConfig", "Probe", "RateSearch", "ServerSearch", "rate_capacity",
+__all__ = ["CapacityConfig", "Probe", "RateSearch", "ServerSearch", "nearest_load", "rate_capacity",
            "servers_needed"]
 
 Setting = dict[str, Any]
@@ -175,20 +175,30 @@ def _search_rounds(searches: dict[Any, Any], job_for: Callable[[Any, Any], Job],
             searches[key].record(Probe(job.key[1], p95, slo_for(key)))
 
 
+def nearest_load(loads: Sequence[float], load: float) -> float:
+    """The one of ``loads`` nearest ``load`` by ratio (the higher of two as near): whose
+    scenario's tuned setting a capacity probe at ``load`` runs a row at."""
+    if not loads or not load > 0:
+        raise ValueError(f"nearest_load needs loads and a load > 0, got {list(loads)}, {load}")
+    return min(loads, key=lambda f: (abs(math.log(f / load)), -f))
+
+
 def rate_capacity(
     rows: Sequence[str], sessions: Sequence[Session], spec_for: Callable[[int], ClusterSpec],
     servers: Sequence[int], saturation: Callable[[int], float],
-    setting_for: Callable[[str, int], Setting], config: CapacityConfig = CapacityConfig(),
+    setting_for: Callable[[str, int, float], Setting], config: CapacityConfig = CapacityConfig(),
     *, seed: int = 0, workers: int = 1, progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """``{servers: {row: {sessions_per_s, load, at_least, at_most, probes}}}`` for the same
-    ``sessions`` on each server count (``saturation(n)``: the rate load 1.0 means there)."""
+    ``sessions`` on each server count (``saturation(n)``: the rate load 1.0 means there).
+    ``setting_for(row, n, load)``: the row's setting for a probe at ``load`` on ``n``
+    servers (a peer's best setting moves with the load)."""
     slos = {n: _slo(sessions, spec_for(n), config.slo_factor) for n in servers}
     searches = {(row, n): RateSearch(config) for n in servers for row in rows}
 
     def job_for(key: tuple[str, int], load: float) -> Job:
         row, n = key
-        system = SYSTEMS[row].with_setting(**setting_for(row, n))
+        system = SYSTEMS[row].with_setting(**setting_for(row, n, load))
         return Job((key, load), tuple(poisson_arrivals(sessions, load * saturation(n), seed)),
                    system, spec_for(n), seed)
 

@@ -28,7 +28,7 @@ from typing import Any
 from workloads.benchmark.tuning import apply_settings, load_settings, setup_key
 from workloads.replay.cluster import ClusterSpec
 from workloads.replay.systems import SYSTEMS
-from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
+from workloads.suite.capacity import CapacityConfig, nearest_load, rate_capacity, servers_needed
 from workloads.suite.develop import (
     DEV_SUITE_TRACES,
     format_development,
@@ -218,8 +218,12 @@ def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAP
     drawn = draw_sessions(trace, sessions, cfg.seed, cfg.spec, "capacity")
     saturation = {n: suite.saturation[f"{trace}/{n}srv"] for n in cfg.servers}
 
-    def setting(row: str, n: int) -> dict[str, Any]:
-        return settings.for_row(Scenario(trace, n, 1.0).name, row)[0]["p95"]
+    def setting(row: str, n: int, load: float = 1.0) -> dict[str, Any]:
+        """The row's p95 setting in the suite's scenario of ``trace`` on ``n`` servers whose
+        load is nearest ``load`` (the higher of two as near): at the rates that decide a
+        peer's capacity it runs at its best there, not at saturation's."""
+        return settings.for_row(Scenario(trace, n, nearest_load(cfg.loads, load)).name,
+                                row)[0]["p95"]
 
     servers = tuple(n for n in cfg.servers if n in search_servers) or (min(cfg.servers),)
     rates = rate_capacity(rows, drawn, cfg.spec_for, servers, saturation.__getitem__,

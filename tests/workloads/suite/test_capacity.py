@@ -13,6 +13,7 @@ from workloads.suite.capacity import (
     Probe,
     RateSearch,
     ServerSearch,
+    nearest_load,
     rate_capacity,
     servers_needed,
 )
@@ -98,10 +99,19 @@ def test_a_small_capacity_search_runs_end_to_end() -> None:
     config = CapacityConfig(start_load=1.0, lowest_load=0.5, highest_load=2.0, bisections=1,
                             max_servers=2)
     setting = {"slot_close": "drained", "slot_quantum_s": 240.0}
+    asked: list[tuple[str, int, float]] = []
+
+    def setting_for(row: str, n: int, load: float) -> dict[str, object]:
+        asked.append((row, n, load))
+        return setting
+
     rates = rate_capacity(("baseline", "talaria"), sessions, lambda n: ClusterSpec(servers=n),
-                          (1,), lambda _n: 0.01, lambda _row, _n: setting, config)
+                          (1,), lambda _n: 0.01, setting_for, config)
     for row in ("baseline", "talaria"):
         r = rates["1"][row]
+        # each probe ran at the setting asked for its own load
+        assert sorted(p for p, _, _ in r["probes"]) == sorted(
+            load for name, n, load in asked if name == row and n == 1)
         met = [p for p, p95, slo in r["probes"] if p95 <= slo]
         assert r["load"] == (max(met) if met else config.lowest_load)
         assert r["at_most"] == (not met)
@@ -139,3 +149,13 @@ def test_the_suites_capacity_searches_one_server_and_sizes_the_cluster() -> None
     assert need["sessions_per_s"] == suite.saturation["claude-code/2srv"]
     for row, v in need["rows"].items():
         assert 1 <= v["servers"] <= 2 and v["probes"], row
+
+
+def test_a_probe_takes_the_setting_of_the_scenario_nearest_its_load() -> None:
+    assert nearest_load((0.5, 1.0), 0.4) == 0.5
+    assert nearest_load((0.5, 1.0), 0.69) == 0.5 and nearest_load((0.5, 1.0), 0.72) == 1.0
+    assert nearest_load((0.5, 1.0), 3.0) == 1.0
+    assert nearest_load((0.25, 0.5, 0.75, 1.0), 0.3) == 0.25
+    assert nearest_load((0.5, 2.0), 1.0) == 2.0  # as near by ratio: the higher
+    with pytest.raises(ValueError):
+        nearest_load((), 0.5)
