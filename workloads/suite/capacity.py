@@ -36,7 +36,7 @@ from workloads.suite.stats import figure
 from workloads.traces.arrivals import poisson_arrivals
 from workloads.traces.trace import Session
 
-__all__ = ["CapacityConfig", "Probe", "RateSearch", "ServerSearch", "nearest_load", "rate_capacity",
+__all__ = ["CapacityConfig", "Probe", "RateSearch", "ServerSearch", "rate_capacity",
            "servers_needed"]
 
 Setting = dict[str, Any]
@@ -160,56 +160,56 @@ def _slo(sessions: Sequence[Session], spec: ClusterSpec, factor: float) -> float
     return factor * figure([s.sct_s for s in run_isolated(sessions, spec).sessions], "p95")
 
 
-def _search_rounds(searches: dict[Any, Any], job_for: Callable[[Any, Any], Job],
+def _search_rounds(searches: dict[Any, Any], jobs_for: Callable[[Any, Any], list[Job]],
                    slo_for: Callable[[Any], float], workers: int, progress: bool) -> None:
-    """Probe every search's next point, a round at a time, until none has one."""
+    """Probe every search's next point, a round at a time, until none has one. A point runs
+    at each of its search's settings (``jobs_for``: keys ``(search, point, i)``); the probe
+    keeps the lowest p95, the row at its best among them."""
     while True:
         points = {key: s.next_point() for key, s in searches.items()}
-        jobs = [job_for(key, p) for key, p in points.items() if p is not None]
+        jobs = [job for key, p in points.items() if p is not None for job in jobs_for(key, p)]
         if not jobs:
             return
         done = run_many(jobs, workers, progress)
+        best: dict[Any, tuple[Any, float]] = {}
         for job in jobs:
-            key = job.key[0]
+            key, point = job.key[0], job.key[1]
             p95 = figure([s.sct_s for s in done[job.key].sessions], "p95")
-            searches[key].record(Probe(job.key[1], p95, slo_for(key)))
-
-
-def nearest_load(loads: Sequence[float], load: float) -> float:
-    """The one of ``loads`` nearest ``load`` by ratio (the higher of two as near): whose
-    scenario's tuned setting a capacity probe at ``load`` runs a row at."""
-    if not loads or not load > 0:
-        raise ValueError(f"nearest_load needs loads and a load > 0, got {list(loads)}, {load}")
-    return min(loads, key=lambda f: (abs(math.log(f / load)), -f))
+            if key not in best or p95 < best[key][1]:
+                best[key] = (point, p95)
+        for key, (point, p95) in best.items():
+            searches[key].record(Probe(point, p95, slo_for(key)))
 
 
 def rate_capacity(
     rows: Sequence[str], sessions: Sequence[Session], spec_for: Callable[[int], ClusterSpec],
     servers: Sequence[int], saturation: Callable[[int], float],
-    setting_for: Callable[[str, int, float], Setting], config: CapacityConfig = CapacityConfig(),
+    settings_for: Callable[[str, int], Sequence[Setting]],
+    config: CapacityConfig = CapacityConfig(),
     *, seed: int = 0, workers: int = 1, progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """``{servers: {row: {sessions_per_s, load, at_least, at_most, probes}}}`` for the same
     ``sessions`` on each server count (``saturation(n)``: the rate load 1.0 means there).
-    ``setting_for(row, n, load)``: the row's setting for a probe at ``load`` on ``n``
-    servers (a peer's best setting moves with the load)."""
+    ``settings_for(row, n)``: the settings a probe runs the row at on ``n`` servers; it
+    keeps the lowest p95 of them (``_search_rounds``)."""
     slos = {n: _slo(sessions, spec_for(n), config.slo_factor) for n in servers}
     searches = {(row, n): RateSearch(config) for n in servers for row in rows}
 
-    def job_for(key: tuple[str, int], load: float) -> Job:
+    def jobs_for(key: tuple[str, int], load: float) -> list[Job]:
         row, n = key
-        system = SYSTEMS[row].with_setting(**setting_for(row, n, load))
-        return Job((key, load), tuple(poisson_arrivals(sessions, load * saturation(n), seed)),
-                   system, spec_for(n), seed)
+        arriving = tuple(poisson_arrivals(sessions, load * saturation(n), seed))
+        return [Job((key, load, i), arriving, SYSTEMS[row].with_setting(**setting), spec_for(n),
+                    seed) for i, setting in enumerate(settings_for(row, n))]
 
-    _search_rounds(searches, job_for, lambda key: slos[key[1]], workers, progress)
+    _search_rounds(searches, jobs_for, lambda key: slos[key[1]], workers, progress)
     return {str(n): {row: searches[(row, n)].result(saturation(n)) for row in rows}
             for n in servers}
 
 
 def servers_needed(
     rows: Sequence[str], sessions: Sequence[Session], spec_for: Callable[[int], ClusterSpec],
-    rate: float, setting_for: Callable[[str], Setting], config: CapacityConfig = CapacityConfig(),
+    rate: float, settings_for: Callable[[str], Sequence[Setting]],
+    config: CapacityConfig = CapacityConfig(),
     *, estimate: Mapping[str, float] | None = None, seed: int = 0, workers: int = 1,
     progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
@@ -222,9 +222,9 @@ def servers_needed(
     searches = {row: ServerSearch(config, start=_first_guess(rate, (estimate or {}).get(row)))
                 for row in rows}
 
-    def job_for(row: str, n: float) -> Job:
-        system = SYSTEMS[row].with_setting(**setting_for(row))
-        return Job((row, int(n)), arriving, system, spec_for(int(n)), seed)
+    def jobs_for(row: str, n: float) -> list[Job]:
+        return [Job((row, int(n), i), arriving, SYSTEMS[row].with_setting(**setting),
+                    spec_for(int(n)), seed) for i, setting in enumerate(settings_for(row))]
 
-    _search_rounds(searches, job_for, lambda _row: slo, workers, progress)
+    _search_rounds(searches, jobs_for, lambda _row: slo, workers, progress)
     return {row: searches[row].result() for row in rows}

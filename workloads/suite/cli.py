@@ -11,8 +11,8 @@ and capacity, Talaria against each of its leave-one-out rows and a placebo
 Capacity at the SLO (``workloads.suite.capacity``), on the ``CAPACITY_TRACE``'s report
 sessions: per row, the highest Poisson rate at which the p95 SCT stays within ``SLO_FACTOR``
 times the same sessions' p95 alone, searched on one server (quick suite: two bisections) or
-on one and four (full: three), each row at its p95 setting of the trace's Poisson scenario at
-load 1.0; and per row the servers needed at one rate: the capacity trace's saturation rate
+on one and four (full: three), each probe running a row at each of its p95 settings of the
+trace's Poisson scenarios (one per load) and keeping the best; and per row the servers needed at one rate: the capacity trace's saturation rate
 on the suite's largest server count (the baseline's burst throughput there), the load at
 which that many baseline servers are just busy.
 """
@@ -28,7 +28,7 @@ from typing import Any
 from workloads.benchmark.tuning import apply_settings, load_settings, setup_key
 from workloads.replay.cluster import ClusterSpec
 from workloads.replay.systems import SYSTEMS
-from workloads.suite.capacity import CapacityConfig, nearest_load, rate_capacity, servers_needed
+from workloads.suite.capacity import CapacityConfig, rate_capacity, servers_needed
 from workloads.suite.develop import (
     DEV_SUITE_TRACES,
     format_development,
@@ -218,21 +218,26 @@ def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAP
     drawn = draw_sessions(trace, sessions, cfg.seed, cfg.spec, "capacity")
     saturation = {n: suite.saturation[f"{trace}/{n}srv"] for n in cfg.servers}
 
-    def setting(row: str, n: int, load: float = 1.0) -> dict[str, Any]:
-        """The row's p95 setting in the suite's scenario of ``trace`` on ``n`` servers whose
-        load is nearest ``load`` (the higher of two as near): at the rates that decide a
-        peer's capacity it runs at its best there, not at saturation's."""
-        return settings.for_row(Scenario(trace, n, nearest_load(cfg.loads, load)).name,
-                                row)[0]["p95"]
+    def settings_for(row: str, n: int) -> list[dict[str, Any]]:
+        """The row's p95 settings in the suite's scenarios of ``trace`` on ``n`` servers, one
+        per load, each once: a probe runs the row at each and keeps the best, so a peer's
+        capacity (near half load for most) is not judged at saturation's setting alone."""
+        found: list[dict[str, Any]] = []
+        for load in sorted(cfg.loads, reverse=True):
+            setting = settings.for_row(Scenario(trace, n, load).name, row)[0]["p95"]
+            if setting not in found:
+                found.append(setting)
+        return found
 
     servers = tuple(n for n in cfg.servers if n in search_servers) or (min(cfg.servers),)
     rates = rate_capacity(rows, drawn, cfg.spec_for, servers, saturation.__getitem__,
-                          setting, config, seed=cfg.seed, workers=workers, progress=progress)
+                          settings_for, config, seed=cfg.seed, workers=workers,
+                          progress=progress)
     largest = max(cfg.servers)
     one = rates[str(min(servers))]
     guess = {row: one[row]["sessions_per_s"] / min(servers) for row in rows}
     needed = servers_needed(rows, drawn, cfg.spec_for, saturation[largest],
-                            lambda row: setting(row, largest), config, estimate=guess,
+                            lambda row: settings_for(row, largest), config, estimate=guess,
                             seed=cfg.seed, workers=workers, progress=progress)
     return {"trace": trace, "sessions": sessions, "slo_factor": config.slo_factor,
             "servers": rates,
