@@ -107,7 +107,7 @@ class RouterCore:
         self._clock = clock
         self.books = SessionBooks(
             sessions if sessions is not None else SessionTable(), inference, block_size,
-            known_chain_blocks, self._session_ended,
+            known_chain_blocks, self._session_ended, self._forget_sessions,
         )
         self.sessions = self.books.table
         self.inference = inference
@@ -317,8 +317,8 @@ class RouterCore:
                            else InstanceUnavailable("the stream ended with no event"))
                 self.call_failed(instance_id, failure)
                 errors.append(failure)
-                if isinstance(exc, DeadlineMissed):
-                    await self._abort_quietly(instance_id, call.call_id)
+                if isinstance(exc, DeadlineMissed):  # beside the retry, as a cut call's
+                    self._background(self._abort_quietly(instance_id, call.call_id))
             except Overloaded as exc:
                 failures += 1
                 errors.append(exc)
@@ -418,15 +418,15 @@ class RouterCore:
         task.add_done_callback(self._tasks.discard)
 
     def _session_ended(self, record: SessionRecord) -> None:
-        """A session left the router's books (its last call, idle past the TTL, evicted): its
-        SCT is observed and its instance told to forget it, when its client can be told
-        (``forget_sessions``; the in-process clients of the simulator are not)."""
+        """A session left the router's books (its last call, idle past the TTL, evicted)."""
         if record.last_finish is not None:
             self.metrics.sct.observe(record.last_finish - record.started_at, model=record.model)
-        client = self.clients.get(record.instance_id) if record.instance_id is not None else None
-        forget = getattr(client, "forget_sessions", None)
+
+    def _forget_sessions(self, instance_id: str, keys: list[str]) -> None:
+        """``instance_id`` forgets the branch ``keys`` the router let go (if its client can)."""
+        forget = getattr(self.clients.get(instance_id), "forget_sessions", None)
         if forget is not None:
-            forget([record.session_id])
+            forget(keys)
 
 
 def _outcome(exc: BaseException, opened: bool) -> str:

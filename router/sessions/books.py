@@ -51,7 +51,12 @@ class SessionBooks:
         block_size: int,
         known_chain_blocks: int,
         on_end: Callable[[SessionRecord], None],
+        forget: Callable[[str, list[str]], None] | None = None,
     ) -> None:
+        """``on_end``: a session left the books. ``forget(instance_id, keys)``: branch keys
+        (the session ids instances know) that instance holds and the router let go: every
+        branch of a session that ended, each where it last ran, and a branch dropped beyond
+        the table's bound."""
         self.table = table
         table.on_evict = self._dropped
         table.on_branch_drop = self._branch_dropped
@@ -59,6 +64,7 @@ class SessionBooks:
         self.block_size = block_size
         self.chains = KnownChains(block_size, known_chain_blocks)
         self._on_end = on_end
+        self._forget = forget
 
     def chain_keys(self, call: CallRequest) -> list[str] | None:
         """The known chains ``call``'s prompt may reuse: its session's branches of its model
@@ -118,13 +124,21 @@ class SessionBooks:
 
     def _dropped(self, record: SessionRecord) -> None:
         self._on_end(record)
+        held: dict[str, list[str]] = {}  # instance -> keys of the branches last there
         for branch in record.branches.values():
             self.chains.forget(branch.key)
+            if branch.instance_id is not None:
+                held.setdefault(branch.instance_id, []).append(branch.key)
+        if self._forget is not None:
+            for instance_id, keys in held.items():
+                self._forget(instance_id, keys)
         if self.inference is not None:
             self.inference.forget(record.session_id)
 
     def _branch_dropped(self, branch: SessionBranch) -> None:
         self.chains.forget(branch.key)
+        if self._forget is not None and branch.instance_id is not None:
+            self._forget(branch.instance_id, [branch.key])
 
     def _name(self, call: CallRequest, hashes: list[int]) -> tuple[bool, bool]:
         """Name the call's session; returns whether the session ends with this call here, and
