@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -117,8 +118,13 @@ class ModelTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes, so the tokens that split one character (an emoji, CJK)
+        each give their part of its UTF-8 (``piece_bytes``); a token with no byte form is its
+        text decoded alone."""
+        pieces = self.tokenizer.convert_ids_to_tokens(list(token_ids))
+        return [piece_bytes(piece) or self.tokenizer.decode([t], skip_special_tokens=False).encode()
+                for t, piece in zip(token_ids, pieces, strict=True)]
 
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
@@ -154,3 +160,35 @@ def _config_context_len(path: Path) -> int | None:
     text_config = data.get("text_config") or {}
     value = data.get("max_position_embeddings") or text_config.get("max_position_embeddings")
     return int(value) if value else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``:
+    printable Latin-1 bytes stand for themselves, the others for code points from 256 up),
+    inverted: stand-in character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(kept), 0
+    for b in range(256):
+        if b not in kept:
+            kept.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(kept, chars, strict=True)}
+
+
+_BYTE_OF = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def piece_bytes(piece: str | None) -> bytes | None:
+    """A vocabulary entry's bytes: a byte-fallback token ``<0xNN>`` its byte, an entry of
+    byte-level stand-ins the bytes they stand for; None for any other (a SentencePiece
+    word piece: decode it instead)."""
+    if not piece:
+        return None
+    if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+        return bytes([int(m.group(1), 16)])
+    if all(c in _BYTE_OF for c in piece):
+        return bytes(_BYTE_OF[c] for c in piece)
+    return None

@@ -303,25 +303,33 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     }
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
+def token_text(token: bytes) -> str:
+    """A token as logprobs name it: its text, or, for part of a character (an emoji split
+    over tokens), ``bytes:`` and its bytes escaped (``bytes:\\xf0\\x9f``), as OpenAI's
+    completions do; ``bytes`` carries the raw bytes either way."""
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token)
+
+
+def chat_logprobs(tokens: list[bytes], logprobs: list[float]) -> dict[str, Any]:
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            {"token": token_text(t), "logprob": lp, "bytes": list(t), "top_logprobs": []}
             for t, lp in zip(tokens, logprobs, strict=False)
         ]
     }
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
+def completion_logprobs(tokens: list[bytes], logprobs: list[float], offsets: list[int]) -> dict[str, Any]:
+    """``text_offset``: where each token starts in the answer's text, in characters (a token
+    inside a character starts at that character)."""
     return {
-        "tokens": tokens,
+        "tokens": [token_text(t) for t in tokens],
         "token_logprobs": logprobs[: len(tokens)],
         "top_logprobs": None,
-        "text_offset": offsets,
+        "text_offset": offsets[: len(tokens)],
     }
 
 

@@ -6,6 +6,7 @@ for a call's next event while watching that its client is still there."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +30,9 @@ class Piece:
     """What one event added: text safe to send, and its tokens' logprobs if asked for."""
 
     text: str = ""
-    tokens: list[str] = field(default_factory=list)
+    tokens: list[bytes] = field(default_factory=list)  # each token's own bytes
     logprobs: list[float] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # where each token starts in the answer
 
 
 class OutputAssembler:
@@ -46,6 +48,8 @@ class OutputAssembler:
         self._want_logprobs = want_logprobs
         self._text: list[str] = []
         self._all = Piece()
+        self._chars = 0  # characters the answer's tokens have completed (logprobs' offsets)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.prompt_tokens = len(prompt_ids)
         self.token_ids: list[int] = []
         self.reported: CallUsage | None = None
@@ -62,10 +66,14 @@ class OutputAssembler:
         emit, stopped = self._stop.feed(self._detok.push(event.token_ids))
         piece = Piece(text=emit)
         if self._want_logprobs and event.logprobs:
-            piece.tokens = self._tok.token_strings(event.token_ids)
+            piece.tokens = self._tok.token_bytes(event.token_ids)
             piece.logprobs = list(event.logprobs)
+            for token in piece.tokens:  # a token inside a character starts at that character
+                piece.offsets.append(self._chars)
+                self._chars += len(self._utf8.decode(token))
             self._all.tokens += piece.tokens
             self._all.logprobs += piece.logprobs
+            self._all.offsets += piece.offsets
         self._text.append(emit)
         if stopped:
             self.finish_reason, self.done = "stop", True
@@ -132,7 +140,7 @@ class OutputAssembler:
         if not self._want_logprobs:
             return None
         piece = piece or self._all
-        return schema.completion_logprobs(piece.tokens, piece.logprobs)
+        return schema.completion_logprobs(piece.tokens, piece.logprobs, piece.offsets)
 
 
 async def collect(
