@@ -35,6 +35,9 @@ class ToolRequest:
 
 
 def assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls``, each call's ``arguments`` as the object the chat
+    template renders (templates write it with ``tojson``; the JSON string the API carries
+    would be encoded twice), as the Responses and Anthropic paths pass theirs."""
     if not isinstance(calls, list):
         raise bad_request(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
     out = []
@@ -45,7 +48,7 @@ def assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"{at}.function must be an object with a string name", f"{at}.function")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
-            json_arguments(arguments, f"{at}.function.arguments")
+            arguments = json_arguments(arguments, f"{at}.function.arguments")
         elif not isinstance(arguments, dict):
             raise bad_request(f"{at}.function.arguments must be a JSON string or an object", f"{at}.function.arguments")
         out.append({**call, "function": {"name": function["name"], "arguments": arguments}})

@@ -232,3 +232,34 @@ async def test_a_run_of_text_is_one_anthropic_text_block(tiny_tokenizer: ModelTo
     starts = [d for n, d in streamed if n == "content_block_start"]
     assert len(starts) == 1
     assert whole == [{"type": "text", "text": answer}]
+
+
+def test_a_tool_calls_string_arguments_reach_the_template_as_an_object(
+    tiny_tokenizer: ModelTokenizer,
+) -> None:
+    """OpenAI's chat API carries ``arguments`` as a JSON string; templates render the
+    object (``tojson``), so the string went in encoded twice, and ``""`` as nothing at all
+    (``"arguments": }``). Rendered now as the Responses and Anthropic paths render theirs."""
+    from router.api.openai_tools import assistant_tool_calls
+
+    def call(arguments: object) -> list[dict[str, object]]:
+        return [{"id": "t1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": arguments}}]
+
+    assert assistant_tool_calls(call('{"city":"Paris"}'), "m")[0]["function"]["arguments"] == {
+        "city": "Paris"}
+    assert assistant_tool_calls(call(""), "m")[0]["function"]["arguments"] == {}
+
+    def prompt(arguments: object) -> str:
+        history = [{"role": "user", "content": "weather?"},
+                   {"role": "assistant", "content": "",
+                    "tool_calls": assistant_tool_calls(call(arguments), "messages[1]")},
+                   {"role": "tool", "tool_call_id": "t1", "content": "sunny"}]
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        return tiny_tokenizer.decode(tiny_tokenizer.encode_chat(history, tools))
+
+    as_object = prompt({"city": "Paris"})
+    assert prompt('{"city": "Paris"}') == prompt('{"city":"Paris"}') == as_object
+    assert '"arguments": {"city": "Paris"}' in as_object
+    assert '"arguments": {}' in prompt("")
