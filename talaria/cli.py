@@ -29,11 +29,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.library:
         from talaria.demo import run_demo
 
-        run_demo(size=args.size, max_tokens=args.max_tokens or 24)
+        run_demo(size=args.size, max_tokens=24 if args.max_tokens is None else args.max_tokens)
         return 0
     from talaria.demo_agent import run_agent_demo
 
-    return run_agent_demo(args.url, max_tokens=args.max_tokens or 128)
+    return run_agent_demo(args.url, max_tokens=128 if args.max_tokens is None else args.max_tokens)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -121,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"talaria {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # an address that does not answer, a path that is not a folder
+        print(f"talaria {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

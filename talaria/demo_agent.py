@@ -173,7 +173,7 @@ def start_serve(log: Any, timeout_s: float = 600.0) -> tuple[subprocess.Popen[st
 def run_agent_demo(url: str | None = None, max_tokens: int = 128) -> int:
     """Start `talaria serve` (unless ``url`` names a running one), run the session, stop."""
     try:
-        from openai import OpenAI
+        from openai import APIConnectionError, OpenAI
     except ImportError:
         print("talaria demo needs the openai package (pip install -e .[dev])", file=sys.stderr)
         return 1
@@ -190,7 +190,10 @@ def run_agent_demo(url: str | None = None, max_tokens: int = 128) -> int:
               f"{time.perf_counter() - start:.1f} s")
     try:
         client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
-        agent_session(client, max_tokens)
+        try:
+            agent_session(client, max_tokens)
+        except APIConnectionError as exc:  # the CLI's one-line error, not a traceback
+            raise ConnectionError(f"cannot reach the router at {url}: {exc}") from exc
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)

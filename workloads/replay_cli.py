@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "CSV (default: the shipped 30-session trace)")
     p.add_argument("--servers", type=int, default=1,
                    help="instances; the trace is replicated this many times (default 1)")
-    p.add_argument("--server", default="h200x8", help="server preset: h200x8 | h100x8")
+    p.add_argument("--server", default="h200x8",
+                   help="server preset (h200x8 | h100x8) or a server JSON file (talaria calibrate)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size of an instance")
     p.add_argument("--policies", help="comma-separated policies (default: all)")
     p.add_argument("--json", dest="json_path", help="write the results as JSON here")
@@ -130,6 +131,9 @@ def run_replay_command(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    for out in (args.json_path, args.plot):  # found wrong now, not after an hour's run
+        if out and not Path(out).resolve().parent.is_dir():
+            raise ValueError(f"cannot write {out}: its folder does not exist")
     if args.servers < 1:
         raise ValueError(f"--servers must be >= 1, got {args.servers}")
     if args.max_sessions is not None and args.max_sessions < 1:

@@ -332,6 +332,9 @@ def _raise_if_dead(procs: list[Any], conns: list[Connection], when: str) -> None
                     detail = f": {value}" if kind == "error" else ""
             except (EOFError, OSError):
                 pass
+            if not detail and when == "during start-up":
+                detail = ("; a script that starts tensor parallelism needs its work under "
+                          "`if __name__ == \"__main__\":` (each rank's process imports it)")
             raise RuntimeError(
                 f"tensor-parallel worker rank {rank} died {when} (exit code {p.exitcode}){detail}"
             )

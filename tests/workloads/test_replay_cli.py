@@ -234,3 +234,28 @@ def test_bench_sim_with_cut_fused_steps_runs_the_default_first_for_a_ratio(
     ratio = float(rows[1].split("this: ")[1].split("x")[0])
     # the printed ratio is the two rows' calls per CPU-second
     assert ratio == pytest.approx(float(rows[1].split()[6]) / float(rows[0].split()[6]), rel=0.02)
+
+
+@pytest.mark.parametrize(("argv", "code", "says"), [
+    (["replay", "--suite", "off", "--trace", "."], 2, "is not a file"),
+    (["replay", "--suite", "off", "--policies", "talaria", "--json", "{missing}/x.json"], 2,
+     "its folder does not exist"),
+    (["replay", "--suite", "off", "--tp", "3", "--policies", "talaria"], 2,
+     "must divide"),
+    (["replay", "--live", "http://127.0.0.1:9", "--max-sessions", "1"], 1, "Cannot connect"),
+    (["make-models", "{file}"], 1, "Not a directory"),
+], ids=["trace-is-a-folder", "json-folder-missing", "tp-heads", "live-unreachable",
+        "models-into-a-file"])
+def test_a_users_mistake_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, says: str,
+) -> None:
+    """A wrong path, an address nothing answers at, a parallel size the models' heads do not
+    divide: one line naming it and a non-zero exit, before any long run, no traceback."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    argv = [a.format(missing=tmp_path / "nope", file=afile) for a in argv]
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"talaria {argv[0]}: error:") and says in err[0]
+    assert "no-staging" not in err[0]  # that hint is for what staging's room cannot fit
+    assert not (tmp_path / "nope").exists()

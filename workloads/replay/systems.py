@@ -169,7 +169,7 @@ def check_fits(system: SystemConfig, config: SimEngineConfig, models: Sequence[s
     try:
         SimEngine(list(models), config)
     except ValueError as exc:
-        hint = " (try --no-staging)" if system.staging else ""
+        hint = " (try --no-staging)" if system.staging and "must divide" not in str(exc) else ""
         raise ValueError(f"policy {system.name!r} does not fit: {exc}{hint}") from None
 
 

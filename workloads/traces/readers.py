@@ -50,6 +50,8 @@ def load_any_trace(path: str | Path) -> list[Session]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"trace {path} is not a file")
     if path.suffix.lower() == ".csv":
         return read_csv_trace(path)
     with path.open("rb") as f:
