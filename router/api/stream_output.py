@@ -65,15 +65,17 @@ class OutputAssembler:
             self.reported = event.usage
         emit, stopped = self._stop.feed(self._detok.push(event.token_ids))
         piece = Piece(text=emit)
-        if self._want_logprobs and event.logprobs:
-            piece.tokens = self._tok.token_bytes(event.token_ids)
-            piece.logprobs = list(event.logprobs)
-            for token in piece.tokens:  # a token inside a character starts at that character
-                piece.offsets.append(self._chars)
+        if self._want_logprobs and event.token_ids:
+            tokens = self._tok.token_bytes(event.token_ids)
+            offsets = []
+            for token in tokens:  # a token inside a character starts at that character
+                offsets.append(self._chars)
                 self._chars += len(self._utf8.decode(token))
-            self._all.tokens += piece.tokens
-            self._all.logprobs += piece.logprobs
-            self._all.offsets += piece.offsets
+            if event.logprobs:  # every event's tokens count towards the offsets
+                piece.tokens, piece.logprobs, piece.offsets = tokens, list(event.logprobs), offsets
+                self._all.tokens += piece.tokens
+                self._all.logprobs += piece.logprobs
+                self._all.offsets += piece.offsets
         self._text.append(emit)
         if stopped:
             self.finish_reason, self.done = "stop", True
