@@ -336,7 +336,7 @@ async def _complete(
             out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id)
             if not first.token_ids and OutputAssembler.ends_in_failure(first):
                 out.add(first)  # failed before its first token: its HTTP status, streamed or not
-                raise ApiError(502, out.error or "", code="instance_failed")
+                out.raise_if_failed()
             response = await respond(request, body, call, out, first, events, answer)
             if out.stopped_at_string:  # closing the events now is no abort: the answer is whole
                 request.app[CORE_KEY].stopped_at_string(call.call_id)

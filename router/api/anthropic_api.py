@@ -83,8 +83,7 @@ async def respond(
         return await _stream(request, body, call, out, event, events, answer)
     if not await collect(request, out, event, events):
         return web.Response(status=499)  # the client left; the caller aborts the call
-    if out.error is not None:
-        raise ApiError(502, out.error, code="instance_failed")
+    out.raise_if_failed()
     text = out.text
     items: list[str | ToolCall] = [text]
     if answer is not None:

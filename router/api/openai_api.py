@@ -22,7 +22,7 @@ from router.api import openai_tools
 from router.api.stream_output import OutputAssembler, Piece, collect
 from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
-from talaria.protocol.errors import ApiError, error_body
+from talaria.protocol.errors import error_body
 
 log = structlog.get_logger(__name__)
 
@@ -44,8 +44,7 @@ async def _collect(
 ) -> web.Response:
     if not await collect(request, out, event, events):
         return web.Response(status=499)  # the client left; the caller aborts the call
-    if out.error is not None:
-        raise ApiError(502, out.error, code="instance_failed")
+    out.raise_if_failed()
     created = int(time.time())
     usage = out.usage()
     if body.kind == "chat":

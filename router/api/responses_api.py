@@ -229,8 +229,7 @@ async def _collect(
 ) -> web.Response:
     if not await collect(request, out, event, events):
         return web.Response(status=499)  # the client left; the caller aborts the call
-    if out.error is not None:
-        raise ApiError(502, out.error, code="instance_failed")
+    out.raise_if_failed()
     full = _context_full(shape, out)
     if full is not None:
         raise ApiError(400, full, param="input", code="context_length_exceeded", headers=shape.headers)

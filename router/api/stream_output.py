@@ -19,6 +19,7 @@ from router.api.tool_calls import AnswerParser
 from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallRequest, CallUsage
+from talaria.protocol.errors import ApiError
 from talaria.protocol.http import next_or_gone
 from talaria.protocol.text import StopMatcher
 
@@ -90,6 +91,12 @@ class OutputAssembler:
     def ends_in_failure(event: CallEvent) -> bool:
         """The event ends its call in failure (an error, or an abort by the instance)."""
         return event.finished and (event.error is not None or event.finish_reason in ("error", "abort"))
+
+    def raise_if_failed(self) -> None:
+        """A failed call is a 502 (``instance_failed``) naming only the request id, however
+        far it got: before its first token (streamed or not) or in a collected answer."""
+        if self.error is not None:
+            raise ApiError(502, self.error, code="instance_failed")
 
     def fail(self, detail: str) -> None:
         """The call failed: log ``detail``; the client is told only that, and the id."""

@@ -102,9 +102,9 @@ class PromptView(Sequence[int]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PromptView):
-            other = other._tokens[: other._n] if other._tokens is not self._tokens else other
-            if isinstance(other, PromptView):  # the same list: equal if equally long
+            if other._tokens is self._tokens:  # views of one list: equal if equally long
                 return other._n == self._n
+            other = other._tokens[: other._n]
         if not isinstance(other, (list, tuple)):
             return NotImplemented
         return len(other) == self._n and self._tokens[: self._n] == list(other)
