@@ -94,12 +94,20 @@ class ServerSpec:
     host_memory_bytes: int = 2 * TB
     # (field, value) overrides of engine.sim.cost_model.Efficiency (a measured server's).
     efficiency: tuple[tuple[str, float], ...] = field(default=())
+    # Each GPU's share of its host-link rate while every GPU copies at once: every host copy
+    # the simulator prices (weights, staging, KV offloads and restores) is one of a TP group's
+    # ranks moving its shard while the others move theirs. 1.0: the rates above were
+    # measured that way already (a calibrated server).
+    host_link_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
             raise ValueError(f"ServerSpec {self.name!r}: num_devices must be >= 1")
         if self.host_memory_bytes <= 0:
             raise ValueError(f"ServerSpec {self.name!r}: host_memory_bytes must be positive")
+        if not 0.0 < self.host_link_share <= 1.0:
+            raise ValueError(f"ServerSpec {self.name!r}: host_link_share must be in (0, 1], "
+                             f"got {self.host_link_share}")
 
     @property
     def total_hbm_bytes(self) -> int:
@@ -133,10 +141,25 @@ H100 = DeviceSpec(
 
 DEVICES: dict[str, DeviceSpec] = {"h200": H200, "h100": H100}
 
+# Each GPU's share of its host link while all eight copy at once. The one measurement of
+# concurrent weight copies the simulator has, vLLM's sleep mode (engine.sim.switching:
+# SleepWakeRates), woke four A100s at once at 59 GB per GPU in 5.41 s, 44% of each GPU's
+# 25 GB/s link, where one A100 waking alone reached about 85% (same blog): the copies shared
+# the host side, 0.44 / 0.85 = 0.51. It agrees with the board: an HGX board's GPUs reach the
+# CPUs through PCIe switches whose uplinks two GPUs share, and a public H200 node acceptance
+# spec expects nvbandwidth's host_to_all_memcpy_ce (every GPU at once) at 32 GB/s per GPU
+# against 64 for host_to_device_memcpy_ce (one GPU), 0.5. The vLLM-derived figure is taken
+# so that sleep mode's measured copies price as they were measured (they were concurrent),
+# and every other row's host copies pay the same share (none did before: the sleep-mode
+# rows alone paid for copying concurrently; docs/benchmark.md, "Host copies priced alike").
+HOST_LINK_SHARE_ALL_GPUS = (59e9 / ((5.66 + 5.29 + 5.27) / 3) / 25e9) / 0.85
+
 # NVIDIA DGX H200 and DGX H100 datasheets: 8 GPUs on NVSwitch, 2 TB system memory.
 SERVERS: dict[str, ServerSpec] = {
-    "h200x8": ServerSpec(name="h200x8", device=H200, num_devices=8, host_memory_bytes=2 * TB),
-    "h100x8": ServerSpec(name="h100x8", device=H100, num_devices=8, host_memory_bytes=2 * TB),
+    "h200x8": ServerSpec(name="h200x8", device=H200, num_devices=8, host_memory_bytes=2 * TB,
+                         host_link_share=HOST_LINK_SHARE_ALL_GPUS),
+    "h100x8": ServerSpec(name="h100x8", device=H100, num_devices=8, host_memory_bytes=2 * TB,
+                         host_link_share=HOST_LINK_SHARE_ALL_GPUS),
 }
 
 DEFAULT_SERVER = "h200x8"
@@ -155,7 +178,8 @@ def server_preset(name: str = DEFAULT_SERVER) -> ServerSpec:
                          "server JSON file (talaria calibrate)") from None
 
 
-_SERVER_KEYS = {"name", "device", "num_devices", "host_memory_bytes", "efficiency"}
+_SERVER_KEYS = {"name", "device", "num_devices", "host_memory_bytes", "efficiency",
+                "host_link_share"}
 
 
 def server_to_dict(server: ServerSpec) -> dict[str, Any]:
@@ -167,6 +191,7 @@ def server_to_dict(server: ServerSpec) -> dict[str, Any]:
         "num_devices": server.num_devices,
         "host_memory_bytes": server.host_memory_bytes,
         "efficiency": dict(server.efficiency),
+        "host_link_share": server.host_link_share,
     }
 
 
@@ -191,6 +216,7 @@ def server_from_dict(data: Mapping[str, Any]) -> ServerSpec:
             num_devices=int(data.get("num_devices", 1)),
             host_memory_bytes=int(data.get("host_memory_bytes", TB)),
             efficiency=tuple(sorted((str(k), float(v)) for k, v in efficiency.items())),
+            host_link_share=float(data.get("host_link_share", 1.0)),
         )
     except TypeError as exc:
         raise ValueError(f"server spec: {exc}") from None

@@ -73,8 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drop the staging region from every policy (servers too small to "
                    "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
     p.add_argument("--sleep-efficiency", type=float, default=None,
-                   help="sleep/wake copy efficiency of the host link for the vLLM/SGLang peers "
-                   "(default: vLLM's measured multi-GPU 0.40-0.44; 0.85 is one GPU alone)")
+                   help="sleep/wake rate of the vLLM/SGLang peers as a fraction of a plain "
+                   "host copy's here (default: vLLM's measured rate, 0.85 of it for a wake; "
+                   "1.0: no dearer than the substrate's copy)")
     p.add_argument("--aegaeon-fixed-s", type=float, default=None,
                    help="Aegaeon's fixed cost per switch beyond the weight copy (default 0.15 s, "
                    "an assumption inside the paper's 'sub-second'): its sensitivity")

@@ -141,6 +141,10 @@ class CostModel:
             )
         self.server = server
         self.device = server.device
+        # host copies run while every rank of the group copies its shard (ServerSpec)
+        self.host_link_bytes_per_s = self.host_copy_rate(server.device.host_link_bytes_per_s)
+        self.kv_offload_bytes_per_s = self.host_copy_rate(server.device.kv_offload_rate)
+        self.kv_restore_bytes_per_s = self.host_copy_rate(server.device.kv_restore_rate)
         self.model = model
         self.tp = tp
         self.eff = efficiency or Efficiency.of_server(server)
@@ -389,9 +393,14 @@ class CostModel:
         return self._step(tokens, pairs, kv_read, rows, decode_pairs, decode_seqs)
 
     # --- moving bytes -----------------------------------------------------------------------
+    def host_copy_rate(self, alone_bytes_per_s: float) -> float:
+        """What a host copy measured at ``alone_bytes_per_s`` on one GPU copying alone gets
+        per GPU here, where every GPU of the server copies at once."""
+        return alone_bytes_per_s * self.server.host_link_share
+
     def switch_seconds_host(self) -> float:
         """Activate from the pinned host weight store into fixed addresses (H2D)."""
-        return self.weight_bytes_per_gpu() / self.device.host_link_bytes_per_s
+        return self.weight_bytes_per_gpu() / self.host_link_bytes_per_s
 
     def switch_seconds_staged(self) -> float:
         """Activate from the device staging region (D2D copy)."""
@@ -405,11 +414,11 @@ class CostModel:
 
     def kv_offload_seconds(self, tokens: int) -> float:
         """Copy ``tokens`` tokens of KV to pinned host memory."""
-        return self.kv_copy_seconds(tokens, self.device.kv_offload_rate)
+        return self.kv_copy_seconds(tokens, self.kv_offload_bytes_per_s)
 
     def kv_restore_seconds(self, tokens: int) -> float:
         """Copy ``tokens`` tokens of KV back from pinned host memory."""
-        return self.kv_copy_seconds(tokens, self.device.kv_restore_rate)
+        return self.kv_copy_seconds(tokens, self.kv_restore_bytes_per_s)
 
 
 def _check_non_negative(**values: int) -> None:

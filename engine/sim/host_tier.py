@@ -26,7 +26,11 @@ class HostTier:
         return self.index.capacity_bytes > 0
 
     def restore_bytes_per_s(self, cost: CostModel) -> float:
-        return self.tier.restore_bytes_per_s or cost.device.kv_restore_rate
+        """The tier's own restore rate (measured on one GPU alone) at the server's share of
+        the host link, or the server's."""
+        if self.tier.restore_bytes_per_s:
+            return cost.host_copy_rate(self.tier.restore_bytes_per_s)
+        return cost.kv_restore_bytes_per_s
 
     def restore_seconds(self, cost: CostModel, tokens: int) -> float:
         """Copying ``tokens`` tokens of KV back from the host tier, alone."""
@@ -34,7 +38,8 @@ class HostTier:
 
     def offload_seconds(self, cost: CostModel, tokens: int) -> float:
         """Copying ``tokens`` tokens of KV to the host tier on demand."""
-        rate = self.tier.offload_bytes_per_s or cost.device.kv_offload_rate
+        rate = (cost.host_copy_rate(self.tier.offload_bytes_per_s) if self.tier.offload_bytes_per_s
+                else cost.kv_offload_bytes_per_s)
         return cost.kv_copy_seconds(tokens, rate)
 
     def step_seconds(self, cost: CostModel, compute_s: float, restore_s: float) -> float:
@@ -80,7 +85,7 @@ class HostTier:
             self._written[req.request_id] = full
         if self.tier.store_bytes_per_s is None:
             return 0.0
-        return stored * block_bytes / self.tier.store_bytes_per_s
+        return stored * block_bytes / cost.host_copy_rate(self.tier.store_bytes_per_s)
 
     def forget(self, request_id: str) -> None:
         self._written.pop(request_id, None)

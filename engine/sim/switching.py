@@ -41,9 +41,15 @@ class SleepWakeRates:
     The A100's host link is PCIe Gen4 x16, about 25 GB/s achievable (32 GB/s theoretical;
     github.com/ZaidQureshi/bam issue 54). Four GPUs copied at once, so the measured rate per
     GPU (about 11 GB/s) is about 44% of that link for a wake and 40% for a sleep: the
-    multi-GPU efficiency, which this server (eight GPUs copying at once) is given on its own
-    host link. A single A100 waking a 30B model alone reached about 85% (same blog): pass
-    ``efficiency`` to price that optimistic case instead.
+    multi-GPU efficiency, which this server (eight GPUs copying at once) is given on each
+    GPU's own host link. It holds both what sleep and wake cost beyond a plain copy and the
+    share of the host link each GPU gets while all copy, which every other host copy pays
+    through ``ServerSpec.host_link_share`` (``HOST_LINK_SHARE_ALL_GPUS`` is derived from this
+    measurement, so the two agree: a wake costs 1 / 0.85 of a plain host copy here).
+
+    ``efficiency`` prices a sensitivity case instead: sleep and wake at that fraction of the
+    rate a plain host copy gets on this server (1.0: no dearer than the substrate's copy; a
+    single A100 waking a 30B model alone reached about 85% of its link, same blog).
     """
 
     measured_bytes_per_gpu: float = 59e9
@@ -68,13 +74,18 @@ class SleepWakeRates:
             return self.efficiency
         return self.measured_bytes_per_gpu / self.measured_sleep_s / self.measured_link_bytes_per_s
 
+    def _link(self, cost: CostModel) -> float:
+        """The rate the efficiencies are fractions of: each GPU's own link for the measured
+        ones (the measurement holds the share), a plain host copy's rate here for a given one."""
+        if self.efficiency is None:
+            return cost.device.host_link_bytes_per_s
+        return cost.host_link_bytes_per_s
+
     def wake_seconds(self, cost: CostModel) -> float:
-        link = cost.device.host_link_bytes_per_s
-        return cost.weight_bytes_per_gpu() / (self.wake_efficiency * link)
+        return cost.weight_bytes_per_gpu() / (self.wake_efficiency * self._link(cost))
 
     def sleep_seconds(self, cost: CostModel) -> float:
-        link = cost.device.host_link_bytes_per_s
-        return cost.weight_bytes_per_gpu() / (self.sleep_efficiency * link)
+        return cost.weight_bytes_per_gpu() / (self.sleep_efficiency * self._link(cost))
 
 
 def switch_seconds(

@@ -33,6 +33,7 @@ from workloads.replay.driver import ReplayResult
 from workloads.replay.jobs import Job, run_many
 from workloads.replay.systems import PREEMPT_QUANTA, ROUND_QUANTA, SystemConfig
 from workloads.suite.stats import percentile
+from substrate.devices import server_preset, server_to_dict
 from workloads.traces.trace import Session
 
 __all__ = ["GRIDS", "TUNE_COMMAND", "TUNED_PATH", "Tuned", "apply_settings", "grid",
@@ -70,12 +71,14 @@ class Tuned:
 
 
 def setup_key(sessions: Sequence[Session], spec: ClusterSpec, seed: int) -> str:
-    """What a tuned setting depends on: the trace's content and the simulated cluster."""
+    """What a tuned setting depends on: the trace's content and the simulated cluster, its
+    server's physical numbers included (settings tuned under other prices are not kept)."""
     trace = [(s.session_id, s.model, s.arrival_s,
               [(c.input_tokens, c.output_tokens, c.tool_gap_s) for c in s.calls])
              for s in sessions]
     cluster = [spec.servers, spec.server, spec.tp, list(spec.models), spec.block_size,
                spec.max_fused_decode_steps, seed] + (["cut"] if spec.cut_fused_steps else [])
+    cluster.append(server_to_dict(server_preset(spec.server)))
     return hashlib.sha256(orjson.dumps([trace, cluster])).hexdigest()[:16]
 
 

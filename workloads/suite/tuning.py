@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from substrate.devices import server_preset, server_to_dict
 from workloads.replay.systems import PEERS, SYSTEMS
 from workloads.suite.run import BASELINE, FIGURES, SuiteSettings, run_suite
 from workloads.suite.scenarios import SuiteConfig, scenarios
@@ -42,11 +43,13 @@ SUITE_QUOTAS: tuple[float, ...] = (1.0, 2.0, 4.0)  # Aegaeon's, within its Q_MAX
 
 def suite_key(config: SuiteConfig) -> str:
     """What a scenario's tuned settings depend on beyond its name (trace, arrivals, servers):
-    the suite's sizes, seed and cluster."""
+    the suite's sizes, seed and cluster, its server's physical numbers included (settings
+    tuned under other prices read as untuned)."""
     spec = config.spec
     parts = [config.sessions_per_server, config.pooled_sessions, config.seed,
              [spec.server, spec.tp, list(spec.models), spec.block_size,
-              spec.max_fused_decode_steps] + (["cut"] if spec.cut_fused_steps else [])]
+              spec.max_fused_decode_steps] + (["cut"] if spec.cut_fused_steps else []),
+             server_to_dict(server_preset(spec.server))]
     return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:16]
 
 

@@ -3,11 +3,13 @@ and the residency constraints the two server presets must impose."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.sim.cost_model import CostModel, Efficiency
 from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec, catalog
-from substrate.devices import GB, H100, H200, SERVERS, server_preset
+from substrate.devices import GB, H100, H200, HOST_LINK_SHARE_ALL_GPUS, SERVERS, server_preset
 from workloads.traces.generator import default_trace
 
 H200X8 = server_preset("h200x8")
@@ -129,14 +131,17 @@ def test_switch_time_is_bytes_over_bandwidth(server, name: str) -> None:
     c = cm(name, server)
     w = c.weight_bytes_per_gpu()
     assert w == pytest.approx(c.model.weight_bytes / 8, abs=1)
-    assert c.switch_seconds_host() == pytest.approx(w / server.device.host_link_bytes_per_s)
+    # every GPU copies its shard at once, at its share of its own host link
+    assert c.switch_seconds_host() == pytest.approx(
+        w / (server.device.host_link_bytes_per_s * HOST_LINK_SHARE_ALL_GPUS))
     assert c.switch_seconds_staged() == pytest.approx(w / server.device.d2d_bytes_per_s)
     assert c.switch_seconds_staged() < c.switch_seconds_host()
 
 
 def test_kv_moves_are_bytes_over_the_host_link() -> None:
     c = cm()
-    assert c.kv_offload_seconds(40_000) == pytest.approx(40_000 * 48_128 / (50 * GB))
+    assert c.kv_offload_seconds(40_000) == pytest.approx(
+        40_000 * 48_128 / (50 * GB * HOST_LINK_SHARE_ALL_GPUS))
     assert c.kv_restore_seconds(40_000) == c.kv_offload_seconds(40_000)
     # restoring a 40k-token prefix beats recomputing it by a wide margin
     assert c.kv_restore_seconds(40_000) * 10 < c.prefill_seconds(40_000)
@@ -253,3 +258,24 @@ def test_step_terms_price_every_step_as_the_cost_model_does(model: str, host_ter
     assert weights == sorted(weights)
     assert [w / n for w, n in zip(weights, (1, 2, 16, 256, 8192), strict=True)] == sorted(
         (w / n for w, n in zip(weights, (1, 2, 16, 256, 8192), strict=True)), reverse=True)
+
+
+def test_host_copies_pay_the_servers_share_of_the_link_and_only_there() -> None:
+    """A server whose rates were measured with every GPU copying (share 1.0, a calibrated
+    one) prices a copy at its link; the presets at each GPU's share while all eight copy."""
+    alone = dataclasses.replace(H200X8, host_link_share=1.0)
+    shared, own = cm(), cm(server=alone)
+    w = own.weight_bytes_per_gpu()
+    assert own.switch_seconds_host() == w / (50 * GB)
+    assert shared.switch_seconds_host() == pytest.approx(own.switch_seconds_host() / 0.5135,
+                                                         rel=1e-3)
+    assert shared.kv_restore_seconds(1_000) / own.kv_restore_seconds(1_000) == pytest.approx(
+        1 / HOST_LINK_SHARE_ALL_GPUS)
+    assert shared.switch_seconds_staged() == own.switch_seconds_staged()  # D2D: no host link
+    assert shared.host_copy_rate(40e9) == pytest.approx(40e9 * HOST_LINK_SHARE_ALL_GPUS)
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_host_link_share_outside_0_1_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="host_link_share"):
+        dataclasses.replace(H200X8, host_link_share=share)

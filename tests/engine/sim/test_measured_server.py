@@ -17,6 +17,7 @@ from engine.sim.engine import SimEngine
 from engine.sim.model_spec import ModelSpec
 from engine.sim.step_time import DecodeLine
 from substrate.devices import (
+    HOST_LINK_SHARE_ALL_GPUS,
     DeviceSpec,
     ServerSpec,
     load_server,
@@ -192,7 +193,12 @@ def test_kv_moves_use_the_measured_rates_when_there_are_some() -> None:
     assert cpu.kv_offload_seconds(100) == pytest.approx(100 * m.kv_bytes_per_token / 0.5e9)
     assert cpu.kv_restore_seconds(100) == pytest.approx(100 * m.kv_bytes_per_token / 0.8e9)
     h200 = CostModel(server_preset("h200x8"), m, 1)
-    assert h200.kv_restore_seconds(100) == pytest.approx(100 * m.kv_bytes_per_token / 50e9)
+    assert h200.kv_restore_seconds(100) == pytest.approx(
+        100 * m.kv_bytes_per_token / (50e9 * HOST_LINK_SHARE_ALL_GPUS))
+    assert SERVER.host_link_share == 1.0  # measured rates already hold what sharing costs
+    assert server_from_dict(server_to_dict(SERVER)) == SERVER
+    shared = dataclasses.replace(SERVER, host_link_share=0.5)
+    assert server_from_dict(server_to_dict(shared)).host_link_share == 0.5
 
 
 def test_a_sim_engine_runs_the_tiny_catalog_on_the_measured_server(tmp_path: Path) -> None:

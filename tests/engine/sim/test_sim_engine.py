@@ -416,7 +416,7 @@ def test_model_rates_come_from_the_cost_model() -> None:
     assert rates["switch_host_s"] == pytest.approx(c.switch_seconds_host())
     assert rates["switch_staged_s"] == pytest.approx(c.switch_seconds_staged())
     assert rates["kv_bytes_per_token"] == c.kv_bytes_per_token_per_gpu()
-    assert rates["kv_restore_bytes_per_s"] == c.device.host_link_bytes_per_s
+    assert rates["kv_restore_bytes_per_s"] == c.kv_restore_bytes_per_s
     asleep = make(stable_substrate=False, staging=False, switch="sleep_wake")
     asleep.activate(QWEN)
     assert asleep.model_rates(GLM)["switch_host_s"] == pytest.approx(

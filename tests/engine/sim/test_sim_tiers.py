@@ -59,14 +59,17 @@ def test_lmcache_writes_through_as_it_computes_and_pays_for_the_store() -> None:
     steps = run(lmcache, "c1", prompt(4000))
     blocks = 4000 // BS
     assert lmcache.host_kv.bytes_of(GLM) == blocks * BS * cost().kv_bytes_per_token_per_gpu()
-    store_s = blocks * BS * cost().kv_bytes_per_token_per_gpu() / KV_TIERS["lmcache"].store_bytes_per_s
+    # LMCache's rates were measured on one GPU; here every GPU stores at once
+    store_s = (blocks * BS * cost().kv_bytes_per_token_per_gpu()
+               / cost().host_copy_rate(KV_TIERS["lmcache"].store_bytes_per_s))
     assert steps[0].seconds == pytest.approx(cost().chunks_step_seconds([(4000, 0)]) + store_s)
     # it survives sleep and wake: the returning call restores at LMCache's retrieve rate
     asleep = make(kv_tier="lmcache", switch="sleep_wake", stable_substrate=False)
     restored, _ = _switch_away_and_back(asleep)
     kept = (4000 // BS) * BS
     assert restored[0].num_prefill_tokens == 4500 - kept
-    retrieve_s = kept * cost().kv_bytes_per_token_per_gpu() / KV_TIERS["lmcache"].restore_bytes_per_s
+    retrieve_s = (kept * cost().kv_bytes_per_token_per_gpu()
+                  / cost().host_copy_rate(KV_TIERS["lmcache"].restore_bytes_per_s))
     assert restored[0].seconds > cost().chunks_step_seconds([(4500 - kept, kept)]) + retrieve_s
 
 

@@ -10,7 +10,7 @@ import pytest
 from engine.sim.cost_model import CostModel
 from engine.sim.model_spec import ModelSpec
 from engine.sim.switching import AEGAEON_FIXED_S, SleepWakeRates, switch_seconds
-from substrate.devices import GB, ServerSpec, server_preset
+from substrate.devices import GB, HOST_LINK_SHARE_ALL_GPUS, ServerSpec, server_preset
 
 H200X8 = server_preset("h200x8")
 
@@ -48,8 +48,9 @@ def test_sleep_wake_costs_more_than_the_substrate_copy_and_scales_with_the_link(
                                                     rel=0.01)
     copy = switch_seconds("copy", qwen, glm, staged=False, sleep_wake=rates)
     assert copy == qwen.switch_seconds_host() < rates.wake_seconds(qwen) < sw
-    optimistic = SleepWakeRates(efficiency=0.85)
-    assert optimistic.wake_seconds(qwen) < rates.wake_seconds(qwen)
+    optimistic = SleepWakeRates(efficiency=1.0)  # no dearer than the substrate's copy
+    assert optimistic.wake_seconds(qwen) == pytest.approx(copy)
+    assert copy < rates.wake_seconds(qwen)
     assert switch_seconds("sleep_wake", qwen, None, staged=False, sleep_wake=rates) == (
         rates.wake_seconds(qwen))
 
@@ -65,3 +66,14 @@ def test_scale_up_is_the_copy_plus_a_fixed_cost() -> None:
                               scale_up_fixed_s=1.0) == pytest.approx(copy + 1.0)
     with pytest.raises(ValueError, match="unknown switch"):
         switch_seconds("teleport", qwen, None, staged=False, sleep_wake=rates)
+
+
+def test_the_servers_host_link_share_is_the_one_sleep_mode_measured() -> None:
+    """HOST_LINK_SHARE_ALL_GPUS is vLLM's concurrent wake over one GPU waking alone (85%),
+    so a wake on the preset costs a plain host copy over 0.85: the sleep-mode rows pay for
+    their mechanism, and the copying concurrently once, like every other row."""
+    assert SleepWakeRates().wake_efficiency == pytest.approx(HOST_LINK_SHARE_ALL_GPUS * 0.85)
+    qwen = cm()
+    assert SleepWakeRates().wake_seconds(qwen) == pytest.approx(qwen.switch_seconds_host() / 0.85)
+    assert SleepWakeRates(efficiency=0.85).wake_seconds(qwen) == pytest.approx(
+        SleepWakeRates().wake_seconds(qwen))

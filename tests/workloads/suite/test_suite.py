@@ -3,11 +3,13 @@ reading of rows, and one small suite end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import orjson
 import pytest
 
+from substrate import devices
 from workloads.bounds.bound import LowerBound, pooled_bound
 from workloads.replay.cluster import ClusterSpec, ClusterTotals
 from workloads.replay.driver import CallRecord, ReplayResult, SessionResult
@@ -263,6 +265,21 @@ def test_suite_key_changes_with_what_tuning_depends_on() -> None:
     # cutting fused steps changes the physics the settings were tuned under
     cut = SuiteConfig(spec=ClusterSpec(cut_fused_steps=True))
     assert suite_key(SuiteConfig()) != suite_key(cut)
+
+
+def test_settings_tuned_under_other_prices_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keys of both caches hold the server's numbers: a preset priced anew (its host
+    link shared or not) reads its old settings as untuned, under the same name."""
+    from workloads.benchmark.tuning import setup_key
+    from workloads.traces.generator import default_trace
+
+    before = suite_key(SuiteConfig()), setup_key(default_trace(), ClusterSpec(), 0)
+    server = devices.SERVERS["h200x8"]
+    monkeypatch.setitem(devices.SERVERS, "h200x8", dataclasses.replace(server, host_link_share=1.0))
+    after = suite_key(SuiteConfig()), setup_key(default_trace(), ClusterSpec(), 0)
+    assert before[0] != after[0] and before[1] != after[1]
+    monkeypatch.setitem(devices.SERVERS, "h200x8", server)
+    assert (suite_key(SuiteConfig()), setup_key(default_trace(), ClusterSpec(), 0)) == before
 
 
 def test_the_cached_suite_settings_match_the_quick_suite() -> None:
