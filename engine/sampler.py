@@ -91,7 +91,7 @@ class Sampler:
             if use_p:
                 top_p = torch.tensor([p.top_p for p in params], device=device)
                 sp = torch.softmax(sorted_x, dim=-1)
-                before = sp.cumsum(dim=-1) - sp
-                sorted_x = sorted_x.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
+                before = sp.cumsum(dim=-1) - sp  # a token is kept while those before it miss p
+                sorted_x = sorted_x.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
             x = torch.empty_like(x).scatter_(-1, order, sorted_x)
         return torch.softmax(x, dim=-1)

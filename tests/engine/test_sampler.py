@@ -88,3 +88,15 @@ def test_logprobs_of_sampled_tokens() -> None:
     assert out.logprobs[1] is None
     for i in (0, 2):
         assert abs(out.logprobs[i] - float(lp[i, out.token_ids[i]])) < 1e-5
+
+
+def test_top_p_stops_at_the_first_token_reaching_p() -> None:
+    # HF's TopPLogitsWarper and vLLM keep the smallest set whose probability reaches top_p:
+    # of four equal tokens at top_p=0.5, two; of [0.5, 0.25, 0.25], the first alone.
+    s = Sampler(gen(4))
+    uniform = torch.zeros(1, 4)
+    seen = {s(uniform, [SamplingParams(top_p=0.5)]).token_ids[0] for _ in range(200)}
+    assert len(seen) == 2
+    half = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    seen = {s(half, [SamplingParams(top_p=0.5)]).token_ids[0] for _ in range(100)}
+    assert seen == {0}
