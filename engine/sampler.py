@@ -86,8 +86,8 @@ class Sampler:
                 k = torch.tensor(
                     [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device
                 )
-                ranks = torch.arange(vocab, device=device).unsqueeze(0)
-                sorted_x = sorted_x.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+                kth = sorted_x.gather(1, (k - 1).unsqueeze(1))  # ties with it stay in
+                sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
             if use_p:
                 top_p = torch.tensor([p.top_p for p in params], device=device)
                 sp = torch.softmax(sorted_x, dim=-1)

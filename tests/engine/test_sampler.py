@@ -100,3 +100,12 @@ def test_top_p_stops_at_the_first_token_reaching_p() -> None:
     half = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
     seen = {s(half, [SamplingParams(top_p=0.5)]).token_ids[0] for _ in range(100)}
     assert seen == {0}
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    # HF's TopKLogitsWarper and vLLM mask only logits below the k-th largest: a tie at the
+    # boundary stays in (common with bfloat16 logits), whichever order the sort put it in.
+    x = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.5]])
+    s = Sampler(gen(5))
+    seen = {s(x, [SamplingParams(top_k=2)]).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1, 2}
