@@ -205,9 +205,12 @@ class InstanceMemory:
             self.ledger.begin_staging(name)
         return plan
 
-    def poll_staging(self, block: bool = False) -> MoveRecord | None:
+    def poll_staging(self, block: bool = False, raise_failure: bool = False) -> MoveRecord | None:
         """Bring the ledger up to date with the stager (waiting for a copy in flight if
-        ``block``); returns the staging record when this call saw the copy complete."""
+        ``block``); returns the staging record when this call saw the copy complete. A copy
+        that failed staged nothing: it is logged and forgotten (its model activates from
+        host), or raised as RuntimeError with ``raise_failure`` (the caller waits for the
+        copy it asked for)."""
         if self.ledger.staging_state is not StagingState.IN_PROGRESS:
             return None
         if not block and self.stager.state is StagingState.IN_PROGRESS:
@@ -217,7 +220,10 @@ class InstanceMemory:
             record = self.stager.wait()
         except RuntimeError:
             self.ledger.clear_staging()
-            raise
+            if raise_failure:
+                raise
+            log.warning("staging_copy_failed", model=name)
+            return None
         if record is None or name is None:
             self.ledger.clear_staging()
             return None

@@ -180,7 +180,7 @@ class MultiModelEngine(ServesModels):
         if record is None and plan.kind == MoveKind.STAGE:
             estimate = self.rank.estimate(plan)
             if estimate is None:
-                record = self.rank.poll_staging(block=True)
+                record = self.rank.poll_staging(block=True, raise_failure=True)
             else:
                 return MoveReport(MoveKind.STAGE, plan.bytes, estimate)
         if record is None:

@@ -117,7 +117,7 @@ class RankModels:
         """Start staging ``name``; with ``wait``, block until the copy is done and return
         its record too."""
         plan = self.memory.stage(name)
-        record = self.memory.poll_staging(block=True) if wait else None
+        record = self.memory.poll_staging(block=True, raise_failure=True) if wait else None
         return plan, record
 
     def offload_kv(
@@ -129,9 +129,10 @@ class RankModels:
     def can_stage(self, name: str) -> bool:
         return self.memory.ledger.can_stage(name)
 
-    def poll_staging(self, block: bool = False) -> MoveRecord | None:
-        """The staging record, once, when the copy in flight is seen complete."""
-        return self.memory.poll_staging(block=block)
+    def poll_staging(self, block: bool = False, raise_failure: bool = False) -> MoveRecord | None:
+        """The staging record, once, when the copy in flight is seen complete (a failed copy
+        is forgotten, or raised with ``raise_failure``)."""
+        return self.memory.poll_staging(block=block, raise_failure=raise_failure)
 
     @property
     def staged_model(self) -> str | None:

@@ -228,12 +228,12 @@ class TensorParallelRankModels:
     def can_stage(self, name: str) -> bool:
         return self.local.memory.ledger.can_stage(name)  # every rank's region is alike
 
-    def poll_staging(self, block: bool = False) -> MoveRecord | None:
+    def poll_staging(self, block: bool = False, raise_failure: bool = False) -> MoveRecord | None:
         """The staging record, once, when every rank's copy is done (``block``: wait for
         all). Without ``block`` no rank books its copy before all have finished."""
         if not block and any(self._all("staging_copy_running")):
             return None
-        return combine_records(self._all("poll_staging", True))
+        return combine_records(self._all("poll_staging", True, raise_failure))
 
     def placements(self) -> dict[str, Placement]:
         """Every rank's placements as the ledgers have them (no rank polls on its own)."""

@@ -181,3 +181,35 @@ def test_a_failed_weight_copy_leaves_no_model_active() -> None:
     mem.mover.activate_from_host = copy  # type: ignore[method-assign]
     assert mem.active_model is None
     assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
+
+
+def test_a_failed_staging_copy_costs_its_d2d_switch_only() -> None:
+    """A background staging copy fails: activating the model it was staging copies it from
+    host instead (the copy staged nothing), and the ledger holds no staged model."""
+    torch.manual_seed(4)
+    refs = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    with torch.device("meta"):
+        models = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    layouts = {n: WeightLayout.from_module(m) for n, m in models.items()}
+    spec = KVSpec(2, 4, 2, 8, torch.float32)
+    mem = InstanceMemory("cpu", layouts, kv_bytes=4 * spec.block_bytes, host_kv_bytes=0,
+                         pin=False)
+    for name in refs:
+        mem.load_model(name, _fill(state_of(refs[name])), spec)
+        mem.bind_module(name, models[name])
+    mem.activate("a")
+
+    def failing(dst: torch.Tensor, src: torch.Tensor) -> None:
+        mem.stager._error = RuntimeError("link down")
+
+    mem.stager._cpu_copy = failing  # type: ignore[method-assign]
+    assert mem.stage("b").kind == MoveKind.STAGE
+    assert mem.activate("b").kind == MoveKind.ACTIVATE_H2D
+    ids = torch.tensor([[5, 2, 9]])
+    torch.testing.assert_close(models["b"](ids), refs["b"](ids))
+    assert mem.placements() == {"a": Placement.HOST, "b": Placement.ACTIVE}
+    assert mem.ledger.totals(MoveKind.STAGE).count == 0
+    assert mem.stage("a").kind == MoveKind.STAGE  # the caller waiting for its copy hears
+    with pytest.raises(RuntimeError, match="staging copy failed: link down"):
+        mem.poll_staging(block=True, raise_failure=True)
+    assert mem.ledger.staged_model is None
