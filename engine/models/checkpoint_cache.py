@@ -26,7 +26,7 @@ __all__ = ["CONVERTER_VERSION", "default_cache_dir", "gguf_cache_key", "convert_
 
 log = structlog.get_logger("engine.models.checkpoint_cache")
 
-CONVERTER_VERSION = 1  # bump when a conversion's output changes: old cache entries are ignored
+CONVERTER_VERSION = 2  # bump when a conversion's output changes: old cache entries are ignored
 SOURCE_FILE = "talaria_source.json"  # what a converted directory was made from
 
 

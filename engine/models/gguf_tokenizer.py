@@ -18,6 +18,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 __all__ = ["build_tokenizer", "tokenizer_config", "PRE_TOKENIZERS"]
 
 _CONTROL, _USER_DEFINED = 3, 4
+# ``tokenizer.ggml.<key>_token_id`` -> the tokenizer_config.json entry naming that token
+_SPECIAL_KEYS = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token",
+                 "padding": "pad_token"}
 
 
 def _gpt2() -> pre_tokenizers.PreTokenizer:
@@ -87,13 +90,10 @@ def tokenizer_config(meta: dict[str, Any], model_max_length: int,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
     }
-    for key in ("bos", "eos", "unk"):
+    for key, name in _SPECIAL_KEYS.items():
         token = _token(meta, key)
         if token is not None:
-            config[f"{key}_token"] = token
-    pad = _token(meta, "padding")
-    if pad is not None:
-        config["pad_token"] = pad
+            config[name] = token
     template = chat_template or meta.get("tokenizer.chat_template")
     if template:
         config["chat_template"] = template

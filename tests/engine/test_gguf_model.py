@@ -166,6 +166,18 @@ def test_tokenizer_and_template_encode_as_transformers(converted: Path, oracle: 
     assert ours.eos_token == "<|im_end|>" and ours.convert_tokens_to_ids("<|im_end|>") == 2
 
 
+def test_special_tokens_equal_transformers(converted: Path, oracle: Any) -> None:
+    """BOS, EOS, padding and unknown tokens are the file's, named as transformers names them
+    (the file's key for the unknown token is ``tokenizer.ggml.unknown_token_id``)."""
+    import transformers
+
+    ours = transformers.AutoTokenizer.from_pretrained(str(converted))
+    _, theirs = oracle
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.unk_token == "<|endoftext|>"
+
+
 def test_conversion_is_cached_by_content(converted: Path, tmp_path: Path) -> None:
     assert GGUF is not None
     cache = converted.parents[1]
