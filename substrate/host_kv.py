@@ -78,8 +78,8 @@ class HostKVStore:
         for h, b in zip(block_hashes, block_ids, strict=True):
             first.setdefault(h, b)
         ids = [first[h] for h in result.inserted]
-        host = [torch.empty(shape, dtype=dtype, pin_memory=self.pin) for _ in ids]
         try:
+            host = [torch.empty(shape, dtype=dtype, pin_memory=self.pin) for _ in ids]
             record = self._mover(kv_cache).kv_offload(kv_cache, ids, host)
         except BaseException:
             for h in result.inserted:

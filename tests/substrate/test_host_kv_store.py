@@ -90,3 +90,20 @@ def test_shape_and_argument_errors() -> None:
         store.load("m", [1], [0], other)
     with pytest.raises(ValueError, match="a KV cache is"):
         store.save("m", [2], [0], src[0])
+
+
+def test_a_failed_host_allocation_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Allocating the host payloads fails (pinned memory runs out): the index does not keep
+    blocks it holds no payload for, which a lookup would offer and a restore fail on."""
+    src = _caches(4, 7)
+    store = HostKVStore(capacity_bytes=4 * _block_bytes(), pin=False)
+
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("out of pinned memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", no_memory)
+        with pytest.raises(RuntimeError, match="out of pinned memory"):
+            store.save("m", [1, 2], [0, 1], src)
+    assert store.lookup("m", [1, 2]) == 0
+    assert len(store) == 0 and store.used_bytes == 0
