@@ -39,6 +39,7 @@ class ModelTokenizer:
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.vocab_size = len(tokenizer)
+        self.byte_level = _is_byte_level(tokenizer)
         self.large_prompt_bytes = large_prompt_bytes
         self.roles = TemplateRoles(name)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}")
@@ -120,14 +121,24 @@ class ModelTokenizer:
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes, so the tokens that split one character (an emoji, CJK)
-        each give their part of its UTF-8 (``piece_bytes``); a token with no byte form is its
-        text decoded alone."""
+        each give their part of its UTF-8 (``piece_bytes``; byte-level stand-ins only in a
+        byte-level vocabulary); a token with no byte form is its text decoded alone."""
         pieces = self.tokenizer.convert_ids_to_tokens(list(token_ids))
-        return [piece_bytes(piece) or self.tokenizer.decode([t], skip_special_tokens=False).encode()
+        return [piece_bytes(piece, self.byte_level)
+                or self.tokenizer.decode([t], skip_special_tokens=False).encode()
                 for t, piece in zip(token_ids, pieces, strict=True)]
 
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the vocabulary spells bytes in the byte-level alphabet (GPT-2, Llama 3, Qwen,
+    SmolLM): its decoder is ``ByteLevel``, alone or in a sequence. A SentencePiece vocabulary
+    spells text as itself, so its piece ``é`` is that character, not byte 0xE9."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel(" in str(decoder)
 
 
 def _chat_template(tokenizer: Any) -> str | None:
@@ -181,14 +192,14 @@ _BYTE_OF = _byte_level_alphabet()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def piece_bytes(piece: str | None) -> bytes | None:
+def piece_bytes(piece: str | None, byte_level: bool = True) -> bytes | None:
     """A vocabulary entry's bytes: a byte-fallback token ``<0xNN>`` its byte, an entry of
-    byte-level stand-ins the bytes they stand for; None for any other (a SentencePiece
-    word piece: decode it instead)."""
+    byte-level stand-ins (in a ``byte_level`` vocabulary) the bytes they stand for; None for
+    any other (a SentencePiece word piece: decode it instead)."""
     if not piece:
         return None
     if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
         return bytes([int(m.group(1), 16)])
-    if all(c in _BYTE_OF for c in piece):
+    if byte_level and all(c in _BYTE_OF for c in piece):
         return bytes(_BYTE_OF[c] for c in piece)
     return None

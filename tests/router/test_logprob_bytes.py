@@ -66,3 +66,22 @@ def test_a_vocabulary_entry_gives_its_bytes() -> None:
     assert piece_bytes("ðŁ") == "🚀".encode()[:2]
     assert piece_bytes("<0xF0>") == b"\xf0" and piece_bytes("<|im_end|>") == b"<|im_end|>"
     assert piece_bytes("▁the") is None and piece_bytes("") is None and piece_bytes(None) is None
+
+
+def test_sentencepiece_pieces_give_their_utf8() -> None:
+    """A SentencePiece vocabulary spells text as itself (``▁`` for a space), not in the
+    byte-level alphabet: its piece ``é`` is the two bytes of é, not byte 0xE9."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "▁caf", "é", "▁ol", "▁naï", "ve", "▁", "c", "a", "f", "o", "l"]
+    backend = Tokenizer(models.Unigram([(p, -1.0 - i / 10) for i, p in enumerate(pieces)], 0))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tok = ModelTokenizer("sp", PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>"),
+                         64)
+    ids = tok.encode_text("café olé naïve", add_special_tokens=False)
+    assert tok.tokenizer.convert_ids_to_tokens(ids) == ["▁caf", "é", "▁ol", "é", "▁naï", "ve"]
+    got = tok.token_bytes(ids)
+    assert got[1] == got[3] == "é".encode()
+    assert got[4].endswith("naï".encode())
