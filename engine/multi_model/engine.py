@@ -305,13 +305,14 @@ class MultiModelEngine(ServesModels):
         ``model_rates`` plus a few (0.0 where nothing was measured yet):
         prefill_tokens_per_s, decode_step_s, switch_host_s, switch_staged_s, stage_s,
         kv_restore_bytes_per_s, kv_offload_bytes_per_s, kv_bytes_per_token,
-        kv_capacity_tokens, weight_bytes. Live rates are averages over every step and move
+        kv_capacity_tokens (the KV region's, as the simulated engine's: never the lent
+        view's), weight_bytes. Live rates are averages over every step and move
         measured so far; ``context_tokens`` is accepted for signature parity with the
         simulated engine and does not change them."""
         self._check_model(model)
         rates = self._meters[model].rates()
         rates["kv_capacity_tokens"] = float(
-            self.rank.runners[model].num_blocks * self.config.block_size
+            self.rank.kv_capacity_blocks(model) * self.config.block_size
         )
         rates["weight_bytes"] = float(self.catalog[model].layout.total_bytes)
         return rates

@@ -337,3 +337,15 @@ def test_offload_all_sessions_pins_and_rates(models: dict[str, Path]) -> None:
     assert rates["kv_bytes_per_token"] == engine.catalog[LLAMA].kv_spec.block_bytes / BLOCK
     assert rates["kv_capacity_tokens"] == NUM_BLOCKS * BLOCK
     assert engine.stats().extra["kv_offload_bytes_total"] == report.bytes
+
+
+def test_kv_capacity_rate_is_the_plain_view_after_a_lent_slot(models: dict[str, Path]) -> None:
+    """A model switched out after a lent slot gets the KV region's blocks at its next plain
+    activation: its rates say so (as the simulated engine's do), not the lent view's count."""
+    engine = make_engine(models)
+    assert engine.kv_capacity_blocks(MOE, lent=True) > NUM_BLOCKS
+    engine.activate(MOE, lend_staging=True)
+    engine.activate(LLAMA)
+    assert engine.model_rates(MOE)["kv_capacity_tokens"] == NUM_BLOCKS * BLOCK
+    engine.activate(MOE)
+    assert engine.stats().num_total_blocks == NUM_BLOCKS
