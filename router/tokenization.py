@@ -190,16 +190,19 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_OF = _byte_level_alphabet()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPACE_PIECE = "\u2581"  # SentencePiece's stand-in for a space
 
 
 def piece_bytes(piece: str | None, byte_level: bool = True) -> bytes | None:
     """A vocabulary entry's bytes: a byte-fallback token ``<0xNN>`` its byte, an entry of
-    byte-level stand-ins (in a ``byte_level`` vocabulary) the bytes they stand for; None for
-    any other (a SentencePiece word piece: decode it instead)."""
+    byte-level stand-ins (in a ``byte_level`` vocabulary) the bytes they stand for, a
+    SentencePiece word piece (another vocabulary's entry with ``▁``) its text with ``▁`` a
+    space, as the piece reads inside a text (decoded alone, its leading space would be
+    dropped); None for any other: decode it instead."""
     if not piece:
         return None
     if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
         return bytes([int(m.group(1), 16)])
-    if byte_level and all(c in _BYTE_OF for c in piece):
-        return bytes(_BYTE_OF[c] for c in piece)
-    return None
+    if byte_level:
+        return bytes(_BYTE_OF[c] for c in piece) if all(c in _BYTE_OF for c in piece) else None
+    return piece.replace(_SPACE_PIECE, " ").encode() if _SPACE_PIECE in piece else None

@@ -68,9 +68,7 @@ def test_a_vocabulary_entry_gives_its_bytes() -> None:
     assert piece_bytes("▁the") is None and piece_bytes("") is None and piece_bytes(None) is None
 
 
-def test_sentencepiece_pieces_give_their_utf8() -> None:
-    """A SentencePiece vocabulary spells text as itself (``▁`` for a space), not in the
-    byte-level alphabet: its piece ``é`` is the two bytes of é, not byte 0xE9."""
+def _sentencepiece_tokenizer() -> ModelTokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,10 +76,29 @@ def test_sentencepiece_pieces_give_their_utf8() -> None:
     backend = Tokenizer(models.Unigram([(p, -1.0 - i / 10) for i, p in enumerate(pieces)], 0))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
     backend.decoder = decoders.Metaspace()
-    tok = ModelTokenizer("sp", PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>"),
-                         64)
+    return ModelTokenizer(
+        "sp", PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>"), 64)
+
+
+def test_sentencepiece_pieces_give_their_utf8() -> None:
+    """A SentencePiece vocabulary spells text as itself (``▁`` for a space), not in the
+    byte-level alphabet: its piece ``é`` is the two bytes of é, not byte 0xE9."""
+    tok = _sentencepiece_tokenizer()
     ids = tok.encode_text("café olé naïve", add_special_tokens=False)
     assert tok.tokenizer.convert_ids_to_tokens(ids) == ["▁caf", "é", "▁ol", "é", "▁naï", "ve"]
     got = tok.token_bytes(ids)
     assert got[1] == got[3] == "é".encode()
     assert got[4].endswith("naï".encode())
+
+
+def test_sentencepiece_word_pieces_keep_their_space() -> None:
+    """A word piece ``▁ol`` is `` ol`` in the text (a token of an answer follows other
+    tokens), so the tokens' bytes join to the text and completions' offsets stay right."""
+    tok = _sentencepiece_tokenizer()
+    ids = tok.encode_text("café olé naïve", add_special_tokens=False)
+    assert b"".join(tok.token_bytes(ids)) == " café olé naïve".encode()
+    out = _assembler(tok)
+    piece = out.add(CallEvent("c", token_ids=ids, logprobs=[-0.5] * len(ids), finished=True,
+                              finish_reason="stop"))
+    lp = out.completion_logprobs(piece)
+    assert lp is not None and lp["text_offset"] == [0, 4, 5, 8, 9, 13]
