@@ -186,12 +186,11 @@ class InstanceMemory:
         return record
 
     def _reclaim_staging(self) -> None:
-        """Wait for a staging copy in flight and forget what the region holds. A copy that
-        failed staged nothing: it costs its D2D switch, not this activation."""
-        try:
-            self.stager.invalidate()
-        except RuntimeError:
-            log.warning("staging_copy_failed", model=self.ledger.staged_model)
+        """Wait for a staging copy in flight (booked: it crossed the host link) and forget
+        what the region holds. A copy that failed staged nothing: it costs its D2D switch,
+        not this activation (``poll_staging`` logs it)."""
+        self.poll_staging(block=True)
+        self.stager.invalidate()
         self.ledger.clear_staging()
 
     def stage(self, name: str) -> PlannedMove:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from substrate_testing import TinyLM, state_of
@@ -213,3 +215,36 @@ def test_a_failed_staging_copy_costs_its_d2d_switch_only() -> None:
     with pytest.raises(RuntimeError, match="staging copy failed: link down"):
         mem.poll_staging(block=True, raise_failure=True)
     assert mem.ledger.staged_model is None
+
+
+def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
+    """Lending the region waits for the staging copy in flight before dropping what it
+    staged: the copy still crossed the host link, so the ledger books it (the staging rate
+    is measured from such records)."""
+    layouts = {n: WeightLayout.from_module(TinyLM()) for n in ("a", "b")}
+    spec = KVSpec(2, 4, 2, 8, torch.float32)
+    mem = InstanceMemory("cpu", layouts, kv_bytes=4 * spec.block_bytes, host_kv_bytes=0,
+                         pin=False)
+    for name in layouts:
+        mem.load_model(name, lambda views: None, spec)
+    mem.activate("a")
+    gate = threading.Event()
+    copy = mem.stager._cpu_copy
+
+    def gated(dst: torch.Tensor, src: torch.Tensor) -> None:
+        gate.wait(timeout=10)
+        copy(dst, src)
+
+    mem.stager._cpu_copy = gated  # type: ignore[method-assign]
+    mem.stage("b")
+    plan = mem.ledger.plan_activation
+
+    def open_gate(model: str) -> PlannedMove:  # the copy ends after the activation's poll
+        gate.set()
+        return plan(model)
+
+    mem.ledger.plan_activation = open_gate  # type: ignore[method-assign]
+    mem.activate("a", lend_staging=True)
+    totals = mem.ledger.totals(MoveKind.STAGE)
+    assert totals.count == 1 and totals.bytes == layouts["b"].total_bytes
+    assert mem.ledger.staged_model is None and mem.ledger.staging_lent
