@@ -9,6 +9,7 @@ model's distribution (raw logits, before temperature / top-k / top-p).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,10 @@ class Sampler:
                 kth = sorted_x.gather(1, (k - 1).unsqueeze(1))  # ties with it stay in
                 sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
             if use_p:
-                top_p = torch.tensor([p.top_p for p in params], device=device)
+                # 1.0 cuts nothing: the float32 running sum may pass 1.0 before the tail ends
+                top_p = torch.tensor(
+                    [p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device
+                )
                 sp = torch.softmax(sorted_x, dim=-1)
                 before = sp.cumsum(dim=-1) - sp  # a token is kept while those before it miss p
                 sorted_x = sorted_x.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))

@@ -109,3 +109,13 @@ def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
     s = Sampler(gen(5))
     seen = {s(x, [SamplingParams(top_k=2)]).token_ids[0] for _ in range(300)}
     assert seen == {0, 1, 2}
+
+
+def test_top_p_of_one_filters_nothing_beside_a_row_that_filters() -> None:
+    # A row with top_p=1.0 sorted and cut beside a top_p<1 row: float32 rounding lifts the
+    # running sum past 1.0 before the tail, which must not cost the tail its probability.
+    x = torch.randn(2, 50_000, generator=gen(7)) * 3
+    both = Sampler._filtered_probs(x, [SamplingParams(top_p=0.5), SamplingParams(top_p=1.0)])
+    alone = Sampler._filtered_probs(x[1:], [SamplingParams(top_p=1.0)])
+    assert bool((both[1] > 0).all())
+    torch.testing.assert_close(both[1], alone[0])
