@@ -209,7 +209,6 @@ def test_session_cached_blocks_follow_every_eviction_and_reuse(
     assert all(kv.session_cached_blocks(s) == 0 for s in ("s1", "s2", "s3"))
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: shared with the simulator (engine.sim.parking)")
 def test_refused_growth_leaves_a_blockless_request_without_an_entry() -> None:
     """``allocate_slots`` without a prefix (the simulator's resume of a parked request) that
     finds too few blocks must change nothing: an empty entry left behind makes the scheduler
