@@ -11,7 +11,7 @@ search (``RateSearch``): loads (fractions of the baseline's saturation rate on t
 ``workloads.suite.scenarios``) doubling from 1.0 until one misses, or halving while 1.0 and below miss;
 then ``bisections`` geometric bisections of the bracket. The capacity is the bracket's lower
 end: a rate that was run and met the SLO. ``at_least``: the ladder's top met it;
-``at_most``: its bottom missed it (the capacity is below).
+``at_most``: its bottom missed it (the capacity is below the lowest load run).
 
 Servers needed (per row, ``ServerSearch``): the fewest servers on which the same sessions,
 arriving at a given rate, meet the SLO: from a first guess (the rate over the row's capacity
@@ -107,7 +107,10 @@ class RateSearch:
             self.miss = probe.point if self.miss is None else min(self.miss, probe.point)
 
     def result(self, saturation: float) -> dict[str, Any]:
-        load = self.ok if self.ok is not None else self.config.lowest_load
+        """The highest load that met; where none did, the lowest that missed (``at_most``:
+        the capacity is below it), a load run either way."""
+        load = self.ok if self.ok is not None else self.miss
+        assert load is not None, "no probe recorded"
         return {"sessions_per_s": load * saturation, "load": load,
                 "at_least": self.miss is None, "at_most": self.ok is None,
                 "probes": [p.as_list() for p in self.probes]}

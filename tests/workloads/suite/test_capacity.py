@@ -52,6 +52,18 @@ def test_rate_search_says_at_least_and_at_most_at_the_ladders_ends() -> None:
     assert low.result(1.0)["at_most"] and low.result(1.0)["load"] == 0.25
 
 
+def test_a_search_that_never_meets_reports_the_lowest_load_it_ran() -> None:
+    """A lowest load off the halving ladder (0.1: the ladder runs 0.125 and stops) is never
+    run: ``< 0.1`` would claim what no probe showed; the lowest load that missed is what the
+    search knows the capacity is below."""
+    low = RateSearch(CapacityConfig(lowest_load=0.1))
+    seen = _drive(low, lambda _load: False)
+    assert seen == [1.0, 0.5, 0.25, 0.125]
+    result = low.result(2.0)
+    assert result["at_most"] and result["load"] == 0.125 and result["load"] in seen
+    assert result["sessions_per_s"] == 0.25
+
+
 def test_server_search_finds_the_fewest_servers_that_meet() -> None:
     search = ServerSearch(CapacityConfig(max_servers=16))
     seen = _drive(search, lambda n: n >= 5)
