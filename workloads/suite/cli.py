@@ -245,6 +245,15 @@ def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAP
                                "rows": needed}}
 
 
+def _ratio_mark(mine: dict[str, Any], other: dict[str, Any]) -> str:
+    """How ``mine``'s capacity over ``other``'s relates to the printed ratio: ``>=`` when only
+    its numerator may be more (``at_least``) or its denominator less (``at_most``), ``<=``
+    for the reverse, ``?`` when both ways (the ratio of two open ends is unknown)."""
+    more = mine["at_least"] or other["at_most"]
+    less = mine["at_most"] or other["at_least"]
+    return "?" if more and less else ">=" if more else "<=" if less else ""
+
+
 def format_capacity(caps: dict[str, Any]) -> str:
     lines = [f"capacity at the SLO (p95 SCT <= {caps['slo_factor']:g} x the same sessions' p95 "
              f"alone), {caps['trace']}, {caps['sessions']} sessions a probe:"]
@@ -256,7 +265,7 @@ def format_capacity(caps: dict[str, Any]) -> str:
                          f"sessions/h ({mark}{v['load']:.2f} of saturation)")
         tal = rows.get("talaria")
         if tal is not None and best[0] > 0:
-            bound = ">=" if tal["at_least"] and not rows[best[1]]["at_least"] else ""
+            bound = _ratio_mark(tal, rows[best[1]])
             lines.append(f"  {servers} server(s)  talaria / best other ({best[1]}): "
                          f"{bound}{tal['sessions_per_s'] / best[0]:.2f}x")
     need = caps["servers_needed"]

@@ -64,6 +64,29 @@ def test_a_search_that_never_meets_reports_the_lowest_load_it_ran() -> None:
     assert result["sessions_per_s"] == 0.25
 
 
+def test_talaria_over_the_best_other_is_marked_by_both_rows_flags() -> None:
+    """The ratio of two capacities is exact only where both are: a best other row at the
+    ladder's top (``>=``) makes the ratio at most what is printed, and both there leaves it
+    unknown."""
+    def caps(talaria: tuple[float, bool, bool], other: tuple[float, bool, bool]) -> str:
+        rows = {name: {"sessions_per_s": v, "load": v, "at_least": hi, "at_most": lo,
+                       "probes": []} for name, (v, hi, lo) in (("aegaeon", other),
+                                                               ("talaria", talaria))}
+        return format_capacity({"trace": "t", "sessions": 1, "slo_factor": 2.0,
+                                "servers": {"1": rows}, "servers_needed": {
+                                    "sessions_per_s": 1.0, "at_servers": 1, "rows": {}}})
+
+    def ratio(text: str) -> str:
+        return next(ln for ln in text.splitlines() if "best other" in ln).split(": ")[-1]
+
+    assert ratio(caps((2.0, False, False), (1.0, False, False))) == "2.00x"
+    assert ratio(caps((8.0, True, False), (1.0, False, False))) == ">=8.00x"
+    assert ratio(caps((4.0, False, False), (8.0, True, False))) == "<=0.50x"
+    assert ratio(caps((8.0, True, False), (8.0, True, False))) == "?1.00x"
+    assert ratio(caps((0.125, False, True), (1.0, False, False))) == "<=0.12x"
+    assert ratio(caps((1.0, False, False), (0.125, False, True))) == ">=8.00x"
+
+
 def test_server_search_finds_the_fewest_servers_that_meet() -> None:
     search = ServerSearch(CapacityConfig(max_servers=16))
     seen = _drive(search, lambda n: n >= 5)
