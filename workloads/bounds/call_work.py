@@ -79,26 +79,31 @@ def call_shapes(session: Session, block_size: int,
                 parent_lengths: dict[tuple[str, int], int] | None = None, *,
                 max_tokens: int | None = None, context: int | None = None) -> list[CallShape]:
     """Each call's shape. A call extending its session's previous one may find the previous
-    prompt and output cached, but for the output's last token (its KV is never computed);
+    prompt and output cached, but for the output's last token (its KV is never computed); a
+    call starting with an earlier call of its own session (``prefix_from``) that call's
+    prompt and whole output (the call after it computed the last token);
     ``prefix_from`` another session's call counts that call's prompt and output
     (``parent_lengths``: (session id, call index) -> prompt + output tokens; missing: none).
     Outputs are the answers the replay gets (``answer_tokens``: cut at ``max_tokens`` and
     at the model's ``context``), not always the trace's."""
     shapes = []
-    prev_total = 0  # the previous call's prompt + output tokens of this session
+    totals: list[int] = []  # each earlier call's prompt + output tokens of this session
     for k, call in enumerate(session.calls):
         output = answer_tokens(call.input_tokens, call.output_tokens, max_tokens, context)
         computed = 0
         ref = call.prefix_from
         if ref is not None and ref.session_id != session.session_id:
             computed = max(0, (parent_lengths or {}).get((ref.session_id, ref.call), 0) - 1)
+        elif ref is not None and 0 <= ref.call < k - 1:
+            # an earlier call than the last: the call after it computed its answer's last token
+            computed = totals[ref.call]
         elif k > 0:
-            computed = prev_total - 1
+            computed = totals[-1] - 1
         if call.prefix_tokens is not None:
             computed = min(computed, call.prefix_tokens)
         cached = min(computed, call.input_tokens - 1) // block_size * block_size
         shapes.append(CallShape(call.input_tokens, max(0, cached), output))
-        prev_total = call.input_tokens + output
+        totals.append(call.input_tokens + output)
     return shapes
 
 

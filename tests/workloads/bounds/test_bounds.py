@@ -182,9 +182,6 @@ def test_an_answer_longer_than_the_replay_asks_for_counts_as_the_replay_gets_it(
     assert served.sessions[0].calls[1].cached_tokens >= 2_000 + AGENT_MAX_TOKENS - SPEC.block_size
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "call_shapes counts a same-session prefix_from as the previous call's prompt + answer, "
-    "not the named call's, so it misses what the engine's prefix cache keeps of that call"))
 def test_a_prompt_that_starts_with_an_earlier_call_than_the_last_stays_above_the_bound() -> None:
     """The trace format lets a call's prompt start with any earlier call of its session
     (``prefix_from``), and the bound's docstring counts a session's earlier calls as what a
