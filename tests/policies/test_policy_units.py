@@ -12,7 +12,7 @@ from engine.interface import Residency
 from engine.sampling_params import SamplingParams
 from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.gap_predictor import GapPredictor
-from talaria.policies.priority import Service, best_key
+from talaria.policies.priority import Service, best_key, next_model
 from talaria.policies.reservations import (
     Reservation,
     ReservationBook,
@@ -214,3 +214,25 @@ def test_staging_predicts_only_when_its_prediction_could_be_staged(policy: str) 
         nxt = predicted_next(view)
         stageable = {m for m, r in residency.items() if r == Residency.HOST and view.can_stage(m)}
         assert staging_target(view) == (nxt if nxt in stageable else None)
+
+
+@pytest.mark.xfail(strict=True, reason="staging._first_by_priority breaks full ties in catalog "
+                   "order, while next_model (the switch it predicts) breaks them in round order "
+                   "after the active model: it stages a model the loop does not switch to")
+def test_staging_breaks_full_ties_as_the_switch_it_predicts() -> None:
+    """Two models other than the active one, each with one fresh session (same calls made,
+    same first arrival): the priority ties, so ``next_model`` takes the first in round order
+    after the active model (c after b). Staging predicts that switch (``first_model``'s ties),
+    so it must stage c, not the catalog's first model a."""
+    host = {"a": Residency.HOST, "b": Residency.ACTIVE, "c": Residency.HOST}
+    queues = {"a": [_queued("a1", "a")], "c": [_queued("c1", "c")]}
+    view = _View(preset("talaria"), host, queues, {"a1": 0, "c1": 0}, {"a", "c"},
+                 active_model="b")
+    p = view.policy
+    switched_to = next_model(
+        view.rounds, "b", {m: view.queued(m) for m in view.models}, p.model_choice,
+        lambda c: view.service(c.call.session_id, view.now() - c.arrived), p.starvation_ratio,
+        p.admission_order, min_wait_s=p.starvation_min_wait_s)
+    assert switched_to == "c"
+    assert predicted_next(view) == switched_to
+    assert staging_target(view) == switched_to
