@@ -9,7 +9,7 @@ import math
 
 import pytest
 from fake_engine import FakeEngine
-from instance_helpers import late_continuation
+from instance_helpers import call, late_continuation, run_call
 
 from talaria.clock import run_virtual
 from talaria.instance.instance import Instance
@@ -171,3 +171,40 @@ def test_device_claims() -> None:
     assert DeviceSchedule.from_dict(DeviceSchedule().to_dict()) == DeviceSchedule()
     with pytest.raises(ValueError, match="order"):
         DeviceSchedule("random")
+
+
+@pytest.mark.xfail(strict=True, reason="Intake._engine_room asks the free blocks for the whole "
+                   "prompt, its own pinned prefix included; vLLM (and this engine) allocate "
+                   "only the blocks beyond the referenced prefix, so a pinned continuation "
+                   "waits for the calls in flight to end")
+def test_engine_admission_does_not_count_a_sessions_own_pinned_prefix_again() -> None:
+    """Continuum's row (the engine's own admission, hard pins): session s's 60 blocks stay
+    pinned after its call; its next call (61 blocks, 60 of them its pinned prefix) needs one
+    new block, which the 40 free blocks hold, as vLLM V1's ``allocate_slots`` counts it
+    (blocks beyond the computed prefix, plus computed blocks nobody references). It is
+    admitted at once, not after r's 5 s call in flight."""
+    from workloads.replay.systems import PEERS
+
+    policy = PEERS["continuum_ttl"].policy.with_(reservation_ttl="fixed",
+                                                 reservation_ttl_s=1000.0)
+    assert policy.admission == "engine" and policy.hard_pins
+
+    async def main() -> tuple[float, float | None, float | None]:
+        inst = Instance("i", FakeEngine(["a"], num_blocks=100, block_size=16,
+                                        initial_model="a"), policy)
+        await inst.start()
+        try:
+            await run_call(inst, call("s#0", "s", "a", 60 * 16 - 1, max_tokens=1, gap=1.0))
+            res = inst.loop.sessions.reservations.get("s")
+            assert res is not None and res.pinned and res.blocks == 60
+            r = asyncio.create_task(run_call(inst, call("r#0", "r", "a", 16, max_tokens=50)))
+            await asyncio.sleep(0.5)
+            s1 = await run_call(inst, call("s#1", "s", "a", 61 * 16, max_tokens=1))
+            return s1.sent, s1.first, (await r).done
+        finally:
+            await inst.stop()
+
+    sent, first, r_done = run_virtual(main())
+    assert first is not None and r_done is not None
+    assert first < r_done
+    assert first - sent <= 0.2  # one loop turn and a step
