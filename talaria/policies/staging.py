@@ -46,19 +46,24 @@ def _candidates(view: InstanceView) -> tuple[set[str], bool]:
 def _first_by_priority(view: InstanceView, candidates: set[str], by_queue: bool) -> str | None:
     order, ratio = view.policy.admission_order, view.policy.starvation_ratio
     floor = view.policy.starvation_min_wait_s
+    # first_model's last tie-break is its dict's order: round order after the active model,
+    # as the switch it predicts (priority.next_model) builds it
+    rounds = view.rounds.after(view.active_model)
     best: dict[str, tuple[float, ...]] = {}
     if by_queue:
-        for m in view.models:  # the catalog's order: first_model's last tie-break
+        for m in rounds:
             if m in candidates and (key := view.best_waiting_key(view.queued(m))) is not None:
                 best[m] = key
         return first_model(order, best, {m: len(view.queued(m)) for m in best})
     counts: dict[str, int] = {}
+    keys: dict[str, tuple[float, ...]] = {}
     for res in view.reservations.all():
         if res.model in candidates:
             key = priority_key(order, view.service(res.session_id, 0.0), ratio, min_wait_s=floor)
             counts[res.model] = counts.get(res.model, 0) + 1
-            if res.model not in best or key < best[res.model]:
-                best[res.model] = key
+            if res.model not in keys or key < keys[res.model]:
+                keys[res.model] = key
+    best = {m: keys[m] for m in rounds if m in keys}
     return first_model(order, best, counts) if best else None
 
 

@@ -173,10 +173,6 @@ def test_device_claims() -> None:
         DeviceSchedule("random")
 
 
-@pytest.mark.xfail(strict=True, reason="Intake._engine_room asks the free blocks for the whole "
-                   "prompt, its own pinned prefix included; vLLM (and this engine) allocate "
-                   "only the blocks beyond the referenced prefix, so a pinned continuation "
-                   "waits for the calls in flight to end")
 def test_engine_admission_does_not_count_a_sessions_own_pinned_prefix_again() -> None:
     """Continuum's row (the engine's own admission, hard pins): session s's 60 blocks stay
     pinned after its call; its next call (61 blocks, 60 of them its pinned prefix) needs one

@@ -216,9 +216,6 @@ def test_staging_predicts_only_when_its_prediction_could_be_staged(policy: str) 
         assert staging_target(view) == (nxt if nxt in stageable else None)
 
 
-@pytest.mark.xfail(strict=True, reason="staging._first_by_priority breaks full ties in catalog "
-                   "order, while next_model (the switch it predicts) breaks them in round order "
-                   "after the active model: it stages a model the loop does not switch to")
 def test_staging_breaks_full_ties_as_the_switch_it_predicts() -> None:
     """Two models other than the active one, each with one fresh session (same calls made,
     same first arrival): the priority ties, so ``next_model`` takes the first in round order
