@@ -51,7 +51,10 @@ class RestartPolicy:
     poll_s: float = 0.2
 
     def delay(self, young_deaths: int) -> float:
-        return min(self.max_delay_s, self.first_delay_s * 2 ** max(0, young_deaths - 1))
+        # The exponent is capped: 2 ** 1024 is beyond a float, and a process that crash-loops
+        # for hours must not end the supervisor with an OverflowError.
+        doublings = min(max(0, young_deaths - 1), 64)
+        return min(self.max_delay_s, self.first_delay_s * 2**doublings)
 
 
 class Supervisor(Generic[S]):

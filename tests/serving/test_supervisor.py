@@ -66,3 +66,18 @@ def test_a_start_that_fails_is_tried_again_instead_of_ending_serving(
     assert spawned == [] and "could not be started" in capsys.readouterr().err
     sup.check(4.5)  # then 2 s: starts
     assert spawned == ["a"] and sup.restarts["a"] == 1
+
+
+def test_an_instance_that_keeps_dying_young_is_restarted_for_as_long_as_it_takes(
+    tmp_path: Path,
+) -> None:
+    """The backoff stays at its cap however many times the instance has died young: a
+    process that crash-loops for hours (a broken device) never ends `talaria serve`."""
+    sup, spawned = make(tmp_path)
+    sup._started["a"] = 0.0
+    sup._young_deaths["a"] = 5000  # past 1024 the doubling overflowed a float (8.5 h at 30 s)
+    sup.children[0].code = 1
+    sup.check(1.0)
+    sup.check(1.0 + sup.policy.max_delay_s)
+    assert spawned == ["a"]
+    assert RestartPolicy().delay(10**6) == RestartPolicy().max_delay_s
