@@ -15,7 +15,8 @@ scales arrivals and tool gaps (``time_scale``).
 A call that fails as an agent would see it fail (the connection breaks, the router answers
 502 or 503, or the stream ends in an error event) is sent again, as an agent re-sends it,
 after a short wait, up to ``MAX_RETRIES`` times; a 429 waits its ``Retry-After``. The
-target counts every re-send (``retries`` in :func:`live_replay`'s info).
+target counts every re-send (``retries`` in :func:`live_replay`'s info). A call still going
+at the replay's per-call timeout (``timeout_s``) fails, without a re-send.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class LiveTarget:
                         usage = chunk["usage"]
         except (aiohttp.ClientError, ConnectionError) as exc:
             return CallOutcome(first, loop.time(), [], error=f"{type(exc).__name__}: {exc}"), RETRY_WAIT_S
+        except TimeoutError:  # the session's per-call timeout: final (re-sends would multiply it)
+            return CallOutcome(first, loop.time(), [], error="the call timed out"), None
         if usage is None and error is None:
             error = "the stream ended without usage"
         if error is not None:

@@ -4,6 +4,8 @@ each re-send; a 4xx other than 429 is final."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 import pytest
@@ -80,3 +82,29 @@ async def test_a_client_error_is_final() -> None:
     outcome, retries = await send(["400", "ok"])
     assert outcome.error is not None and "HTTP 400" in outcome.error  # type: ignore[attr-defined]
     assert retries == 0
+
+
+async def test_a_call_past_the_client_timeout_is_a_failed_call_not_the_end_of_the_replay() -> None:
+    """A stream that stalls until the replay's per-call timeout (``live_replay``'s
+    ``timeout_s``) ends that call with an error; the replay goes on to report it."""
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await asyncio.sleep(30.0)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as http:
+            target = LiveTarget(http, str(server.make_url("/v1")))
+            call = CallRequest("c", "s", "m", [1, 2, 3], SamplingParams(max_tokens=2))
+            outcome = await asyncio.wait_for(target.call(call, SessionTokens("s", 0, 100)), 20.0)
+    finally:
+        await server.close()
+    assert outcome.error is not None and "timed out" in outcome.error
+    assert outcome.first_token_s is not None and outcome.output_token_ids == []
+    assert target.retries == 0
