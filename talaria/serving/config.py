@@ -51,6 +51,7 @@ Every validation error names the offending key (``[instances][1].port``...).
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -193,6 +194,9 @@ class ServeConfig:
         policy = data.get("policy", {})
         if not isinstance(policy, dict):
             raise ConfigError(f"[policy] must be a table, got {type(policy).__name__}")
+        for key, value in policy.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"[policy].{key} must be a finite number, got {value!r}")
         try:
             PolicyConfig.from_dict(policy)
         except (ValueError, TypeError) as exc:
@@ -364,6 +368,10 @@ def _typed(value: Any, annotation: str, key: str, is_bytes: bool) -> Any:
     }.get(base, True)
     if not ok:
         raise ConfigError(f"{key} must be {'an' if base == 'int' else 'a'} {base}, got {value!r}")
+    if base == "float" and not math.isfinite(value):
+        # JSON (the config `serve` hands its instances) cannot carry inf or nan: orjson
+        # writes null, which the instance would refuse.
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     return float(value) if base == "float" else value
 
 

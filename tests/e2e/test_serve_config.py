@@ -102,6 +102,24 @@ def test_errors_name_the_key(data: dict, needle: str) -> None:
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [("router", "stall_timeout_s"), ("router", "first_token_timeout_s"),
+     ("instances", "drain_timeout_s"), ("policy", "slot_quantum_s")],
+)
+def test_a_number_json_cannot_carry_is_refused_not_lost_on_the_way_to_the_instances(
+    section: str, key: str, value: float
+) -> None:
+    """TOML reads ``inf`` and ``nan``, but the JSON that `talaria serve` hands its instances
+    writes them as null, which an instance then refused as its config (it never started):
+    the serve config refuses them itself, naming the key."""
+    data: dict = ({"instances": [{"id": "a", key: value}]} if section == "instances"
+                  else {section: {key: value}})
+    with pytest.raises(ValueError, match=rf"{key} must be a finite number"):
+        ServeConfig.from_dict(data)
+
+
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_serve_config(tmp_path / "missing.toml")
