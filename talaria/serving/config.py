@@ -269,6 +269,10 @@ class ServeConfig:
             _port(inst.port, f"{where}.port")
             if inst.port and (inst.host, inst.port) in ports:
                 raise ConfigError(f"{where}.port {inst.port} is used by two instances")
+            if inst.port and (inst.host, inst.port) == (r.host, r.port):
+                # `serve` starts the instances first: the router would fail to listen only
+                # once every model had loaded.
+                raise ConfigError(f"{where}.port {inst.port} is the router's ([router].port)")
             ports.add((inst.host, inst.port))
             if inst.tensor_parallel_size < 1:
                 raise ConfigError(f"{where}.tensor_parallel_size must be >= 1, got {inst.tensor_parallel_size}")

@@ -83,6 +83,8 @@ def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
         ({"instances": [{"port": 1}]}, "[instances][0].id is required"),
         ({"instances": [{"id": "a"}, {"id": "a"}]}, "[instances][1].id 'a' is used by two"),
         ({"instances": [{"id": "a", "port": 5}, {"id": "b", "port": 5}]}, "[instances][1].port 5"),
+        ({"router": {"port": 9100}, "instances": [{"id": "a", "port": 9100}]},
+         "[instances][0].port 9100 is the router's"),
         ({"instances": [{"id": "a", "device": "tpu"}]}, "[instances][0].device"),
         ({"instances": [{"id": "a", "tensor_parallel_size": 0}]}, "tensor_parallel_size"),
         ({"instances": [{"id": "a", "kv_bytes": "lots"}]}, "[instances][0].kv_bytes"),
