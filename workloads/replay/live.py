@@ -58,9 +58,16 @@ def base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def fetch_models(http: aiohttp.ClientSession, url: str) -> list[ServedModel]:
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def fetch_models(
+    http: aiohttp.ClientSession, url: str, api_key: str | None = None
+) -> list[ServedModel]:
+    """The served models (``/v1/models`` needs the router's ``api_key`` when it has one)."""
     url = base_url(url)
-    async with http.get(f"{url}/v1/models") as resp:
+    async with http.get(f"{url}/v1/models", headers=_auth_headers(api_key)) as resp:
         if resp.status != 200:
             raise ValueError(f"{url}/v1/models answered {resp.status}: {await resp.text()}")
         data = await resp.json()
@@ -74,7 +81,7 @@ class LiveTarget:
     def __init__(self, http: aiohttp.ClientSession, url: str, api_key: str | None = None) -> None:
         self.http = http
         self.url = base_url(url)
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = _auth_headers(api_key)
         self.retries = 0  # calls re-sent after a failure (or a 429)
 
     async def call(self, request: CallRequest, tokens: SessionTokens) -> CallOutcome:
@@ -200,7 +207,7 @@ async def live_replay(
     {"dropped_calls": n, "retries": calls re-sent after a failure}."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        served = await fetch_models(http, url)
+        served = await fetch_models(http, url, api_key)
         names = [m.name for m in served]
         mapped = list(sessions)
         if any(s.model not in names for s in mapped):

@@ -108,3 +108,43 @@ async def test_a_call_past_the_client_timeout_is_a_failed_call_not_the_end_of_th
     assert outcome.error is not None and "timed out" in outcome.error
     assert outcome.first_token_s is not None and outcome.output_token_ids == []
     assert target.retries == 0
+
+
+async def test_a_router_with_an_api_key_is_replayed_with_it() -> None:
+    """``api_key`` reaches every request of the replay, the model list included: the router
+    answers ``/v1/models`` with 401 without it, as it does every ``/v1/`` path."""
+    from workloads.replay.live import live_replay
+    from workloads.traces.trace import Call, Session
+
+    def authorized(request: web.Request) -> bool:
+        return request.headers.get("Authorization") == "Bearer secret-key"
+
+    async def models(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+        return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        if not authorized(request):
+            return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        result, info = await live_replay(
+            [Session("s", "m", (Call(8, 2, None),))], str(server.make_url("/v1")),
+            api_key="secret-key", progress=False, timeout_s=20.0,
+        )
+    finally:
+        await server.close()
+    assert result.failed_calls == 0 and len(result.calls) == 1
+    assert info["retries"] == 0
