@@ -22,6 +22,36 @@ def _fill(weights: dict[str, torch.Tensor]):
     return fill
 
 
+def _two_models(seed: int, kv_blocks: int) -> tuple[
+        dict[str, TinyLM], dict[str, TinyLM], KVSpec, InstanceMemory]:
+    """Two tiny models a and b loaded into one instance memory (KV region of ``kv_blocks``
+    blocks, no host KV): their reference modules, the modules bound to the arena, the KV
+    spec and the memory."""
+    torch.manual_seed(seed)
+    refs = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    with torch.device("meta"):
+        models = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
+    layouts = {n: WeightLayout.from_module(m) for n, m in models.items()}
+    spec = KVSpec(2, 4, 2, 8, torch.float32)
+    mem = InstanceMemory("cpu", layouts, kv_bytes=kv_blocks * spec.block_bytes, host_kv_bytes=0,
+                         pin=False)
+    for name in refs:
+        mem.load_model(name, _fill(state_of(refs[name])), spec)
+        mem.bind_module(name, models[name])
+    return refs, models, spec, mem
+
+
+def _blank_models() -> InstanceMemory:
+    """Two tiny models' shards (contents left unset) in one instance memory of 4 KV blocks."""
+    layouts = {n: WeightLayout.from_module(TinyLM()) for n in ("a", "b")}
+    spec = KVSpec(2, 4, 2, 8, torch.float32)
+    mem = InstanceMemory("cpu", layouts, kv_bytes=4 * spec.block_bytes, host_kv_bytes=0,
+                         pin=False)
+    for name in layouts:
+        mem.load_model(name, lambda views: None, spec)
+    return mem
+
+
 def test_switch_cycle_keeps_addresses_and_outputs() -> None:
     torch.manual_seed(2)
     refs = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
@@ -124,17 +154,7 @@ def test_a_lent_staging_region_widens_the_kv_cache_from_the_same_base() -> None:
     """Activating b from staging with the region lent: b's weights arrive whole (the D2D copy
     reads the region before the KV cache claims it), its KV cache spans both regions from the
     KV region's base, zeroed, and nothing can be staged until the next activation."""
-    torch.manual_seed(3)
-    refs = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
-    with torch.device("meta"):
-        models = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
-    layouts = {n: WeightLayout.from_module(m) for n, m in models.items()}
-    spec = KVSpec(2, 4, 2, 8, torch.float32)
-    mem = InstanceMemory("cpu", layouts, kv_bytes=8 * spec.block_bytes, host_kv_bytes=0,
-                         pin=False)
-    for name in refs:
-        mem.load_model(name, _fill(state_of(refs[name])), spec)
-        mem.bind_module(name, models[name])
+    refs, models, spec, mem = _two_models(3, kv_blocks=8)
     arena = mem.arena
     mem.activate("a")
     normal = mem.kv_cache("a")
@@ -154,6 +174,7 @@ def test_a_lent_staging_region_widens_the_kv_cache_from_the_same_base() -> None:
     assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
     assert mem.kv_cache("a") is normal and not arena.kv_region.any()
     assert mem.stage("b").kind == MoveKind.STAGE
+    layouts = {n: WeightLayout.from_module(m) for n, m in models.items()}
     no_staging = InstanceMemory("cpu", layouts, kv_bytes=8 * spec.block_bytes, host_kv_bytes=0,
                                 staging=False, pin=False)
     no_staging.load_model("a", _fill(state_of(refs["a"])), spec)
@@ -164,12 +185,7 @@ def test_a_lent_staging_region_widens_the_kv_cache_from_the_same_base() -> None:
 def test_a_failed_weight_copy_leaves_no_model_active() -> None:
     """The copy into the weight region fails half-way: the outgoing model's weights are torn,
     so activating it again copies them again instead of finding it active."""
-    layouts = {n: WeightLayout.from_module(TinyLM()) for n in ("a", "b")}
-    spec = KVSpec(2, 4, 2, 8, torch.float32)
-    mem = InstanceMemory("cpu", layouts, kv_bytes=4 * spec.block_bytes, host_kv_bytes=0,
-                         pin=False)
-    for name in layouts:
-        mem.load_model(name, lambda views: None, spec)
+    mem = _blank_models()
     mem.activate("a")
 
     def torn(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> MoveRecord:
@@ -188,17 +204,7 @@ def test_a_failed_weight_copy_leaves_no_model_active() -> None:
 def test_a_failed_staging_copy_costs_its_d2d_switch_only() -> None:
     """A background staging copy fails: activating the model it was staging copies it from
     host instead (the copy staged nothing), and the ledger holds no staged model."""
-    torch.manual_seed(4)
-    refs = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
-    with torch.device("meta"):
-        models = {"a": TinyLM(vocab=32, hidden=16), "b": TinyLM(vocab=64, hidden=8)}
-    layouts = {n: WeightLayout.from_module(m) for n, m in models.items()}
-    spec = KVSpec(2, 4, 2, 8, torch.float32)
-    mem = InstanceMemory("cpu", layouts, kv_bytes=4 * spec.block_bytes, host_kv_bytes=0,
-                         pin=False)
-    for name in refs:
-        mem.load_model(name, _fill(state_of(refs[name])), spec)
-        mem.bind_module(name, models[name])
+    refs, models, _, mem = _two_models(4, kv_blocks=4)
     mem.activate("a")
 
     def failing(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -221,12 +227,7 @@ def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
     """Lending the region waits for the staging copy in flight before dropping what it
     staged: the copy still crossed the host link, so the ledger books it (the staging rate
     is measured from such records)."""
-    layouts = {n: WeightLayout.from_module(TinyLM()) for n in ("a", "b")}
-    spec = KVSpec(2, 4, 2, 8, torch.float32)
-    mem = InstanceMemory("cpu", layouts, kv_bytes=4 * spec.block_bytes, host_kv_bytes=0,
-                         pin=False)
-    for name in layouts:
-        mem.load_model(name, lambda views: None, spec)
+    mem = _blank_models()
     mem.activate("a")
     gate = threading.Event()
     copy = mem.stager._cpu_copy
@@ -246,5 +247,5 @@ def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
     mem.ledger.plan_activation = open_gate  # type: ignore[method-assign]
     mem.activate("a", lend_staging=True)
     totals = mem.ledger.totals(MoveKind.STAGE)
-    assert totals.count == 1 and totals.bytes == layouts["b"].total_bytes
+    assert totals.count == 1 and totals.bytes == WeightLayout.from_module(TinyLM()).total_bytes
     assert mem.ledger.staged_model is None and mem.ledger.staging_lent
