@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from substrate.devices import server_preset, server_to_dict
 from talaria.policies.config import SLOT_CLOSE_RULES
 from workloads.bounds.oracle import ideal_schedules
 from workloads.bounds.shared_device import DeviceSchedule
@@ -33,7 +34,6 @@ from workloads.replay.driver import ReplayResult
 from workloads.replay.jobs import Job, run_many
 from workloads.replay.systems import PREEMPT_QUANTA, ROUND_QUANTA, SystemConfig
 from workloads.suite.stats import percentile
-from substrate.devices import server_preset, server_to_dict
 from workloads.traces.trace import Session
 
 __all__ = ["GRIDS", "TUNE_COMMAND", "TUNED_PATH", "Tuned", "apply_settings", "grid",
