@@ -43,8 +43,9 @@ class SimEngineConfig:
     ``switch``: how a switch is priced (``engine.sim.switching``): ``copy`` (the substrate's
     H2D or D2D copy), ``sleep_wake`` (vLLM sleep mode / SGLang memory release: sleep the
     outgoing model, wake the incoming one; ``sleep_wake_efficiency`` None is the measured
-    multi-GPU rate; a number, that fraction of a plain host copy's rate), ``scale_up`` (Aegaeon: the copy plus ``scale_up_fixed_s``, an
-    assumption inside the paper's "sub-second"). ``stable_substrate`` False is the memory
+    multi-GPU rate; a number, that fraction of a plain host copy's rate), ``scale_up``
+    (Aegaeon: the copy plus ``scale_up_fixed_s``, an assumption inside the paper's
+    "sub-second"). ``stable_substrate`` False is the memory
     of one plain engine per model: a model's KV region is what its own weights leave.
 
     ``session_tokens_s``: how long a session's record keeps its last call's tokens after the
