@@ -152,7 +152,15 @@ DEVICES: dict[str, DeviceSpec] = {"h200": H200, "h100": H100}
 # so that sleep mode's measured copies price as they were measured (they were concurrent),
 # and every other row's host copies pay the same share (none did before: the sleep-mode
 # rows alone paid for copying concurrently; docs/benchmark.md, "Host copies priced alike").
-HOST_LINK_SHARE_ALL_GPUS = (59e9 / ((5.66 + 5.29 + 5.27) / 3) / 25e9) / 0.85
+# The measurement's numbers (engine.sim.switching.SleepWakeRates prices sleep and wake from
+# the same ones): bytes per GPU, wake and sleep seconds (three runs each), the A100's link.
+VLLM_SLEEP_BYTES_PER_GPU = 59e9
+VLLM_WAKE_S = (5.66 + 5.29 + 5.27) / 3
+VLLM_SLEEP_S = (6.01 + 5.78 + 5.89) / 3
+A100_HOST_LINK_BYTES_PER_S = 25e9
+VLLM_WAKE_ALONE_EFFICIENCY = 0.85  # one A100 waking a 30B model alone, same blog
+HOST_LINK_SHARE_ALL_GPUS = (VLLM_SLEEP_BYTES_PER_GPU / VLLM_WAKE_S / A100_HOST_LINK_BYTES_PER_S
+                            / VLLM_WAKE_ALONE_EFFICIENCY)
 
 # NVIDIA DGX H200 and DGX H100 datasheets: 8 GPUs on NVSwitch, 2 TB system memory.
 SERVERS: dict[str, ServerSpec] = {

@@ -19,6 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sim.cost_model import CostModel
+from substrate.devices import (
+    A100_HOST_LINK_BYTES_PER_S,
+    VLLM_SLEEP_BYTES_PER_GPU,
+    VLLM_SLEEP_S,
+    VLLM_WAKE_S,
+)
 
 __all__ = ["SWITCH_KINDS", "SleepWakeRates", "AEGAEON_FIXED_S", "switch_seconds"]
 
@@ -52,10 +58,10 @@ class SleepWakeRates:
     single A100 waking a 30B model alone reached about 85% of its link, same blog).
     """
 
-    measured_bytes_per_gpu: float = 59e9
-    measured_wake_s: float = (5.66 + 5.29 + 5.27) / 3
-    measured_sleep_s: float = (6.01 + 5.78 + 5.89) / 3
-    measured_link_bytes_per_s: float = 25e9
+    measured_bytes_per_gpu: float = VLLM_SLEEP_BYTES_PER_GPU
+    measured_wake_s: float = VLLM_WAKE_S
+    measured_sleep_s: float = VLLM_SLEEP_S
+    measured_link_bytes_per_s: float = A100_HOST_LINK_BYTES_PER_S
     efficiency: float | None = None  # None: the measured multi-GPU efficiencies
 
     def __post_init__(self) -> None:
