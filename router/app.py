@@ -10,7 +10,9 @@ error event (then ``[DONE]`` on the OpenAI API), or a 502 for a non-streamed cal
 silent truncation; an instance's failure reaches the client as a generic message naming the
 request id, the detail goes to the log. A client that goes away (noticed while its call
 waits too), or a stop string reached, aborts the call on its instance. Bounds on what
-requests may take: ``router.limits``.
+requests may take: ``router.limits``. At shut-down (the router no longer listens), calls in
+flight get ``drain_timeout_s`` to finish; the rest are cancelled, each aborting itself on its
+instance.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class RouterConfig:
     # A max_tokens beyond the room the prompt leaves: "clamp" to it or "refuse" (router.api.output_budget)
     max_tokens_overflow: str = "clamp"
     max_tokens_overflows: dict[str, str] = field(default_factory=dict)  # per-model override
+    drain_timeout_s: float = 30.0  # at shut-down, for calls in flight (`serve`: its instances')
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -94,6 +97,8 @@ class RouterConfig:
             raise ValueError("the router config needs at least one model")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.poll_interval_s is not None and self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0 or None, got {self.poll_interval_s}")
         unknown = set(self.max_model_lens) - set(self.models)
@@ -184,6 +189,10 @@ def create_app(
         for client in owned:
             await client.close()
 
+    async def drain(_app: web.Application) -> None:
+        await app[GATE_KEY].drain(config.drain_timeout_s, config.deadlines.state_s)
+
+    app.on_shutdown.append(drain)
     app.on_cleanup.append(close)
     app.on_response_prepare.append(_answer_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -7,7 +7,8 @@
   longer than ``context length x max_prompt_bytes_per_token`` bytes can fit, so none is
   tokenized just to be refused;
 - at most ``max_inflight_calls`` calls are in the router at once (tokenizing, waiting or
-  streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After`` (:class:`InflightGate`);
+  streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After``
+  (:class:`InflightGate`, which also drains them at shut-down);
 - the session table holds at most ``max_sessions`` (least recently seen idle ones go first),
   each with at most ``max_branches_per_session`` KV chains (``router.sessions.table``);
 - a request body must arrive within ``body_timeout_s`` (408), hold at most ``max_body_items``
@@ -19,16 +20,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from router.sessions.table import BRANCH_SUFFIX_CHARS
 from talaria.protocol.errors import bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
+
+log = structlog.get_logger(__name__)
 
 __all__ = [
     "LIMITS_KEY", "InflightGate", "RouterLimits", "body_items_bound", "check_prompt_bytes",
@@ -124,12 +129,14 @@ def check_prompt_bytes(size: int, context_len: int, bytes_per_token: int, param:
 
 
 class InflightGate:
-    """Counts the calls inside the router; ``admit`` refuses one beyond the cap with 429."""
+    """Counts the calls inside the router; ``admit`` refuses one beyond the cap with 429.
+    Each admitted call's task is known until it leaves, so :meth:`drain` can end it."""
 
     def __init__(self, limit: int, retry_after_s: float) -> None:
         self.limit = limit
         self.retry_after_s = retry_after_s
         self.inflight = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     @contextmanager
     def admit(self) -> Iterator[None]:
@@ -138,8 +145,28 @@ class InflightGate:
                 f"the router has {self.inflight} calls in flight (max_inflight_calls="
                 f"{self.limit}); retry later", self.retry_after_s,
             )
+        task = asyncio.current_task()
         self.inflight += 1
+        if task is not None:
+            self._tasks.add(task)
         try:
             yield
         finally:
             self.inflight -= 1
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def drain(self, timeout_s: float, grace_s: float) -> None:
+        """Shut-down: let the calls inside finish for ``timeout_s``, then cancel the rest
+        and give them ``grace_s`` to leave (a cancelled call aborts itself on its instance)."""
+        if not self._tasks:
+            return
+        log.info("router.draining", calls=len(self._tasks), timeout_s=timeout_s)
+        await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        left = set(self._tasks)
+        if not left:
+            return
+        log.warning("router.drain_timeout", cancelling=len(left))
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=grace_s)

@@ -71,6 +71,7 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
             max_tokens_overflow=r.max_tokens_overflow,
             max_tokens_overflows={n: m.max_tokens_overflow for n, m in config.models.items()
                                   if m.max_tokens_overflow},
+            drain_timeout_s=config.longest_drain_s(),
         )
     )
 

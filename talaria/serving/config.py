@@ -174,6 +174,10 @@ class ServeConfig:
     def model_paths(self) -> dict[str, str]:
         return {name: m.path for name, m in self.models.items()}
 
+    def longest_drain_s(self) -> float:
+        """How long calls in flight get at shut-down: the longest ``drain_timeout_s``."""
+        return max((e.drain_timeout_s for e in self.instances), default=0.0)
+
     def max_model_lens(self) -> dict[str, int]:
         return {n: m.max_model_len for n, m in self.models.items() if m.max_model_len is not None}
 

@@ -10,12 +10,13 @@ app (built by the injected ``router_factory``: ``talaria`` does not import ``rou
 composition root does) listens and ``ROUTER_READY <url>`` is printed on stdout, followed by
 one ``INSTANCE <id> <pid> <url>`` line per instance.
 
-Shut-down (SIGINT / SIGTERM): the router stops taking connections, every instance gets
-SIGTERM (it drains with its own timeout), stragglers get SIGKILL after ``kill_after_s``; the
-temp dir is removed. Children also die with this process (PR_SET_PDEATHSIG), so even a
-killed ``serve`` leaves nothing behind. An instance that dies while serving is restarted
-with backoff (``talaria.serving.supervisor``); meanwhile the router marks it down and places its
-sessions elsewhere, and re-adds it once it answers again.
+Shut-down (SIGINT / SIGTERM): the router stops taking connections and gives the calls in
+flight the instances' longest ``drain_timeout_s`` (the router app's own drain), every
+instance gets SIGTERM (it drains with its own timeout), stragglers get SIGKILL after
+``kill_after_s``; the temp dir is removed. Children also die with this process
+(PR_SET_PDEATHSIG), so even a killed ``serve`` leaves nothing behind. An instance that dies
+while serving is restarted with backoff (``talaria.serving.supervisor``); meanwhile the
+router marks it down and places its sessions elsewhere, and re-adds it once it answers again.
 
 The router and the instances share a secret (``[router].instance_key``, generated here when
 the config has none): every instance route requires it. It reaches each instance in its
@@ -108,8 +109,7 @@ def serve(
     config_file = workdir / "serve.json"
     _write_private(config_file, _without_keys(config).to_json())
     key = config.router.instance_key
-    drain = max((e.drain_timeout_s for e in config.instances), default=0.0)
-    kill_after = kill_after_s if kill_after_s is not None else drain + 10.0
+    kill_after = kill_after_s if kill_after_s is not None else config.longest_drain_s() + 10.0
     children: list[InstanceProcess] = []
     try:
         for entry in config.instances:
@@ -284,7 +284,9 @@ async def _healthy(http: aiohttp.ClientSession, url: str, key: str) -> bool:
 
 
 async def _start_router(config: ServeConfig, app: web.Application) -> web.AppRunner:
-    runner = JsonErrorRunner(app, access_log=None)
+    # Draining is the app's (on_shutdown, bounded by the instances' drain_timeout_s); aiohttp
+    # only waits a little for handlers that are still writing their last event.
+    runner = JsonErrorRunner(app, shutdown_timeout=5.0, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.router.host, config.router.port)
     try:
