@@ -62,7 +62,7 @@ from talaria.protocol.errors import (
     unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import bearer_matches, key_matches, next_or_gone
+from talaria.protocol.http import bearer_matches, key_matches, key_problem, next_or_gone
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +97,9 @@ class RouterConfig:
             raise ValueError("the router config needs at least one model")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        problem = None if self.api_key is None else key_problem(self.api_key)
+        if problem is not None:
+            raise ValueError(f"api_key {problem}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.poll_interval_s is not None and self.poll_interval_s <= 0:

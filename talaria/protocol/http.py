@@ -19,7 +19,7 @@ from talaria.protocol.errors import ApiError, unauthorized
 
 __all__ = [
     "JsonErrorRunner", "bearer_matches", "client_gone", "header_bytes", "key_matches",
-    "key_middleware", "next_or_gone", "read_body",
+    "key_middleware", "key_problem", "next_or_gone", "read_body",
 ]
 
 T = TypeVar("T")
@@ -29,6 +29,17 @@ def header_bytes(value: str) -> bytes:
     """A header value's bytes: aiohttp decodes headers as UTF-8 with ``surrogateescape``, so
     bytes that are not UTF-8 arrive as lone surrogates, which a plain ``encode()`` refuses."""
     return value.encode("utf-8", "surrogatepass")
+
+
+def key_problem(key: str) -> str | None:
+    """Why a configured API key cannot be used (None: it can): an empty one would read as
+    no key, authentication off; one with spaces around it never matches a header, which
+    is read stripped."""
+    if not key.strip():
+        return "is empty (leave it out to serve without a key)"
+    if key != key.strip():
+        return "has spaces around it, which no request's key can match"
+    return None
 
 
 def key_matches(value: str, key: str) -> bool:

@@ -63,6 +63,7 @@ import structlog
 
 from substrate.ledger import check_memory_settings
 from talaria.policies.config import PolicyConfig
+from talaria.protocol.http import key_problem
 
 log = structlog.get_logger("talaria.serving.config")
 
@@ -245,6 +246,9 @@ class ServeConfig:
         for key in ("max_inflight_calls", "max_session_id_chars", "max_sessions"):
             if getattr(r, key) < 1:
                 raise ConfigError(f"[router].{key} must be >= 1, got {getattr(r, key)}")
+        problem = None if r.api_key is None else key_problem(r.api_key)
+        if problem is not None:
+            raise ConfigError(f"[router].api_key {problem}")
         if r.instance_key is not None and len(r.instance_key) < 16:
             raise ConfigError("[router].instance_key must be at least 16 characters")
         rules = {"[router].max_tokens_overflow": r.max_tokens_overflow, **{

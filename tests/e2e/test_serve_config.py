@@ -78,6 +78,8 @@ def test_toml_is_read_validated_and_round_trips(tmp_path: Path) -> None:
         ({"router": {"policy": "random"}}, "[router].policy"),
         ({"router": {"port": 70000}}, "[router].port"),
         ({"router": {"port": "80"}}, "[router].port must be an int"),
+        ({"router": {"api_key": ""}}, "[router].api_key is empty"),
+        ({"router": {"api_key": " k "}}, "[router].api_key has spaces around it"),
         ({"models": {"m": {}}}, "[models.m].path is required"),
         ({"models": {"m": {"path": "x", "max_model_len": 1}}}, "[models.m].max_model_len"),
         ({"instances": [{"port": 1}]}, "[instances][0].id is required"),

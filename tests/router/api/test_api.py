@@ -235,6 +235,14 @@ async def test_api_key(tokenizer: ModelTokenizer) -> None:
         assert metrics.status == 200 and "talaria" in await metrics.text()
 
 
+@pytest.mark.parametrize("key", ["", "   ", "sekret\n"])
+def test_a_key_no_client_can_send_is_refused_not_read_as_no_key(key: str) -> None:
+    """An empty key used to turn authentication off in silence; one with spaces around it
+    could never match (headers are read stripped)."""
+    with pytest.raises(ValueError, match="api_key"):
+        RouterConfig(models={"tiny": "/unused"}, instances={}, api_key=key)
+
+
 async def test_models_health_metrics(tokenizer: ModelTokenizer) -> None:
     a = FakeInstance("a", reply(tokenizer), cached_tokens=2,
                      state=InstanceState("a", kv_demotions=3, staging_lends=1))
