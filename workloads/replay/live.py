@@ -16,7 +16,9 @@ A call that fails as an agent would see it fail (the connection breaks, the rout
 502 or 503, or the stream ends in an error event) is sent again, as an agent re-sends it,
 after a short wait, up to ``MAX_RETRIES`` times; a 429 waits its ``Retry-After``. The
 target counts every re-send (``retries`` in :func:`live_replay`'s info). A call still going
-at the replay's per-call timeout (``timeout_s``) fails, without a re-send.
+at the replay's per-call timeout (``timeout_s``) fails, without a re-send, and so does one
+whose stream this client cannot read (a line that is not a JSON object, usage without its
+counts): that call's failure, recorded as such, never the end of the replay.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ __all__ = [
 MAX_RETRIES = 30
 RETRY_WAIT_S = 0.2  # before re-sending a failed call
 _RETRYABLE_STATUS = frozenset({502, 503})
+
+
+class MalformedStream(ValueError):
+    """The router's stream held what this client cannot read."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ class LiveTarget:
         loop = asyncio.get_running_loop()
         headers = {**self.headers, "Content-Type": "application/json"}
         first: float | None = None
-        usage: dict | None = None
+        usage: tuple[int, int, int] | None = None  # output, cached, restored tokens
         error: str | None = None
         try:
             async with self.http.post(f"{self.url}/v1/completions", data=payload,
@@ -136,27 +142,48 @@ class LiveTarget:
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         break
-                    chunk = orjson.loads(data)
+                    chunk = _event(data)
                     if "error" in chunk:
-                        error = str(chunk["error"].get("message", chunk["error"]))
+                        failure = chunk["error"]
+                        error = str(failure.get("message", failure) if isinstance(failure, dict) else failure)
                         continue
                     if first is None and chunk.get("choices"):
                         first = loop.time()
                     if chunk.get("usage"):
-                        usage = chunk["usage"]
+                        usage = _counts(chunk["usage"])
         except (aiohttp.ClientError, ConnectionError) as exc:
             return CallOutcome(first, loop.time(), [], error=f"{type(exc).__name__}: {exc}"), RETRY_WAIT_S
         except TimeoutError:  # the session's per-call timeout: final (re-sends would multiply it)
             return CallOutcome(first, loop.time(), [], error="the call timed out"), None
-        if usage is None and error is None:
-            error = "the stream ended without usage"
-        if error is not None:
-            return CallOutcome(first, loop.time(), [], error=error), RETRY_WAIT_S
-        n_out = int(usage["completion_tokens"]) if usage else 0
-        details = (usage or {}).get("prompt_tokens_details") or {}
-        return CallOutcome(first, loop.time(), tokens.take(n_out),
-                           cached_tokens=int(details.get("cached_tokens", 0)),
-                           restored_tokens=int(details.get("restored_tokens", 0))), None
+        except MalformedStream as exc:  # final: the same router would answer alike
+            return CallOutcome(first, loop.time(), [], error=f"malformed stream: {exc}"), None
+        if usage is None or error is not None:
+            why = error if error is not None else "the stream ended without usage"
+            return CallOutcome(first, loop.time(), [], error=why), RETRY_WAIT_S
+        n_out, cached, restored = usage
+        return CallOutcome(first, loop.time(), tokens.take(n_out), cached_tokens=cached,
+                           restored_tokens=restored), None
+
+
+def _event(data: bytes) -> dict[str, Any]:
+    """One SSE event's JSON object (:class:`MalformedStream` when it is not one)."""
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise MalformedStream(f"an event that is not JSON ({exc}): {data[:200]!r}") from None
+    if not isinstance(chunk, dict):
+        raise MalformedStream(f"an event that is not a JSON object: {data[:200]!r}")
+    return chunk
+
+
+def _counts(usage: Any) -> tuple[int, int, int]:
+    """Output, cached and host-restored tokens of a call's usage."""
+    try:
+        details = usage.get("prompt_tokens_details") or {}
+        return (int(usage["completion_tokens"]), int(details.get("cached_tokens", 0)),
+                int(details.get("restored_tokens", 0)))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise MalformedStream(f"usage without its counts ({exc!r}): {usage!r}") from None
 
 
 def scale_sessions(

@@ -1,6 +1,6 @@
 """The live replay client re-sends a call as an agent would: after a broken connection, a 502
 or 503, or a stream that ends in an error event (and after a 429's Retry-After), counting
-each re-send; a 4xx other than 429 is final."""
+each re-send; a 4xx other than 429 is final, and so is a stream it cannot read."""
 
 from __future__ import annotations
 
@@ -21,10 +21,15 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 2,
          "prompt_tokens_details": {"cached_tokens": 2, "restored_tokens": 1}}
 
 
+MALFORMED = {"garbled": b"data: {not json\n\n", "list": b"data: [1, 2]\n\n",
+             "no-counts": b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n'}
+
+
 def router(script: list[str]) -> web.Application:
     """Answers each request with the next step of ``script``: "502", "503", "429", "400",
-    "error" (a 200 stream ending in an error event), "drop" (the connection closes mid-stream)
-    or "ok"."""
+    "error" (a 200 stream ending in an error event), "drop" (the connection closes mid-stream),
+    a stream with a line that is not JSON ("garbled"), not an object ("list"), or with usage
+    missing its counts ("no-counts"), or "ok"."""
     seen: list[str] = []
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -44,6 +49,8 @@ def router(script: list[str]) -> web.Application:
             return resp
         if step == "error":
             await resp.write(b'data: {"error": {"message": "failed"}}\n\n')
+        elif step in MALFORMED:
+            await resp.write(MALFORMED[step])
         else:
             await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -82,6 +89,15 @@ async def test_a_client_error_is_final() -> None:
     outcome, retries = await send(["400", "ok"])
     assert outcome.error is not None and "HTTP 400" in outcome.error  # type: ignore[attr-defined]
     assert retries == 0
+
+
+@pytest.mark.parametrize("step", sorted(MALFORMED))
+async def test_a_stream_it_cannot_read_fails_that_call_not_the_replay(step: str) -> None:
+    """A line of the stream that is not a JSON object (or usage without its counts) used to
+    raise out of the call and end the whole replay: it is that call's failure, not re-sent."""
+    outcome, retries = await send([step, "ok"])
+    assert outcome.error is not None and "malformed" in outcome.error  # type: ignore[attr-defined]
+    assert outcome.output_token_ids == [] and retries == 0  # type: ignore[attr-defined]
 
 
 async def test_a_call_past_the_client_timeout_is_a_failed_call_not_the_end_of_the_replay() -> None:
