@@ -14,7 +14,8 @@ scales arrivals and tool gaps (``time_scale``).
 
 A call that fails as an agent would see it fail (the connection breaks, the router answers
 502 or 503, or the stream ends in an error event) is sent again, as an agent re-sends it,
-after a short wait, up to ``MAX_RETRIES`` times; a 429 waits its ``Retry-After``. The
+after a short wait, up to ``MAX_RETRIES`` times; a 429 waits its ``Retry-After`` (seconds or
+an HTTP date; ``BUSY_WAIT_S`` when it has none this client can read). The
 target counts every re-send (``retries`` in :func:`live_replay`'s info). A call still going
 at the replay's per-call timeout (``timeout_s``) fails, without a re-send, and so does one
 whose stream this client cannot read (a line that is not a JSON object, usage without its
@@ -24,9 +25,12 @@ counts): that call's failure, recorded as such, never the end of the replay.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import aiohttp
@@ -40,10 +44,12 @@ from workloads.traces.trace import Call, Session
 
 __all__ = [
     "LiveTarget", "ServedModel", "fetch_models", "scale_sessions", "live_replay", "run_live_replay",
+    "retry_after_s",
 ]
 
 MAX_RETRIES = 30
 RETRY_WAIT_S = 0.2  # before re-sending a failed call
+BUSY_WAIT_S = 1.0  # before re-sending a 429 whose Retry-After is missing or unreadable
 _RETRYABLE_STATUS = frozenset({502, 503})
 
 
@@ -128,7 +134,7 @@ class LiveTarget:
             async with self.http.post(f"{self.url}/v1/completions", data=payload,
                                       headers=headers) as resp:
                 if resp.status == 429:
-                    wait = float(resp.headers.get("Retry-After", "1"))
+                    wait = retry_after_s(resp.headers.get("Retry-After"))
                     return CallOutcome(None, loop.time(), [], error="HTTP 429"), wait
                 if resp.status != 200:
                     text = await resp.text()
@@ -163,6 +169,24 @@ class LiveTarget:
         n_out, cached, restored = usage
         return CallOutcome(first, loop.time(), tokens.take(n_out), cached_tokens=cached,
                            restored_tokens=restored), None
+
+
+def retry_after_s(value: str | None, now: datetime | None = None) -> float:
+    """A 429's ``Retry-After``: seconds, or an HTTP date (RFC 9110; a past one is now);
+    ``BUSY_WAIT_S`` when it is missing or neither."""
+    if value is None:
+        return BUSY_WAIT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return BUSY_WAIT_S
+        if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
+            when = when.replace(tzinfo=UTC)
+        return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else BUSY_WAIT_S
 
 
 def _event(data: bytes) -> dict[str, Any]:

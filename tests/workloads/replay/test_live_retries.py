@@ -5,6 +5,7 @@ each re-send; a 4xx other than 429 is final, and so is a stream it cannot read."
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
 import aiohttp
 import orjson
@@ -25,8 +26,12 @@ MALFORMED = {"garbled": b"data: {not json\n\n", "list": b"data: [1, 2]\n\n",
              "no-counts": b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n'}
 
 
+RETRY_AFTER = {"429": "0", "429-date": "Wed, 21 Oct 2015 07:28:00 GMT", "429-text": "soon"}
+
+
 def router(script: list[str]) -> web.Application:
-    """Answers each request with the next step of ``script``: "502", "503", "429", "400",
+    """Answers each request with the next step of ``script``: "502", "503", "429" (its
+    Retry-After in seconds, an HTTP date, or neither: ``RETRY_AFTER``), "400",
     "error" (a 200 stream ending in an error event), "drop" (the connection closes mid-stream),
     a stream with a line that is not JSON ("garbled"), not an object ("list"), or with usage
     missing its counts ("no-counts"), or "ok"."""
@@ -37,9 +42,9 @@ def router(script: list[str]) -> web.Application:
         seen.append(step)
         if step in ("502", "503", "400"):
             return web.json_response({"error": {"message": step}}, status=int(step))
-        if step == "429":
+        if step.startswith("429"):
             return web.json_response({"error": {"message": "busy"}}, status=429,
-                                     headers={"Retry-After": "0"})
+                                     headers={"Retry-After": RETRY_AFTER[step]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
@@ -83,6 +88,24 @@ async def test_failures_an_agent_would_retry_are_re_sent_and_counted(
     assert retries == 5
     # the usage's host-restored tokens reach the replay's records, as the simulator's do
     assert (outcome.cached_tokens, outcome.restored_tokens) == (2, 1)  # type: ignore[attr-defined]
+
+
+async def test_a_retry_after_that_is_a_date_or_unreadable_is_waited_not_fatal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HTTP allows Retry-After as a date; it used to end the replay (a float() of it)."""
+    monkeypatch.setattr(live, "BUSY_WAIT_S", 0.0)
+    outcome, retries = await send(["429-date", "429-text", "ok"])
+    assert outcome.error is None and retries == 2  # type: ignore[attr-defined]
+
+
+def test_retry_after_reads_seconds_or_a_date_else_the_clients_own_wait() -> None:
+    now = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
+    assert live.retry_after_s("7", now) == 7.0
+    assert live.retry_after_s("Wed, 01 Jan 2025 12:00:30 GMT", now) == 30.0
+    assert live.retry_after_s("Wed, 01 Jan 2025 11:00:00 GMT", now) == 0.0  # past: at once
+    for unreadable in (None, "", "soon", "-3", "nan", "inf", "Wed, 99 Foo 2025"):
+        assert live.retry_after_s(unreadable, now) == live.BUSY_WAIT_S
 
 
 async def test_a_client_error_is_final() -> None:
