@@ -27,7 +27,6 @@ instance's health (``router.instances.call_health``; deadlines: ``Deadlines``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from concurrent.futures import Executor
 from typing import Any
@@ -38,7 +37,7 @@ from router.instances.call_health import CallHealth, HealthRules
 from router.instances.deadlines import DeadlineMissed, Deadlines, first_token_deadline
 from router.instances.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.instances.state_polls import StatePolls
-from router.instances.waits import InstanceMarkedDown, InstanceWaits
+from router.instances.waits import InstanceMarkedDown, InstanceWaits, close_stream
 from router.metrics import RouterMetrics
 from router.sessions.books import SessionBooks, SessionCall
 from router.sessions.inference import SessionInference
@@ -325,13 +324,13 @@ class RouterCore:
             except BaseException:  # cancelled (its client left): the call goes everywhere
                 self._release(instance_id, pcall)
                 self._background(self._abort_quietly(instance_id, call.call_id))
-                await _close(stream)
+                await close_stream(stream)
                 raise
             else:
                 self.context.prefix_index.insert(instance_id, call.model, pcall.block_hashes)
                 return instance_id, stream, first
             self._release(instance_id, pcall)
-            await _close(stream)
+            await close_stream(stream)
         overloaded = [e for e in errors if isinstance(e, Overloaded)]
         if overloaded:
             raise Overloaded(str(overloaded[-1]), min(e.retry_after_s for e in overloaded))
@@ -392,24 +391,31 @@ class RouterCore:
         stream: AsyncIterator[CallEvent] | None, start: float, outputs: list[int], outcome: str,
         pcall: PlacementCall, prefilling: bool, label: str,
     ) -> None:
+        """The call's end in every book. Its awaits (the abort, the stream's close) may be
+        cancelled again (a shut-down cancelling what is left): the stream is closed and the
+        books are kept all the same, or its session would count a call in flight forever."""
         now = self.now()
-        if instance_id is not None and stream is not None:
-            self._release(instance_id, pcall, prefilling)
-            if outcome == "aborted":
-                await self._abort_quietly(instance_id, call.call_id)
-                if call.call_id in self._stopped:  # answered: counted as a finished call is
-                    outcome = "ok"
-                    self.call_health.success(instance_id)
-                    self._count_usage(call, None, len(outputs))
-            await _close(stream)
-            self.metrics.call_time.observe(now - start, model=call.model)
-        self._stopped.discard(call.call_id)
-        self.metrics.requests.inc(model=call.model, instance=label, outcome=outcome)
-        more = self.books.end(call, books, instance_id, now, outputs)
-        if instance_id is not None:
-            self.context.prefix_index.insert(instance_id, call.model, more)
-        if instance_id is not None and self.refresh_after_call:
-            self._polls.after_call(instance_id)
+        try:
+            if instance_id is not None and stream is not None:
+                self._release(instance_id, pcall, prefilling)
+                try:
+                    if outcome == "aborted":
+                        await self._abort_quietly(instance_id, call.call_id)
+                        if call.call_id in self._stopped:  # answered: counted as a finished call is
+                            outcome = "ok"
+                            self.call_health.success(instance_id)
+                            self._count_usage(call, None, len(outputs))
+                finally:
+                    await close_stream(stream)
+                self.metrics.call_time.observe(now - start, model=call.model)
+        finally:
+            self._stopped.discard(call.call_id)
+            self.metrics.requests.inc(model=call.model, instance=label, outcome=outcome)
+            more = self.books.end(call, books, instance_id, now, outputs)
+            if instance_id is not None:
+                self.context.prefix_index.insert(instance_id, call.model, more)
+            if instance_id is not None and self.refresh_after_call:
+                self._polls.after_call(instance_id)
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` beside the call (kept until done; cancelled by ``close``)."""
@@ -442,9 +448,3 @@ def _outcome(exc: BaseException, opened: bool) -> str:
         return "rejected"
     return "overloaded" if isinstance(exc, Overloaded) else "error"
 
-
-async def _close(stream: AsyncIterator[CallEvent]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        with contextlib.suppress(Exception):
-            await aclose()

@@ -14,13 +14,14 @@ not for their first-token deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from router.instances.deadlines import DeadlineMissed
 from talaria.protocol import CallEvent, InstanceUnavailable
 
-__all__ = ["InstanceMarkedDown", "InstanceWaits"]
+__all__ = ["InstanceMarkedDown", "InstanceWaits", "close_stream"]
 
 
 class InstanceMarkedDown(InstanceUnavailable):
@@ -94,3 +95,11 @@ def _bound(wait: _Wait, deadline: float) -> None:
     if when is None or when > deadline:
         wait.scope.reschedule(deadline)
         wait.cut = True
+
+
+async def close_stream(stream: AsyncIterator[CallEvent]) -> None:
+    """Close a call's event stream (its ``aclose``, when it has one), whatever it raises."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()

@@ -109,3 +109,52 @@ async def test_a_late_first_token_frees_the_instance_whenever_the_client_leaves(
         assert isinstance(outcome, NoHealthyInstance) and waited < 1.0  # not the abort's 2 s
     assert core.context.outstanding_tokens.get("i0", 0) == 0
     assert core.context.outstanding_prefill.get("i0", 0) == 0
+
+
+class SlowAbort(FakeInstance):
+    """Holds its call after the first token; its abort hangs (and says when it began)."""
+
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(instance_id, [7, 8, 9], hold=asyncio.Event())
+        self.abort_started = asyncio.Event()
+        self.closed = False
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        try:
+            async for event in super().submit(call):
+                yield event
+        finally:
+            self.closed = True
+
+    async def abort(self, call_id: str) -> None:
+        self.abort_started.set()
+        await asyncio.sleep(3600)
+
+
+async def test_a_call_cancelled_again_while_it_aborts_still_ends_in_its_session() -> None:
+    """Cancelled once (its client left: the call aborts on its instance), then again while
+    that abort waits (a shut-down cancelling what is left): the call still ends in its
+    session's books, so the session can expire, and its stream is still closed."""
+    inst = SlowAbort("i0")
+    now = [0.0]
+    core = RouterCore({"i0": inst}, "load", sessions=SessionTable(ttl_s=10.0),
+                      clock=lambda: now[0], refresh_after_call=False)
+    events = core.submit(_call(1, "s", list(range(100, 164))))
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in events:
+            first.set()
+
+    task = asyncio.ensure_future(consume())
+    await first.wait()
+    task.cancel()
+    await inst.abort_started.wait()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    record = core.sessions.get("s")
+    assert record is not None and record.active_calls == 0
+    assert inst.closed
+    now[0] = 100.0
+    assert core.cleanup_sessions() == 1
+    await core.close()
