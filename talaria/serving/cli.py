@@ -31,6 +31,8 @@ def add_serve_commands(sub: argparse._SubParsersAction, router_factory: RouterFa
     p.add_argument("--id", required=True, help="which [[instances]] entry to run")
     p.add_argument("--ready-file", help="write {id, pid, url} here once serving")
     p.add_argument("--parent-pid", type=int, help="exit when this process exits")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT (`talaria serve` holds the port reserved)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_instance)
 
@@ -64,7 +66,7 @@ def _instance(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, process="instance", instance=args.id)
     config = load_serve_config(args.config)
     ready = Path(args.ready_file) if args.ready_file else None
-    return run_instance(config, args.id, ready)
+    return run_instance(config, args.id, ready, args.reuse_port)
 
 
 def _router(args: argparse.Namespace, router_factory: RouterFactory) -> int:

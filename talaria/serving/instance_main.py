@@ -77,9 +77,10 @@ def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
 
 
 def run_instance(
-    config: ServeConfig, instance_id: str, ready_file: Path | None = None
+    config: ServeConfig, instance_id: str, ready_file: Path | None = None, reuse_port: bool = False
 ) -> int:
-    """Serve one instance until SIGINT/SIGTERM; returns the exit status."""
+    """Serve one instance until SIGINT/SIGTERM; returns the exit status. ``reuse_port``: bind
+    with SO_REUSEPORT, beside the socket by which `talaria serve` holds the port for it."""
     from talaria.instance.instance import Instance
     from talaria.serving.instance_server import (
         InstanceServerSettings,
@@ -108,7 +109,7 @@ def run_instance(
         )
         app = create_instance_app(instance, settings)
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
-            failed = runner.run(_serve(app, entry, ready_file, instance))
+            failed = runner.run(_serve(app, entry, ready_file, instance, reuse_port))
     finally:
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
@@ -118,7 +119,8 @@ def run_instance(
 
 
 async def _serve(
-    app: web.Application, entry: InstanceEntry, ready_file: Path | None, instance: Instance
+    app: web.Application, entry: InstanceEntry, ready_file: Path | None, instance: Instance,
+    reuse_port: bool = False,
 ) -> bool:
     """Serve until a signal (returns False) or until the admission loop gives up (True)."""
     stop = asyncio.Event()
@@ -130,7 +132,7 @@ async def _serve(
     runner = JsonErrorRunner(app, shutdown_timeout=5.0, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, entry.host, entry.port)
+        site = web.TCPSite(runner, entry.host, entry.port, reuse_port=reuse_port or None)
         try:
             await site.start()
         except OSError as exc:

@@ -1,6 +1,9 @@
 """`talaria serve`: the router in this process, one child process per instance.
 
-Start-up: instances asking for port 0 get a free port; the resolved config, without its
+Start-up: instances asking for port 0 get a free port, held by this process (a socket bound
+with SO_REUSEPORT, never listening) until it ends, so nothing else can take it before the
+instance binds it, nor while the instance restarts; the instance binds it beside that
+socket (``--reuse-port``), which alone receives its connections. The resolved config, without its
 keys, is written as JSON to a private temp dir (the dir 0700, the file 0600); each instance is
 ``python -P -m talaria.cli instance --config that.json --id ID --ready-file ...`` (``-P``:
 the working directory is not on its import path, so a stray module there cannot shadow one it
@@ -103,7 +106,7 @@ def serve(
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model {name!r}: no config.json in {path!r}")
     workdir = Path(tempfile.mkdtemp(prefix="talaria-serve-"))  # private: mode 0700
-    _assign_ports(config)
+    reserved = _reserve_ports(config)
     if config.router.instance_key is None:
         config.router.instance_key = secrets.token_urlsafe(32)
     config_file = workdir / "serve.json"
@@ -113,12 +116,15 @@ def serve(
     children: list[InstanceProcess] = []
     try:
         for entry in config.instances:
-            children.append(_spawn(entry.id, config_file, workdir, key))
+            children.append(_spawn(entry.id, config_file, workdir, key, entry.id in reserved))
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
-            return runner.run(_run(config, children, router_factory, start_timeout_s,
-                                   lambda iid: _restart(iid, config, config_file, workdir, key)))
+            return runner.run(_run(
+                config, children, router_factory, start_timeout_s,
+                lambda iid: _restart(iid, config, config_file, workdir, key, iid in reserved)))
     finally:
         _stop_children(children, kill_after)
+        for sock in reserved.values():
+            sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -157,44 +163,60 @@ def _without_keys(config: ServeConfig) -> ServeConfig:
     )
 
 
-def instance_command(instance_id: str, config_file: Path, ready: Path) -> list[str]:
+def instance_command(
+    instance_id: str, config_file: Path, ready: Path, reuse_port: bool = False
+) -> list[str]:
     """How an instance process is started: ``-P`` keeps the working directory off its
-    import path."""
+    import path; ``reuse_port``: its port is one this process holds."""
     return [
         sys.executable, "-P", "-m", "talaria.cli", "instance",
         "--config", str(config_file), "--id", instance_id,
         "--ready-file", str(ready), "--parent-pid", str(os.getpid()),
+        *(["--reuse-port"] if reuse_port else []),
     ]
 
 
-def _spawn(instance_id: str, config_file: Path, workdir: Path, key: str | None) -> InstanceProcess:
+def _spawn(
+    instance_id: str, config_file: Path, workdir: Path, key: str | None, reuse_port: bool
+) -> InstanceProcess:
     ready = workdir / f"{instance_id}.ready"
     ready.unlink(missing_ok=True)  # a restart: the dead process's file
     env = {**os.environ, INSTANCE_KEY_ENV: key or ""}
-    proc = subprocess.Popen(instance_command(instance_id, config_file, ready), env=env,
+    proc = subprocess.Popen(instance_command(instance_id, config_file, ready, reuse_port), env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     log.info("serve.instance_started", instance=instance_id, pid=proc.pid)
     return InstanceProcess(instance_id, proc, ready)
 
 
 def _restart(
-    instance_id: str, config: ServeConfig, config_file: Path, workdir: Path, key: str | None
+    instance_id: str, config: ServeConfig, config_file: Path, workdir: Path, key: str | None,
+    reuse_port: bool,
 ) -> InstanceProcess:
     """A fresh process for a dead instance, on the port its predecessor had."""
-    child = _spawn(instance_id, config_file, workdir, key)
+    child = _spawn(instance_id, config_file, workdir, key, reuse_port)
     entry = config.instance(instance_id)
     child.url = f"http://{entry.host}:{entry.port}"
     return child
 
 
-def _assign_ports(config: ServeConfig) -> None:
+def _reserve_ports(config: ServeConfig) -> dict[str, socket.socket]:
     """Give each instance asking for port 0 a free port now, so the router can be built
-    while the instances start (a port taken meanwhile fails that instance's start-up)."""
+    while the instances start; returns the sockets that hold them (by instance id), to
+    close once the instances are gone. Where SO_REUSEPORT is missing the port is only
+    picked (one taken meanwhile fails that instance's start-up)."""
+    reuse = getattr(socket, "SO_REUSEPORT", None)
+    reserved: dict[str, socket.socket] = {}
     for entry in config.instances:
         if entry.port == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((entry.host, 0))
-                entry.port = int(sock.getsockname()[1])
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            if reuse is not None:
+                sock.setsockopt(socket.SOL_SOCKET, reuse, 1)
+                reserved[entry.id] = sock
+            sock.bind((entry.host, 0))
+            entry.port = int(sock.getsockname()[1])
+            if reuse is None:
+                sock.close()
+    return reserved
 
 
 def _stop_event() -> asyncio.Event:

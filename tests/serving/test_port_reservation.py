@@ -1,0 +1,88 @@
+"""`talaria serve` keeps the free port it picks for an instance (port 0) reserved for as long
+as it runs: nothing else can bind it between the pick and the instance's bind, nor while the
+instance restarts, and the instance binds it beside the reservation (SO_REUSEPORT)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from talaria.cli import build_parser
+from talaria.serving import serve
+from talaria.serving.config import ServeConfig
+from talaria.serving.instance_main import _serve
+
+
+def _config() -> ServeConfig:
+    return ServeConfig.from_dict({"instances": [{"id": "a"}, {"id": "b", "port": 9905}]})
+
+
+def test_a_picked_port_is_held_until_released() -> None:
+    config = _config()
+    reserved = serve._reserve_ports(config)
+    try:
+        a, b = config.instances
+        assert set(reserved) == {"a"} and a.port != 0 and b.port == 9905
+        for option in (None, socket.SO_REUSEADDR):
+            with socket.socket() as other, pytest.raises(OSError) as info:
+                if option is not None:
+                    other.setsockopt(socket.SOL_SOCKET, option, 1)
+                other.bind((a.host, a.port))
+            assert info.value.errno == errno.EADDRINUSE
+    finally:
+        for sock in reserved.values():
+            sock.close()
+
+
+class _Instance:
+    """What ``_serve`` waits on: a loop that ends once ``stop`` is set."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.hung = asyncio.Event()
+
+    async def wait_until_stopped(self) -> None:
+        await self.stop.wait()
+
+
+async def test_an_instance_serves_on_its_reserved_port_again_and_again(tmp_path: Path) -> None:
+    """Started with ``--reuse-port`` (as `serve` starts it), an instance binds the port held
+    for it, and so does its restart."""
+    config = _config()
+    reserved = serve._reserve_ports(config)
+    entry = config.instance("a")
+    ready = tmp_path / "a.ready"
+    try:
+        for start in ("first", "restart"):
+            app = web.Application()
+            app.router.add_get("/ping", lambda _r, start=start: web.Response(text=start))
+            instance = _Instance()
+            running = asyncio.ensure_future(
+                _serve(app, entry, ready, instance, reuse_port=True))  # type: ignore[arg-type]
+            while not ready.is_file():
+                await asyncio.sleep(0.01)
+            url = orjson.loads(ready.read_bytes())["url"]
+            assert url == f"http://{entry.host}:{entry.port}"
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/ping") as resp:
+                assert await resp.text() == start
+            instance.stop.set()
+            assert await running is True  # its loop ended
+            ready.unlink()
+    finally:
+        for sock in reserved.values():
+            sock.close()
+
+
+def test_serve_starts_reserved_instances_with_reuse_port(tmp_path: Path) -> None:
+    cmd = serve.instance_command("a", tmp_path / "c.json", tmp_path / "ready", reuse_port=True)
+    assert "--reuse-port" in cmd
+    assert "--reuse-port" not in serve.instance_command("a", tmp_path / "c.json", tmp_path / "r")
+    args = build_parser().parse_args(cmd[cmd.index("instance"):])
+    assert args.reuse_port is True
