@@ -221,12 +221,14 @@ class MultiModelEngine(ServesModels):
             self._sessions[model].setdefault(request.session_id, [])
 
     def step(self) -> StepResult:
-        carried, self._carried = self._carried, []
+        """The active core's step; events carried from switched-out cores come first, taken
+        only once it has run (a step that raises leaves them for the next one)."""
         if self.served.active is None:
+            carried, self._carried = self._carried, []
             return StepResult(events=carried, seconds=0.0)
         model = self.served.active
         result = self.cores[model].step()
-        result.events[:0] = carried
+        result.events[:0], self._carried = self._carried, []
         meter = self._meters[model]
         meter.observe_step(result)
         for record in self._secondaries[model].drain_records():

@@ -293,6 +293,30 @@ def test_request_for_non_active_model_raises(models: dict[str, Path]) -> None:
     engine.activate(LLAMA)
 
 
+def test_a_carried_abort_event_survives_a_step_that_raises(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An abort's event carried over a switch is delivered by the first step that completes,
+    not lost with a step that raises."""
+    engine = make_engine(models)
+    engine.activate(LLAMA)
+    engine.add_request(EngineRequest("q", prompt(1, 5), GREEDY, model=LLAMA))
+    engine.abort("q")
+    engine.activate(QWEN)
+
+    def failing() -> None:
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(engine.cores[QWEN], "step", failing)
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.has_unfinished()
+    [ev] = engine.step().events
+    assert ev.request_id == "q" and ev.finished and ev.new_token_ids == []
+    assert not engine.has_unfinished()
+
+
 def test_shard_too_large_for_weight_region_fails_with_sizes(models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match=r"weight shard of \d+ bytes .* weight region of 4096"):
         make_engine(models, weight_bytes=4096)
