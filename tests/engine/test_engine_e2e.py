@@ -172,8 +172,16 @@ def test_stop_token_ids_and_stop_strings(model_dirs: dict[str, Path], tokenizer)
     )
     for o, b, t in zip(outs, base, stop_ids, strict=True):
         k = b.token_ids.index(t)
-        assert o.token_ids == b.token_ids[: k + 1]
+        assert o.token_ids == b.token_ids[: k + 1]  # the stop token is an output token (vLLM)
         assert o.finish_reason == FinishReason.STOP
+        # ... but its text is not in the output text (vLLM without include_stop_str_in_output)
+        assert o.text == tokenizer.decode(o.token_ids[:-1], skip_special_tokens=True)
+        assert o.text != tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    llm.engine.eos_token_ids = {stop_ids[0]}  # an EOS id that is not a special token
+    [eos] = llm.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=12))
+    assert eos.token_ids == outs[0].token_ids and eos.text == outs[0].text
+    [kept] = llm.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert kept.text == tokenizer.decode(kept.token_ids, skip_special_tokens=True)
     checked = 0
     for o, p in zip(base, ps, strict=True):
         text = tokenizer.decode(o.token_ids)
