@@ -21,7 +21,8 @@ class IncrementalDetokenizer:
     Decodes a small window (prefix_offset..end) and emits what extends past the text of
     (prefix_offset..read_offset), so the cost per token stays constant whatever the output's
     length. A window that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until
-    the next tokens complete it.
+    the next tokens complete it; ``flush`` at the end releases what never completed, so the
+    deltas join to the full decode of the tokens.
     """
 
     def __init__(
@@ -45,10 +46,21 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset :])
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
-        delta = full[len(prefix) :]
+        return self._advance(prefix, full)
+
+    def flush(self) -> str:
+        """The text held back, as a full decode gives it (an incomplete character as
+        U+FFFD); call it once the tokens have ended."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        return self._advance(prefix, full)
+
+    def _advance(self, prefix: str, full: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return delta
+        return full[len(prefix) :]
 
 
 class StopMatcher:

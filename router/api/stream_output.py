@@ -64,7 +64,10 @@ class OutputAssembler:
         self.token_ids.extend(event.token_ids)
         if event.usage is not None:
             self.reported = event.usage
-        emit, stopped = self._stop.feed(self._detok.push(event.token_ids))
+        text = self._detok.push(event.token_ids)
+        if event.finished:
+            text += self._detok.flush()  # bytes that never completed a character
+        emit, stopped = self._stop.feed(text)
         piece = Piece(text=emit)
         if self._want_logprobs and event.token_ids:
             tokens = self._tok.token_bytes(event.token_ids)
