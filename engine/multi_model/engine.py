@@ -261,11 +261,13 @@ class MultiModelEngine(ServesModels):
             core.unpin_session_kv(session_id)
 
     def forget_session(self, session_id: str) -> None:
-        model = self._session_model.pop(session_id, None)
+        """Forget it on every model it called, not only its last (an earlier model keeps
+        its chain while its host KV lasts, which a new session under the id would read)."""
+        self._session_model.pop(session_id, None)
         self._host_chains.forget(session_id)
-        if model is not None:
-            self._sessions[model].pop(session_id, None)
-            self.cores[model].kv.forget_session(session_id)
+        for name, sessions in self._sessions.items():
+            sessions.pop(session_id, None)
+            self.cores[name].kv.forget_session(session_id)
 
     def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
         """(tokens of the session's last prefix cached on device, tokens in the host store)."""

@@ -249,6 +249,22 @@ def test_a_step_that_fails_still_leaves_its_restored_blocks_whole(
     assert [r.kind for r in runner.take_kv_load_records()] == ["kv_restore"]
 
 
+def test_forgetting_a_session_forgets_it_on_every_model(models: dict[str, Path]) -> None:
+    """A session that called two models and is forgotten leaves no record on either: the
+    first model's chain is not kept until its host KV goes, and a new session under the
+    same id starts with nothing cached."""
+    engine = make_engine(models)
+    _session_round(engine, prompt(13, 29), "s")
+    engine.offload_kv(["s"])
+    engine.activate(QWEN)
+    run(engine, [EngineRequest("q1", prompt(14, 9), GREEDY, model=QWEN, session_id="s")])
+    engine.forget_session("s")
+    assert all("s" not in engine._sessions[name] for name in engine.model_names)
+    engine.activate(LLAMA)
+    engine.add_request(EngineRequest("n1", prompt(15, 9), GREEDY, model=LLAMA, session_id="s"))
+    assert engine.session_kv_tokens("s") == (0, 0)
+
+
 def test_host_kv_exhaustion_evicts_and_restores_partially(models: dict[str, Path]) -> None:
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head dim * fp32
     engine = make_engine(models, host_kv_bytes=5 * block_bytes)
