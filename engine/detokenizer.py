@@ -7,12 +7,28 @@ uses them to stream text deltas and cut the answer at a stop string. Both decode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "StopStringWatcher"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "StopStringWatcher", "decode_text"]
 
 PROMPT_TAIL = 6  # prompt tokens that seed the window (so a space at the join decodes right)
+
+
+def skipped_special_ids(tokenizer: Any, keep: Collection[int]) -> frozenset[int]:
+    """The ids a decode that skips special tokens drops (the added tokens marked special),
+    less ``keep``."""
+    return frozenset(i for i, t in tokenizer.added_tokens_decoder.items()
+                     if t.special and i not in keep)
+
+
+def decode_text(tokenizer: Any, ids: Sequence[int], keep_special: Collection[int] = ()) -> str:
+    """``ids`` as text, special tokens skipped but those in ``keep_special`` (a tool
+    format's tags, where the vocabulary marks them special: its parser must see them)."""
+    if not keep_special:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    drop = skipped_special_ids(tokenizer, keep_special)
+    return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
 
 
 class IncrementalDetokenizer:
@@ -21,19 +37,28 @@ class IncrementalDetokenizer:
     Decodes a small window (prefix_offset..end) and emits what extends past the text of
     (prefix_offset..read_offset), so the cost per token stays constant whatever the output's
     length. A window that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until
-    the next tokens complete it.
+    the next tokens complete it; ``flush`` at the end releases what never completed, so the
+    deltas join to the full decode of the tokens.
     """
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+        keep_special: Collection[int] = (),
     ) -> None:
+        """``keep_special``: special token ids decoded even though special tokens are
+        skipped (see :func:`decode_text`)."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._drop = (skipped_special_ids(tokenizer, keep_special)
+                      if skip_special_tokens and keep_special else None)
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_TAIL:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._drop is not None:
+            return self._tokenizer.decode([i for i in ids if i not in self._drop],
+                                          skip_special_tokens=False)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_ids: Sequence[int]) -> str:
@@ -45,10 +70,21 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset :])
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
-        delta = full[len(prefix) :]
+        return self._advance(prefix, full)
+
+    def flush(self) -> str:
+        """The text held back, as a full decode gives it (an incomplete character as
+        U+FFFD); call it once the tokens have ended."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        return self._advance(prefix, full)
+
+    def _advance(self, prefix: str, full: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return delta
+        return full[len(prefix) :]
 
 
 class StopMatcher:

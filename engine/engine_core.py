@@ -140,8 +140,10 @@ class EngineCore:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> StepResult:
+        """One forward pass. Pending abort events are taken only once it has run, first in
+        the result: a step that raises leaves them for the next one."""
         start = time.perf_counter()
-        events, self._pending = self._pending, []
+        events: list[TokenEvent] = []
         out = self.scheduler.schedule()
         if out.preempted_ids:
             log.debug("engine.preempted", request_ids=out.preempted_ids)
@@ -161,6 +163,7 @@ class EngineCore:
             )
         self.prefill_tokens_total += out.num_prefill_tokens
         self.decode_tokens_total += out.num_decode_tokens
+        events[:0], self._pending = self._pending, []
         return StepResult(
             events=events,
             seconds=time.perf_counter() - start,

@@ -107,6 +107,16 @@ class LLM:
             return list(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt)}")
 
+    def _is_stop_token(self, token_id: int, params: SamplingParams) -> bool:
+        """Whether ``token_id`` ends a request as a stop token (an EOS id unless
+        ``ignore_eos``, or one of ``stop_token_ids``). The core checks these before stop
+        strings, so a request finished by STOP whose last token is one was stopped by it.
+        Its text is not part of the output text, as in vLLM (which keeps it out unless
+        ``include_stop_str_in_output``); its id stays in ``token_ids``."""
+        if token_id in params.stop_token_ids:
+            return True
+        return not params.ignore_eos and token_id in self.engine.eos_token_ids
+
     @staticmethod
     def _run(core: EngineCore, ids: list[str]) -> dict[str, dict]:
         wanted = set(ids)
@@ -136,7 +146,10 @@ class LLM:
         self, rid: str, prompt: list[int], params: SamplingParams, r: dict
     ) -> GenerationOutput:
         ev = r["event"]
-        text = self.tokenizer.decode(r["tokens"], skip_special_tokens=True)
+        tokens = r["tokens"]
+        if ev.finish_reason == FinishReason.STOP and self._is_stop_token(tokens[-1], params):
+            tokens = tokens[:-1]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         for s in params.stop:
             cut = text.find(s)
             if cut >= 0:

@@ -345,7 +345,8 @@ async def _complete(
                 raise ApiError(exc.status, exc.message) from exc
             if first is None:
                 return web.Response(status=499)  # the client left before the first token
-            out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id)
+            out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id,
+                                  answer.tags if answer else ())
             if not first.token_ids and OutputAssembler.ends_in_failure(first):
                 out.add(first)  # failed before its first token: its HTTP status, streamed or not
                 out.raise_if_failed()

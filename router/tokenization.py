@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from router.api.template_roles import TemplateRoles
-from talaria.protocol.text import IncrementalDetokenizer
+from talaria.protocol.text import IncrementalDetokenizer, decode_text
 
 T = TypeVar("T")
 
@@ -116,8 +116,15 @@ class ModelTokenizer:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], keep_special: Sequence[int] = ()) -> str:
+        """Special tokens skipped, but ``keep_special`` (see ``special_ids``)."""
+        return decode_text(self.tokenizer, token_ids, keep_special)
+
+    def special_ids(self, texts: Sequence[str]) -> list[int]:
+        """The ids of the special tokens whose text is one of ``texts`` (a tool format's
+        tags, in a vocabulary that marks them special)."""
+        return [i for i, t in self.tokenizer.added_tokens_decoder.items()
+                if t.special and t.content in texts]
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes, so the tokens that split one character (an emoji, CJK)
@@ -128,8 +135,10 @@ class ModelTokenizer:
                 or self.tokenizer.decode([t], skip_special_tokens=False).encode()
                 for t, piece in zip(token_ids, pieces, strict=True)]
 
-    def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+    def detokenizer(
+        self, prompt_token_ids: Sequence[int], keep_special: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, keep_special=keep_special)
 
 
 def _is_byte_level(tokenizer: Any) -> bool:

@@ -6,7 +6,8 @@ built. How text is split before BPE is named by ``tokenizer.ggml.pre``, and the 
 learned on those splits, so an unknown one is refused rather than guessed: ``default`` /
 ``gpt-2`` split with the GPT-2 expression, ``smollm`` splits every digit apart first (as
 llama.cpp and SmolLM's own tokenizer.json do). Token types 3 (control) and 4 (user-defined)
-become added tokens, the first special.
+become added tokens, the first special. ``tokenizer.ggml.add_bos_token`` /
+``add_eos_token`` make encoding add BOS before / EOS after the text, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-__all__ = ["build_tokenizer", "tokenizer_config", "PRE_TOKENIZERS"]
+__all__ = ["build_tokenizer", "stop_token_ids", "tokenizer_config", "PRE_TOKENIZERS"]
 
 _CONTROL, _USER_DEFINED = 3, 4
 # ``tokenizer.ggml.<key>_token_id`` -> the tokenizer_config.json entry naming that token
@@ -69,15 +70,31 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         [AddedToken(t, special=True, normalized=False)
          for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
     )
-    bos = _token(meta, "bos")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    bos = _token(meta, "bos") if meta.get("tokenizer.ggml.add_bos_token") else None
+    eos = _token(meta, "eos") if meta.get("tokenizer.ggml.add_eos_token") else None
+    if bos is not None or eos is not None:
+        first = f"{bos}:0 " if bos else ""
+        single = f"{first}$A:0" + (f" {eos}:0" if eos else "")
+        pair = single + (f" {bos}:1" if bos else "") + " $B:1" + (f" {eos}:1" if eos else "")
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-            special_tokens=[(bos, vocab[bos])],
+            single=single, pair=pair,
+            special_tokens=[(t, vocab[t]) for t in dict.fromkeys([bos, eos]) if t is not None],
         )
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
+
+
+def stop_token_ids(meta: dict[str, Any]) -> list[int]:
+    """The ids that end a generation, as the metadata names them: EOS, end of turn, end of
+    message (``tokenizer.ggml.{eos,eot,eom}_token_id``, part of llama.cpp's
+    end-of-generation set), in that order, without repeats."""
+    ids: list[int] = []
+    for key in ("eos", "eot", "eom"):
+        value = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
 
 
 def tokenizer_config(meta: dict[str, Any], model_max_length: int,
@@ -89,6 +106,7 @@ def tokenizer_config(meta: dict[str, Any], model_max_length: int,
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
     }
     for key, name in _SPECIAL_KEYS.items():
         token = _token(meta, key)

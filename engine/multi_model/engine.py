@@ -221,12 +221,14 @@ class MultiModelEngine(ServesModels):
             self._sessions[model].setdefault(request.session_id, [])
 
     def step(self) -> StepResult:
-        carried, self._carried = self._carried, []
+        """The active core's step; events carried from switched-out cores come first, taken
+        only once it has run (a step that raises leaves them for the next one)."""
         if self.served.active is None:
+            carried, self._carried = self._carried, []
             return StepResult(events=carried, seconds=0.0)
         model = self.served.active
         result = self.cores[model].step()
-        result.events[:0] = carried
+        result.events[:0], self._carried = self._carried, []
         meter = self._meters[model]
         meter.observe_step(result)
         for record in self._secondaries[model].drain_records():
@@ -259,11 +261,13 @@ class MultiModelEngine(ServesModels):
             core.unpin_session_kv(session_id)
 
     def forget_session(self, session_id: str) -> None:
-        model = self._session_model.pop(session_id, None)
+        """Forget it on every model it called, not only its last (an earlier model keeps
+        its chain while its host KV lasts, which a new session under the id would read)."""
+        self._session_model.pop(session_id, None)
         self._host_chains.forget(session_id)
-        if model is not None:
-            self._sessions[model].pop(session_id, None)
-            self.cores[model].kv.forget_session(session_id)
+        for name, sessions in self._sessions.items():
+            sessions.pop(session_id, None)
+            self.cores[name].kv.forget_session(session_id)
 
     def session_kv_tokens(self, session_id: str) -> tuple[int, int]:
         """(tokens of the session's last prefix cached on device, tokens in the host store)."""

@@ -39,11 +39,14 @@ class Piece:
 class OutputAssembler:
     def __init__(
         self, tok: ModelTokenizer, prompt_ids: Sequence[int], stops: Sequence[str],
-        want_logprobs: bool, request_id: str = "",
+        want_logprobs: bool, request_id: str = "", keep_tags: Sequence[str] = (),
     ) -> None:
+        """``keep_tags``: the tool format's tags, kept in the text where the vocabulary
+        marks them special (its parser must see them; other special tokens are skipped)."""
         self.request_id = request_id
         self._tok = tok
-        self._detok = tok.detokenizer(prompt_ids)
+        self._keep = tok.special_ids(keep_tags) if keep_tags else []
+        self._detok = tok.detokenizer(prompt_ids, self._keep)
         self._stop = StopMatcher(stops)
         self._stops = list(stops)
         self._want_logprobs = want_logprobs
@@ -64,7 +67,10 @@ class OutputAssembler:
         self.token_ids.extend(event.token_ids)
         if event.usage is not None:
             self.reported = event.usage
-        emit, stopped = self._stop.feed(self._detok.push(event.token_ids))
+        text = self._detok.push(event.token_ids)
+        if event.finished:
+            text += self._detok.flush()  # bytes that never completed a character
+        emit, stopped = self._stop.feed(text)
         piece = Piece(text=emit)
         if self._want_logprobs and event.token_ids:
             tokens = self._tok.token_bytes(event.token_ids)
@@ -126,7 +132,7 @@ class OutputAssembler:
         whole output, as the matcher cut at the earliest."""
         if not self._stop.stopped:
             return None
-        full = self._tok.decode(self.token_ids)
+        full = self._tok.decode(self.token_ids, self._keep)
         hits = [(full.find(s), s) for s in self._stops if s in full]
         return min(hits)[1] if hits else None
 

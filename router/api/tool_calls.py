@@ -92,13 +92,16 @@ class ToolCallParser(Protocol):
 @dataclass(frozen=True)
 class ToolFormat:
     """A model family's tool-call syntax: how to parse it, how to recognise a template that
-    uses it, and the text that opens a call (written after the generation prompt to make the
-    model call a tool when ``tool_choice`` requires one)."""
+    uses it, the text that opens a call (written after the generation prompt to make the
+    model call a tool when ``tool_choice`` requires one), and its tags: answers are decoded
+    with special tokens skipped, so where a vocabulary marks a tag special (``<tool_call>``
+    in some), the tag is decoded all the same while this parser reads the answer."""
 
     name: str
     make_parser: Callable[[str], ToolCallParser]  # forced prefix -> parser
     template_marker: str
     forced_prefix: Callable[[str | None], str]  # function name or None (any) -> prefix
+    tags: tuple[str, ...] = ()
 
 
 def new_tool_call_id(prefix: str = "call_") -> str:
@@ -130,6 +133,7 @@ class AnswerParser:
         parallel: bool = True, id_prefix: str = "call_",
     ) -> None:
         self.prefill = fmt.forced_prefix(function) if (any_call or function) else ""
+        self.tags = fmt.tags
         self._parser = fmt.make_parser(self.prefill)
         self._parallel = parallel
         self._id_prefix = id_prefix
@@ -289,7 +293,8 @@ def _hermes_prefix(function: str | None) -> str:
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {
-    "hermes": ToolFormat("hermes", HermesToolParser, HERMES_OPEN, _hermes_prefix),
+    "hermes": ToolFormat("hermes", HermesToolParser, HERMES_OPEN, _hermes_prefix,
+                         (HERMES_OPEN, HERMES_CLOSE)),
 }
 
 

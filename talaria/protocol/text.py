@@ -6,6 +6,6 @@ it turns streamed token ids into text with the engine's detokenizer and stop mat
 """
 
 from engine.block_hash import BlockChain, block_hashes
-from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from engine.detokenizer import IncrementalDetokenizer, StopMatcher, decode_text
 
-__all__ = ["BlockChain", "IncrementalDetokenizer", "StopMatcher", "block_hashes"]
+__all__ = ["BlockChain", "IncrementalDetokenizer", "StopMatcher", "block_hashes", "decode_text"]

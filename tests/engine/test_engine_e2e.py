@@ -131,6 +131,33 @@ def test_abort_and_finish_free_every_block(model_dirs: dict[str, Path]) -> None:
     assert core.kv.pool.num_hashed_blocks == core.kv.num_cached_blocks  # nothing referenced
 
 
+def test_an_abort_event_survives_a_step_that_raises(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An abort's event is delivered by the first step that completes, even when the step
+    after the abort raises (a fault the caller lives through)."""
+    core = make_llm(model_dirs["llama"]).engine
+    ps = prompts(7)
+    core.add_request(EngineRequest("a", ps[3], SamplingParams(max_tokens=20)))
+    core.add_request(EngineRequest("b", ps[4], SamplingParams(max_tokens=20)))
+    core.step()
+    core.abort("a")
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(core.runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="device fault"):
+        core.step()
+    monkeypatch.undo()
+    assert core.has_unfinished()
+    events = core.step().events
+    [ev] = [e for e in events if e.request_id == "a"]
+    assert ev.finished and ev.finish_reason == FinishReason.ABORT and ev.new_token_ids == []
+    assert events.index(ev) == 0  # an abort's event comes before the step's tokens
+    assert not core.take_pending_events()
+
+
 def test_stop_token_ids_and_stop_strings(model_dirs: dict[str, Path], tokenizer) -> None:
     llm = make_llm(model_dirs["qwen2"])
     ps = prompts(4)[3:6]
@@ -145,8 +172,16 @@ def test_stop_token_ids_and_stop_strings(model_dirs: dict[str, Path], tokenizer)
     )
     for o, b, t in zip(outs, base, stop_ids, strict=True):
         k = b.token_ids.index(t)
-        assert o.token_ids == b.token_ids[: k + 1]
+        assert o.token_ids == b.token_ids[: k + 1]  # the stop token is an output token (vLLM)
         assert o.finish_reason == FinishReason.STOP
+        # ... but its text is not in the output text (vLLM without include_stop_str_in_output)
+        assert o.text == tokenizer.decode(o.token_ids[:-1], skip_special_tokens=True)
+        assert o.text != tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    llm.engine.eos_token_ids = {stop_ids[0]}  # an EOS id that is not a special token
+    [eos] = llm.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=12))
+    assert eos.token_ids == outs[0].token_ids and eos.text == outs[0].text
+    [kept] = llm.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert kept.text == tokenizer.decode(kept.token_ids, skip_special_tokens=True)
     checked = 0
     for o, p in zip(base, ps, strict=True):
         text = tokenizer.decode(o.token_ids)

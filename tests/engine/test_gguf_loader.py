@@ -48,8 +48,11 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_TO_GGUF[rest]}"
 
 
-def write_gguf(src: Path, out: Path) -> dict[str, Any]:
-    """``src`` (an HF llama directory) as llama.cpp would write it; returns its config."""
+def write_gguf(src: Path, out: Path, stops: tuple[int, int] | None = None,
+               add_eos: bool = False) -> dict[str, Any]:
+    """``src`` (an HF llama directory) as llama.cpp would write it; returns its config.
+    ``stops``: (end-of-turn, end-of-message) token ids; ``add_eos``: the tokenizer appends
+    EOS."""
     config = json.loads((src / "config.json").read_text())
     tok = json.loads((src / "tokenizer.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -72,6 +75,12 @@ def write_gguf(src: Path, out: Path) -> dict[str, Any]:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(config["bos_token_id"])
     w.add_eos_token_id(config["eos_token_id"])
+    if stops is not None:
+        w.add_eot_token_id(stops[0])
+        w.add_eom_token_id(stops[1])
+    if add_eos:
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     for name, tensor in load_file(str(src / "model.safetensors")).items():
         data = tensor.numpy()
@@ -163,3 +172,44 @@ def test_unpermute_inverts_llama_cpp_and_errors_name_what_is_unsupported() -> No
         build_tokenizer(meta)
     with pytest.raises(ValueError, match="tokenizer model 'llama' is not supported"):
         build_tokenizer({**meta, "tokenizer.ggml.model": "llama"})
+
+
+def test_end_of_turn_and_message_ids_stop_and_add_eos_token_appends_eos(
+    tmp_path: Path, exported: tuple[Path, Path, dict[str, Any]],
+) -> None:
+    """``tokenizer.ggml.eot_token_id`` / ``eom_token_id`` end a generation as EOS does (what
+    llama.cpp's end-of-generation set holds), and ``tokenizer.ggml.add_eos_token`` makes
+    the tokenizer append EOS, as llama.cpp's tokenizer does."""
+    import transformers
+
+    from engine import LLM, SamplingParams
+
+    src, plain, config = exported
+    prompt = [5, 17, 42, 9]
+    llm = LLM(str(plain), device="cpu", kv_cache_blocks=32)
+    try:
+        free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                     ignore_eos=True))[0].token_ids
+    finally:
+        llm.shutdown()
+    eos, bos = config["eos_token_id"], config["bos_token_id"]
+    eom = next(t for t in free[1:] if t != eos)  # generated: the answer stops at it
+    eot = next(t for t in range(3, 512) if t not in free)
+    write_gguf(src, tmp_path / "stops.gguf", stops=(eot, eom), add_eos=True)
+    converted = model_dir(tmp_path / "stops.gguf", tmp_path / "cache")
+    generation = json.loads((converted / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [eos, eot, eom]
+    llm = LLM(str(converted), device="cpu", kv_cache_blocks=32)
+    try:
+        assert llm.engine.eos_token_ids == {eos, eot, eom}
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
+    finally:
+        llm.shutdown()
+    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(eom) + 1]
+    ours = transformers.AutoTokenizer.from_pretrained(str(converted))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(src))
+    body = theirs.encode("Hello, world!", add_special_tokens=False)
+    assert ours.encode("Hello, world!") == [bos, *body, eos]
+    assert ours.encode("Hello, world!", add_special_tokens=False) == body
+    plain_tok = transformers.AutoTokenizer.from_pretrained(str(plain))
+    assert plain_tok.encode("Hello, world!") == body  # neither flag: nothing added

@@ -249,6 +249,22 @@ def test_a_step_that_fails_still_leaves_its_restored_blocks_whole(
     assert [r.kind for r in runner.take_kv_load_records()] == ["kv_restore"]
 
 
+def test_forgetting_a_session_forgets_it_on_every_model(models: dict[str, Path]) -> None:
+    """A session that called two models and is forgotten leaves no record on either: the
+    first model's chain is not kept until its host KV goes, and a new session under the
+    same id starts with nothing cached."""
+    engine = make_engine(models)
+    _session_round(engine, prompt(13, 29), "s")
+    engine.offload_kv(["s"])
+    engine.activate(QWEN)
+    run(engine, [EngineRequest("q1", prompt(14, 9), GREEDY, model=QWEN, session_id="s")])
+    engine.forget_session("s")
+    assert all("s" not in engine._sessions[name] for name in engine.model_names)
+    engine.activate(LLAMA)
+    engine.add_request(EngineRequest("n1", prompt(15, 9), GREEDY, model=LLAMA, session_id="s"))
+    assert engine.session_kv_tokens("s") == (0, 0)
+
+
 def test_host_kv_exhaustion_evicts_and_restores_partially(models: dict[str, Path]) -> None:
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head dim * fp32
     engine = make_engine(models, host_kv_bytes=5 * block_bytes)
@@ -291,6 +307,30 @@ def test_request_for_non_active_model_raises(models: dict[str, Path]) -> None:
     engine.abort("q")
     engine.step()
     engine.activate(LLAMA)
+
+
+def test_a_carried_abort_event_survives_a_step_that_raises(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An abort's event carried over a switch is delivered by the first step that completes,
+    not lost with a step that raises."""
+    engine = make_engine(models)
+    engine.activate(LLAMA)
+    engine.add_request(EngineRequest("q", prompt(1, 5), GREEDY, model=LLAMA))
+    engine.abort("q")
+    engine.activate(QWEN)
+
+    def failing() -> None:
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(engine.cores[QWEN], "step", failing)
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.has_unfinished()
+    [ev] = engine.step().events
+    assert ev.request_id == "q" and ev.finished and ev.new_token_ids == []
+    assert not engine.has_unfinished()
 
 
 def test_shard_too_large_for_weight_region_fails_with_sizes(models: dict[str, Path]) -> None:

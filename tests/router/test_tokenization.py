@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.api.stream_output import OutputAssembler
 from router.tokenization import ModelTokenizer
+from talaria.protocol import CallEvent
 from talaria.protocol.text import StopMatcher, block_hashes
 
 
@@ -71,3 +73,30 @@ def test_stop_matcher_cuts_exactly_at_first_stop(text: str, cuts: list[int]) -> 
     expected = text[: min(hits)] if hits else text
     assert "".join(out) == expected
     assert matcher.stopped == bool(hits)
+
+
+def _cut_inside_a_character(tok: ModelTokenizer, text: str) -> list[int]:
+    """``text``'s ids up to a token that ends inside a multi-byte character."""
+    ids = tok.encode_text(text, add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    return ids[:cut]
+
+
+@pytest.mark.parametrize("text", ["ok 🚀 go", "x 東京"])
+def test_a_held_back_tail_is_flushed_at_the_end(tiny_tokenizer: ModelTokenizer, text: str) -> None:
+    """Bytes that never complete a character end the answer as U+FFFD, as a full decode
+    gives them, and the complete characters before them are not lost either."""
+    ids = _cut_inside_a_character(tiny_tokenizer, text)
+    detok = tiny_tokenizer.detokenizer(tiny_tokenizer.encode_text("hi"))
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) + detok.flush() == tiny_tokenizer.decode(ids)
+    assert detok.flush() == "" and detok.push([]) == ""
+
+
+def test_the_assembled_answer_ends_as_the_full_decode(tiny_tokenizer: ModelTokenizer) -> None:
+    ids = _cut_inside_a_character(tiny_tokenizer, "ok 🚀 go")
+    out = OutputAssembler(tiny_tokenizer, tiny_tokenizer.encode_text("hi"), [], want_logprobs=False)
+    streamed = [out.add(CallEvent("c", token_ids=[t], finished=k == len(ids) - 1,
+                                  finish_reason="length")).text for k, t in enumerate(ids)]
+    assert "".join(streamed) + out.flush() == out.text == tiny_tokenizer.decode(ids)
+    assert out.text.endswith("\ufffd")

@@ -141,3 +141,50 @@ async def test_tool_choice_forms_and_malformed_output(tiny_tokenizer: ModelToken
     finally:
         await client.close()
         await server.close()
+
+
+@pytest.fixture(scope="module")
+def special_tags_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny tokenizer with ``<tool_call>`` / ``</tool_call>`` added as special tokens (as
+    some models' vocabularies have them)."""
+    from router_fakes import write_tiny_tokenizer
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    path = write_tiny_tokenizer(tmp_path_factory.mktemp("special-tags"))
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.add_tokens([AddedToken(t, special=True, normalized=False)
+                    for t in ("<tool_call>", "</tool_call>")], special_tokens=True)
+    tok.save_pretrained(str(path))
+    return path
+
+
+async def test_tool_tags_that_are_special_tokens_still_make_tool_calls(special_tags_dir: Path) -> None:
+    """Answers are decoded with special tokens skipped, except a tool format's tags while its
+    parser reads the answer: a vocabulary that marks them special still gives tool calls."""
+    tok = ModelTokenizer.load("tiny", special_tags_dir)
+    ids = tok.encode_text(TWO_CALLS, add_special_tokens=False)
+    assert "<tool_call>" not in tok.decode(ids)  # the tags are special tokens here
+    server, _ = await _router(tok, special_tags_dir, [TWO_CALLS, TWO_CALLS, TWO_CALLS])
+    client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+    want = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    try:
+        reply = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "I'll check both."
+        calls = choice.message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+        text, deltas = "", []
+        async for chunk in await client.chat.completions.create(
+                model="tiny", messages=USER, tools=TOOLS, stream=True):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                deltas += chunk.choices[0].delta.tool_calls or []
+        assert text == "I'll check both."
+        args = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in (0, 1)]
+        assert [json.loads(a) for a in args] == [w[1] for w in want]
+        plain = await client.chat.completions.create(model="tiny", messages=USER)
+        assert plain.choices[0].message.content == tok.decode(ids)  # no tools: tags skipped
+    finally:
+        await client.close()
+        await server.close()
