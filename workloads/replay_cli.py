@@ -403,10 +403,10 @@ def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any]
                spec: Any) -> int:
     from workloads.benchmark.tuning import apply_settings, load_settings
     from workloads.replay.cluster import ClusterSpec
-    from workloads.replay.sim_bench import bench_sim
+    from workloads.replay.sim_bench import bench_sim, parse_server_counts
     from workloads.replay.systems import parse_policies
 
-    servers = [int(x) for x in args.bench_servers.split(",") if x.strip()]
+    servers = parse_server_counts(args.bench_servers, "--bench-servers")
     chosen = systems[0] if args.policies else parse_policies("talaria")[0]
     tuned = load_settings(None, Path(args.settings)) if args.settings else load_settings(None)
     chosen = apply_settings([chosen], tuned.settings if tuned else {})[0]
