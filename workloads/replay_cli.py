@@ -27,8 +27,8 @@ __all__ = ["register", "run_replay_command"]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="replay a session trace: the SCT benchmark",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", help="trace file: our JSONL, the shared real-trace JSONL, or "
-                   "CSV (default: the shipped 30-session trace)")
+    p.add_argument("--trace", help="trace file: our JSONL, the shared real-trace JSONL, a "
+                   "Mooncake JSONL with sessions, or CSV (default: the shipped 30-session trace)")
     p.add_argument("--servers", type=int, default=1,
                    help="instances; the trace is replicated this many times (default 1)")
     p.add_argument("--server", default="h200x8",

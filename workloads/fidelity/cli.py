@@ -47,10 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --skip-steps: calibrate even if --server holds")
     p.add_argument("--rounds", type=int, default=3,
                    help="calibration + step-time rounds (default 3)")
-    p.add_argument("--json", dest="json_path", default="fidelity.json")
+    p.add_argument("--json", dest="json_path", default="fidelity.json",
+                   help="where the results are written (default fidelity.json)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per step-time point")
-    p.add_argument("--policies", default="baseline,+host_kv,talaria")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per step-time point (default 3)")
+    p.add_argument("--policies", default="baseline,+host_kv,talaria",
+                   help="comma-separated policies replayed live and simulated: presets "
+                   "talaria serve runs (default baseline,+host_kv,talaria)")
     p.add_argument("--sessions", type=int, default=ReplaySetup.sessions,
                    help=f"sessions of the replay (default {ReplaySetup.sessions})")
     p.add_argument("--kv-blocks", type=int, default=ReplaySetup.kv_blocks,
