@@ -132,7 +132,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    for out in (args.json_path, args.plot):  # found wrong now, not after an hour's run
+    for out in (args.json_path, args.plot, args.tune and args.settings):  # now, not in an hour
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")
     if args.servers < 1:
