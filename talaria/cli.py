@@ -84,16 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-models", help="write small random-weight HF checkpoints")
     p.add_argument("dir", help="directory to write the models into")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny",
+                   help="tiny (default: 2 layers of width 64) or small (8 of 512)")
+    p.add_argument("--seed", type=int, default=0, help="weights' seed (default 0)")
     p.set_defaults(func=_cmd_make_models)
 
     p = sub.add_parser("demo", help="an agent session against talaria serve on SmolLM2-135M "
                        "(--library: generate from the tiny models with the engine library)")
     p.add_argument("--url", help="a running talaria serve's OpenAI base URL (default: start one)")
-    p.add_argument("--library", action="store_true")
+    p.add_argument("--library", action="store_true",
+                   help="generate from the tiny random-weight models in-process, no server")
     p.add_argument("--size", choices=("tiny", "small"), default="tiny", help="with --library")
-    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--max-tokens", type=int,
+                   help="tokens per reply (default 128; with --library 24)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("calibrate", help="measure this machine as a server spec the simulator "

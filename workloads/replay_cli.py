@@ -27,8 +27,8 @@ __all__ = ["register", "run_replay_command"]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="replay a session trace: the SCT benchmark",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", help="trace file: our JSONL, the shared real-trace JSONL, or "
-                   "CSV (default: the shipped 30-session trace)")
+    p.add_argument("--trace", help="trace file: our JSONL, the shared real-trace JSONL, a "
+                   "Mooncake JSONL with sessions, or CSV (default: the shipped 30-session trace)")
     p.add_argument("--servers", type=int, default=1,
                    help="instances; the trace is replicated this many times (default 1)")
     p.add_argument("--server", default="h200x8",
@@ -132,7 +132,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    for out in (args.json_path, args.plot):  # found wrong now, not after an hour's run
+    for out in (args.json_path, args.plot, args.tune and args.settings):  # now, not in an hour
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")
     if args.servers < 1:
@@ -403,10 +403,10 @@ def _bench_sim(args: argparse.Namespace, sessions: list[Any], systems: list[Any]
                spec: Any) -> int:
     from workloads.benchmark.tuning import apply_settings, load_settings
     from workloads.replay.cluster import ClusterSpec
-    from workloads.replay.sim_bench import bench_sim
+    from workloads.replay.sim_bench import bench_sim, parse_server_counts
     from workloads.replay.systems import parse_policies
 
-    servers = [int(x) for x in args.bench_servers.split(",") if x.strip()]
+    servers = parse_server_counts(args.bench_servers, "--bench-servers")
     chosen = systems[0] if args.policies else parse_policies("talaria")[0]
     tuned = load_settings(None, Path(args.settings)) if args.settings else load_settings(None)
     chosen = apply_settings([chosen], tuned.settings if tuned else {})[0]

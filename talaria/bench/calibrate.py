@@ -164,7 +164,14 @@ def write_spec(server: ServerSpec, info: dict[str, Any], path: str | Path) -> No
 
 
 def run_calibrate_command(out: str, threads: int) -> int:
-    """``talaria calibrate``: measure, print, write the spec to ``out``."""
+    """``talaria calibrate``: measure, print, write the spec to ``out``. The arguments are
+    checked first: nothing is measured or written (the tiny models included) for bad ones."""
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if not Path(out).resolve().parent.is_dir():
+        raise ValueError(f"cannot write {out}: its folder does not exist")
+    if Path(out).is_dir():
+        raise ValueError(f"cannot write {out}: it is a folder")
     print(f"calibrating this machine at {threads} thread(s) per rank "
           f"(load average {', '.join(f'{x:.2f}' for x in os.getloadavg())})...", flush=True)
     server, info = calibrate_here(threads, log=lambda line: print(line, flush=True))

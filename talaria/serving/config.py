@@ -301,6 +301,8 @@ def load_serve_config(path: str | Path | None, real_model: bool = True) -> Serve
     if path is None:
         return ServeConfig().with_defaults(real_model)
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"serve config {str(file)!r} is a folder, not a file")
     if not file.is_file():
         raise FileNotFoundError(f"serve config {str(file)!r} does not exist")
     raw = file.read_bytes()

@@ -127,6 +127,8 @@ def test_a_number_json_cannot_carry_is_refused_not_lost_on_the_way_to_the_instan
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_serve_config(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="is a folder, not a file"):
+        load_serve_config(tmp_path)
     bad = tmp_path / "bad.toml"
     bad.write_text("[router\nport = 1")
     with pytest.raises(ValueError, match="cannot be parsed"):

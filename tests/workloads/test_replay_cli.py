@@ -244,8 +244,16 @@ def test_bench_sim_with_cut_fused_steps_runs_the_default_first_for_a_ratio(
      "must divide"),
     (["replay", "--live", "http://127.0.0.1:9", "--max-sessions", "1"], 1, "Cannot connect"),
     (["make-models", "{file}"], 1, "Not a directory"),
+    (["replay", "--live", "127.0.0.1:9", "--max-sessions", "1"], 2, "http:// or https://"),
+    (["replay", "--bench-sim", "--bench-servers", "1,x", "--max-sessions", "1"], 2,
+     "--bench-servers must be comma-separated integers >= 1, got '1,x'"),
+    (["replay", "--bench-sim", "--bench-servers", "0", "--max-sessions", "1"], 2,
+     "--bench-servers must be comma-separated integers >= 1, got '0'"),
+    (["replay", "--tune", "--suite", "off", "--policies", "talaria", "--settings",
+      "{missing}/t.json"], 2, "its folder does not exist"),
 ], ids=["trace-is-a-folder", "json-folder-missing", "tp-heads", "live-unreachable",
-        "models-into-a-file"])
+        "models-into-a-file", "live-not-a-url", "bench-servers-not-numbers",
+        "bench-servers-zero", "tune-settings-folder-missing"])
 def test_a_users_mistake_is_one_line_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, says: str,
 ) -> None:

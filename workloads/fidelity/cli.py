@@ -34,7 +34,7 @@ import orjson
 
 from workloads.fidelity.replays import ReplaySetup
 
-__all__ = ["register", "run_fidelity_command"]
+__all__ = ["check_args", "register", "run_fidelity_command"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,10 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --skip-steps: calibrate even if --server holds")
     p.add_argument("--rounds", type=int, default=3,
                    help="calibration + step-time rounds (default 3)")
-    p.add_argument("--json", dest="json_path", default="fidelity.json")
+    p.add_argument("--json", dest="json_path", default="fidelity.json",
+                   help="where the results are written (default fidelity.json)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per step-time point")
-    p.add_argument("--policies", default="baseline,+host_kv,talaria")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per step-time point (default 3)")
+    p.add_argument("--policies", default="baseline,+host_kv,talaria",
+                   help="comma-separated policies replayed live and simulated: presets "
+                   "talaria serve runs (default baseline,+host_kv,talaria)")
     p.add_argument("--sessions", type=int, default=ReplaySetup.sessions,
                    help=f"sessions of the replay (default {ReplaySetup.sessions})")
     p.add_argument("--kv-blocks", type=int, default=ReplaySetup.kv_blocks,
@@ -71,6 +75,30 @@ def _load() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before anything is measured or written: a run takes most of an
+    hour, and its policies are served live (a ``talaria serve`` preset) and simulated."""
+    from talaria.policies.config import PRESETS
+    from workloads.replay.systems import system
+
+    for flag in ("rounds", "threads", "repeats", "sessions", "kv_blocks"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    for flag, text in (("--policies", args.policies), ("--real-policies", args.real_policies)):
+        for name in (p.strip() for p in text.split(",")):
+            try:
+                system(name)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+            if name not in PRESETS:
+                raise ValueError(f"{flag}: {name!r} cannot be served live (talaria serve's "
+                                 f"presets: {', '.join(PRESETS)})")
+    for out in (args.json_path, args.server):
+        if not Path(out).resolve().parent.is_dir():
+            raise ValueError(f"cannot write {out}: its folder does not exist")
+
+
 def run_fidelity_command(args: argparse.Namespace) -> int:
     import structlog
     import torch
@@ -79,8 +107,7 @@ def run_fidelity_command(args: argparse.Namespace) -> int:
     from workloads.fidelity.summary import failed_calls, format_summary
     from workloads.replay.jobs import quiet_logs
 
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be >= 1")
+    check_args(args)
     wall = time.perf_counter()
     saved_logs = structlog.get_config()
     quiet_logs()

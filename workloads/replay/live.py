@@ -256,6 +256,8 @@ async def live_replay(
     """Replay against the router at ``url`` on the running loop. Sessions whose model the
     router does not serve are given served models (Zipf ``skew``). Returns the result and
     {"dropped_calls": n, "retries": calls re-sent after a failure}."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"the router's URL must begin with http:// or https://, got {url!r}")
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         served = await fetch_models(http, url, api_key)

@@ -32,7 +32,7 @@ from workloads.replay.systems import SystemConfig
 from workloads.traces.trace import Session
 
 __all__ = ["FLOOR_PROMPT_TOKENS", "SimBenchRow", "bench_sim", "control_plane_floor",
-           "format_bench_sim"]
+           "format_bench_sim", "parse_server_counts"]
 
 FLOOR_PROMPT_TOKENS = 32  # a floor session's first prompt: two blocks of 16 tokens
 FLOOR_LABEL = "floor"
@@ -86,6 +86,17 @@ def _in_process(sessions: Sequence[Session], system: SystemConfig, spec: Cluster
                 seed: int) -> SimBenchRow:
     with ProcessPoolExecutor(max_workers=1) as pool:
         return pool.submit(_run_one, sessions, system, spec, seed).result()
+
+
+def parse_server_counts(text: str, what: str) -> list[int]:
+    """``"1,16,64"`` -> [1, 16, 64]; anything else is refused naming ``what``."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"{what} must be comma-separated integers >= 1, got {text!r}")
+    return counts
 
 
 def bench_sim(

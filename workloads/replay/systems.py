@@ -281,10 +281,14 @@ DEFAULT_POLICIES: tuple[str, ...] = tuple(SYSTEMS)
 
 
 def system(name: str) -> SystemConfig:
+    """The row ``name`` names; a leave-one-out name that is a rung of the ladder
+    (``-lending``) is that rung's row, under the ladder's name (it is one row, run once)."""
     try:
-        return SYSTEMS[name]
+        return SYSTEMS[LADDER_LEAVE_ONE_OUT.get(name, name)]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(SYSTEMS)}") from None
+        aliases = [f"{alias} (the row {rung})" for alias, rung in LADDER_LEAVE_ONE_OUT.items()]
+        raise ValueError(f"unknown policy {name!r}; known: "
+                         f"{', '.join([*SYSTEMS, *aliases])}") from None
 
 
 def parse_policies(text: str | Sequence[str] | None) -> list[SystemConfig]:
@@ -295,6 +299,8 @@ def parse_policies(text: str | Sequence[str] | None) -> list[SystemConfig]:
     names = [n for n in names if n]
     if not names:
         raise ValueError("no policy named; choose from " + ", ".join(SYSTEMS))
-    if len(set(names)) != len(names):
-        raise ValueError(f"a policy is named twice in {names}")
-    return [system(n) for n in names]
+    rows = [system(n) for n in names]
+    if len({s.name for s in rows}) != len(rows):
+        same = "".join(f"; {a} is {r}" for a, r in LADDER_LEAVE_ONE_OUT.items() if a in names)
+        raise ValueError(f"a policy is named twice in {names}{same}")
+    return rows

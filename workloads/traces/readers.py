@@ -11,6 +11,7 @@ elsewhere.
 from __future__ import annotations
 
 import csv
+import math
 import os
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def read_real_trace(path: str | Path | None = None) -> list[Session]:
             )
         except KeyError as exc:
             raise TraceError(f"{where}missing field {exc.args[0]!r}") from None
-        validate_session(session, where)
+        validate_session(session, where, gap_field="gap_s")
         sessions.append(session)
     validate_sessions(sessions)
     return sessions
@@ -129,11 +130,14 @@ def read_csv_trace(path: str | Path, model: str = "unknown") -> list[Session]:
             if prefix < 0:
                 raise TraceError(f"{where}: prefix_len must be >= 0, got {prefix}")
             wait = row["tool_wait_after_ms"].strip()
-            gap = None if wait == "" else _csv_float(row, "tool_wait_after_ms", where) / 1000.0
+            gap_ms = None if wait == "" else _csv_float(row, "tool_wait_after_ms", where)
+            if gap_ms is not None and not (math.isfinite(gap_ms) and gap_ms >= 0):
+                raise TraceError(f"{where}: tool_wait_after_ms must be a finite number >= 0, "
+                                 f"got {wait!r}")
             call = Call(
                 input_tokens=prefix + _csv_int(row, "input_len", where),
                 output_tokens=_csv_int(row, "output_len", where),
-                tool_gap_s=gap,
+                tool_gap_s=None if gap_ms is None else gap_ms / 1000.0,
             )
             sid = row["session_id"].strip()
             if not sid:
@@ -153,7 +157,7 @@ def read_csv_trace(path: str | Path, model: str = "unknown") -> list[Session]:
         if len(models) > 1:
             raise TraceError(f"{path}: session {sid!r} names several models {sorted(models)}")
         session = Session(session_id=sid, model=models.pop(), calls=tuple(e[2] for e in entries))
-        validate_session(session, f"{path}: ")
+        validate_session(session, f"{path}: ", gap_field="tool_wait_after_ms")
         sessions.append(session)
     if not sessions:
         raise TraceError(f"{path}: trace holds no sessions")

@@ -115,8 +115,9 @@ class Session:
         return sum(c.tool_gap_s or 0.0 for c in self.calls)
 
 
-def validate_session(session: Session, where: str = "") -> None:
-    """Raise :class:`TraceError` if ``session`` breaks an invariant of the format."""
+def validate_session(session: Session, where: str = "", gap_field: str = "tool_gap_s") -> None:
+    """Raise :class:`TraceError` if ``session`` breaks an invariant of the format.
+    ``gap_field``: what the file being read calls a call's tool gap (named in the errors)."""
     prefix = f"{where}session {session.session_id!r}"
     if not isinstance(session.session_id, str) or not session.session_id:
         raise TraceError(f"{where}session_id must be a non-empty string")
@@ -140,9 +141,9 @@ def validate_session(session: Session, where: str = "") -> None:
         gap = call.tool_gap_s
         if gap is None:
             if k != last:
-                raise TraceError(f"{at}: tool_gap_s is missing (only the last call may omit it)")
+                raise TraceError(f"{at}: {gap_field} is missing (only the last call may omit it)")
         elif not _is_number(gap) or not math.isfinite(gap) or gap < 0:
-            raise TraceError(f"{at}: tool_gap_s must be a finite number >= 0, got {gap!r}")
+            raise TraceError(f"{at}: {gap_field} must be a finite number >= 0, got {gap!r}")
         if not all(isinstance(t, str) for t in call.tools):
             raise TraceError(f"{at}: tools must be strings, got {call.tools!r}")
         if call.prefix_tokens is not None and (

@@ -142,6 +142,18 @@ def test_policy_catalogue_is_consistent() -> None:
         SystemConfig("bad", "", PolicyConfig(), "talaria", True, True, host_kv=False)
 
 
+def test_a_leave_one_out_name_that_is_a_rung_selects_the_rung() -> None:
+    """``-lending`` is the ladder's ``+demotion``: ``--policies`` takes the mechanism's own
+    name and runs that row once, and the default rows do not gain it."""
+    assert [s.name for s in parse_policies("-lending")] == ["+demotion"]
+    assert [s.name for s in parse_policies("talaria,-lending")] == ["talaria", "+demotion"]
+    with pytest.raises(ValueError, match="twice"):
+        parse_policies("-lending,+demotion")
+    with pytest.raises(ValueError, match=r"-lending \(the row \+demotion\)"):
+        parse_policies("-nope")
+    assert "-lending" not in DEFAULT_POLICIES
+
+
 def test_talaria_runs_one_configuration_everywhere_and_only_the_others_are_tuned() -> None:
     """Talaria, the rungs above the baseline and the leave-one-out rows run Talaria's one
     configuration on every trace, whatever a tuned settings file holds for them; the

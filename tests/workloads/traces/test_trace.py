@@ -9,7 +9,12 @@ import orjson
 import pytest
 
 from workloads.traces.assignment import apportion, assign_models, popularity_weights
-from workloads.traces.readers import read_csv_trace, read_real_trace, real_trace_path
+from workloads.traces.readers import (
+    load_any_trace,
+    read_csv_trace,
+    read_real_trace,
+    real_trace_path,
+)
 from workloads.traces.trace import (
     Call,
     Session,
@@ -130,6 +135,22 @@ def test_real_trace_reader() -> None:
     assert loads_trace(dumps_trace(sessions)) == sessions
 
 
+def test_real_trace_errors_name_the_files_own_fields(tmp_path: Path) -> None:
+    """The real trace's gap is ``gap_s``: its errors say so, not our format's ``tool_gap_s``."""
+    def real(gaps: list[object]) -> Path:
+        calls = [{"input_tokens": 100 * (k + 1), "output_tokens": 5, "gap_s": g}
+                 for k, g in enumerate(gaps)]
+        path = tmp_path / "real.jsonl"
+        path.write_bytes(orjson.dumps({"session_id": "s", "model": "m", "calls": calls}) + b"\n")
+        return path
+
+    with pytest.raises(TraceError, match=r"real.jsonl:1: session 's' call 0: gap_s must be a "
+                       r"finite number >= 0, got -1.0"):
+        load_any_trace(real([-1.0, None]))
+    with pytest.raises(TraceError, match="call 0: gap_s is missing"):
+        load_any_trace(real([None, None]))
+
+
 def write_csv(path: Path, rows: list[str], header: str | None = None) -> Path:
     header = header or "session_id,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms"
     path.write_text("\n".join([header, *rows]) + "\n")
@@ -162,8 +183,11 @@ def test_csv_reader_errors(tmp_path: Path) -> None:
         read_csv_trace(write_csv(tmp_path / "2.csv", ["a,0,0,10,1,5", "a,2,11,5,1,"]))
     with pytest.raises(TraceError, match=r"3: input_len must be an integer, got 'x'"):
         read_csv_trace(write_csv(tmp_path / "3.csv", ["a,0,0,10,1,5", "a,1,11,x,1,"]))
-    with pytest.raises(TraceError, match="call 0: tool_gap_s is missing"):
+    with pytest.raises(TraceError, match="call 0: tool_wait_after_ms is missing"):
         read_csv_trace(write_csv(tmp_path / "4.csv", ["a,0,0,10,1,", "a,1,11,5,1,"]))
+    with pytest.raises(TraceError, match=r"2: tool_wait_after_ms must be a finite number >= 0, "
+                       "got '-500'"):
+        read_csv_trace(write_csv(tmp_path / "6.csv", ["a,0,0,10,1,-500", "a,1,11,5,1,"]))
     with pytest.raises(TraceError, match="prompt does not grow"):
         read_csv_trace(write_csv(tmp_path / "5.csv", ["a,0,0,10,1,5", "a,1,0,10,1,"]))
 
