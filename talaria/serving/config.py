@@ -249,6 +249,9 @@ class ServeConfig:
         problem = None if r.api_key is None else key_problem(r.api_key)
         if problem is not None:
             raise ConfigError(f"[router].api_key {problem}")
+        problem = None if r.instance_key is None else key_problem(r.instance_key)
+        if problem is not None:  # each instance compares the token as read, stripped
+            raise ConfigError(f"[router].instance_key {problem}")
         if r.instance_key is not None and len(r.instance_key) < 16:
             raise ConfigError("[router].instance_key must be at least 16 characters")
         rules = {"[router].max_tokens_overflow": r.max_tokens_overflow, **{

@@ -48,7 +48,7 @@ from talaria.instance.instance import Instance
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
 from talaria.protocol.errors import ApiError, error_middleware, overloaded
 from talaria.protocol.fields import json_depth
-from talaria.protocol.http import client_gone, key_middleware, next_or_gone, read_body
+from talaria.protocol.http import client_gone, key_middleware, key_problem, next_or_gone, read_body
 from talaria.protocol.state_delta import StateAsk, encode_report
 
 log = structlog.get_logger("talaria.serving.instance_server")
@@ -73,6 +73,9 @@ class InstanceServerSettings:
     body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        problem = None if self.key is None else key_problem(self.key)
+        if problem is not None:  # the bearer token is compared as read, stripped
+            raise ValueError(f"the instance key {problem}")
         if self.key is not None and len(self.key) < 16:
             raise ValueError("the instance key must be at least 16 characters")
         if self.body_timeout_s <= 0:

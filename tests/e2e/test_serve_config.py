@@ -124,6 +124,21 @@ def test_a_number_json_cannot_carry_is_refused_not_lost_on_the_way_to_the_instan
         ServeConfig.from_dict(data)
 
 
+@pytest.mark.parametrize("key", [" " * 20, " instance-key-0123456789", "instance-key-0123456789\t"])
+def test_an_instance_key_no_request_can_carry_is_refused(key: str) -> None:
+    """Every instance route compares the bearer token as read (stripped) with the key: a
+    key with spaces around it (or only spaces) never matches, so every instance answered
+    401, `talaria serve` waited its whole start-up timeout for instances it had started
+    fine, and a router started alone marked them all down. The config and the instance
+    server refuse it, as they do such an ``api_key``."""
+    from talaria.serving.instance_server import InstanceServerSettings
+
+    with pytest.raises(ValueError, match=r"\[router\].instance_key (is empty|has spaces)"):
+        ServeConfig.from_dict({"router": {"instance_key": key}})
+    with pytest.raises(ValueError, match="instance key (is empty|has spaces)"):
+        InstanceServerSettings(key=key)
+
+
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_serve_config(tmp_path / "missing.toml")
