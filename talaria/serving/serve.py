@@ -239,7 +239,9 @@ async def _run(
     # Build the router (tokenizers load) while the instances start.
     app_future = asyncio.get_running_loop().run_in_executor(None, router_factory, config, urls)
     key = config.router.instance_key or ""
-    ready = await _wait_ready(children, stop, start_timeout_s, key)
+    ready = await _wait_ready(children, stop, start_timeout_s, key, app_future)
+    if _failed(app_future):
+        await app_future  # the router's error now, not once every model has loaded
     if not ready:
         with contextlib.suppress(Exception):  # the instances' failure is the one to report
             await app_future
@@ -257,16 +259,21 @@ async def _run(
     return 0
 
 
+def _failed(future: asyncio.Future[web.Application]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is not None
+
+
 async def _wait_ready(
-    children: list[InstanceProcess], stop: asyncio.Event, timeout_s: float, key: str
+    children: list[InstanceProcess], stop: asyncio.Event, timeout_s: float, key: str,
+    router: asyncio.Future[web.Application] | None = None,
 ) -> bool:
     """Until every instance wrote its ready file and answers /health; False on a child
-    that exits, a signal, or the timeout."""
+    that exits, a signal, the timeout, or a ``router`` (built meanwhile) that failed."""
     loop = asyncio.get_running_loop()
     start = last = loop.time()
     async with aiohttp.ClientSession() as http:
         while True:
-            if stop.is_set():
+            if stop.is_set() or (router is not None and _failed(router)):
                 return False
             for child in children:
                 code = child.proc.poll()

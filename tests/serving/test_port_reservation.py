@@ -86,3 +86,29 @@ def test_serve_starts_reserved_instances_with_reuse_port(tmp_path: Path) -> None
     assert "--reuse-port" not in serve.instance_command("a", tmp_path / "c.json", tmp_path / "r")
     args = build_parser().parse_args(cmd[cmd.index("instance"):])
     assert args.reuse_port is True
+
+
+class _Starting:
+    """An instance process that is still loading its models (no ready file yet)."""
+
+    def poll(self) -> None:
+        return None
+
+
+async def test_a_router_that_cannot_be_built_ends_serve_at_once_not_after_the_instances(
+    tmp_path: Path,
+) -> None:
+    """The router is built (its tokenizers loaded, its config checked: a tool format, a
+    session id bound) while the instances load their models. A router that cannot be built
+    was reported only once every instance was ready, minutes with large models, or never
+    (the instances' start-up timeout swallowed it): its error ends `serve` when it happens."""
+    config = _config()
+    children = [serve.InstanceProcess(e.id, _Starting(), tmp_path / f"{e.id}.ready")  # type: ignore[arg-type]
+                for e in config.instances]
+
+    def broken_router(_config: ServeConfig, _urls: dict[str, str]) -> web.Application:
+        raise ValueError("unknown tool-call formats {'m': 'hermse'}")
+
+    run = serve._run(config, children, broken_router, 60.0, lambda _id: children[0])
+    with pytest.raises(ValueError, match="hermse"):
+        await asyncio.wait_for(run, 5.0)
