@@ -31,7 +31,8 @@ __all__ = ["SessionHeaders", "SessionIdentity", "resolve_session"]
 
 @dataclass(frozen=True)
 class SessionHeaders:
-    """Header names that carry a session, its parent and its end, in precedence order.
+    """Header names that carry a session, its parent and its end, in precedence order
+(case-insensitive, kept in lowercase).
     ``scoped``: headers whose value is only unique within another header's (agent ids within
     their session): the value read is ``<scope>:<value>`` when the scope header is sent."""
 
@@ -52,6 +53,12 @@ class SessionHeaders:
     explicit: str = "x-session-id"  # the header that must agree with the body's session_id
 
     def __post_init__(self) -> None:
+        # Header names are case-insensitive: kept in lowercase, so the scoping rules and the
+        # explicit header match a name however the configuration spells it.
+        for name in ("session", "parent", "final"):
+            object.__setattr__(self, name, _lower(getattr(self, name)))
+        object.__setattr__(self, "scoped", tuple(_lower(pair) for pair in self.scoped))
+        object.__setattr__(self, "explicit", self.explicit.lower())
         for name in (*self.session, *self.parent, *self.final, *(h for pair in self.scoped for h in pair)):
             if not name or name != name.strip() or ":" in name:
                 raise ValueError(f"bad session header name {name!r}")
@@ -125,6 +132,10 @@ class _Checker:
         scope = dict(names.scoped).get(name)
         scope_value = headers.get(scope, "").strip() if scope else ""
         return f"{self(scope_value, scope or name)}:{value}" if scope_value else value
+
+
+def _lower(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(n.lower() if isinstance(n, str) else n for n in names)
 
 
 def _flag(headers: Mapping[str, str], name: str) -> bool:

@@ -49,6 +49,19 @@ def test_agent_headers_name_sessions_and_parents() -> None:
     assert resolve_session(CIMultiDict({"X-My-Session": "m", "x-session-id": "ignored"}), names=custom).session_id == "m"
 
 
+def test_configured_header_names_are_case_insensitive_like_http_headers() -> None:
+    """``[router] session_headers`` replaces the list with names as the user spells them;
+    HTTP header names are case-insensitive, but a name spelled ``X-Claude-Code-Agent-Id``
+    missed the lowercase scoping rules, so two sessions' subagent "a1" became one session
+    (with no parent), and ``X-Session-ID`` (as the docs spell it) skipped the check that it
+    agrees with the body's session_id."""
+    names = SessionHeaders(session=("X-Session-ID", "X-Claude-Code-Agent-Id", "X-Claude-Code-Session-Id"))
+    sub = _resolve({"x-claude-code-session-id": "cc", "x-claude-code-agent-id": "a1"}, names=names)
+    assert (sub.session_id, sub.parent_id) == ("cc:a1", "cc")
+    with pytest.raises(ApiError, match="disagree"):
+        _resolve({"x-session-id": "a"}, body_session_id="b", names=names)
+
+
 @pytest.mark.parametrize("headers, body, match", [
     ({"x-session-id": "a"}, "b", "disagree"),
     ({"x-claude-code-session-id": " "}, None, "empty"),
