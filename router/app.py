@@ -303,7 +303,7 @@ async def live(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
-    text = core.metrics.render(core.states, core.healthy, len(core.sessions))
+    text = core.metrics.render(core.states, core.healthy, len(core.sessions), core.clients)
     return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

@@ -8,7 +8,7 @@ the last reported states.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from talaria.protocol import InstanceState, Residency
@@ -98,7 +98,10 @@ class RouterMetrics:
         self.call_time = Histogram("talaria_router_call_seconds", "Call duration seen by the router.", SCT_BUCKETS)
         self.sct = Histogram("talaria_router_session_completion_seconds", "Session completion time (first call sent to last call done).", SCT_BUCKETS)
 
-    def render(self, states: Mapping[str, InstanceState], healthy: set[str], sessions: int) -> str:
+    def render(self, states: Mapping[str, InstanceState], healthy: set[str], sessions: int,
+               instances: Iterable[str] = ()) -> str:
+        """``instances``: every configured instance, so one that never reported has its
+        health gauge (0) too, not none."""
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.cached_tokens, self.completion_tokens,
                        self.retries, self.placements, self.call_failures, self.rejected):
@@ -106,7 +109,7 @@ class RouterMetrics:
         for hist in (self.ttft, self.call_time, self.sct):
             lines += hist.render()
         lines += _gauge("talaria_router_sessions", "Sessions in the router's table.", [((), sessions)])
-        ids = sorted(set(states) | healthy)
+        ids = sorted(set(states) | healthy | set(instances))
         lines += _gauge("talaria_instance_healthy", "1 if the instance is healthy.",
                         [((("instance", i),), 1 if i in healthy else 0) for i in ids])
         residency = [

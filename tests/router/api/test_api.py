@@ -262,6 +262,23 @@ async def test_models_health_metrics(tokenizer: ModelTokenizer) -> None:
     assert 'talaria_instance_staging_lends{instance="a"} 1' in text
 
 
+async def test_an_instance_that_never_reported_shows_as_unhealthy_not_as_nothing(
+    tokenizer: ModelTokenizer,
+) -> None:
+    """The health gauge was written for the instances with a report or in the healthy set,
+    so one down since the start (its first poll failed: it never reported) vanished from
+    /metrics, and an alert on ``talaria_instance_healthy == 0`` never fired for it. Every
+    configured instance has its gauge."""
+    a = FakeInstance("a", reply(tokenizer))
+    b = FakeInstance("b", reply(tokenizer), unavailable=True)
+    async with serve(tokenizer, {"a": a, "b": b}) as client:
+        core = client.server.app[CORE_KEY]
+        assert await core.refresh("a") and not await core.refresh("b")
+        text = await (await client.get("/metrics")).text()
+    assert 'talaria_instance_healthy{instance="a"} 1' in text
+    assert 'talaria_instance_healthy{instance="b"} 0' in text
+
+
 async def test_client_disconnect_aborts_call(tokenizer: ModelTokenizer) -> None:
     hold = asyncio.Event()
     a = FakeInstance("a", reply(tokenizer), hold=hold)
