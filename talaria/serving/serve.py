@@ -1,6 +1,8 @@
 """`talaria serve`: the router in this process, one child process per instance.
 
-Start-up: instances asking for port 0 get a free port, held by this process (a socket bound
+Start-up: the router's address is checked first (it listens only once every instance is
+up, so a port already taken would otherwise show only after every model loaded).
+Instances asking for port 0 get a free port, held by this process (a socket bound
 with SO_REUSEPORT, never listening) until it ends, so nothing else can take it before the
 instance binds it, nor while the instance restarts; the instance binds it beside that
 socket (``--reuse-port``), which alone receives its connections. The resolved config, without its
@@ -105,6 +107,7 @@ def serve(
     for name, path in config.model_paths().items():
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model {name!r}: no config.json in {path!r}")
+    _check_router_address(config.router.host, config.router.port)
     workdir = Path(tempfile.mkdtemp(prefix="talaria-serve-"))  # private: mode 0700
     reserved = _reserve_ports(config)
     if config.router.instance_key is None:
@@ -197,6 +200,23 @@ def _restart(
     entry = config.instance(instance_id)
     child.url = f"http://{entry.host}:{entry.port}"
     return child
+
+
+def _check_router_address(host: str, port: int) -> None:
+    """ValueError now when the router could not listen at ``host:port`` (a port another
+    process holds, a host that is not here): it listens only once every instance is up,
+    which takes as long as loading every model. Each address bound and let go at once, as
+    asyncio binds them (SO_REUSEADDR: a port left in TIME_WAIT is no obstacle)."""
+    try:
+        for family, kind, proto, _name, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError as exc:
+        raise ValueError(f"the router cannot listen on {host}:{port}: {exc}") from exc
 
 
 def _reserve_ports(config: ServeConfig) -> dict[str, socket.socket]:

@@ -112,3 +112,22 @@ async def test_a_router_that_cannot_be_built_ends_serve_at_once_not_after_the_in
     run = serve._run(config, children, broken_router, 60.0, lambda _id: children[0])
     with pytest.raises(ValueError, match="hermse"):
         await asyncio.wait_for(run, 5.0)
+
+
+def test_a_router_port_in_use_is_refused_before_any_instance_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router listens once every instance is up; a router port another process holds
+    (a `talaria serve` already running) was found only then, after every model had loaded.
+    ``serve`` checks it can listen there before it starts an instance."""
+    def spawn(instance_id: str, *_args: object) -> None:
+        raise AssertionError(f"instance {instance_id} started")
+
+    monkeypatch.setattr(serve, "_spawn", spawn)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = ServeConfig.from_dict({"router": {"port": port}, "instances": [{"id": "a"}]})
+        with pytest.raises(ValueError, match=f"the router cannot listen on 127.0.0.1:{port}"):
+            serve.serve(config, lambda _c, _u: web.Application())
