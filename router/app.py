@@ -329,7 +329,11 @@ async def _complete(
     answer = _answer_parser(request.app[CONFIG_KEY], body, tok, tool_id_prefix)
     limits = request.app[LIMITS_KEY]
     with request.app[GATE_KEY].admit():
-        prompt_ids = await tokenize_prompt(request, tok, body, prefill + (answer.prefill if answer else ""))
+        try:
+            prompt_ids = await tokenize_prompt(request, tok, body, prefill + (answer.prefill if answer else ""))
+        except ContextOverflow:  # over the context before any output room is priced
+            request.app[CORE_KEY].metrics.rejected.inc(model=tok.name, reason="context_length")
+            raise
         budget = _output_budget(request, body, tok, len(prompt_ids))
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
         call = _call_request(request, body, prompt_ids, budget)

@@ -125,3 +125,22 @@ def test_the_capacity_is_the_largest_among_the_instances_serving_the_model() -> 
     assert output_room("m", 100, 4096, 300).tokens == 200
     assert output_room("m", 100, 250, 300).tokens == 150
     assert output_room("m", 100, 4096, None).tokens == 3996
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "messages", "responses"])
+async def test_a_prompt_over_the_context_is_counted_as_a_refusal(
+    tokenizer: ModelTokenizer, api: str,
+) -> None:
+    """``talaria_router_rejected_total{reason="context_length"}`` counted only the refusals
+    its output room found, and a prompt over the context is refused before that, when it is
+    tokenized: the most common refusal an agent meets was never counted."""
+    a = instance("a", capacity=4096)
+    async with serve(tokenizer, {"a": a}) as client:
+        await client.server.app[CORE_KEY].refresh("a")
+        path, body = request_of(api, max_tokens=8, text="Hello world, this is a test " * 60)
+        resp = await client.post(path, json=body)
+        text = await resp.text()
+        core = client.server.app[CORE_KEY]
+    assert resp.status == 400 and "255" in text, text  # the context's bound (256), not the KV cache's
+    assert core.metrics.rejected.get(model="tiny", reason="context_length") == 1
+    assert not a.calls
