@@ -95,6 +95,7 @@ class SessionRecord:
     last_seen: float = 0.0
     calls: int = 0
     active_calls: int = 0
+    closing: bool = False  # its client's last call ended while others of it still ran
 
     @property
     def main(self) -> SessionBranch | None:
@@ -222,7 +223,8 @@ class SessionTable:
 
     def end_call(self, record: SessionRecord, branch: SessionBranch, now: float, last_call: bool = False) -> bool:
         """Record a call's end (where it ran: ``SessionBranch.ran_on``). Returns whether the
-        session ended with it (``last_call``: it left the table)."""
+        session ended with it: a ``last_call`` ends it, or, when other calls of it still run
+        (side calls), the last of those to end does."""
         record.active_calls = max(0, record.active_calls - 1)
         record.last_finish = record.last_seen = now
         branch.active_calls = max(0, branch.active_calls - 1)
@@ -230,7 +232,8 @@ class SessionTable:
         if self._sessions.get(record.session_id) is not record:
             return False  # evicted meanwhile (it had no call in flight then) or replaced
         self._sessions.move_to_end(record.session_id)
-        if last_call and record.active_calls == 0:
+        record.closing = record.closing or last_call
+        if record.closing and record.active_calls == 0:
             del self._sessions[record.session_id]
             return True
         return False

@@ -34,15 +34,10 @@ def test_session_ends_on_last_call() -> None:
             SessionTable(**bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review finding, not fixed: router.sessions.table is shared with the simulator, so "
-    "keeping a last_call's intent until the session's other calls end waits for a replay "
-    "check; meanwhile such a session stays until its TTL"))
 def test_a_last_call_ends_its_session_once_the_calls_beside_it_end() -> None:
     """A client's last call that ends while another call of its session is in flight (a
-    side call) does not end the session then (that call is still running), and when the
-    other call ends the session stays too: the client's last_call is lost and the session
-    lingers until its TTL (30 minutes by default), its SCT observed only then."""
+    side call) does not end the session then (that call is still running); the other call's
+    end does, not the TTL (30 minutes by default), so its SCT is observed then."""
     table = SessionTable()
     side = [500 + t for t in range(40)]
     record, side_branch = book_call(table, "s", side, 0.0)  # a side call in flight
