@@ -183,7 +183,8 @@ class ModelRunner:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, hf_config)
         backend = get_attention_backend(
-            config.attention_backend, device=device, block_size=config.block_size
+            config.attention_backend, device=device, block_size=config.block_size,
+            dtypes=(dtype,),
         )
         with torch.device(device):
             model = build_model(hf_config, dtype, parallel, backend)

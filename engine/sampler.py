@@ -1,6 +1,7 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
-Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to drawing from ``p``).
+Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to drawing from ``p``; a draw
+of exactly 0, which torch's CPU generator can return, counts as the smallest positive float).
 A request with its own generator draws its ``q`` row alone from that generator, so its
 tokens depend only on its seed and its logits, never on what else is in the batch.
 Requests without a generator share the sampler's generator. Logprobs are those of the
@@ -59,6 +60,9 @@ class Sampler:
                 gen = generators[i]
                 if gen is not None:
                     q[j] = torch.empty(vocab, device=probs.device).exponential_(generator=gen)
+            # a draw of exactly 0 (possible on a CPU) would make a filtered token 0/0 = NaN,
+            # which argmax takes as the largest: the smallest positive float keeps it at 0
+            q.clamp_(min=torch.finfo(q.dtype).tiny)
             tokens[idx] = (probs / q).argmax(dim=-1)
 
         token_list = tokens.tolist()

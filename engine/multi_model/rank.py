@@ -70,7 +70,8 @@ class RankModels:
             staging_region=staging_region,
             pin=pin,
         )
-        backend = get_attention_backend(attention_backend, device=device, block_size=block_size)
+        backend = get_attention_backend(attention_backend, device=device, block_size=block_size,
+                                        dtypes={e.dtype for e in catalog.values()})
         self.runners: dict[str, ModelRunner] = {}
         for name, entry in catalog.items():
             self.memory.load_model(name, checkpoint_fill(entry, parallel), entry.kv_spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -133,3 +134,47 @@ def test_fresh_prefills_of_different_lengths_share_a_causal_group() -> None:
     assert [(g.causal, g.query_rows is not None, g.mask) for g in attn.groups] == [
         (True, True, None)
     ]
+
+
+class _FakeFlash:
+    """Stands in for the flash backend where flash-attn cannot be imported."""
+
+    name = "flash"
+
+
+def test_auto_avoids_flash_for_a_dtype_flash_attn_cannot_compute(monkeypatch) -> None:
+    """flash-attn computes in float16 / bfloat16 only (its kernels refuse float32): "auto"
+    picks it only then, and a forced "flash" says why it cannot run a float32 model."""
+    from engine.attention import selector
+
+    monkeypatch.setattr(selector, "flash_available", lambda device: True)
+    monkeypatch.setattr(selector, "FlashAttention", _FakeFlash)
+    pick = partial(get_attention_backend, "auto", "cuda", 256)
+    assert pick(dtypes=(torch.bfloat16,)).name == "flash"
+    assert pick(dtypes=(torch.float16, torch.bfloat16)).name == "flash"
+    assert pick(dtypes=(torch.float32,)).name == "torch"
+    assert pick(dtypes=(torch.bfloat16, torch.float32)).name == "torch"
+    with pytest.raises(ValueError, match="float32"):
+        get_attention_backend("flash", "cuda", 256, dtypes=(torch.float32,))
+
+
+def test_a_float32_engine_with_flash_sized_blocks_runs_on_the_torch_backend(
+    monkeypatch, tmp_path
+) -> None:
+    """The runner tells the selector its dtype: a float32 checkpoint with 256-token blocks
+    where flash-attn is importable gets the torch backend, not one that fails at its first
+    forward pass."""
+    from engine import EngineConfig, EngineCore, SamplingParams
+    from engine.attention import selector
+    from engine.interface import EngineRequest
+    from engine.models.tiny import write_random_checkpoint
+
+    monkeypatch.setattr(selector, "flash_available", lambda device: True)
+    monkeypatch.setattr(selector, "FlashAttention", _FakeFlash)
+    path = write_random_checkpoint(tmp_path / "llama", "llama", seed=0)
+    core = EngineCore(EngineConfig(model=path, device="cpu", dtype="float32", block_size=256,
+                                   num_kv_blocks=2, max_model_len=64))
+    assert core.runner.model.attn_backend.name == "torch"
+    core.add_request(EngineRequest("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3)))
+    while core.has_unfinished():
+        core.step()

@@ -119,3 +119,14 @@ def test_top_p_of_one_filters_nothing_beside_a_row_that_filters() -> None:
     alone = Sampler._filtered_probs(x[1:], [SamplingParams(top_p=1.0)])
     assert bool((both[1] > 0).all())
     torch.testing.assert_close(both[1], alone[0])
+
+
+def test_an_exponential_draw_of_zero_never_picks_a_filtered_token(monkeypatch) -> None:
+    """torch's CPU ``exponential_`` can return exactly 0 (pytorch#166243): a filtered token
+    (probability 0) over a zero draw is 0/0 = NaN, which ``argmax`` takes as the largest.
+    Every draw is 0 here: the sampler must still pick a token top-k / top-p keep."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, generator=None: self.zero_())
+    x = torch.tensor([[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 9.0, 1.0]])
+    params = [SamplingParams(top_k=1), SamplingParams(top_p=0.5, seed=1)]
+    out = Sampler(gen(0))(x, params, [None, gen(1)])
+    assert out.token_ids == [1, 2]

@@ -131,7 +131,7 @@ def test_decode_step_captured_in_a_cuda_graph_replays_like_eager(
     config = EngineConfig(
         model=small_dirs[arch],
         device="cuda",
-        dtype="float32",
+        dtype="bfloat16" if backend == "flash" else "float32",  # flash-attn refuses float32
         block_size=block_size,
         num_kv_blocks=64,
         max_model_len=1024,
@@ -171,8 +171,9 @@ def test_decode_step_captured_in_a_cuda_graph_replays_like_eager(
         graph.replay()
         torch.cuda.synchronize()
         n = fresh.num_samples
-        torch.testing.assert_close(static_logits[:n], want[:n], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(runner.kv_cache, kv_eager, atol=1e-5, rtol=0)
+        tol = 1e-4 if backend == "torch" else 2e-2  # bfloat16 under flash
+        torch.testing.assert_close(static_logits[:n], want[:n], atol=tol, rtol=tol)
+        torch.testing.assert_close(runner.kv_cache, kv_eager, atol=tol / 10, rtol=0)
         core.scheduler.update_after_step(out)
         for s, tok in zip(out.scheduled, static_logits[:n].argmax(-1).tolist(), strict=True):
             s.request.output_token_ids.append(int(tok))
