@@ -10,7 +10,10 @@ Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``documen
 a user turn or a tool result, become a line naming what was left out
 (``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
 resends every image its Read tool ever returned. Fields the router has no use for
-(``thinking``, ``cache_control``, ``service_tier``, ...) are accepted and ignored.
+(``thinking``, ``cache_control``, ``service_tier``, ``output_config.effort``, ...) are accepted
+and ignored. Structured output (``output_config.format``, the beta's ``output_format``) is
+refused with a 400 naming it, as chat's ``response_format`` and the Responses API's
+``text.format`` are: its client parses the answer as JSON of its schema.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def parse_messages(data: Any) -> MessagesRequest:
     max_tokens = data.get("max_tokens")
     if max_tokens is None:
         raise bad_request("max_tokens: Field required", "max_tokens")
+    _refuse_structured_output(data)
     return _parse(data, {"max_tokens": max_tokens, "stream": data.get("stream")})
 
 
@@ -75,6 +79,18 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
         raise bad_request("a final assistant turn (prefill) cannot be combined with a tool_choice "
                           "that forces a tool call", "tool_choice")
     return MessagesRequest(body, prefill)
+
+
+def _refuse_structured_output(data: dict[str, Any]) -> None:
+    """A JSON schema the answer must follow cannot be enforced here: a 400, not free text."""
+    config = data.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("output_config must be an object", "output_config")
+    for name, value in (("output_config.format", (config or {}).get("format")),
+                        ("output_format", data.get("output_format"))):
+        if value is not None:
+            raise bad_request(f"{name} is not supported: this server cannot constrain the answer "
+                              "to a JSON schema (structured output)", name)
 
 
 def metadata_session_id(metadata: Any) -> str | None:

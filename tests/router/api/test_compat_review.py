@@ -1,0 +1,92 @@
+"""A review of the API compatibility layer against what real clients send and read: each test
+here failed before its fix (the commit that added it says what was wrong)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import orjson
+import pydantic
+import pytest
+from aiohttp.test_utils import TestServer
+from api_helpers import serve
+from router_fakes import ScriptedInstance
+
+from router.app import RouterConfig, create_app
+from router.tokenization import ModelTokenizer
+
+EOS = 2  # <|im_end|> in the tiny tokenizer
+USER = [{"role": "user", "content": "hi"}]
+
+
+def scripted(tok: ModelTokenizer, *answers: str, cached_tokens: int = 0) -> ScriptedInstance:
+    """An instance answering each call with the next text (then EOS)."""
+    instance = ScriptedInstance("i0", [tok.encode_text(t, add_special_tokens=False) + [EOS] for t in answers])
+    instance.cached_tokens = cached_tokens
+    return instance
+
+
+def named_events(text: str) -> list[tuple[str | None, Any]]:
+    """An SSE body's events as (event name or None, data)."""
+    out = []
+    for block in text.split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                raw = line[len("data: "):]
+                data = raw if raw == "[DONE]" else orjson.loads(raw)
+        if data is not None:
+            out.append((name, data))
+    return out
+
+
+# Anthropic structured output -----------------------------------------------------------------
+
+
+class Weather(pydantic.BaseModel):
+    city: str
+
+
+@pytest.mark.parametrize("field", [
+    {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+    {"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {"type": "object"}}}},
+    {"output_format": {"type": "json_schema", "schema": {"type": "object"}}},  # the beta's spelling
+    {"output_config": "json"},
+])
+async def test_anthropic_structured_output_is_refused_not_ignored(
+    tiny_tokenizer: ModelTokenizer, field: dict[str, Any],
+) -> None:
+    """The client parses the answer as JSON of its schema: a free-text answer behind a 200
+    fails there (or worse, parses), so the request is a 400 as chat's response_format and
+    the Responses API's text.format are; output_config.effort alone changes nothing."""
+    instance = scripted(tiny_tokenizer, "Sunny.", "Sunny.")
+    body = {"model": "tiny", "max_tokens": 20, "messages": USER}
+    async with serve(tiny_tokenizer, {"i0": instance}) as client:
+        refused = await client.post("/v1/messages", json={**body, **field})
+        counted = await client.post("/v1/messages/count_tokens", json={**body, **field})
+        effort = await client.post("/v1/messages", json={**body, "output_config": {"effort": "low"}})
+        assert refused.status == 400 and counted.status == 200, await refused.text()
+        error = await refused.json()
+        assert effort.status == 200, await effort.text()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert next(iter(field)) in error["error"]["message"]
+    assert len(instance.calls) == 1  # only the effort call ran
+
+
+async def test_anthropic_sdk_parse_gets_a_400(tiny_tokenizer: ModelTokenizer, tiny_model_dir: Any) -> None:
+    """``messages.parse(output_format=...)`` (anthropic SDK) sends ``output_config.format``;
+    it got "Sunny." back and failed in pydantic with invalid JSON."""
+    instance = scripted(tiny_tokenizer, "Sunny.")
+    config = RouterConfig(models={"tiny": str(tiny_model_dir)}, instances={"i0": "unused"}, poll_interval_s=None)
+    server = TestServer(create_app(config, clients={"i0": instance}, tokenizers={"tiny": tiny_tokenizer}))
+    await server.start_server()
+    client = anthropic.AsyncAnthropic(base_url=str(server.make_url("/")), api_key="x", max_retries=0)
+    try:
+        with pytest.raises(anthropic.BadRequestError, match="output_config"):
+            await client.messages.parse(model="tiny", max_tokens=20, messages=USER, output_format=Weather)
+    finally:
+        await client.close()
+        await server.close()
