@@ -90,3 +90,22 @@ async def test_anthropic_sdk_parse_gets_a_400(tiny_tokenizer: ModelTokenizer, ti
     finally:
         await client.close()
         await server.close()
+
+
+# Anthropic message_start usage ---------------------------------------------------------------
+
+
+async def test_message_start_usage_splits_cached_input_as_the_final_usage_does(tiny_tokenizer: ModelTokenizer) -> None:
+    """message_start carries the input usage (Anthropic's streaming docs), and clients that
+    take input usage from it (older anthropic SDKs' accumulators, proxies, cost meters) read
+    it there only: it counted the cached tokens as uncached input, 0 cache reads."""
+    instance = scripted(tiny_tokenizer, "Sunny and mild.", cached_tokens=5)
+    body = {"model": "tiny", "max_tokens": 50, "messages": USER, "stream": True}
+    async with serve(tiny_tokenizer, {"i0": instance}) as client:
+        events = named_events(await (await client.post("/v1/messages", json=body)).text())
+    start = next(d for n, d in events if n == "message_start")["message"]["usage"]
+    final = next(d for n, d in events if n == "message_delta")["usage"]
+    prompt = len(instance.calls[0].prompt_token_ids)
+    assert final["input_tokens"] == prompt - 5 and final["cache_read_input_tokens"] == 5
+    assert {k: start[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")} == {
+        "input_tokens": prompt - 5, "cache_read_input_tokens": 5, "cache_creation_input_tokens": 0}
