@@ -120,6 +120,13 @@ def _object(data: Any) -> dict[str, Any]:
     return data
 
 
+def _kind(block: Any) -> str | None:
+    """A block's (or tool_choice's) ``type`` when it is a string; else None, which no check
+    accepts (a list or object there is a 400 naming the block, never a set lookup's 500)."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 def _stop_sequences(stops: Any) -> list[str] | None:
     if stops is None:
         return None
@@ -165,7 +172,7 @@ def _blocks(content: Any, where: str, omitted: Omissions) -> list[dict[str, Any]
         raise bad_request(f"{where} must be a string or an array of content blocks", where)
     out = []
     for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _kind(block)
         at = f"{where}[{j}]"
         if kind == "text":
             if not isinstance(block.get("text"), str):
@@ -197,7 +204,7 @@ def _text(content: Any, where: str, omitted: Omissions) -> str:
         raise bad_request(f"{where} must be a string or an array of text blocks", where)
     texts: list[str] = []
     for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _kind(block)
         if kind in _MEDIA_BLOCKS:
             texts.append(_media(block, str(kind), f"{where}[{j}]", omitted))
         elif kind != "text" or not isinstance(block.get("text"), str):
@@ -273,7 +280,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 def _tool_choice(choice: Any) -> dict[str, Any]:
     if choice is None:
         return {}
-    kind = choice.get("type") if isinstance(choice, dict) else None
+    kind = _kind(choice)
     mapped = {"auto": "auto", "any": "required", "none": "none"}
     if kind in mapped:
         out: dict[str, Any] = {"tool_choice": mapped[kind]}

@@ -109,3 +109,32 @@ async def test_message_start_usage_splits_cached_input_as_the_final_usage_does(t
     assert final["input_tokens"] == prompt - 5 and final["cache_read_input_tokens"] == 5
     assert {k: start[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")} == {
         "input_tokens": prompt - 5, "cache_read_input_tokens": 5, "cache_creation_input_tokens": 0}
+
+
+# a malformed type or name is a 400, not a 500 ------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]}),
+    ("/v1/messages", {"messages": USER, "system": [{"type": {"text": 1}, "text": "S"}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": [], "text": "r"}]}]}]}),
+    ("/v1/messages", {"messages": USER, "tool_choice": {"type": ["auto"]}}),
+    ("/v1/messages/count_tokens", {"messages": USER, "tool_choice": {"type": {}}}),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": ["f"]}]}),
+])
+async def test_a_type_or_name_that_is_not_a_string_is_a_400(
+    tiny_tokenizer: ModelTokenizer, path: str, body: dict[str, Any],
+) -> None:
+    """A list or object where a block's ``type`` or a tool's ``name`` belongs was looked up in
+    a set, raised TypeError and came back as a 500 ``internal error``: the client was told
+    the server failed, not what in its request was wrong."""
+    async with serve(tiny_tokenizer, {"i0": scripted(tiny_tokenizer, "ok")}) as client:
+        limit = {"max_tokens": 20} if path == "/v1/messages" else {}
+        resp = await client.post(path, json={"model": "tiny", **limit, **body})
+        assert resp.status == 400, await resp.text()
+        error = await resp.json()
+    if path.startswith("/v1/messages"):
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    else:
+        assert error["error"]["type"] == "invalid_request_error" and error["error"]["param"]
