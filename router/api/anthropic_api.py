@@ -13,7 +13,8 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
   ``error`` event;
 - errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path;
   a prompt over the model's context in Anthropic's words, ``prompt is too long: N tokens > M
-  maximum`` (``router.api.prompt_tokens``).
+  maximum`` (``router.api.prompt_tokens``), and so a ``max_tokens`` refused under the rule
+  ``"refuse"`` (``router.api.output_budget``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import structlog
 from aiohttp import web
 
 from router.api.openai_schema import CompletionBody
+from router.api.output_budget import OutputOverflow
 from router.api.prompt_tokens import ContextOverflow
 from router.api.stream_output import OutputAssembler, Piece, collect
 from router.api.tool_calls import AnswerParser, ToolCall
@@ -61,7 +63,7 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     try:
         return await handler(request)
-    except ContextOverflow as exc:
+    except (ContextOverflow, OutputOverflow) as exc:
         return error_response(exc.status, exc.anthropic_message(), exc.headers)
     except ApiError as exc:
         return error_response(exc.status, exc.message, exc.headers)

@@ -138,3 +138,32 @@ async def test_a_type_or_name_that_is_not_a_string_is_a_400(
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     else:
         assert error["error"]["type"] == "invalid_request_error" and error["error"]["param"]
+
+
+# a max_tokens refused under the rule "refuse", in Anthropic's words ------------------------------
+
+
+async def test_a_refused_max_tokens_is_anthropics_context_limit_error(tmp_path: Any) -> None:
+    """Under ``max_tokens_overflow = "refuse"`` a max_tokens beyond the room is a 400. Claude
+    Code recovers from it only in Anthropic's words, ``input length and `max_tokens` exceed
+    context limit: <input> + <max_tokens> > <limit>``, which it parses to retry with a
+    max_tokens that fits; the router's own sentence left the session stuck on the error."""
+    from router_fakes import write_tiny_tokenizer
+
+    small = ModelTokenizer.load("tiny", write_tiny_tokenizer(tmp_path / "small", context_len=96))
+    instance = scripted(small, "ok")
+    body = {"model": "tiny", "max_tokens": 32000, "messages": USER}
+    async with serve(small, {"i0": instance}, max_tokens_overflow="refuse") as client:
+        refused = await client.post("/v1/messages", json=body)
+        chat = await client.post("/v1/chat/completions", json={**body, "max_tokens": 32000})
+        counted = await client.post("/v1/messages/count_tokens", json=body)
+        error, chat_error = await refused.json(), await chat.json()
+        prompt = (await counted.json())["input_tokens"]
+    assert refused.status == 400 and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"] == (
+        f"input length and `max_tokens` exceed context limit: {prompt} + 32000 > 96, "
+        "decrease input length or `max_tokens` and try again")
+    # The OpenAI APIs keep their message, naming the field and the room.
+    assert chat.status == 400 and chat_error["error"]["param"] == "max_tokens"
+    assert f"at most {96 - prompt} tokens fit" in chat_error["error"]["message"]
+    assert not instance.calls
