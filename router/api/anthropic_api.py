@@ -5,14 +5,16 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
 - a ``message`` with ``text`` and ``tool_use`` content blocks, ``stop_reason``
   (``end_turn`` | ``max_tokens`` | ``stop_sequence`` | ``tool_use``) and usage whose
   ``input_tokens`` excludes the prompt tokens served from cache (``cache_read_input_tokens``);
-- the stream as named SSE events: ``message_start`` (the message, empty), ``ping``, per content
-  block ``content_block_start`` / ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a tool
+- the stream as named SSE events: ``message_start`` (the message, empty, its input usage split
+  as the first event reports it), ``ping``, per content block ``content_block_start`` /
+  ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a tool
   block's input as one ``input_json_delta`` that is the whole JSON object), ``message_delta``
   (stop reason, cumulative usage), ``message_stop``; a failure after the stream began is an
   ``error`` event;
 - errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path;
   a prompt over the model's context in Anthropic's words, ``prompt is too long: N tokens > M
-  maximum`` (``router.api.prompt_tokens``).
+  maximum`` (``router.api.prompt_tokens``), and so a ``max_tokens`` refused under the rule
+  ``"refuse"`` (``router.api.output_budget``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import structlog
 from aiohttp import web
 
 from router.api.openai_schema import CompletionBody
+from router.api.output_budget import OutputOverflow
 from router.api.prompt_tokens import ContextOverflow
 from router.api.stream_output import OutputAssembler, Piece, collect
 from router.api.tool_calls import AnswerParser, ToolCall
@@ -60,7 +63,7 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     try:
         return await handler(request)
-    except ContextOverflow as exc:
+    except (ContextOverflow, OutputOverflow) as exc:
         return error_response(exc.status, exc.anthropic_message(), exc.headers)
     except ApiError as exc:
         return error_response(exc.status, exc.message, exc.headers)
@@ -138,6 +141,16 @@ def _usage(out: OutputAssembler) -> dict[str, int]:
             "cache_read_input_tokens": cached, "output_tokens": usage["completion_tokens"]}
 
 
+def _start_usage(out: OutputAssembler, first: CallEvent) -> dict[str, int]:
+    """message_start's usage: the input split as the final usage splits it, from the usage the
+    first event carries (the instance reports its cached prompt tokens there); no output yet."""
+    reported = first.usage
+    prompt = reported.prompt_tokens if reported else out.prompt_tokens
+    cached = reported.cached_tokens if reported else 0
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": 0}
+
+
 class _Events:
     """Writes the named SSE events; opens and closes content blocks in index order."""
 
@@ -189,8 +202,7 @@ async def _stream(
     try:
         await response.prepare(request)
         start = _message(call, body.model, [])
-        start["usage"] = {"input_tokens": out.prompt_tokens, "cache_creation_input_tokens": 0,
-                          "cache_read_input_tokens": 0, "output_tokens": 0}
+        start["usage"] = _start_usage(out, event)
         await sse.send("message_start", {"type": "message_start", "message": start})
         await sse.send("ping", {"type": "ping"})
 

@@ -10,7 +10,10 @@ Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``documen
 a user turn or a tool result, become a line naming what was left out
 (``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
 resends every image its Read tool ever returned. Fields the router has no use for
-(``thinking``, ``cache_control``, ``service_tier``, ...) are accepted and ignored.
+(``thinking``, ``cache_control``, ``service_tier``, ``output_config.effort``, ...) are accepted
+and ignored. Structured output (``output_config.format``, the beta's ``output_format``) is
+refused with a 400 naming it, as chat's ``response_format`` and the Responses API's
+``text.format`` are: its client parses the answer as JSON of its schema.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def parse_messages(data: Any) -> MessagesRequest:
     max_tokens = data.get("max_tokens")
     if max_tokens is None:
         raise bad_request("max_tokens: Field required", "max_tokens")
+    _refuse_structured_output(data)
     return _parse(data, {"max_tokens": max_tokens, "stream": data.get("stream")})
 
 
@@ -77,6 +81,18 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
     return MessagesRequest(body, prefill)
 
 
+def _refuse_structured_output(data: dict[str, Any]) -> None:
+    """A JSON schema the answer must follow cannot be enforced here: a 400, not free text."""
+    config = data.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("output_config must be an object", "output_config")
+    for name, value in (("output_config.format", (config or {}).get("format")),
+                        ("output_format", data.get("output_format"))):
+        if value is not None:
+            raise bad_request(f"{name} is not supported: this server cannot constrain the answer "
+                              "to a JSON schema (structured output)", name)
+
+
 def metadata_session_id(metadata: Any) -> str | None:
     """The session Claude Code names in ``metadata.user_id``: a JSON string with
     ``session_id``, or the older ``user_<hash>_account_<id>_session_<uuid>``."""
@@ -102,6 +118,13 @@ def _object(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     return data
+
+
+def _kind(block: Any) -> str | None:
+    """A block's (or tool_choice's) ``type`` when it is a string; else None, which no check
+    accepts (a list or object there is a 400 naming the block, never a set lookup's 500)."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _stop_sequences(stops: Any) -> list[str] | None:
@@ -149,7 +172,7 @@ def _blocks(content: Any, where: str, omitted: Omissions) -> list[dict[str, Any]
         raise bad_request(f"{where} must be a string or an array of content blocks", where)
     out = []
     for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _kind(block)
         at = f"{where}[{j}]"
         if kind == "text":
             if not isinstance(block.get("text"), str):
@@ -181,7 +204,7 @@ def _text(content: Any, where: str, omitted: Omissions) -> str:
         raise bad_request(f"{where} must be a string or an array of text blocks", where)
     texts: list[str] = []
     for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _kind(block)
         if kind in _MEDIA_BLOCKS:
             texts.append(_media(block, str(kind), f"{where}[{j}]", omitted))
         elif kind != "text" or not isinstance(block.get("text"), str):
@@ -257,7 +280,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 def _tool_choice(choice: Any) -> dict[str, Any]:
     if choice is None:
         return {}
-    kind = choice.get("type") if isinstance(choice, dict) else None
+    kind = _kind(choice)
     mapped = {"auto": "auto", "any": "required", "none": "none"}
     if kind in mapped:
         out: dict[str, Any] = {"tool_choice": mapped[kind]}

@@ -15,7 +15,9 @@ cache of every instance serving the model holds less (``router.instances.kv_room
   ``context_length_exceeded``, as when no limit was asked, since the context, not the
   client's limit, ended it);
 - under ``"refuse"`` (per model or for the router: the behaviour before clamping), a 400
-  naming the field and the room.
+  naming the field and the room (:class:`OutputOverflow`); on the Messages API in Anthropic's
+  words, ``input length and `max_tokens` exceed context limit: N + M > L``, which Claude Code
+  parses to retry with a max_tokens that fits.
 Counting tokens (``/v1/messages/count_tokens``) asks for no output and is not affected.
 """
 
@@ -23,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from talaria.protocol.errors import bad_request
+from talaria.protocol.errors import ApiError
 
-__all__ = ["CLAMP_HEADER", "OVERFLOW_RULES", "OutputBudget", "output_budget"]
+__all__ = ["CLAMP_HEADER", "OVERFLOW_RULES", "OutputBudget", "OutputOverflow", "output_budget"]
 
 OVERFLOW_RULES = ("clamp", "refuse")
 CLAMP_HEADER = "X-Talaria-Max-Tokens-Clamped"
@@ -45,6 +47,20 @@ class OutputBudget:
         return {CLAMP_HEADER: f"{self.asked}->{self.max_tokens}"} if self.clamped else {}
 
 
+class OutputOverflow(ApiError):
+    """400 under the rule ``"refuse"``: ``asked`` output tokens beside a prompt of
+    ``prompt_tokens`` do not fit the ``room`` left."""
+
+    def __init__(self, message: str, param: str, prompt_tokens: int, asked: int, room: int) -> None:
+        super().__init__(400, message, param=param, code="invalid_value")
+        self.prompt_tokens, self.asked, self.room = prompt_tokens, asked, room
+
+    def anthropic_message(self) -> str:
+        """Anthropic's words for it (Claude Code reads the three numbers to retry)."""
+        return (f"input length and `max_tokens` exceed context limit: {self.prompt_tokens} + {self.asked} > "
+                f"{self.prompt_tokens + self.room}, decrease input length or `max_tokens` and try again")
+
+
 def output_budget(
     asked: int | None, prompt_tokens: int, room: int, limit: str, rule: str, param: str,
 ) -> OutputBudget:
@@ -56,8 +72,8 @@ def output_budget(
     if asked is None or asked <= room:
         return OutputBudget(asked if asked is not None else room, asked)
     if rule == "refuse":
-        raise bad_request(
+        raise OutputOverflow(
             f"{param} is {asked} but the prompt has {prompt_tokens} tokens and {limit}: at most "
-            f"{room} tokens fit", param,
+            f"{room} tokens fit", param, prompt_tokens, asked, room,
         )
     return OutputBudget(room, asked)

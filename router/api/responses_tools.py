@@ -61,7 +61,8 @@ def parse_tools(tools: Any) -> Tools:
     if not isinstance(tools, list):
         raise bad_request("tools must be an array", "tools")
     out = Tools()
-    flat = {t.get("name") for t in tools if isinstance(t, dict) and t.get("type") in ("function", "custom")}
+    flat = {t["name"] for t in tools if isinstance(t, dict) and t.get("type") in ("function", "custom")
+            and isinstance(t.get("name"), str)}  # another type of name is refused below
     for j, tool in enumerate(tools):
         where = f"tools[{j}]"
         kind = _kind(tool, where)
