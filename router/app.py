@@ -46,7 +46,7 @@ from router.instances.health import HealthPoller
 from router.instances.http import HttpInstanceClient
 from router.instances.kv_room import OutputRoom, kv_capacity, output_room
 from router.instances.placement import POLICIES, PlacementContext
-from router.limits import LIMITS_KEY, InflightGate, RouterLimits, body_items_bound
+from router.limits import LIMITS_KEY, InflightGate, PromptTooLarge, RouterLimits, body_items_bound
 from router.metrics import RouterMetrics
 from router.sessions.identity import SessionHeaders, resolve_session
 from router.sessions.inference import SessionInference
@@ -331,8 +331,9 @@ async def _complete(
     with request.app[GATE_KEY].admit():
         try:
             prompt_ids = await tokenize_prompt(request, tok, body, prefill + (answer.prefill if answer else ""))
-        except ContextOverflow:  # over the context before any output room is priced
-            request.app[CORE_KEY].metrics.rejected.inc(model=tok.name, reason="context_length")
+        except (ContextOverflow, PromptTooLarge) as exc:  # before any output room is priced
+            reason = "prompt_bytes" if isinstance(exc, PromptTooLarge) else "context_length"
+            request.app[CORE_KEY].metrics.rejected.inc(model=tok.name, reason=reason)
             raise
         budget = _output_budget(request, body, tok, len(prompt_ids))
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}

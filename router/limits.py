@@ -30,13 +30,13 @@ import structlog
 from aiohttp import web
 
 from router.sessions.table import BRANCH_SUFFIX_CHARS
-from talaria.protocol.errors import bad_request, overloaded
+from talaria.protocol.errors import ApiError, bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
 
 log = structlog.get_logger(__name__)
 
 __all__ = [
-    "LIMITS_KEY", "InflightGate", "RouterLimits", "body_items_bound", "check_prompt_bytes",
+    "LIMITS_KEY", "InflightGate", "PromptTooLarge", "RouterLimits", "body_items_bound", "check_prompt_bytes",
     "check_session_id",
     "prompt_bytes",
 ]
@@ -117,11 +117,19 @@ def _text_bytes(value: Any, keys: bool = False) -> int:
     return 0
 
 
+class PromptTooLarge(ApiError):
+    """400: a prompt's text longer than any tokenization of it could fit in the context (a
+    type of its own so that a call's refusal is counted: ``talaria_router_rejected_total``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(400, message, param=param, code="invalid_value")  # as bad_request's
+
+
 def check_prompt_bytes(size: int, context_len: int, bytes_per_token: int, param: str) -> None:
-    """400 for a text that cannot fit the context whatever it tokenizes to."""
+    """:class:`PromptTooLarge` for a text that cannot fit the context whatever it tokenizes to."""
     limit = context_len * bytes_per_token
     if size > limit:
-        raise bad_request(
+        raise PromptTooLarge(
             f"the prompt is {size} bytes long; the context holds {context_len} tokens and no "
             f"prompt over {limit} bytes is accepted ({bytes_per_token} bytes per token)",
             param,

@@ -93,7 +93,7 @@ class RouterMetrics:
         self.retries = Counter("talaria_router_retries_total", "Calls retried on another instance before the first token.")
         self.placements = Counter("talaria_router_placements_total", "Calls placed, by instance and whether it was the session's previous instance.")
         self.call_failures = Counter("talaria_router_call_failures_total", "Calls an instance failed, by instance and kind (unreachable, unavailable, deadline; marked_down: cut from an instance marked down).")
-        self.rejected = Counter("talaria_router_rejected_total", "Requests refused before placement as the client's error, by model and reason (kv_capacity, context_length: the call cannot fit).")
+        self.rejected = Counter("talaria_router_rejected_total", "Requests refused before placement as the client's error, by model and reason (kv_capacity, context_length: the call cannot fit; prompt_bytes: its text is too long to fit the context at any tokenization).")
         self.ttft = Histogram("talaria_router_ttft_seconds", "Time to first token seen by the router.", TTFT_BUCKETS)
         self.call_time = Histogram("talaria_router_call_seconds", "Call duration seen by the router.", SCT_BUCKETS)
         self.sct = Histogram("talaria_router_session_completion_seconds", "Session completion time (first call sent to last call done).", SCT_BUCKETS)

@@ -278,3 +278,26 @@ def test_router_limits_are_checked() -> None:
         RouterLimits(max_inflight_calls=0)
     with pytest.raises(ValueError, match="max_session_id_chars"):
         RouterLimits(max_session_id_chars=5000)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
+async def test_a_prompt_over_the_byte_bound_is_counted_as_a_refusal(tokenizer: ModelTokenizer, path: str) -> None:
+    """``talaria_router_rejected_total`` counted a prompt refused over the context once
+    tokenized, but not one refused by the byte bound before it: the largest prompts went
+    uncounted."""
+    a = FakeInstance("a", reply(tokenizer))
+    text = "x" * (tokenizer.context_len * 32 + 1)
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 4}
+    if path == "/v1/completions":
+        body["prompt"] = text
+    elif path == "/v1/responses":
+        body = {"model": "tiny", "input": text}
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    async with serve(tokenizer, {"a": a}, max_body_bytes=8 << 20) as client:
+        resp = await client.post(path, json=body)
+        refused = await resp.text()
+        core = client.server.app[CORE_KEY]
+    assert resp.status == 400 and "bytes long" in refused, refused
+    assert core.metrics.rejected.get(model="tiny", reason="prompt_bytes") == 1
+    assert not a.calls
