@@ -131,7 +131,7 @@ class RouterCore:
         self.states[state.instance_id] = state
         if state.healthy:
             self.waits.up(state.instance_id)  # it answers: its calls keep their deadlines
-            if self.call_health.may_come_back(state.instance_id, self.now()):
+            if self.call_health.may_come_back(state.instance_id, self.now(), state.epoch):
                 self.mark_up(state.instance_id)
             elif state.instance_id not in self.healthy:
                 self.suspect.add(state.instance_id)

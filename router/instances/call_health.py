@@ -6,7 +6,8 @@ Other failures (an error status, a malformed stream, a first-token or stall dead
 count; ``failures_to_down`` in a row start a cooldown, during which a healthy poll does not
 bring the instance back. Failures during a cooldown belong to the same episode. After it the
 instance is on probation: one more failure starts the next cooldown, twice as long; a call
-that finishes well clears everything. So an instance that answers ``/state`` but fails every
+that finishes well clears everything, and so does a report from another process (its epoch
+changed: the instance restarted, and the failures were the old process's). So an instance that answers ``/state`` but fails every
 call is not re-added at each poll, and one burst of failures costs one cooldown. (While no
 instance is healthy, the router still places calls on instances cooling down whose polls
 answer: ``RouterCore.suspect``.)
@@ -41,6 +42,7 @@ class CallHealth:
     failures: dict[str, int] = field(default_factory=dict)
     episodes: dict[str, int] = field(default_factory=dict)
     down_until: dict[str, float] = field(default_factory=dict)
+    epochs: dict[str, str] = field(default_factory=dict)  # each instance's last reported
 
     def success(self, instance_id: str) -> None:
         self.failures.pop(instance_id, None)
@@ -62,5 +64,12 @@ class CallHealth:
         self.down_until[instance_id] = now + min(self.rules.max_cooldown_s, cooldown)
         return True
 
-    def may_come_back(self, instance_id: str, now: float) -> bool:
+    def may_come_back(self, instance_id: str, now: float, epoch: str | None = None) -> bool:
+        """Whether a healthy report brings the instance back: not during a cooldown, unless
+        the report's ``epoch`` is another than the last one's (a restarted process: its
+        record starts afresh). ``None``: a report without one, which changes nothing."""
+        if epoch is not None:
+            if self.epochs.setdefault(instance_id, epoch) != epoch:
+                self.success(instance_id)
+                self.epochs[instance_id] = epoch
         return now >= self.down_until.get(instance_id, float("-inf"))

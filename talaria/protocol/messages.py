@@ -229,6 +229,9 @@ class InstanceState:
     kv_offloaded_bytes: int = 0
     kv_demotions: int = 0  # sessions' KV copied to host under pressure, since start
     staging_lends: int = 0  # slots that lent the staging region to the KV cache
+    # The reporting process's id, new at each start: its report's ``sessions_epoch``, set by
+    # ``state_delta.parse_report`` on the router's side (None: a report without one).
+    epoch: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> InstanceState:

@@ -110,8 +110,8 @@ class SessionsCursor:
 
 
 def parse_report(data: Any) -> tuple[InstanceState, SessionsDelta | None]:
-    """An answer to a state ask, checked (ValueError): the state (its sessions the answer's)
-    and the delta's fields (None for a plain report, without them). Reads no poller state,
+    """An answer to a state ask, checked (ValueError): the state (its sessions the answer's,
+    its ``epoch`` the delta's) and the delta's fields (None for a plain report, without them). Reads no poller state,
     so it may run on any thread."""
     state = InstanceState.from_dict(data)
     if "sessions_epoch" not in data:
@@ -119,8 +119,9 @@ def parse_report(data: Any) -> tuple[InstanceState, SessionsDelta | None]:
     removed = data.get("sessions_removed")
     if not isinstance(removed, list):
         raise ValueError("sessions_removed must be a list of session ids")
+    state.epoch = printable_id(data.get("sessions_epoch"), "sessions_epoch")
     return state, SessionsDelta(
-        epoch=printable_id(data.get("sessions_epoch"), "sessions_epoch"),
+        epoch=state.epoch,
         version=integer(data.get("sessions_version"), "sessions_version", lo=0),
         full=boolean(data.get("sessions_full"), "sessions_full"),
         sessions=state.sessions,

@@ -329,3 +329,31 @@ async def test_the_first_token_deadline_counts_the_wait_the_instance_reported(
     assert events[-1].finished and events[-1].error is None
     assert events[-1].instance_id == ("b" if cut else "a")
     assert slow.aborted == (["c0"] if cut else [])
+
+
+async def test_a_restarted_instance_leaves_its_call_failure_cooldown() -> None:
+    """An instance restarted during a cooldown (its report's epoch changed) is a new process:
+    the old one's failures no longer hold it out (it stayed out for up to 120 s)."""
+    now = [0.0]
+    a, b = FakeInstance("a", REPLY), FakeInstance("b", REPLY)
+    a.state_obj.epoch = "first"
+    core = RouterCore({"a": a, "b": b}, "load", refresh_after_call=False, clock=lambda: now[0],
+                      health_rules=rules(failures_to_down=1, cooldown_s=60.0))
+    await core.refresh("a")
+    core.call_failed("a", TimeoutError("slow"))
+    await core.refresh("a")
+    assert core.healthy == {"b"}  # the same process: the cooldown holds
+    a.state_obj.epoch = "second"
+    await core.refresh("a")
+    assert core.healthy == {"a", "b"} and not core.suspect
+    core.call_failed("a", TimeoutError("slow"))
+    assert core.healthy == {"b"}  # a new record: one failure is a first cooldown again
+
+
+def test_a_report_carries_the_epoch_of_its_sessions() -> None:
+    from talaria.protocol.state_delta import parse_report
+
+    state, _ = parse_report({"instance_id": "a", "sessions_epoch": "e1", "sessions_version": 0,
+                             "sessions_full": True, "sessions_removed": []})
+    assert state.epoch == "e1"
+    assert parse_report({"instance_id": "a"})[0].epoch is None  # a plain report has none
