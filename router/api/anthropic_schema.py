@@ -128,10 +128,15 @@ def _kind(block: Any) -> str | None:
 
 
 def _stop_sequences(stops: Any) -> list[str] | None:
+    """The stop strings, checked here against every bound the OpenAI parser would check them
+    against, so that the error names this API's field."""
     if stops is None:
         return None
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_request("stop_sequences must be an array of non-empty strings", "stop_sequences")
+    if len(stops) > openai_schema.MAX_STOP_STRINGS:
+        raise bad_request(f"stop_sequences may hold at most {openai_schema.MAX_STOP_STRINGS} "
+                          "strings", "stop_sequences")
     return stops or None
 
 

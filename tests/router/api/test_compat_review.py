@@ -167,3 +167,25 @@ async def test_a_refused_max_tokens_is_anthropics_context_limit_error(tmp_path: 
     assert chat.status == 400 and chat_error["error"]["param"] == "max_tokens"
     assert f"at most {96 - prompt} tokens fit" in chat_error["error"]["message"]
     assert not instance.calls
+
+
+# too many stop sequences, named by Anthropic's field ---------------------------------------------
+
+
+async def test_too_many_stop_sequences_names_anthropics_field(tiny_tokenizer: ModelTokenizer) -> None:
+    """The limit on stop strings is OpenAI's parser's, whose error named its ``stop`` field, a
+    field a Messages API client never sent; Anthropic's error has no ``param``, so the message
+    alone must name ``stop_sequences``."""
+    from router.api.openai_schema import MAX_STOP_STRINGS
+
+    instance = scripted(tiny_tokenizer, "ok")
+    stops = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    body = {"model": "tiny", "max_tokens": 8, "messages": USER, "stop_sequences": stops}
+    async with serve(tiny_tokenizer, {"i0": instance}) as client:
+        resp = await client.post("/v1/messages", json=body)
+        error = await resp.json()
+        fits = await client.post("/v1/messages", json={**body, "stop_sequences": stops[:-1]})
+        assert fits.status == 200, await fits.text()
+    assert resp.status == 400 and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"] == (
+        f"stop_sequences may hold at most {MAX_STOP_STRINGS} strings"), error
