@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from talaria.arg_types import int_at_least, positive_int
 from workloads.suite import cli as suite_cli
 from workloads.suite import day_cli
 
@@ -29,11 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", help="trace file: our JSONL, the shared real-trace JSONL, a "
                    "Mooncake JSONL with sessions, or CSV (default: the shipped 30-session trace)")
-    p.add_argument("--servers", type=int, default=1,
+    p.add_argument("--servers", type=positive_int, default=1,
                    help="instances; the trace is replicated this many times (default 1)")
     p.add_argument("--server", default="h200x8",
                    help="server preset (h200x8 | h100x8) or a server JSON file (talaria calibrate)")
-    p.add_argument("--tp", type=int, default=8, help="tensor-parallel size of an instance")
+    p.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size of an instance")
     p.add_argument("--policies", help="comma-separated policies (default: all)")
     p.add_argument("--json", dest="json_path", help="write the results as JSON here")
     p.add_argument("--plot", help="write the SCT distributions as a PNG here (and the "
@@ -54,14 +55,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "grids, e.g. 5,10,30 (default: the sweep's and each grid's own)")
     p.add_argument("--load-fractions", default=None,
                    help="Poisson rates as fractions of saturation, e.g. 0.25,0.5,1")
-    p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--workers", type=positive_int, default=2, help="processes (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", type=float, default=1.0,
                    help="Zipf skew when a trace's models must be assigned catalog models")
-    p.add_argument("--block-size", type=int, default=128,
+    p.add_argument("--block-size", type=positive_int, default=128,
                    help="simulated KV block size (default 128: half the engine default's "
                    "bookkeeping; prefix reuse granular to 128 tokens)")
-    p.add_argument("--fused-steps", type=int, default=8,
+    p.add_argument("--fused-steps", type=positive_int, default=8,
                    help="simulated decode steps fused into one engine step")
     p.add_argument("--cut-fused-steps", action="store_true",
                    help="a call reaching an instance ends a fused decode step at the next step "
@@ -83,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strip-session-ids", action="store_true",
                    help="replay the first policy (default talaria) with session ids sent and "
                    "withheld (the router infers them): prints the calls matched and both SCTs")
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--shared-prefix", type=int_at_least(0), default=0, metavar="TOKENS",
                    help="with --strip-session-ids: every session's first prompt starts with "
                    "this many shared tokens (an agent's system prompt and tools)")
     p.add_argument("--bench-sim", action="store_true",
@@ -98,9 +99,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="live: multiply arrivals and tool gaps by this")
     p.add_argument("--token-scale", type=float, default=1.0,
                    help="live: multiply token counts by this (calls beyond the context drop)")
-    p.add_argument("--live-vocab", type=int, default=256,
+    p.add_argument("--live-vocab", type=int_at_least(2), default=256,
                    help="live: prompt token ids are drawn from [1, this)")
-    p.add_argument("--max-sessions", type=int, default=None, help="use the first N sessions")
+    p.add_argument("--max-sessions", type=positive_int, default=None, help="use the first N sessions")
     p.add_argument("--api-key", default=None, help="live: bearer key of the router")
     suite_cli.add_arguments(p)
     p.set_defaults(func=run_replay_command)
@@ -135,10 +136,6 @@ def _run(args: argparse.Namespace) -> int:
     for out in (args.json_path, args.plot, args.tune and args.settings):  # now, not in an hour
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")
-    if args.servers < 1:
-        raise ValueError(f"--servers must be >= 1, got {args.servers}")
-    if args.max_sessions is not None and args.max_sessions < 1:
-        raise ValueError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if args.leave_one_out and (args.trace or args.policies or args.servers != 1
                                or args.suite == "off"):
         raise ValueError("--leave-one-out runs the suite's own scenarios: it takes no "

@@ -109,8 +109,9 @@ def test_replay_scale_out_replicates_sessions(tmp_path: Path) -> None:
 def test_replay_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--policies", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
-    assert main(["replay", "--servers", "0"]) == 2
-    assert "--servers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # refused by argparse (see the int flags' test below)
+        main(["replay", "--servers", "0"])
+    assert "argument --servers" in capsys.readouterr().err
     assert main(["replay", "--trace", "/no/such/trace.jsonl"]) == 2
     assert "does not exist" in capsys.readouterr().err
     # Two copies of Qwen3-235B's shard do not fit an H100: staging policies fail up front.
@@ -267,3 +268,23 @@ def test_a_users_mistake_is_one_line_naming_it(
     assert len(err) == 1 and err[0].startswith(f"talaria {argv[0]}: error:") and says in err[0]
     assert "no-staging" not in err[0]  # that hint is for what staging's room cannot fit
     assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--block-size", "0", "an integer >= 1"), ("--tp", "0", "an integer >= 1"),
+    ("--fused-steps", "0", "an integer >= 1"), ("--workers", "0", "an integer >= 1"),
+    ("--servers", "0", "an integer >= 1"), ("--max-sessions", "-1", "an integer >= 1"),
+    ("--tp", "two", "an integer >= 1"), ("--shared-prefix", "-1", "an integer >= 0"),
+    ("--live-vocab", "1", "an integer >= 2"),
+])
+def test_an_int_flag_out_of_range_is_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, says: str,
+) -> None:
+    """Refused as the flag the user typed, when the arguments are parsed: ``--block-size 0``
+    was refused as ``SimEngineConfig.block_size``, and ``--fused-steps 0`` only after the
+    trace was loaded."""
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"talaria replay: error: argument {flag}: must be {says}, got {value!r}", err
