@@ -64,7 +64,7 @@ def _instance(args: argparse.Namespace) -> int:
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
     configure_logging(args.log_level, process="instance", instance=args.id)
-    config = load_serve_config(args.config)
+    config = load_serve_config(args.config, instance_id=args.id)
     ready = Path(args.ready_file) if args.ready_file else None
     return run_instance(config, args.id, ready, args.reuse_port)
 

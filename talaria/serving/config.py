@@ -216,18 +216,23 @@ class ServeConfig:
         random-weight models beside the real one (SmolLM2-135M-Instruct, converted from its
         package's GGUF file on first use; left out with ``real_model=False``, or with a
         warning when its package is not installed)."""
+        self.default_instances()
         if not self.models:
             from talaria.paths import ensure_tiny_models
 
             self.models = {n: ModelEntry(str(p)) for n, p in ensure_tiny_models().items()}
             if real_model:
                 self.models.update(_real_model_entry())
+        self._validate()
+        return self
+
+    def default_instances(self) -> ServeConfig:
+        """The instances' part of ``with_defaults`` (cheap: no model is made or converted)."""
         if not self.instances:
             self.instances = [InstanceEntry(id="i0", kv_blocks=_DEFAULT_KV_BLOCKS)]
         for entry in self.instances:
             if entry.kv_blocks is None and entry.kv_bytes is None:
                 entry.kv_blocks = _DEFAULT_KV_BLOCKS
-        self._validate()
         return self
 
     def _validate(self) -> None:
@@ -298,11 +303,14 @@ class ServeConfig:
                 raise ConfigError(f"{where}.device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {inst.device!r}")
 
 
-def load_serve_config(path: str | Path | None, real_model: bool = True) -> ServeConfig:
+def load_serve_config(
+    path: str | Path | None, real_model: bool = True, instance_id: str | None = None
+) -> ServeConfig:
     """Read a TOML (or JSON) serve config; None: the defaults. Missing parts get defaults
-    (``real_model``: see ``ServeConfig.with_defaults``)."""
+    (``real_model``: see ``ServeConfig.with_defaults``). ``instance_id``: the config must
+    have this instance (ConfigError), checked before any default model is made or converted."""
     if path is None:
-        return ServeConfig().with_defaults(real_model)
+        return _with_defaults(ServeConfig(), real_model, instance_id)
     file = Path(path)
     if file.is_dir():
         raise ConfigError(f"serve config {str(file)!r} is a folder, not a file")
@@ -313,7 +321,14 @@ def load_serve_config(path: str | Path | None, real_model: bool = True) -> Serve
         data = orjson.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, orjson.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"serve config {str(file)!r} cannot be parsed: {exc}") from exc
-    return ServeConfig.from_dict(data, base_dir=file.parent.resolve()).with_defaults(real_model)
+    return _with_defaults(ServeConfig.from_dict(data, base_dir=file.parent.resolve()), real_model,
+                          instance_id)
+
+
+def _with_defaults(config: ServeConfig, real_model: bool, instance_id: str | None) -> ServeConfig:
+    if instance_id is not None:
+        config.default_instances().instance(instance_id)
+    return config.with_defaults(real_model)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -205,3 +205,26 @@ def test_the_instance_engine_gets_the_engine_section(tmp_path: Path) -> None:
         assert engine.cores["m"].config.cuda_graphs is False
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("instances", ["[[instances]]\nid = \"a\"\n", ""])
+def test_an_unknown_instance_id_is_refused_before_any_model_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    instances: str,
+) -> None:
+    """``talaria instance --id`` with an id the config lacks converted SmolLM2's GGUF (about
+    5 s, for a config without ``[models]``) before refusing it. The default instance
+    (``i0``, without ``[[instances]]``) is known before the models are."""
+    from talaria import paths, real_model
+    from talaria.cli import main
+
+    def made(*_args: object, **_kw: object) -> None:
+        raise AssertionError("a model was made or converted")
+
+    monkeypatch.setattr(real_model, "ensure_real_model", made)
+    monkeypatch.setattr(paths, "ensure_tiny_models", made)
+    file = tmp_path / "serve.toml"
+    file.write_text(instances)
+    assert main(["instance", "--config", str(file), "--id", "nope", "--log-level", "error"]) == 2
+    known = "a" if instances else "i0"
+    assert f"no instance with id 'nope' in the config (ids: {known})" in capsys.readouterr().err
