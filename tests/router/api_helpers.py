@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
+from router_fakes import ScriptedInstance
 
 from router.app import RouterConfig, create_app
 from router.tokenization import ModelTokenizer
@@ -43,4 +44,30 @@ async def sse(resp: Any) -> list[Any]:
         if block.startswith("data: "):
             data = block[len("data: "):]
             out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+EOS = 2  # <|im_end|> in the tiny tokenizer
+
+
+def scripted(tok: ModelTokenizer, *answers: str, cached_tokens: int = 0) -> ScriptedInstance:
+    """An instance answering each call with the next text (then EOS)."""
+    instance = ScriptedInstance("i0", [tok.encode_text(t, add_special_tokens=False) + [EOS] for t in answers])
+    instance.cached_tokens = cached_tokens
+    return instance
+
+
+def named_events(text: str) -> list[tuple[str | None, Any]]:
+    """An SSE body's events as (event name or None, data)."""
+    out = []
+    for block in text.split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                raw = line[len("data: "):]
+                data = raw if raw == "[DONE]" else orjson.loads(raw)
+        if data is not None:
+            out.append((name, data))
     return out

@@ -11,38 +11,14 @@ from typing import Any
 
 import orjson
 import pytest
-from api_helpers import serve
+from api_helpers import named_events, scripted, serve
 from router_fakes import FakeInstance, ScriptedInstance
 
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallRequest
 
-EOS = 2  # <|im_end|> in the tiny tokenizer
 LONG = "hello " * 5000  # ~20k tokens; the tiny model's context is 4096
 USER = [{"role": "user", "content": "hi"}]
-
-
-def scripted(tok: ModelTokenizer, *answers: str, cached_tokens: int = 0) -> ScriptedInstance:
-    """An instance answering each call with the next text (then EOS)."""
-    instance = ScriptedInstance("i0", [tok.encode_text(t, add_special_tokens=False) + [EOS] for t in answers])
-    instance.cached_tokens = cached_tokens
-    return instance
-
-
-def named_events(text: str) -> list[tuple[str | None, Any]]:
-    """An SSE body's events as (event name or None, data)."""
-    out = []
-    for block in text.split("\n\n"):
-        name, data = None, None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                raw = line[len("data: "):]
-                data = raw if raw == "[DONE]" else orjson.loads(raw)
-        if data is not None:
-            out.append((name, data))
-    return out
 
 
 # a prompt over the context ---------------------------------------------------------------
