@@ -6,6 +6,7 @@ collection is done, if some test module imported it, its thread count is capped 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,3 +15,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored() -> Iterator[None]:
+    """A test that runs a CLI in-process configures structlog onto pytest's captured stderr,
+    which closes after the test: every later log line (an admission loop's crash report)
+    would then raise on a closed file. Each test's logging is put back as it found it."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+    structlog.contextvars.clear_contextvars()
