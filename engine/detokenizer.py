@@ -27,7 +27,11 @@ def decode_text(tokenizer: Any, ids: Sequence[int], keep_special: Collection[int
     format's tags, where the vocabulary marks them special: its parser must see them)."""
     if not keep_special:
         return tokenizer.decode(list(ids), skip_special_tokens=True)
-    drop = skipped_special_ids(tokenizer, keep_special)
+    return _decode_dropping(tokenizer, ids, skipped_special_ids(tokenizer, keep_special))
+
+
+def _decode_dropping(tokenizer: Any, ids: Sequence[int], drop: frozenset[int]) -> str:
+    """``ids`` as text, special tokens included but those in ``drop``."""
     return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
 
 
@@ -57,8 +61,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         if self._drop is not None:
-            return self._tokenizer.decode([i for i in ids if i not in self._drop],
-                                          skip_special_tokens=False)
+            return _decode_dropping(self._tokenizer, ids, self._drop)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_ids: Sequence[int]) -> str:

@@ -32,7 +32,7 @@ __all__ = ["SessionHeaders", "SessionIdentity", "resolve_session"]
 @dataclass(frozen=True)
 class SessionHeaders:
     """Header names that carry a session, its parent and its end, in precedence order
-(case-insensitive, kept in lowercase).
+    (case-insensitive, kept in lowercase).
     ``scoped``: headers whose value is only unique within another header's (agent ids within
     their session): the value read is ``<scope>:<value>`` when the scope header is sent."""
 
