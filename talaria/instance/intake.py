@@ -226,7 +226,13 @@ class Intake:
         return used + pinned
 
     async def admit_continuations(self, slot: Slot) -> None:
-        """Admit queued continuations of the closed slot's model when SP decides it pays."""
+        """Admit queued continuations of the closed slot's model when SP decides it pays.
+
+        A slot closed because another model outranks it (the priority switch) admits them
+        too: SP's own price (the drain it extends against the wait it saves) decides, not
+        the rank. Asking the rank first and admitting nothing for an outranked slot moved
+        nothing on the 30 development scenarios (-0.1% / +0.3% / +0.2% at p50 / p95 / mean,
+        none beyond its interval; docs/constants.md)."""
         queue = self.calls.queues[slot.model]
         # the slot's costs and drain end are the same for every candidate until something
         # happens: computed at the first candidate, then again after each wait for room and

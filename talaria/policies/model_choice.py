@@ -15,6 +15,12 @@ only while waiting for it is cheaper than switching away: it is due before the s
 outranking model would even be over, and it is not overdue (``holds_slot``). Holding the
 slot for a session due later, or one that has not come back when expected, costs the
 outranking session, which is waiting now, more than the switch back costs the returning one.
+That rule picks the active model's best key only. The count of sessions its slot serves
+(``active_sessions``, the rank's divisor) takes every session holding a reservation on the
+model, due soon or not: they are the sessions a switch away makes pay a switch back.
+Counting only those due before the switch yields more often and was slower on the 30
+development scenarios (+5.6% [+2.0, +10.1] at p50, +2.8% [+1.0, +5.3] at the mean;
+docs/constants.md).
 
 Switches are not free, so a slot first lasts ``min_slot_factor`` times the switch that
 opened it plus the switch to the outranking model: a round trip's switching is then at most
