@@ -20,6 +20,7 @@ class CallBoard:
         self._keep = {c.prefix_from for s in sessions for c in s.calls if c.prefix_from is not None}
         self._ends = {ref: asyncio.Event() for ref in needed | self._keep}
         self._tokens: dict[CallRef, list[int]] = {}
+        self._prompt_lengths: dict[CallRef, int] = {}
 
     async def wait(self, refs: Iterable[CallRef]) -> None:
         for ref in refs:
@@ -36,8 +37,16 @@ class CallBoard:
             return
         if ref in self._keep:
             self._tokens[ref] = prompt + output
+            self._prompt_lengths[ref] = len(prompt)
         event.set()
 
     def tokens(self, ref: CallRef) -> list[int]:
         """The prompt + output of an ended call that a later prompt starts with."""
         return self._tokens[ref]
+
+    def computed(self, ref: CallRef, output_kv_reusable: bool) -> int:
+        """The tokens whose KV an ended call computed: its prompt, and its output but the
+        last token when an output's KV is reused."""
+        prompt = self._prompt_lengths[ref]
+        output = len(self._tokens[ref]) - prompt
+        return prompt + (max(0, output - 1) if output_kv_reusable else 0)

@@ -225,7 +225,8 @@ async def drive(
                 first.extend(tokens.take(call.input_tokens - len(first)))
                 prompt = PromptView(first, len(first))
             else:
-                computed = len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0)
+                computed = (board.computed(call.prefix_from, output_kv_reusable) if call.prefix_from
+                            else len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0))
                 prev, out = (board.tokens(call.prefix_from), []) if call.prefix_from else (prompt, output)
                 base_len = len(prev) + len(out)
                 kept = base_len if call.prefix_tokens is None else call.prefix_tokens

@@ -21,7 +21,7 @@ from workloads.replay.driver import replicate, run_sim
 from workloads.replay.prompts import SessionTokens, next_prompt
 from workloads.replay.systems import SYSTEMS
 from workloads.traces.generator import generate_trace
-from workloads.traces.trace import Call, Session
+from workloads.traces.trace import Call, CallRef, Session
 
 MODEL = "glm-4.5-air"
 BS = 64
@@ -176,3 +176,19 @@ def test_a_call_may_wait_minutes_for_its_slot_in_the_simulated_cluster() -> None
     assert result.failed_calls == 0
     (call,) = [c for s in result.sessions if s.session_id == "waiting" for c in s.calls]
     assert call.ttft_s is not None and call.ttft_s > 300.0
+
+
+@pytest.mark.parametrize("output_kv_reusable", [True, False])
+def test_reusable_counts_the_kv_of_the_call_a_prompt_continues(output_kv_reusable: bool) -> None:
+    """A call that continues an earlier call of its session than the last (the context
+    before a compaction) can reuse what that call computed: its prompt, and its output but
+    the last token when an output's KV is reused. It was read from the last call's."""
+    ref = CallRef("s", 0)
+    session = Session("s", MODEL, (
+        Call(2000, 100, 0.5), Call(500, 20, 0.5, prefix_tokens=2 * BS),
+        Call(2200, 20, None, prefix_from=ref)))
+    result = run_sim([session], SYSTEMS["talaria"], SPEC, output_kv_reusable=output_kv_reusable)
+    last = max(result.calls, key=lambda c: c.index)
+    computed = 2000 + (99 if output_kv_reusable else 0)
+    assert last.reusable_tokens == min(computed, 2200 - 1) // BS * BS
+    assert last.cached_tokens == last.reusable_tokens  # nothing evicted on an idle server
