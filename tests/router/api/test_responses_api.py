@@ -175,15 +175,19 @@ async def test_function_call_plain_and_streamed(tiny_tokenizer: ModelTokenizer) 
                                                                             "completed")
     assert data["tools"] == TOOLS and data["parallel_tool_calls"] is False
 
+    # Streamed, the arguments come in pieces as the model writes them; joined, they are the
+    # arguments of the call's .done event and of the collected answer, to the character.
     names = [e["type"] for e in got]
-    n = names.count("response.output_text.delta")
-    assert names == ["response.created", "response.in_progress", *TEXT_EVENTS[:2],
-                     *["response.output_text.delta"] * n, *TEXT_CLOSE, *CALL_EVENTS, "response.completed"]
-    added, delta, args_done, item_done = got[-5:-1]
+    n, m = names.count("response.output_text.delta"), names.count("response.function_call_arguments.delta")
+    assert m > 1 and names == [
+        "response.created", "response.in_progress", *TEXT_EVENTS[:2], *["response.output_text.delta"] * n,
+        *TEXT_CLOSE, CALL_EVENTS[0], *[CALL_EVENTS[1]] * m, *CALL_EVENTS[2:], "response.completed"]
+    added, deltas, (args_done, item_done) = got[-m - 4], got[-m - 3:-3], got[-3:-1]
     assert added["output_index"] == 1 and added["item"]["arguments"] == ""
     assert added["item"]["type"] == "function_call" and added["item"]["name"] == "get_weather"
-    assert json.loads(delta["delta"]) == {"city": "Paris"} and args_done["arguments"] == delta["delta"]
-    assert delta["item_id"] == args_done["item_id"] == added["item"]["id"] == item_done["item"]["id"]
+    joined = "".join(d["delta"] for d in deltas)
+    assert joined == args_done["arguments"] == call["arguments"] == '{"city": "Paris"}'
+    assert {d["item_id"] for d in deltas} == {args_done["item_id"]} == {added["item"]["id"], item_done["item"]["id"]}
     assert item_done["item"]["call_id"] == added["item"]["call_id"] and item_done["item"]["status"] == "completed"
     assert got[-1]["response"]["output"][1] == item_done["item"]
     message(got[-1]["response"]["output"][0], "Let me look.")
