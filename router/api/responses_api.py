@@ -21,8 +21,9 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   ``response.function_call_arguments.delta`` events with its arguments' pieces as the model
   writes them (joined, the ``arguments`` of its ``.done``; see ``router.api.answer_parser``),
   ``response.function_call_arguments.done``, ``response.output_item.done`` (a custom tool's:
-  one ``response.custom_tool_call_input.delta`` with the whole input, at the call's end, and
-  ``.done``); then ``response.completed``
+  ``response.custom_tool_call_input.delta`` events with its input's pieces as they are
+  decoded, or one with the whole input at the call's end where the arguments do not begin
+  with it, see ``router.api.responses_tools``, and ``.done``); then ``response.completed``
   or ``response.incomplete`` (a call cut short by ``max_output_tokens`` is an
   ``incomplete`` item with the arguments written so far). A
   failure after the stream began, a streamed call that broke among them, is an ``error``
@@ -63,7 +64,7 @@ from router.api.answer_parser import (
 )
 from router.api.openai_schema import CompletionBody
 from router.api.responses_schema import ResponsesRequest
-from router.api.responses_tools import Tools, custom_input
+from router.api.responses_tools import CustomInputStream, Tools, custom_input
 from router.api.stream_output import OutputAssembler, Piece, Responder, collect
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
@@ -142,12 +143,14 @@ def _usage(out: OutputAssembler) -> dict[str, Any]:
 
 @dataclass
 class _Call:
-    """A call item under way: its item as added, where it is, and its arguments so far."""
+    """A call item under way: its item as added, where it is, and what of its arguments (a
+    custom tool's: of its input) was sent so far."""
 
     item: dict[str, Any]
     index: int
     custom: bool
     pieces: list[str] = field(default_factory=list)
+    input: CustomInputStream = field(default_factory=CustomInputStream)
 
     @property
     def key(self) -> str:
@@ -155,7 +158,7 @@ class _Call:
 
     @property
     def sent(self) -> str:
-        return "".join(self.pieces)
+        return "".join(self.input.sent if self.custom else self.pieces)
 
     @property
     def events(self) -> str:
@@ -250,22 +253,28 @@ class _Output:
 
     async def _add_arguments(self, text: str) -> None:
         """A function's arguments go out as they come; a custom tool's input, the string
-        inside them, goes out whole at the call's end."""
+        inside them, as it is decoded (``CustomInputStream``)."""
         call = self._call
         assert call is not None
         call.pieces.append(text)
-        if not call.custom:
-            await self.send(f"{call.events}.delta", {**self._call_where(call), "delta": text})
+        delta = call.input.feed(text) if call.custom else text
+        if delta:
+            await self.send(f"{call.events}.delta", {**self._call_where(call), "delta": delta})
 
     async def _close_call(self, parsed: ToolCall) -> None:
+        """The call's last events; an unfinished custom call's input is what was decoded of it."""
         call, self._call = self._call, None
         assert call is not None
-        value = custom_input(parsed.arguments) if call.custom else parsed.arguments
-        status = "completed" if parsed.state == "complete" else "incomplete"
-        item = self.items[call.index] = {**call.item, call.key: value, "status": status}
+        complete = parsed.state == "complete"
+        value = parsed.arguments if not call.custom else (
+            custom_input(parsed.arguments) if complete or not call.sent else call.sent)
+        item = self.items[call.index] = {**call.item, call.key: value,
+                                         "status": "completed" if complete else "incomplete"}
         where = self._call_where(call)
         if call.custom:
-            await self.send(f"{call.events}.delta", {**where, "delta": value})
+            rest = call.input.rest(value)
+            if rest or not value:
+                await self.send(f"{call.events}.delta", {**where, "delta": rest})
             await self.send(f"{call.events}.done", {**where, "input": value})
         else:
             await self.send(f"{call.events}.done", {**where, "name": item["name"], "arguments": value})

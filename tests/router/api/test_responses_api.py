@@ -466,13 +466,14 @@ async def test_custom_tool_call_plain_and_streamed(tiny_tokenizer: ModelTokenize
     patch_call = tool_call("apply_patch", {"input": PATCH})
     odd_call = tool_call("apply_patch", {"patch": "x"})  # not a string input: the arguments' text
     named_rest = ' {"input": "x"}}\n</tool_call>'  # the model continues the forced call's opening
-    instance = scripted(tiny_tokenizer, patch_call, patch_call, odd_call, named_rest)
+    instance = scripted(tiny_tokenizer, patch_call, patch_call, odd_call, named_rest, odd_call)
     tools = [*TOOLS, APPLY_PATCH]
     async with serve(tiny_tokenizer, instance) as client:
         data = await post(client, body(tools=tools))
         got = await events(client, body(tools=tools))
         odd = await post(client, body(tools=tools))
         named = await post(client, body(tools=tools, tool_choice={"type": "custom", "name": "apply_patch"}))
+        odd_events = await events(client, body(tools=tools))
     assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat(
         [{"role": "user", "content": QUESTION}], tools=[*CHAT_TOOLS, APPLY_PATCH_CHAT])
     [item] = data["output"]
@@ -480,17 +481,23 @@ async def test_custom_tool_call_plain_and_streamed(tiny_tokenizer: ModelTokenize
     assert {k: v for k, v in item.items() if k not in ("id", "call_id")} == {
         "type": "custom_tool_call", "name": "apply_patch", "input": PATCH, "status": "completed"}
 
+    # Streamed, the input string is decoded from the arguments as they come, in pieces.
     names = [e["type"] for e in got]
-    assert names == ["response.created", "response.in_progress", *CUSTOM_EVENTS, "response.completed"]
-    added, delta, done, item_done = got[2:6]
+    m = names.count(CUSTOM_EVENTS[1])
+    assert m > 1 and names == ["response.created", "response.in_progress", CUSTOM_EVENTS[0],
+                               *[CUSTOM_EVENTS[1]] * m, *CUSTOM_EVENTS[2:], "response.completed"]
+    added, deltas, (done, item_done) = got[2], got[3:3 + m], got[3 + m:5 + m]
     assert added["item"]["type"] == "custom_tool_call" and added["item"]["input"] == ""
-    assert delta["delta"] == PATCH and done["input"] == PATCH and "arguments" not in done
-    assert delta["item_id"] == done["item_id"] == added["item"]["id"] == item_done["item"]["id"]
-    assert delta["output_index"] == done["output_index"] == 0
+    assert "".join(d["delta"] for d in deltas) == PATCH and done["input"] == PATCH and "arguments" not in done
+    assert {d["item_id"] for d in deltas} == {done["item_id"]} == {added["item"]["id"], item_done["item"]["id"]}
+    assert {d["output_index"] for d in deltas} == {done["output_index"]} == {0}
     assert item_done["item"]["input"] == PATCH and got[-1]["response"]["output"] == [item_done["item"]]
 
     assert odd["output"][0]["type"] == "custom_tool_call"
     assert json.loads(odd["output"][0]["input"]) == {"patch": "x"}
+    # Arguments that do not begin with the input string: the input goes out whole, at the end.
+    assert [e["type"] for e in odd_events][2:-1] == CUSTOM_EVENTS
+    assert odd_events[3]["delta"] == odd["output"][0]["input"] == odd_events[4]["input"]
     assert tiny_tokenizer.tokenizer.decode(instance.calls[3].prompt_token_ids).endswith(
         '<tool_call>\n{"name": "apply_patch", "arguments":')  # a custom tool can be named
     assert [(i["type"], i["input"]) for i in named["output"]] == [("custom_tool_call", "x")]
