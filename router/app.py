@@ -30,16 +30,12 @@ from aiohttp import web
 
 from router.api import anthropic_api, anthropic_schema, openai_api, responses_api, responses_schema
 from router.api import openai_schema as schema
+from router.api.answer_parser import AnswerParser, answer_parser
 from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
 from router.api.stream_output import OutputAssembler, Responder
-from router.api.tool_calls import (
-    TOOL_FORMATS,
-    AnswerParser,
-    answer_parser,
-    detect_tool_format,
-)
+from router.api.tool_calls import TOOL_FORMATS, detect_tool_format
 from router.core import CallRejected, NoHealthyInstance, RouterCore
 from router.instances.deadlines import Deadlines
 from router.instances.health import HealthPoller

@@ -85,7 +85,7 @@ def _call(client: Any, messages: list[dict[str, Any]], tool_choice: Any, max_tok
           model: str = CATALOG_NAME, session: str = SESSION) -> CallReport:
     start = time.perf_counter()
     first: float | None = None
-    text, calls, usage = "", [], None
+    text, calls, usage, finish = "", [], None, None
     stream = client.chat.completions.create(
         model=model, messages=messages, tools=TOOLS if model == CATALOG_NAME else None,
         tool_choice=tool_choice if model == CATALOG_NAME else None, temperature=0.0,
@@ -96,6 +96,7 @@ def _call(client: Any, messages: list[dict[str, Any]], tool_choice: Any, max_tok
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
         if first is None and (delta.content or delta.tool_calls):
             first = time.perf_counter() - start
         text += delta.content or ""
@@ -105,6 +106,8 @@ def _call(client: Any, messages: list[dict[str, Any]], tool_choice: Any, max_tok
                               "function": {"name": tc.function.name, "arguments": ""}})
             calls[-1]["function"]["arguments"] += tc.function.arguments or ""
     total = time.perf_counter() - start
+    if finish != "tool_calls":
+        calls = []  # a call cut short by max_tokens streams its arguments unfinished: not run, as agents do
     return CallReport(text, calls, usage, first if first is not None else total, total)
 
 

@@ -7,10 +7,13 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
   ``input_tokens`` excludes the prompt tokens served from cache (``cache_read_input_tokens``);
 - the stream as named SSE events: ``message_start`` (the message, empty, its input usage split
   as the first event reports it), ``ping``, per content block ``content_block_start`` /
-  ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a tool
-  block's input as one ``input_json_delta`` that is the whole JSON object), ``message_delta``
-  (stop reason, cumulative usage), ``message_stop``; a failure after the stream began is an
-  ``error`` event;
+  ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a ``tool_use`` block starts with
+  ``input: {}`` once the call's name is known and its input follows as ``input_json_delta``
+  events as the model writes it, whose ``partial_json`` joined is the JSON of the block's
+  ``input``), ``message_delta`` (stop reason, cumulative usage), ``message_stop``; a failure
+  after the stream began is an ``error`` event (so is a streamed call that broke, see
+  ``router.api.answer_parser``; one cut short by ``max_tokens`` ends the message with
+  ``stop_reason: "max_tokens"``, as Anthropic's do);
 - errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path;
   a prompt over the model's context in Anthropic's words, ``prompt is too long: N tokens > M
   maximum`` (``router.api.prompt_tokens``), and so a ``max_tokens`` refused under the rule
@@ -26,11 +29,17 @@ import orjson
 import structlog
 from aiohttp import web
 
+from router.api.answer_parser import (
+    AnswerItem,
+    AnswerParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
+)
 from router.api.openai_schema import CompletionBody
 from router.api.output_budget import OutputOverflow
 from router.api.prompt_tokens import ContextOverflow
 from router.api.stream_output import OutputAssembler, Piece, collect
-from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
 
@@ -90,7 +99,7 @@ async def respond(
     text = out.text
     items: list[str | ToolCall] = [text]
     if answer is not None:
-        items = _runs(answer.feed(text) + answer.finish())
+        items = _runs(answer.parse(text))
     content = [_block(item) for item in items if not isinstance(item, str) or item]
     message = _message(call, body.model, content or [{"type": "text", "text": ""}])
     message.update(_stop(out, answer))
@@ -125,7 +134,7 @@ def _block(item: str | ToolCall) -> dict[str, Any]:
 
 
 def _stop(out: OutputAssembler, answer: AnswerParser | None) -> dict[str, Any]:
-    if answer is not None and answer.calls:
+    if answer is not None and answer.finish_reason(out.finish_reason) == "tool_calls":
         return {"stop_reason": "tool_use", "stop_sequence": None}
     matched = out.matched_stop
     if matched is not None:
@@ -162,7 +171,7 @@ class _Events:
     async def send(self, name: str, data: dict[str, Any]) -> None:
         await self.response.write(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
 
-    async def items(self, items: list[str | ToolCall]) -> None:
+    async def items(self, items: list[AnswerItem]) -> None:
         for item in items:
             if isinstance(item, str):
                 if not item:
@@ -173,12 +182,14 @@ class _Events:
                 await self.send("content_block_delta", {
                     "type": "content_block_delta", "index": self.index,
                     "delta": {"type": "text_delta", "text": item}})
-            else:
+            elif isinstance(item, ToolCallStart):
                 await self.close()
                 await self.start({"type": "tool_use", "id": item.id, "name": item.name, "input": {}})
+            elif isinstance(item, ToolCallDelta):
                 await self.send("content_block_delta", {
                     "type": "content_block_delta", "index": self.index,
                     "delta": {"type": "input_json_delta", "partial_json": item.arguments}})
+            else:
                 await self.close(force=True)
 
     async def start(self, block: dict[str, Any]) -> None:
@@ -208,14 +219,17 @@ async def _stream(
 
         async def emit(piece: Piece) -> None:
             await sse.items(answer.feed(piece.text) if answer is not None else [piece.text])
+            out.check_calls(answer)
 
         if not await collect(request, out, event, events, emit):
             return response  # the client left; the caller aborts the call
+        if out.error is None:
+            rest = out.flush()
+            await sse.items(answer.feed(rest) + answer.finish() if answer is not None else [rest])
+            out.check_calls(answer, ended=True)
         if out.error is not None:
             await sse.send("error", error_body(500, out.error))
         else:
-            rest = out.flush()
-            await sse.items(answer.feed(rest) + answer.finish() if answer is not None else [rest])
             if sse.index < 0:  # an empty answer is one empty text block
                 await sse.start({"type": "text", "text": ""})
                 sse.open_text = True

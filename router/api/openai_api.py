@@ -1,10 +1,14 @@
 """The OpenAI API's answers: chat completions and text completions, whole or as SSE chunks.
 
-A chat answer's tool calls (found by ``router.api.tool_calls``) become ``message.tool_calls`` and
-``finish_reason: "tool_calls"``; streamed, each call's id, type and name come once, in its
-first delta, then its arguments. A failure after the stream began is an error chunk, never a
-silent truncation; the stream ends with ``data: [DONE]``, after an error chunk when anything
-failed (the instance, or this side).
+A chat answer's tool calls (found by ``router.api.answer_parser``) become ``message.tool_calls``
+and ``finish_reason: "tool_calls"``; streamed, each call's id, type and name come once, in its
+first delta (arguments ""), then its arguments in pieces as the model writes them (deltas
+holding only ``index`` and ``function.arguments``; the client joins them per index). A call
+cut short by the answer's length limit ends with ``finish_reason: "length"``, its arguments
+incomplete, as OpenAI's do. A failure after the stream began is an error chunk, never a
+silent truncation (a streamed call that broke is one, code ``malformed_tool_call``); the
+stream ends with ``data: [DONE]``, after an error chunk when anything failed (the instance,
+or this side).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from aiohttp import web
 
 from router.api import openai_schema as schema
 from router.api import openai_tools
+from router.api.answer_parser import AnswerItem, AnswerParser, ToolCallDelta, ToolCallStart
 from router.api.stream_output import OutputAssembler, Piece, collect
-from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import error_body
 
@@ -50,7 +54,7 @@ async def _collect(
     if body.kind == "chat":
         text, finish, calls = out.text, out.finish_reason, None
         if answer is not None:
-            items = answer.feed(text) + answer.finish()
+            items = answer.parse(text)
             text = "".join(i for i in items if isinstance(i, str))
             calls = [openai_tools.tool_call_dict(c.id, c.name, c.arguments) for c in answer.calls]
             finish = answer.finish_reason(finish)
@@ -91,18 +95,20 @@ async def _stream(
             if answer is not None:
                 lp = out.chat_logprobs(piece) if piece.logprobs else None
                 await _send_answer(response, answer.feed(piece.text), call, body, created, lp)
+                out.check_calls(answer)
             elif piece.text or piece.logprobs:
                 lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
                 await _send(response, chunk(piece.text, logprobs=lp))
 
         if not await collect(request, out, event, events, emit):
             return response  # the client left; the caller aborts the call
+        if out.error is None and answer is not None:
+            await _send_answer(response, answer.feed(out.flush()) + answer.finish(), call, body, created, None)
+            out.check_calls(answer, ended=True)
         if out.error is not None:
-            await _send(response, error_body(out.error, "upstream_error", None, "instance_failed"))
+            await _send(response, error_body(out.error, "upstream_error", None, out.error_code))
         else:
             if answer is not None:
-                rest = answer.feed(out.flush()) + answer.finish()
-                await _send_answer(response, rest, call, body, created, None)
                 await _send(response, chunk("", answer.finish_reason(out.finish_reason)))
             else:
                 await _send(response, chunk(out.flush(), out.finish_reason))
@@ -116,12 +122,31 @@ async def _stream(
 
 
 async def _send_answer(
-    response: web.StreamResponse, items: list[str | ToolCall], call: CallRequest,
+    response: web.StreamResponse, items: list[AnswerItem], call: CallRequest,
     body: schema.CompletionBody, created: int, logprobs: dict[str, Any] | None,
 ) -> None:
-    for delta in openai_tools.answer_deltas(items, with_logprobs=logprobs is not None):
+    for delta in _deltas(items, with_logprobs=logprobs is not None):
         await _send(response, schema.chat_chunk(call.call_id, body.model, created, delta, logprobs=logprobs))
         logprobs = None
+
+
+def _deltas(items: list[AnswerItem], with_logprobs: bool = False) -> list[dict[str, Any]]:
+    """Chat-chunk deltas for an answer's content pieces and tool calls, in order, as OpenAI
+    streams a call: id, type and name once (arguments ""), then the arguments' pieces; one
+    empty content delta to carry logprobs when nothing else does."""
+    deltas: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, str):
+            if item:
+                deltas.append({"content": item})
+        elif isinstance(item, ToolCallStart):
+            deltas.append({"tool_calls": [{"index": item.index, "id": item.id, "type": "function",
+                                           "function": {"name": item.name, "arguments": ""}}]})
+        elif isinstance(item, ToolCallDelta):
+            deltas.append({"tool_calls": [{"index": item.index, "function": {"arguments": item.arguments}}]})
+    if with_logprobs and not deltas:
+        deltas.append({"content": ""})
+    return deltas
 
 
 async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """OpenAI function tools: the request's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
-assistant ``tool_calls``, validated; and tool calls as responses and stream deltas hold them."""
+assistant ``tool_calls``, validated; and a tool call as a response holds it."""
 
 from __future__ import annotations
 
@@ -93,31 +93,6 @@ def parse_tools(data: dict[str, Any]) -> ToolRequest:
 
 def tool_call_dict(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def tool_call_deltas(index: int, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
-    """A streamed tool call as OpenAI streams one: id, type and name once, in the first
-    delta (arguments ""), then the arguments (the client concatenates fragments per index)."""
-    return [
-        {"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                         "function": {"name": name, "arguments": ""}}]},
-        {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]},
-    ]
-
-
-def answer_deltas(items: list[Any], with_logprobs: bool = False) -> list[dict[str, Any]]:
-    """Chat-chunk deltas for an answer's content pieces and tool calls (``router.api.tool_calls``
-    items, in order); one empty content delta to carry logprobs when nothing else does."""
-    deltas: list[dict[str, Any]] = []
-    for item in items:
-        if isinstance(item, str):
-            if item:
-                deltas.append({"content": item})
-        else:
-            deltas += tool_call_deltas(item.index, item.id, item.name, item.arguments)
-    if with_logprobs and not deltas:
-        deltas.append({"content": ""})
-    return deltas
 
 
 def _flag(data: dict[str, Any], key: str) -> bool:

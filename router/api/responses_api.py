@@ -17,13 +17,18 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   ``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
   ``response.content_part.added``, ``response.output_text.delta``...,
   ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``;
-  per call ``response.output_item.added``, one ``response.function_call_arguments.delta``
-  holding the whole arguments (calls arrive whole, see ``router.api.tool_calls``),
+  per call ``response.output_item.added`` once its name is known, then
+  ``response.function_call_arguments.delta`` events with its arguments' pieces as the model
+  writes them (joined, the ``arguments`` of its ``.done``; see ``router.api.answer_parser``),
   ``response.function_call_arguments.done``, ``response.output_item.done`` (a custom tool's:
-  ``response.custom_tool_call_input.delta`` / ``.done`` instead); then ``response.completed``
-  or ``response.incomplete``. A failure after the stream began is an ``error`` event then
-  ``response.failed`` (``status: "failed"``, ``error.code: "server_error"``), never a silent
-  truncation. There is no ``[DONE]`` line.
+  ``response.custom_tool_call_input.delta`` events with its input's pieces as they are
+  decoded, or one with the whole input at the call's end where the arguments do not begin
+  with it, see ``router.api.responses_tools``, and ``.done``); then ``response.completed``
+  or ``response.incomplete`` (a call cut short by ``max_output_tokens`` is an
+  ``incomplete`` item with the arguments written so far). A
+  failure after the stream began, a streamed call that broke among them, is an ``error``
+  event then ``response.failed`` (``status: "failed"``, ``error.code: "server_error"``),
+  never a silent truncation. There is no ``[DONE]`` line.
 - an answer that ran out of context when the client set no ``max_output_tokens`` (the router
   then allows the whole remaining context), or one larger than that room (clamped to it:
   ``router.api.output_budget``), is a failure, not ``incomplete``: Codex retries
@@ -42,17 +47,25 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import structlog
 from aiohttp import web
 
+from router.api.answer_parser import (
+    AnswerItem,
+    AnswerParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
+    whole_call_items,
+)
 from router.api.openai_schema import CompletionBody
 from router.api.responses_schema import ResponsesRequest
-from router.api.responses_tools import Tools, custom_input
+from router.api.responses_tools import CustomInputStream, Tools, custom_input
 from router.api.stream_output import OutputAssembler, Piece, Responder, collect
-from router.api.tool_calls import AnswerParser, ToolCall
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
 
@@ -128,10 +141,35 @@ def _usage(out: OutputAssembler) -> dict[str, Any]:
     }
 
 
+@dataclass
+class _Call:
+    """A call item under way: its item as added, where it is, and what of its arguments (a
+    custom tool's: of its input) was sent so far."""
+
+    item: dict[str, Any]
+    index: int
+    custom: bool
+    pieces: list[str] = field(default_factory=list)
+    input: CustomInputStream = field(default_factory=CustomInputStream)
+
+    @property
+    def key(self) -> str:
+        return "input" if self.custom else "arguments"
+
+    @property
+    def sent(self) -> str:
+        return "".join(self.input.sent if self.custom else self.pieces)
+
+    @property
+    def events(self) -> str:
+        return "response.custom_tool_call_input" if self.custom else "response.function_call_arguments"
+
+
 class _Output:
     """Builds the output items from the answer's pieces, in order, and writes their stream
     events when it has a response to write to (none: the non-streamed answer, same items).
-    Invariant: at most one message item is open, and it is the last item of ``items``."""
+    Invariant: at most one item is open (a message, or a call whose arguments are under
+    way), and it is the last item of ``items``."""
 
     def __init__(self, tools: Tools, response: web.StreamResponse | None = None) -> None:
         self.tools = tools
@@ -139,6 +177,7 @@ class _Output:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self._text: list[str] | None = None  # the open message's text so far; None: none open
+        self._call: _Call | None = None  # the open call
 
     async def send(self, kind: str, data: dict[str, Any]) -> None:
         if self.response is None:
@@ -147,14 +186,18 @@ class _Output:
         self.sequence += 1
         await self.response.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
 
-    async def feed(self, pieces: list[str | ToolCall]) -> None:
+    async def feed(self, pieces: list[AnswerItem]) -> None:
         for piece in pieces:
             if isinstance(piece, str):
                 if piece:
                     await self._add_text(piece)
-            else:
+            elif isinstance(piece, ToolCallStart):
                 await self.close_text("completed")
-                await self._add_call(piece)
+                await self._open_call(piece)
+            elif isinstance(piece, ToolCallDelta):
+                await self._add_arguments(piece.arguments)
+            else:
+                await self._close_call(piece.call)
 
     async def finish(self, status: str) -> None:
         """Close the open message (``status`` is the answer's); an empty answer is one empty message."""
@@ -163,7 +206,10 @@ class _Output:
         await self.close_text("incomplete" if status == "incomplete" else "completed")
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The items so far, an open message with its text so far (status ``incomplete``)."""
+        """The items so far, an open one with its content so far (status ``incomplete``)."""
+        if self._call is not None:
+            call = self._call
+            return [*self.items[:-1], {**call.item, call.key: call.sent, "status": "incomplete"}]
         if self._text is None:
             return list(self.items)
         return [*self.items[:-1], _message(self.items[-1]["id"], "".join(self._text), "incomplete")]
@@ -193,23 +239,50 @@ class _Output:
         await self.send("response.content_part.done", {**where, "part": _part(text)})
         await self.send("response.output_item.done", {"output_index": where["output_index"], "item": item})
 
-    async def _add_call(self, call: ToolCall) -> None:
-        tool = self.tools.offered.get(call.name)
-        name, custom = (tool.name, tool.custom) if tool is not None else (call.name, False)
-        kind, key, value = (("custom_tool_call", "input", custom_input(call.arguments)) if custom
-                            else ("function_call", "arguments", call.arguments))
-        item = {"id": f"{'ctc' if custom else 'fc'}_{uuid.uuid4().hex}", "type": kind, "status": "in_progress",
-                "call_id": call.id, "name": name, key: ""}
+    async def _open_call(self, start: ToolCallStart) -> None:
+        tool = self.tools.offered.get(start.name)
+        name, custom = (tool.name, tool.custom) if tool is not None else (start.name, False)
+        item = {"id": f"{'ctc' if custom else 'fc'}_{uuid.uuid4().hex}",
+                "type": "custom_tool_call" if custom else "function_call", "status": "in_progress",
+                "call_id": start.id, "name": name, "input" if custom else "arguments": ""}
         if tool is not None and tool.namespace is not None:
             item["namespace"] = tool.namespace
-        index = len(self.items)
-        self.items.append({**item, key: value, "status": "completed"})
-        where = {"item_id": item["id"], "output_index": index}
-        events = "response.custom_tool_call_input" if custom else "response.function_call_arguments"
-        await self.send("response.output_item.added", {"output_index": index, "item": item})
-        await self.send(f"{events}.delta", {**where, "delta": value})
-        await self.send(f"{events}.done", {**where, key: value} if custom else {**where, "name": name, key: value})
-        await self.send("response.output_item.done", {"output_index": index, "item": self.items[-1]})
+        self._call = _Call(item, len(self.items), custom)
+        self.items.append(item)
+        await self.send("response.output_item.added", {"output_index": self._call.index, "item": item})
+
+    async def _add_arguments(self, text: str) -> None:
+        """A function's arguments go out as they come; a custom tool's input, the string
+        inside them, as it is decoded (``CustomInputStream``)."""
+        call = self._call
+        assert call is not None
+        call.pieces.append(text)
+        delta = call.input.feed(text) if call.custom else text
+        if delta:
+            await self.send(f"{call.events}.delta", {**self._call_where(call), "delta": delta})
+
+    async def _close_call(self, parsed: ToolCall) -> None:
+        """The call's last events; an unfinished custom call's input is what was decoded of it."""
+        call, self._call = self._call, None
+        assert call is not None
+        complete = parsed.state == "complete"
+        value = parsed.arguments if not call.custom else (
+            custom_input(parsed.arguments) if complete or not call.sent else call.sent)
+        item = self.items[call.index] = {**call.item, call.key: value,
+                                         "status": "completed" if complete else "incomplete"}
+        where = self._call_where(call)
+        if call.custom:
+            rest = call.input.rest(value)
+            if rest or not value:
+                await self.send(f"{call.events}.delta", {**where, "delta": rest})
+            await self.send(f"{call.events}.done", {**where, "input": value})
+        else:
+            await self.send(f"{call.events}.done", {**where, "name": item["name"], "arguments": value})
+        await self.send("response.output_item.done", {"output_index": call.index, "item": item})
+
+    @staticmethod
+    def _call_where(call: _Call) -> dict[str, Any]:
+        return {"item_id": call.item["id"], "output_index": call.index}
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1, "content_index": 0}
@@ -235,7 +308,7 @@ async def _collect(
         raise ApiError(400, full, param="input", code="context_length_exceeded", headers=shape.headers)
     text = out.text
     output = _Output(shape.tools)
-    await output.feed(answer.feed(text) + answer.finish() if answer is not None else [text])
+    await output.feed(whole_call_items(answer.parse(text)) if answer is not None else [text])
     status = _status(out)
     await output.finish(status)
     return web.Response(body=orjson.dumps(shape.response(status, output.items, _usage(out))),
@@ -256,17 +329,20 @@ async def _stream(
 
         async def emit(piece: Piece) -> None:
             await output.feed(answer.feed(piece.text) if answer is not None else [piece.text])
+            out.check_calls(answer)
 
         if not await collect(request, out, event, events, emit):
             return response  # the client left; the caller aborts the call
+        if out.error is None:
+            rest = out.flush()
+            await output.feed(answer.feed(rest) + answer.finish() if answer is not None else [rest])
+            out.check_calls(answer, ended=True)
         if out.error is not None:
             error = {"code": "server_error", "message": out.error}
             await output.send("error", {**error, "param": None})
             await output.send("response.failed", {"response": shape.response(
                 "failed", output.snapshot(), _usage(out), error)})
         else:
-            rest = out.flush()
-            await output.feed(answer.feed(rest) + answer.finish() if answer is not None else [rest])
             status, full = _status(out), _context_full(shape, out)
             await output.finish(status)
             if full is not None:

@@ -8,7 +8,8 @@ What Codex offers (``router.api.responses_schema`` reads the rest of the body):
   grammar or plain text) is accepted and NOT enforced: the model is asked for a string and
   whatever string it writes is the call's input. A call to one is answered as a
   ``custom_tool_call`` whose ``input`` is that string (the arguments' JSON text when the
-  model did not write an object with a string ``input``);
+  model did not write an object with a string ``input``); streamed, the string is decoded
+  as it arrives where ``input`` is the arguments' first member (:class:`CustomInputStream`);
 - ``namespace`` tools (MCP servers): their inner function and custom tools are offered flat,
   under their own names (a name another tool has gets ``<namespace>__<name>``); a call to one
   names its ``namespace`` again in the answer;
@@ -27,7 +28,7 @@ import orjson
 
 from talaria.protocol.errors import bad_request
 
-__all__ = ["OfferedTool", "Tools", "custom_input", "parse_tools", "tool_choice"]
+__all__ = ["CustomInputStream", "OfferedTool", "Tools", "custom_input", "parse_tools", "tool_choice"]
 
 CUSTOM_INPUT = "input"  # the one parameter a custom tool's function takes
 
@@ -93,6 +94,99 @@ def custom_input(arguments: str) -> str:
     if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
         return str(value[CUSTOM_INPUT])
     return arguments
+
+
+class CustomInputStream:
+    """A custom tool's input decoded from its call's arguments as they arrive, where they
+    begin ``{"input": "`` (JSON whitespace allowed between the tokens); in any other shape
+    nothing is decoded and the input goes out whole at the call's end. Invariant: the text
+    :meth:`feed` returned so far is a prefix of the input of the call, if it completes (the
+    model writing ``input`` twice aside, where :func:`custom_input` takes the last)."""
+
+    _OPENING = ("{", f'"{CUSTOM_INPUT}"', ":", '"')
+
+    def __init__(self) -> None:
+        self._head = ""  # the arguments read before the input string opened
+        self._state = "opening"  # then "string", "done" (its closing quote read) or "whole"
+        self._escape: str | None = None  # an escape under way, after its backslash
+        self._high: str | None = None  # a high surrogate waiting for its low half
+        self.sent: list[str] = []
+
+    def feed(self, raw: str) -> str:
+        """The input's next decoded text, from the arguments' next piece ``raw``."""
+        if self._state == "opening":
+            self._head += raw
+            start = _opened_at(self._head, self._OPENING)
+            if start is None:
+                self._state = "whole"
+            elif start > 0:
+                self._state, raw = "string", self._head[start:]
+        if self._state != "string":
+            return ""
+        text = self._decode(raw)
+        self.sent.append(text)
+        return text
+
+    def rest(self, value: str) -> str:
+        """What to send at the call's end for its input ``value``: what the pieces sent lack."""
+        sent = "".join(self.sent)
+        return value[len(sent):] if value.startswith(sent) else ""
+
+    def _decode(self, raw: str) -> str:
+        out: list[str] = []
+        for c in raw:
+            if self._state == "done":
+                break
+            if self._escape is None:
+                if c == "\\":
+                    self._escape = ""
+                    continue
+                out.append(self._flush_high())
+                if c == '"':
+                    self._state = "done"
+                else:
+                    out.append(c)
+                continue
+            self._escape += c
+            if self._escape[0] != "u":
+                out += [self._flush_high(), _SIMPLE_ESCAPES.get(c, c)]
+                self._escape = None
+            elif len(self._escape) == 5:
+                unit, self._escape = chr(int(self._escape[1:], 16)), None
+                if "\udc00" <= unit <= "\udfff" and self._high is not None:
+                    out.append((self._high + unit).encode("utf-16", "surrogatepass").decode("utf-16"))
+                    self._high = None
+                    continue
+                out.append(self._flush_high())
+                if "\ud800" <= unit <= "\udbff":
+                    self._high = unit
+                else:
+                    out.append(unit)
+        return "".join(out)
+
+    def _flush_high(self) -> str:
+        high, self._high = self._high or "", None
+        return high
+
+
+_SIMPLE_ESCAPES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _opened_at(head: str, tokens: tuple[str, ...]) -> int | None:
+    """Where the string after ``tokens`` (JSON whitespace between them) starts in ``head``:
+    0 while ``head`` may still become them, None once it cannot."""
+    token, matched = 0, 0
+    for at, c in enumerate(head):
+        if matched == 0 and token > 0 and c in " \t\n\r":
+            continue
+        if c != tokens[token][matched]:
+            return None
+        matched += 1
+        if matched == len(tokens[token]):
+            token, matched = token + 1, 0
+            if token == len(tokens):
+                return at + 1
+    return 0
 
 
 def tool_choice(choice: Any, tools: Tools) -> Any:

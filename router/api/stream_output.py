@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from router.api import openai_schema as schema
-from router.api.tool_calls import AnswerParser
+from router.api.answer_parser import AnswerParser
 from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallRequest, CallUsage
@@ -59,6 +59,7 @@ class OutputAssembler:
         self.reported: CallUsage | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_code = "instance_failed"
         self.done = False
 
     def add(self, event: CallEvent) -> Piece:
@@ -108,6 +109,16 @@ class OutputAssembler:
         """The call failed: log ``detail``; the client is told only that, and the id."""
         log.warning("router.call_failed", request_id=self.request_id, error=detail)
         self.error = f"the call failed on its instance; request id {self.request_id}"
+        self.done = True
+
+    def check_calls(self, answer: AnswerParser | None, ended: bool = False) -> None:
+        """Fail a stream whose announced tool call broke (``AnswerParser.failure``; ``ended``:
+        the answer's finish reason is final), telling the client why."""
+        why = answer.failure(self.finish_reason if ended else None) if answer is not None else None
+        if why is None or self.error is not None:
+            return
+        log.warning("router.tool_call_broken", request_id=self.request_id, error=why)
+        self.error, self.error_code = f"{why}; request id {self.request_id}", "malformed_tool_call"
         self.done = True
 
     def flush(self) -> str:

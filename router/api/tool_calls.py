@@ -11,40 +11,49 @@ form of the Qwen2.5/Qwen3 and Hermes templates::
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-A parser is fed the text as it streams and returns, in order, content text and complete
-tool calls. The non-streaming answer feeds the whole text at once, so both agree. Invariants:
+A parser is fed the text as it streams and returns, in order, content text and tool calls.
+It reads a whole answer (``stream=False``: every call released whole, when it is decided) or
+a stream (``stream=True``: a call written in the canonical form is announced as soon as its
+name is known and its arguments object has begun, then its arguments follow piece by piece
+as they arrive, see ``router.api.call_body``). Invariants:
 - content text is released as soon as it cannot be the start of a tool call (a held tail is
   at most the opening tag's length, plus whitespace that may precede a call);
-- a call is released whole when its closing tag arrives (or at the end, for a final call
-  left open), so a streamed call's arguments are always complete JSON;
+- a call's arguments are the JSON text the model wrote for them, as written, when it wrote
+  the canonical form; the pieces a stream releases joined are exactly the ``arguments`` the
+  whole answer gives for the same text (other forms, and string-encoded arguments, are
+  parsed whole and re-serialised, streamed or not);
 - text that looks like a call but is not valid JSON with a string ``name`` and an object of
-  ``arguments`` comes back as content, verbatim: malformed model output is text, not an error;
+  ``arguments`` comes back as content, verbatim: malformed model output is text, not an
+  error. In a stream, a call already announced cannot become text again: it ends
+  ``malformed`` (a character that cannot continue its JSON, or its closing tag before its
+  object closed) or ``cut_short`` (the answer ended inside it), and the answer decides
+  (``router.api.answer_parser``);
 - whitespace between a call and its neighbours is dropped; other text is kept as written.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from router.api.openai_tools import ToolRequest
-from talaria.protocol.errors import bad_request
+from router.api.call_body import CallBodyScanner
 
 __all__ = [
     "TOOL_FORMATS",
-    "AnswerParser",
+    "ArgumentsText",
+    "CallClosed",
+    "CallOpened",
+    "CallState",
     "ParsedToolCall",
-    "ToolCall",
     "ToolCallParser",
     "ToolFormat",
     "ToolOutput",
-    "answer_parser",
     "detect_tool_format",
-    "new_tool_call_id",
 ]
+
+CallState = Literal["complete", "cut_short", "malformed"]
 
 
 @dataclass(frozen=True)
@@ -58,11 +67,36 @@ class ParsedToolCall:
         return value
 
 
+@dataclass(frozen=True)
+class CallOpened:
+    """A streamed call begins: its name is known; its arguments follow as :class:`ArgumentsText`."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsText:
+    """The next piece of the open call's arguments, as the model wrote it."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallClosed:
+    """The open streamed call ended (how: see the module's invariants)."""
+
+    state: CallState
+
+
+ParserItem = str | ParsedToolCall | CallOpened | ArgumentsText | CallClosed
+
+
 @dataclass
 class ToolOutput:
-    """What one feed released, in order: content text pieces and complete tool calls."""
+    """What one feed released, in order: content text pieces and tool calls (whole, or in
+    pieces when streamed)."""
 
-    items: list[str | ParsedToolCall] = field(default_factory=list)
+    items: list[ParserItem] = field(default_factory=list)
 
     def add_text(self, text: str) -> None:
         if not text:
@@ -82,7 +116,7 @@ class ToolOutput:
 
 
 class ToolCallParser(Protocol):
-    """One call's stateful parser."""
+    """One answer's stateful parser."""
 
     def feed(self, text: str) -> ToolOutput: ...
 
@@ -98,72 +132,10 @@ class ToolFormat:
     in some), the tag is decoded all the same while this parser reads the answer."""
 
     name: str
-    make_parser: Callable[[str], ToolCallParser]  # forced prefix -> parser
+    make_parser: Callable[[str, bool], ToolCallParser]  # (forced prefix, stream) -> parser
     template_marker: str
     forced_prefix: Callable[[str | None], str]  # function name or None (any) -> prefix
     tags: tuple[str, ...] = ()
-
-
-def new_tool_call_id(prefix: str = "call_") -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A parsed call as an API returns it: its position in the answer and its id."""
-
-    index: int
-    id: str
-    name: str
-    arguments: str
-
-    def arguments_object(self) -> dict[str, Any]:
-        return ParsedToolCall(self.name, self.arguments).arguments_object()
-
-
-class AnswerParser:
-    """One answer's text -> content pieces and numbered tool calls, as it streams.
-
-    ``function``: the call ``tool_choice`` forces (its opening was written into the prompt,
-    see :attr:`prefill`); ``any_call``: a call of any function is forced. ``parallel=False``
-    keeps the first call only (later ones are dropped, as ``parallel_tool_calls`` asks)."""
-
-    def __init__(
-        self, fmt: ToolFormat, *, any_call: bool = False, function: str | None = None,
-        parallel: bool = True, id_prefix: str = "call_",
-    ) -> None:
-        self.prefill = fmt.forced_prefix(function) if (any_call or function) else ""
-        self.tags = fmt.tags
-        self._parser = fmt.make_parser(self.prefill)
-        self._parallel = parallel
-        self._id_prefix = id_prefix
-        self.calls: list[ToolCall] = []
-        self.dropped_calls = 0
-
-    def feed(self, text: str) -> list[str | ToolCall]:
-        return self._number(self._parser.feed(text)) if text else []
-
-    def finish(self) -> list[str | ToolCall]:
-        return self._number(self._parser.finish())
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        """``tool_calls`` when the answer called tools and did not fail."""
-        if self.calls and reason not in ("error", "abort"):
-            return "tool_calls"
-        return reason
-
-    def _number(self, out: ToolOutput) -> list[str | ToolCall]:
-        items: list[str | ToolCall] = []
-        for item in out.items:
-            if isinstance(item, str):
-                items.append(item)
-            elif self._parallel or not self.calls:
-                call = ToolCall(len(self.calls), new_tool_call_id(self._id_prefix), item.name, item.arguments)
-                self.calls.append(call)
-                items.append(call)
-            else:
-                self.dropped_calls += 1
-        return items
 
 
 # ---- hermes: <tool_call>{json}</tool_call> ------------------------------------------------
@@ -173,16 +145,25 @@ HERMES_CLOSE = "</tool_call>"
 
 
 class HermesToolParser:
-    """Parser of ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks."""
+    """Parser of ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks. An open
+    call's body is read by a :class:`CallBodyScanner` as it arrives, all but a tail that may
+    begin the closing tag (invariant: the scanner has read the body but ``_unscanned``)."""
 
-    def __init__(self, forced_prefix: str = "") -> None:
+    def __init__(self, forced_prefix: str = "", stream: bool = False) -> None:
+        self._stream = stream
         self._pending = ""  # content not yet released (TEXT state)
         self._body: list[str] | None = None  # text inside an open call (CALL state), else None
         self._body_tail = ""  # its last len(HERMES_CLOSE) - 1 characters, where a close may start
+        self._scanner = CallBodyScanner()
+        self._unscanned = ""  # the body's tail the scanner has not read: it may begin the close
+        self._arguments: list[str] = []  # the canonical arguments read so far (whole answers)
+        self._announced = False  # the open call was announced (streams)
+        self._ended = False  # ... and has ended already (it broke)
         self._space_before_call = ""  # whitespace cut before the open call
         self._after_call = False  # a call just closed: drop leading whitespace
         if forced_prefix:
-            self.feed(forced_prefix)
+            released = self.feed(forced_prefix)
+            assert not released.items, "a forced prefix opens a call and ends before its arguments"
 
     def feed(self, text: str) -> ToolOutput:
         out = ToolOutput()
@@ -193,7 +174,7 @@ class HermesToolParser:
             self._pending += text
         while True:
             if self._body is not None:
-                closed = self._extend_body(incoming)
+                closed = self._extend_body(incoming, out)
                 if closed is None:
                     return out
                 body, self._pending = closed
@@ -222,13 +203,15 @@ class HermesToolParser:
     def finish(self) -> ToolOutput:
         out = ToolOutput()
         if self._body is not None:
+            rest, self._unscanned = self._unscanned, ""
+            self._scan(rest, out)
             self._close_call("".join(self._body), out, closed=False)
         elif not (self._after_call and not self._pending.strip()):
             out.add_text(self._pending)
         self._pending = ""
         return out
 
-    def _extend_body(self, text: str) -> tuple[str, str] | None:
+    def _extend_body(self, text: str, out: ToolOutput) -> tuple[str, str] | None:
         """Add ``text`` to the open call's body; (body, text after the close) once the close
         tag has arrived, else None. Only the new text and the few characters before it are
         searched, and the body is joined once: linear in the body's length."""
@@ -238,32 +221,72 @@ class HermesToolParser:
         if end < 0:
             self._body.append(text)
             self._body_tail = window[-(len(HERMES_CLOSE) - 1):]
+            fresh = self._unscanned + text
+            keep = _partial_suffix(fresh, HERMES_CLOSE)
+            self._unscanned = fresh[len(fresh) - keep:]
+            self._scan(fresh[: len(fresh) - keep], out)
             return None
         before = "".join(self._body)
         body = before[: len(before) - len(self._body_tail)] + window[:end]
+        self._unscanned = ""
+        self._scan(body[self._scanner.offset:], out)
         return body, window[end + len(HERMES_CLOSE):]
 
+    def _scan(self, text: str, out: ToolOutput) -> None:
+        """The scanner reads the body's next characters; a stream releases what it learnt."""
+        piece = self._scanner.feed(text)
+        if not self._stream:
+            self._arguments.append(piece)
+            return
+        if self._ended:
+            return
+        if self._scanner.canonical and not self._announced:
+            assert self._scanner.name is not None
+            out.items.append(CallOpened(self._scanner.name))
+            self._announced = True
+        if piece:
+            out.items.append(ArgumentsText(piece))
+        if self._scanner.broken_at is not None:
+            out.items.append(CallClosed("malformed"))
+            self._ended = True
+
     def _close_call(self, body: str, out: ToolOutput, closed: bool) -> None:
-        call = _hermes_call(body)
-        if call is None:
-            raw = HERMES_OPEN + body + (HERMES_CLOSE if closed else "")
-            out.add_text(self._space_before_call + raw)
-            self._after_call = False
-        else:
-            out.items.append(call)
+        scanner = self._scanner
+        if self._announced:
+            if not self._ended:
+                out.items.append(CallClosed("complete" if scanner.complete else "malformed" if closed else "cut_short"))
             self._after_call = True
+        elif scanner.complete:
+            assert scanner.name is not None
+            out.items.append(ParsedToolCall(scanner.name, "".join(self._arguments)))
+            self._after_call = True
+        else:
+            call = _hermes_call(body)
+            if call is None:
+                raw = HERMES_OPEN + body + (HERMES_CLOSE if closed else "")
+                out.add_text(self._space_before_call + raw)
+                self._after_call = False
+            else:
+                out.items.append(call)
+                self._after_call = True
         self._body = None
         self._space_before_call = ""
+        self._scanner, self._arguments = CallBodyScanner(), []
+        self._announced = self._ended = False
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of ``text`` that could begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def _held_tail(text: str, tag: str) -> int:
     """How many trailing characters to hold back: trailing whitespace (it may precede a
     call) plus the longest suffix that could begin ``tag``."""
-    partial = 0
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            partial = n
-            break
+    partial = _partial_suffix(text, tag)
     body = text[: len(text) - partial]
     return partial + (len(body) - len(body.rstrip()))
 
@@ -306,16 +329,3 @@ def detect_tool_format(chat_template: str | None) -> str | None:
         if fmt.template_marker in chat_template:
             return fmt.name
     return None
-
-
-def answer_parser(
-    tools: ToolRequest, model: str, format_name: str | None, id_prefix: str = "call_"
-) -> AnswerParser | None:
-    """The parser of tool calls in one answer (None when the call offers no tools to use)."""
-    if not tools.parse_calls:
-        return None
-    if format_name is None:
-        raise bad_request(f"model {model!r} has no tool-call format in its chat template (set "
-                          "tool_formats in the router config); it cannot take tools", "tools")
-    return AnswerParser(TOOL_FORMATS[format_name], any_call=tools.choice == "required",
-                        function=tools.function, parallel=tools.parallel, id_prefix=id_prefix)

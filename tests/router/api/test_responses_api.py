@@ -175,15 +175,19 @@ async def test_function_call_plain_and_streamed(tiny_tokenizer: ModelTokenizer) 
                                                                             "completed")
     assert data["tools"] == TOOLS and data["parallel_tool_calls"] is False
 
+    # Streamed, the arguments come in pieces as the model writes them; joined, they are the
+    # arguments of the call's .done event and of the collected answer, to the character.
     names = [e["type"] for e in got]
-    n = names.count("response.output_text.delta")
-    assert names == ["response.created", "response.in_progress", *TEXT_EVENTS[:2],
-                     *["response.output_text.delta"] * n, *TEXT_CLOSE, *CALL_EVENTS, "response.completed"]
-    added, delta, args_done, item_done = got[-5:-1]
+    n, m = names.count("response.output_text.delta"), names.count("response.function_call_arguments.delta")
+    assert m > 1 and names == [
+        "response.created", "response.in_progress", *TEXT_EVENTS[:2], *["response.output_text.delta"] * n,
+        *TEXT_CLOSE, CALL_EVENTS[0], *[CALL_EVENTS[1]] * m, *CALL_EVENTS[2:], "response.completed"]
+    added, deltas, (args_done, item_done) = got[-m - 4], got[-m - 3:-3], got[-3:-1]
     assert added["output_index"] == 1 and added["item"]["arguments"] == ""
     assert added["item"]["type"] == "function_call" and added["item"]["name"] == "get_weather"
-    assert json.loads(delta["delta"]) == {"city": "Paris"} and args_done["arguments"] == delta["delta"]
-    assert delta["item_id"] == args_done["item_id"] == added["item"]["id"] == item_done["item"]["id"]
+    joined = "".join(d["delta"] for d in deltas)
+    assert joined == args_done["arguments"] == call["arguments"] == '{"city": "Paris"}'
+    assert {d["item_id"] for d in deltas} == {args_done["item_id"]} == {added["item"]["id"], item_done["item"]["id"]}
     assert item_done["item"]["call_id"] == added["item"]["call_id"] and item_done["item"]["status"] == "completed"
     assert got[-1]["response"]["output"][1] == item_done["item"]
     message(got[-1]["response"]["output"][0], "Let me look.")
@@ -462,13 +466,14 @@ async def test_custom_tool_call_plain_and_streamed(tiny_tokenizer: ModelTokenize
     patch_call = tool_call("apply_patch", {"input": PATCH})
     odd_call = tool_call("apply_patch", {"patch": "x"})  # not a string input: the arguments' text
     named_rest = ' {"input": "x"}}\n</tool_call>'  # the model continues the forced call's opening
-    instance = scripted(tiny_tokenizer, patch_call, patch_call, odd_call, named_rest)
+    instance = scripted(tiny_tokenizer, patch_call, patch_call, odd_call, named_rest, odd_call)
     tools = [*TOOLS, APPLY_PATCH]
     async with serve(tiny_tokenizer, instance) as client:
         data = await post(client, body(tools=tools))
         got = await events(client, body(tools=tools))
         odd = await post(client, body(tools=tools))
         named = await post(client, body(tools=tools, tool_choice={"type": "custom", "name": "apply_patch"}))
+        odd_events = await events(client, body(tools=tools))
     assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat(
         [{"role": "user", "content": QUESTION}], tools=[*CHAT_TOOLS, APPLY_PATCH_CHAT])
     [item] = data["output"]
@@ -476,17 +481,23 @@ async def test_custom_tool_call_plain_and_streamed(tiny_tokenizer: ModelTokenize
     assert {k: v for k, v in item.items() if k not in ("id", "call_id")} == {
         "type": "custom_tool_call", "name": "apply_patch", "input": PATCH, "status": "completed"}
 
+    # Streamed, the input string is decoded from the arguments as they come, in pieces.
     names = [e["type"] for e in got]
-    assert names == ["response.created", "response.in_progress", *CUSTOM_EVENTS, "response.completed"]
-    added, delta, done, item_done = got[2:6]
+    m = names.count(CUSTOM_EVENTS[1])
+    assert m > 1 and names == ["response.created", "response.in_progress", CUSTOM_EVENTS[0],
+                               *[CUSTOM_EVENTS[1]] * m, *CUSTOM_EVENTS[2:], "response.completed"]
+    added, deltas, (done, item_done) = got[2], got[3:3 + m], got[3 + m:5 + m]
     assert added["item"]["type"] == "custom_tool_call" and added["item"]["input"] == ""
-    assert delta["delta"] == PATCH and done["input"] == PATCH and "arguments" not in done
-    assert delta["item_id"] == done["item_id"] == added["item"]["id"] == item_done["item"]["id"]
-    assert delta["output_index"] == done["output_index"] == 0
+    assert "".join(d["delta"] for d in deltas) == PATCH and done["input"] == PATCH and "arguments" not in done
+    assert {d["item_id"] for d in deltas} == {done["item_id"]} == {added["item"]["id"], item_done["item"]["id"]}
+    assert {d["output_index"] for d in deltas} == {done["output_index"]} == {0}
     assert item_done["item"]["input"] == PATCH and got[-1]["response"]["output"] == [item_done["item"]]
 
     assert odd["output"][0]["type"] == "custom_tool_call"
     assert json.loads(odd["output"][0]["input"]) == {"patch": "x"}
+    # Arguments that do not begin with the input string: the input goes out whole, at the end.
+    assert [e["type"] for e in odd_events][2:-1] == CUSTOM_EVENTS
+    assert odd_events[3]["delta"] == odd["output"][0]["input"] == odd_events[4]["input"]
     assert tiny_tokenizer.tokenizer.decode(instance.calls[3].prompt_token_ids).endswith(
         '<tool_call>\n{"name": "apply_patch", "arguments":')  # a custom tool can be named
     assert [(i["type"], i["input"]) for i in named["output"]] == [("custom_tool_call", "x")]

@@ -9,12 +9,11 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.api.answer_parser import AnswerParser, ToolCall
 from router.api.tool_calls import (
     TOOL_FORMATS,
-    AnswerParser,
     HermesToolParser,
     ParsedToolCall,
-    ToolCall,
     ToolOutput,
     detect_tool_format,
 )
@@ -87,14 +86,13 @@ def test_forced_function_prefix_and_parallel_off() -> None:
     fmt = TOOL_FORMATS["hermes"]
     answer = AnswerParser(fmt, function="get_weather", parallel=False, id_prefix="toolu_")
     assert answer.prefill == '<tool_call>\n{"name": "get_weather", "arguments":'
-    items = answer.feed(' {"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "g"}</tool_call>')
-    items += answer.finish()
+    items = answer.parse(' {"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "g"}</tool_call>')
     assert len(items) == 1 and isinstance(items[0], ToolCall)
     assert items[0].id.startswith("toolu_") and items[0].arguments_object() == {"city": "Paris"}
     assert answer.dropped_calls == 1 and answer.finish_reason("length") == "tool_calls"
     required = AnswerParser(fmt, any_call=True)
     assert required.prefill == "<tool_call>\n"
-    assert required.feed("not json at all") + required.finish() == ["<tool_call>\nnot json at all"]
+    assert required.parse("not json at all") == ["<tool_call>\nnot json at all"]
     assert required.finish_reason("stop") == "stop"
 
 

@@ -1,0 +1,229 @@
+"""One answer's tool calls as the APIs return them: numbered, each with an id, whole in a
+collected answer and piece by piece in a stream.
+
+A stream gives, in order, content text and for each call a :class:`ToolCallStart` (index,
+id, name), :class:`ToolCallDelta` pieces of its arguments and a :class:`ToolCallEnd` (the
+call, whole). Joined, a call's deltas are its ``arguments``, which for a complete call are
+exactly what :meth:`AnswerParser.parse` gives for the same text. A call announced and then
+broken (``router.api.tool_calls``) is the one way a stream can disagree with the collected
+answer, which reads it as text (or as a call, where Python's JSON is laxer than a client's:
+``NaN``, the call's name or arguments written twice); the stream then either ends as
+truncated answers end (the call ``cut_short`` at the answer's length limit: the finish
+reason is ``length``, not ``tool_calls``) or fails (:meth:`AnswerParser.failure`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from router.api.openai_tools import ToolRequest
+from router.api.tool_calls import (
+    TOOL_FORMATS,
+    ArgumentsText,
+    CallClosed,
+    CallOpened,
+    CallState,
+    ParsedToolCall,
+    ToolCallParser,
+    ToolFormat,
+    ToolOutput,
+)
+from talaria.protocol.errors import bad_request
+
+__all__ = [
+    "AnswerItem",
+    "AnswerParser",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallEnd",
+    "ToolCallStart",
+    "answer_parser",
+    "new_tool_call_id",
+    "whole_call_items",
+]
+
+
+def new_tool_call_id(prefix: str = "call_") -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed call as an API returns it: its position in the answer and its id."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+    state: CallState = "complete"  # another state only in a stream, for a call that broke
+
+    def arguments_object(self) -> dict[str, Any]:
+        return ParsedToolCall(self.name, self.arguments).arguments_object()
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int
+    arguments: str  # the next piece of the call's arguments
+
+
+@dataclass(frozen=True)
+class ToolCallEnd:
+    call: ToolCall
+
+
+AnswerItem = str | ToolCallStart | ToolCallDelta | ToolCallEnd
+
+
+def whole_call_items(items: list[str | ToolCall]) -> list[AnswerItem]:
+    """A collected answer's items in the stream's form (each call as start, delta, end)."""
+    out: list[AnswerItem] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+        else:
+            out += [ToolCallStart(item.index, item.id, item.name), ToolCallDelta(item.index, item.arguments),
+                    ToolCallEnd(item)]
+    return out
+
+
+class AnswerParser:
+    """One answer's text -> content pieces and numbered tool calls: :meth:`parse` a collected
+    answer, or :meth:`feed` and :meth:`finish` a stream (one or the other, once).
+
+    ``function``: the call ``tool_choice`` forces (its opening was written into the prompt,
+    see :attr:`prefill`); ``any_call``: a call of any function is forced. ``parallel=False``
+    keeps the first call only (later ones are dropped, as ``parallel_tool_calls`` asks)."""
+
+    def __init__(
+        self, fmt: ToolFormat, *, any_call: bool = False, function: str | None = None,
+        parallel: bool = True, id_prefix: str = "call_",
+    ) -> None:
+        self.prefill = fmt.forced_prefix(function) if (any_call or function) else ""
+        self.tags = fmt.tags
+        self._fmt = fmt
+        self._parser: ToolCallParser | None = None
+        self._streaming = False
+        self._parallel = parallel
+        self._id_prefix = id_prefix
+        self.calls: list[ToolCall] = []  # the calls ended so far, in order
+        self.dropped_calls = 0
+        self._open: ToolCallStart | None = None  # the streamed call under way
+        self._open_arguments: list[str] = []
+        self._dropping = False  # the call under way is dropped (not parallel)
+
+    def parse(self, text: str) -> list[str | ToolCall]:
+        """A whole answer: its content pieces and its calls, in order."""
+        parser = self._reader(stream=False)
+        items: list[str | ToolCall] = []
+        for item in parser.feed(text).items + parser.finish().items:
+            if isinstance(item, str):
+                items.append(item)
+            else:
+                assert isinstance(item, ParsedToolCall), "a whole answer's calls are whole"
+                if self._keep_whole(item):
+                    items.append(self.calls[-1])
+        return items
+
+    def feed(self, text: str) -> list[AnswerItem]:
+        return self._items(self._reader(stream=True).feed(text)) if text else []
+
+    def finish(self) -> list[AnswerItem]:
+        return self._items(self._reader(stream=True).finish())
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """``tool_calls`` when the answer called tools, every call whole, and did not fail."""
+        if self.calls and reason not in ("error", "abort") and all(c.state == "complete" for c in self.calls):
+            return "tool_calls"
+        return reason
+
+    def failure(self, reason: str | None = None) -> str | None:
+        """Why a stream must end in an error (None: it need not): a call it announced broke
+        (``malformed``), or the answer ended inside it (``reason``, the finish reason; None
+        while it runs) other than at its length limit, which is a truncated answer like any."""
+        for call in self.calls:
+            if call.state == "malformed":
+                return (f"the model's tool call {call.index} ({call.name!r}) broke off after it was "
+                        "streamed: its text stopped being valid JSON or its closing tag came early")
+            if call.state == "cut_short" and reason != "length":
+                return f"the answer ended inside tool call {call.index} ({call.name!r}) after it was streamed"
+        return None
+
+    def _reader(self, stream: bool) -> ToolCallParser:
+        if self._parser is None:
+            self._parser, self._streaming = self._fmt.make_parser(self.prefill, stream), stream
+        assert self._streaming == stream, "an answer is parsed whole or streamed, not both"
+        return self._parser
+
+    def _keep_whole(self, call: ParsedToolCall) -> bool:
+        if not self._parallel and self.calls:
+            self.dropped_calls += 1
+            return False
+        self.calls.append(ToolCall(len(self.calls), new_tool_call_id(self._id_prefix), call.name, call.arguments))
+        return True
+
+    def _items(self, out: ToolOutput) -> list[AnswerItem]:
+        items: list[AnswerItem] = []
+        for item in out.items:
+            if isinstance(item, str):
+                items.append(item)
+            elif isinstance(item, ParsedToolCall):
+                items += self._whole(item)
+            elif isinstance(item, CallOpened):
+                items += self._start(item.name)
+            elif isinstance(item, ArgumentsText):
+                items += self._delta(item.text)
+            elif isinstance(item, CallClosed):
+                items += self._end(item.state)
+        return items
+
+    def _whole(self, call: ParsedToolCall) -> list[AnswerItem]:
+        return self._start(call.name) + self._delta(call.arguments) + self._end("complete")
+
+    def _start(self, name: str) -> list[AnswerItem]:
+        self._dropping = not self._parallel and bool(self.calls)
+        if self._dropping:
+            self.dropped_calls += 1
+            return []
+        self._open = ToolCallStart(len(self.calls), new_tool_call_id(self._id_prefix), name)
+        self._open_arguments = []
+        return [self._open]
+
+    def _delta(self, text: str) -> list[AnswerItem]:
+        if self._dropping or not text:
+            return []
+        assert self._open is not None
+        self._open_arguments.append(text)
+        return [ToolCallDelta(self._open.index, text)]
+
+    def _end(self, state: CallState) -> list[AnswerItem]:
+        if self._dropping:
+            self._dropping = False
+            return []
+        start, self._open = self._open, None
+        assert start is not None
+        call = ToolCall(start.index, start.id, start.name, "".join(self._open_arguments), state)
+        self.calls.append(call)
+        return [ToolCallEnd(call)]
+
+
+def answer_parser(
+    tools: ToolRequest, model: str, format_name: str | None, id_prefix: str = "call_"
+) -> AnswerParser | None:
+    """The parser of tool calls in one answer (None when the call offers no tools to use)."""
+    if not tools.parse_calls:
+        return None
+    if format_name is None:
+        raise bad_request(f"model {model!r} has no tool-call format in its chat template (set "
+                          "tool_formats in the router config); it cannot take tools", "tools")
+    return AnswerParser(TOOL_FORMATS[format_name], any_call=tools.choice == "required",
+                        function=tools.function, parallel=tools.parallel, id_prefix=id_prefix)
