@@ -34,6 +34,7 @@ from router.api.answer_parser import AnswerParser, answer_parser
 from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
+from router.api.reasoning import check_reasoning_settings
 from router.api.stream_output import OutputAssembler, Responder
 from router.api.tool_calls import TOOL_FORMATS, detect_tool_format
 from router.core import CallRejected, NoHealthyInstance, RouterCore
@@ -76,6 +77,8 @@ class RouterConfig:
     session_ttl_s: float = 1800.0
     max_model_lens: dict[str, int] = field(default_factory=dict)  # per-model override
     tool_formats: dict[str, str] = field(default_factory=dict)  # model -> tool-call format
+    # model -> reasoning parser ("qwen3" | "deepseek_r1" | "none"; unset: from its chat template)
+    reasoning_parsers: dict[str, str] = field(default_factory=dict)
     session_headers: SessionHeaders = field(default_factory=SessionHeaders)
     infer_sessions: bool = True  # calls naming no session join the session their prompt extends
     instance_key: str | None = None  # sent to every instance (`talaria serve` generates it)
@@ -109,6 +112,7 @@ class RouterConfig:
         bad = {m: f for m, f in self.tool_formats.items() if f not in TOOL_FORMATS}
         if bad:
             raise ValueError(f"unknown tool-call formats {bad}; choose from {sorted(TOOL_FORMATS)}")
+        check_reasoning_settings(self.reasoning_parsers, self.models)
         unknown = set(self.max_tokens_overflows) - set(self.models)
         if unknown:
             raise ValueError(f"max_tokens_overflows names models not in the catalog: {sorted(unknown)}")

@@ -1,6 +1,6 @@
 """The reasoning splitter (``router.api.reasoning``) on text alone: vLLM's ``qwen3`` and
 ``deepseek_r1`` semantics, any split of the text into stream pieces, what a stream holds back,
-and the parser a chat template calls for."""
+the parser a chat template calls for, and the config's checks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from router.api.reasoning import (
     detect_reasoning_parser,
     reasoning_parser_for,
 )
+from router.app import RouterConfig
+from talaria.serving.config import _REASONING_PARSERS, ConfigError, ServeConfig
 
 CASES: list[tuple[str, str, str, str]] = [  # parser, answer, reasoning, content
     ("qwen3", "<think>\nPlan it.\n</think>\n\nThe answer.", "Plan it.\n", "The answer."),
@@ -137,3 +139,18 @@ def test_the_chat_template_picks_the_parser_and_the_config_overrides_it() -> Non
     assert reasoning_parser_for(None, plain) is None
     assert reasoning_parser_for("none", qwen3) is None
     assert reasoning_parser_for("deepseek_r1", plain) == "deepseek_r1"
+
+
+def test_an_unknown_parser_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"reasoning_parsers\['m'\] must be one of \['deepseek_r1', 'none', 'qwen3'\], "
+                                         "got 'qwen'"):
+        RouterConfig(models={"m": "/x"}, instances={}, reasoning_parsers={"m": "qwen"})
+    with pytest.raises(ValueError, match="reasoning_parsers names models not in the catalog: .'other'."):
+        RouterConfig(models={"m": "/x"}, instances={}, reasoning_parsers={"other": "qwen3"})
+    with pytest.raises(ConfigError, match=r"\[models.m\].reasoning_parser must be one of "
+                                          r"\['deepseek_r1', 'none', 'qwen3'\], got 'r1'"):
+        ServeConfig.from_dict({"models": {"m": {"path": "/x", "reasoning_parser": "r1"}}})
+    config = ServeConfig.from_dict({"models": {"m": {"path": "/x", "reasoning_parser": "deepseek_r1"}}})
+    assert config.models["m"].reasoning_parser == "deepseek_r1"
+    from router.api.reasoning import REASONING_OFF, REASONING_PARSERS
+    assert sorted(_REASONING_PARSERS) == sorted([*REASONING_PARSERS, REASONING_OFF])  # the serve config's copy
