@@ -34,6 +34,7 @@ from router.api.answer_parser import AnswerParser, answer_parser
 from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
+from router.api.reasoning import ReasoningSplitter, check_reasoning_settings, reasoning_parser_for
 from router.api.stream_output import OutputAssembler, Responder
 from router.api.tool_calls import TOOL_FORMATS, detect_tool_format
 from router.core import CallRejected, NoHealthyInstance, RouterCore
@@ -76,6 +77,8 @@ class RouterConfig:
     session_ttl_s: float = 1800.0
     max_model_lens: dict[str, int] = field(default_factory=dict)  # per-model override
     tool_formats: dict[str, str] = field(default_factory=dict)  # model -> tool-call format
+    # model -> reasoning parser ("qwen3" | "deepseek_r1" | "none"; unset: from its chat template)
+    reasoning_parsers: dict[str, str] = field(default_factory=dict)
     session_headers: SessionHeaders = field(default_factory=SessionHeaders)
     infer_sessions: bool = True  # calls naming no session join the session their prompt extends
     instance_key: str | None = None  # sent to every instance (`talaria serve` generates it)
@@ -109,6 +112,7 @@ class RouterConfig:
         bad = {m: f for m, f in self.tool_formats.items() if f not in TOOL_FORMATS}
         if bad:
             raise ValueError(f"unknown tool-call formats {bad}; choose from {sorted(TOOL_FORMATS)}")
+        check_reasoning_settings(self.reasoning_parsers, self.models)
         unknown = set(self.max_tokens_overflows) - set(self.models)
         if unknown:
             raise ValueError(f"max_tokens_overflows names models not in the catalog: {sorted(unknown)}")
@@ -125,6 +129,7 @@ class RouterConfig:
 CONFIG_KEY = web.AppKey("router_config", RouterConfig)
 CORE_KEY = web.AppKey("router_core", RouterCore)
 TOKENIZERS_KEY = web.AppKey("router_tokenizers", dict[str, ModelTokenizer])
+REASONING_KEY = web.AppKey("router_reasoning", dict[str, str | None])  # model -> its reasoning parser
 POLLER_KEY = web.AppKey("router_poller", HealthPoller)
 GATE_KEY = web.AppKey("router_inflight", InflightGate)
 ANSWER_HEADERS_KEY = web.RequestKey("answer_headers", dict[str, str])  # headers its answer carries
@@ -173,6 +178,8 @@ def create_app(
     app[CONFIG_KEY] = config
     app[CORE_KEY] = core
     app[TOKENIZERS_KEY] = tokenizers
+    app[REASONING_KEY] = {name: reasoning_parser_for(config.reasoning_parsers.get(name), tok.tokenizer)
+                          for name, tok in tokenizers.items()}
     app[LIMITS_KEY] = config.limits
     app[BODY_DECODER_KEY] = decoder
     app[GATE_KEY] = InflightGate(config.limits.max_inflight_calls, config.limits.busy_retry_after_s)
@@ -347,7 +354,7 @@ async def _complete(
             if first is None:
                 return web.Response(status=499)  # the client left before the first token
             out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id,
-                                  answer.tags if answer else ())
+                                  answer.tags if answer else (), _reasoning(request, body, prefill, answer))
             if not first.token_ids and OutputAssembler.ends_in_failure(first):
                 out.add(first)  # failed before its first token: its HTTP status, streamed or not
                 out.raise_if_failed()
@@ -361,6 +368,16 @@ def _answer_parser(config: RouterConfig, body: schema.CompletionBody, tok: Model
                    id_prefix: str = "call_") -> AnswerParser | None:
     fmt = config.tool_formats.get(tok.name) or detect_tool_format(tok.chat_template)
     return answer_parser(body.tools, tok.name, fmt, id_prefix)
+
+
+def _reasoning(request: web.Request, body: schema.CompletionBody, prefill: str,
+               answer: AnswerParser | None) -> ReasoningSplitter | None:
+    """The splitter of a chat answer's reasoning, for a model with a reasoning parser: the
+    answer continues ``prefill``; a tool call the prompt opened makes it content at once."""
+    parser = request.app[REASONING_KEY].get(body.model)
+    if parser is None or body.kind != "chat":
+        return None
+    return ReasoningSplitter(parser, prefill, forced_content=bool(answer and answer.prefill))
 
 
 def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:

@@ -67,6 +67,7 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
             ),
             deadlines=Deadlines(first_token_s=r.first_token_timeout_s, stall_s=r.stall_timeout_s),
             tool_formats={n: m.tool_format for n, m in config.models.items() if m.tool_format},
+            reasoning_parsers={n: m.reasoning_parser for n, m in config.models.items() if m.reasoning_parser},
             session_headers=headers, infer_sessions=r.infer_sessions,
             max_tokens_overflow=r.max_tokens_overflow,
             max_tokens_overflows={n: m.max_tokens_overflow for n, m in config.models.items()

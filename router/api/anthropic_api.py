@@ -14,6 +14,11 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
   after the stream began is an ``error`` event (so is a streamed call that broke, see
   ``router.api.answer_parser``; one cut short by ``max_tokens`` ends the message with
   ``stop_reason: "max_tokens"``, as Anthropic's do);
+- a model's reasoning (``router.api.reasoning``) as one ``thinking`` block before the others
+  (``signature: ""``; streamed as its ``content_block_start``, ``thinking_delta`` events and
+  ``content_block_stop``) when the request enabled thinking (``thinking.type`` ``enabled``
+  or ``adaptive``; its ``budget_tokens`` is not enforced), else left out of the answer;
+  ``output_tokens`` counts it either way;
 - errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path;
   a prompt over the model's context in Anthropic's words, ``prompt is too long: N tokens > M
   maximum`` (``router.api.prompt_tokens``), and so a ``max_tokens`` refused under the rule
@@ -101,6 +106,8 @@ async def respond(
     if answer is not None:
         items = _runs(answer.parse(text))
     content = [_block(item) for item in items if not isinstance(item, str) or item]
+    if body.show_reasoning and out.reasoning:
+        content.insert(0, _thinking(out.reasoning))
     message = _message(call, body.model, content or [{"type": "text", "text": ""}])
     message.update(_stop(out, answer))
     message["usage"] = _usage(out)
@@ -125,6 +132,10 @@ def _runs(items: list[str | ToolCall]) -> list[str | ToolCall]:
         else:
             out.append(item)
     return out
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _block(item: str | ToolCall) -> dict[str, Any]:
@@ -161,46 +172,54 @@ def _start_usage(out: OutputAssembler, first: CallEvent) -> dict[str, int]:
 
 
 class _Events:
-    """Writes the named SSE events; opens and closes content blocks in index order."""
+    """Writes the named SSE events; opens and closes content blocks in index order (at most
+    one open: ``open`` is its type)."""
 
     def __init__(self, response: web.StreamResponse) -> None:
         self.response = response
         self.index = -1
-        self.open_text = False
+        self.open: str | None = None
 
     async def send(self, name: str, data: dict[str, Any]) -> None:
         await self.response.write(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
+
+    async def thinking(self, text: str) -> None:
+        if not text:
+            return
+        if self.open != "thinking":
+            await self.start(_thinking(""))
+        await self.delta({"type": "thinking_delta", "thinking": text})
 
     async def items(self, items: list[AnswerItem]) -> None:
         for item in items:
             if isinstance(item, str):
                 if not item:
                     continue
-                if not self.open_text:
+                if self.open != "text":
                     await self.start({"type": "text", "text": ""})
-                    self.open_text = True
-                await self.send("content_block_delta", {
-                    "type": "content_block_delta", "index": self.index,
-                    "delta": {"type": "text_delta", "text": item}})
+                await self.delta({"type": "text_delta", "text": item})
             elif isinstance(item, ToolCallStart):
-                await self.close()
                 await self.start({"type": "tool_use", "id": item.id, "name": item.name, "input": {}})
             elif isinstance(item, ToolCallDelta):
-                await self.send("content_block_delta", {
-                    "type": "content_block_delta", "index": self.index,
-                    "delta": {"type": "input_json_delta", "partial_json": item.arguments}})
+                await self.delta({"type": "input_json_delta", "partial_json": item.arguments})
             else:
-                await self.close(force=True)
+                await self.close()
+
+    async def delta(self, delta: dict[str, Any]) -> None:
+        await self.send("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
     async def start(self, block: dict[str, Any]) -> None:
+        """Open the next block (closing the open one)."""
+        await self.close()
         self.index += 1
+        self.open = block["type"]
         await self.send("content_block_start",
                         {"type": "content_block_start", "index": self.index, "content_block": block})
 
-    async def close(self, force: bool = False) -> None:
-        if self.open_text or force:
+    async def close(self) -> None:
+        if self.open is not None:
             await self.send("content_block_stop", {"type": "content_block_stop", "index": self.index})
-            self.open_text = False
+            self.open = None
 
 
 async def _stream(
@@ -218,21 +237,23 @@ async def _stream(
         await sse.send("ping", {"type": "ping"})
 
         async def emit(piece: Piece) -> None:
+            if body.show_reasoning:
+                await sse.thinking(piece.reasoning)
             await sse.items(answer.feed(piece.text) if answer is not None else [piece.text])
             out.check_calls(answer)
 
         if not await collect(request, out, event, events, emit):
             return response  # the client left; the caller aborts the call
         if out.error is None:
-            rest = out.flush()
-            await sse.items(answer.feed(rest) + answer.finish() if answer is not None else [rest])
+            await emit(out.flush())
+            if answer is not None:
+                await sse.items(answer.finish())
             out.check_calls(answer, ended=True)
         if out.error is not None:
             await sse.send("error", error_body(500, out.error))
         else:
             if sse.index < 0:  # an empty answer is one empty text block
                 await sse.start({"type": "text", "text": ""})
-                sse.open_text = True
             await sse.close()
             await sse.send("message_delta", {"type": "message_delta", "delta": _stop(out, answer),
                                              "usage": _usage(out)})

@@ -9,9 +9,11 @@ role merge (as Anthropic's API does; each message's text on lines of its own); a
 Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``document`` blocks, in
 a user turn or a tool result, become a line naming what was left out
 (``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
-resends every image its Read tool ever returned. Fields the router has no use for
-(``thinking``, ``cache_control``, ``service_tier``, ``output_config.effort``, ...) are accepted
-and ignored. Structured output (``output_config.format``, the beta's ``output_format``) is
+resends every image its Read tool ever returned. ``thinking`` says only whether a reasoning
+model's reasoning comes back (``type`` ``enabled`` or ``adaptive``: as a thinking block); its
+``budget_tokens`` is not enforced, and ``thinking`` blocks in the history are left out of the
+prompt. Fields the router has no use for (``cache_control``, ``service_tier``,
+``output_config.effort``, ...) are accepted and ignored. Structured output (``output_config.format``, the beta's ``output_format``) is
 refused with a 400 naming it, as chat's ``response_format`` and the Responses API's
 ``text.format`` are: its client parses the answer as JSON of its schema.
 """
@@ -75,10 +77,17 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
     body = openai_schema.parse_chat(chat)
     body.media.count += omitted.count
     body.metadata_session_id = metadata_session_id(data.get("metadata"))
+    body.show_reasoning = _thinking_enabled(data.get("thinking"))
     if prefill and body.tools.choice in ("required", "function"):
         raise bad_request("a final assistant turn (prefill) cannot be combined with a tool_choice "
                           "that forces a tool call", "tool_choice")
     return MessagesRequest(body, prefill)
+
+
+def _thinking_enabled(thinking: Any) -> bool:
+    """The request asked for the model's thinking (``{"type": "enabled", ...}`` or
+    ``"adaptive"``); absent, ``disabled`` or unreadable, it did not."""
+    return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
 
 
 def _refuse_structured_output(data: dict[str, Any]) -> None:

@@ -9,6 +9,11 @@ incomplete, as OpenAI's do. A failure after the stream began is an error chunk, 
 silent truncation (a streamed call that broke is one, code ``malformed_tool_call``); the
 stream ends with ``data: [DONE]``, after an error chunk when anything failed (the instance,
 or this side).
+
+A model with a reasoning parser (``router.api.reasoning``) answers its chat completions with
+the reasoning in ``message.reasoning_content`` (null when it had none) and, streamed, in
+``delta.reasoning_content`` chunks before the content's, as vLLM does; ``usage`` then has
+``completion_tokens_details.reasoning_tokens``. Text completions are never split.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ async def _collect(
             finish = answer.finish_reason(finish)
         data = schema.chat_completion(call.call_id, body.model, created, text, finish,
                                       usage, out.chat_logprobs(), calls)
+        if out.reasoning_splitter is not None:
+            data["choices"][0]["message"]["reasoning_content"] = out.reasoning or None
     else:
         data = schema.text_completion(call.call_id, body.model, created, out.text, out.finish_reason,
                                       usage, out.completion_logprobs())
@@ -92,26 +99,32 @@ async def _stream(
                 call.call_id, body.model, created, {"role": "assistant", "content": ""}))
 
         async def emit(piece: Piece) -> None:
+            if not chat:
+                if piece.text or piece.logprobs:
+                    await _send(response, chunk(piece.text, logprobs=out.completion_logprobs(piece)))
+                return
+            items: list[AnswerItem] = [piece.text]
             if answer is not None:
-                lp = out.chat_logprobs(piece) if piece.logprobs else None
-                await _send_answer(response, answer.feed(piece.text), call, body, created, lp)
+                items = answer.feed(piece.text)
                 out.check_calls(answer)
-            elif piece.text or piece.logprobs:
-                lp = out.chat_logprobs(piece) if chat else out.completion_logprobs(piece)
-                await _send(response, chunk(piece.text, logprobs=lp))
+            lp = out.chat_logprobs(piece) if piece.logprobs else None
+            await _send_answer(response, piece.reasoning, items, call, body, created, lp)
 
         if not await collect(request, out, event, events, emit):
             return response  # the client left; the caller aborts the call
-        if out.error is None and answer is not None:
-            await _send_answer(response, answer.feed(out.flush()) + answer.finish(), call, body, created, None)
-            out.check_calls(answer, ended=True)
+        rest = out.flush() if out.error is None else Piece()
+        if chat and (answer is not None or rest.reasoning):
+            items = answer.feed(rest.text) + answer.finish() if answer is not None else []
+            await _send_answer(response, rest.reasoning, items, call, body, created, None)
+            if answer is not None:
+                out.check_calls(answer, ended=True)
         if out.error is not None:
             await _send(response, error_body(out.error, "upstream_error", None, out.error_code))
         else:
             if answer is not None:
                 await _send(response, chunk("", answer.finish_reason(out.finish_reason)))
             else:
-                await _send(response, chunk(out.flush(), out.finish_reason))
+                await _send(response, chunk(rest.text, out.finish_reason))
             if body.include_usage:
                 await _send(response, chunk(None, usage=out.usage()))
         await response.write(b"data: [DONE]\n\n")
@@ -122,10 +135,12 @@ async def _stream(
 
 
 async def _send_answer(
-    response: web.StreamResponse, items: list[AnswerItem], call: CallRequest,
+    response: web.StreamResponse, reasoning: str, items: list[AnswerItem], call: CallRequest,
     body: schema.CompletionBody, created: int, logprobs: dict[str, Any] | None,
 ) -> None:
-    for delta in _deltas(items, with_logprobs=logprobs is not None):
+    """One piece of a chat answer as chunks: its reasoning, then its content and calls."""
+    deltas = [{"reasoning_content": reasoning}] if reasoning else []
+    for delta in deltas + _deltas(items, with_logprobs=logprobs is not None and not deltas):
         await _send(response, schema.chat_chunk(call.call_id, body.model, created, delta, logprobs=logprobs))
         logprobs = None
 

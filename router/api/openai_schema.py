@@ -47,6 +47,7 @@ class CompletionBody:
     max_tokens_param: str = "max_tokens"  # the field ``max_tokens`` came from, named in errors
     prompt_param: str = "messages"  # the field the prompt came from, named in errors
     media: Omissions = field(default_factory=Omissions)  # images and files left out (router.api.media_placeholders)
+    show_reasoning: bool = True  # a reasoning model's reasoning goes back (Anthropic: when thinking is enabled)
 
 
 def parse_chat(body: Any) -> CompletionBody:

@@ -9,14 +9,18 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   call of a function tool (``id`` ``fc_...``, ``call_id`` ``call_...``, ``arguments`` a JSON
   object as a string; ``namespace`` for a tool a namespace offered) and a ``custom_tool_call``
   item per call of a custom tool (``id`` ``ctc_...``, ``call_id``, ``name``, ``input`` the
-  string, see ``router.api.responses_tools``); an empty answer is one message with empty text;
-  ``usage`` counts ``input_tokens`` with the cached ones among them
+  string, see ``router.api.responses_tools``), all after a ``reasoning`` item (``id``
+  ``rs_...``, ``summary: []``, one ``reasoning_text`` content part) when a model with a
+  reasoning parser reasoned (``router.api.reasoning``); an empty answer is one message with
+  empty text; ``usage`` counts ``input_tokens`` with the cached ones among them
   (``input_tokens_details.cached_tokens``; ``cache_write_tokens`` 0), ``output_tokens`` and
-  no reasoning tokens; the request's settings are repeated as OpenAI repeats them;
+  among them ``output_tokens_details.reasoning_tokens``; the request's settings are repeated
+  as OpenAI repeats them;
 - the stream as named SSE events, each with a ``sequence_number`` one above the last (from 0):
   ``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
   ``response.content_part.added``, ``response.output_text.delta``...,
-  ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``;
+  ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``
+  (the reasoning item alike, with ``response.reasoning_text.delta`` / ``.done`` events);
   per call ``response.output_item.added`` once its name is known, then
   ``response.function_call_arguments.delta`` events with its arguments' pieces as the model
   writes them (joined, the ``arguments`` of its ``.done``; see ``router.api.answer_parser``),
@@ -136,7 +140,8 @@ def _usage(out: OutputAssembler) -> dict[str, Any]:
         "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                  "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.get("completion_tokens_details", {})
+                                  .get("reasoning_tokens", 0)},
         "total_tokens": usage["total_tokens"],
     }
 
@@ -168,14 +173,15 @@ class _Call:
 class _Output:
     """Builds the output items from the answer's pieces, in order, and writes their stream
     events when it has a response to write to (none: the non-streamed answer, same items).
-    Invariant: at most one item is open (a message, or a call whose arguments are under
-    way), and it is the last item of ``items``."""
+    Invariant: at most one item is open (the reasoning, a message, or a call whose arguments
+    are under way), and it is the last item of ``items``."""
 
     def __init__(self, tools: Tools, response: web.StreamResponse | None = None) -> None:
         self.tools = tools
         self.response = response
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
+        self._reasoning: list[str] | None = None  # the open reasoning item's text so far
         self._text: list[str] | None = None  # the open message's text so far; None: none open
         self._call: _Call | None = None  # the open call
 
@@ -186,12 +192,38 @@ class _Output:
         self.sequence += 1
         await self.response.write(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
 
+    async def reason(self, text: str) -> None:
+        """The answer's next reasoning text (it precedes every other item)."""
+        if not text:
+            return
+        if self._reasoning is None:
+            item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "content": [],
+                    "status": "in_progress"}
+            self.items.append(item)
+            self._reasoning = []
+            await self.send("response.output_item.added", {"output_index": len(self.items) - 1, "item": item})
+            await self.send("response.content_part.added", {**self._where(), "part": _reasoning_part("")})
+        self._reasoning.append(text)
+        await self.send("response.reasoning_text.delta", {**self._where(), "delta": text})
+
+    async def close_reasoning(self, status: str) -> None:
+        if self._reasoning is None:
+            return
+        text, where = "".join(self._reasoning), self._where()
+        self._reasoning = None
+        item = self.items[-1] = _reasoning(self.items[-1]["id"], text, status)
+        await self.send("response.reasoning_text.done", {**where, "text": text})
+        await self.send("response.content_part.done", {**where, "part": _reasoning_part(text)})
+        await self.send("response.output_item.done", {"output_index": where["output_index"], "item": item})
+
     async def feed(self, pieces: list[AnswerItem]) -> None:
         for piece in pieces:
             if isinstance(piece, str):
                 if piece:
+                    await self.close_reasoning("completed")
                     await self._add_text(piece)
             elif isinstance(piece, ToolCallStart):
+                await self.close_reasoning("completed")
                 await self.close_text("completed")
                 await self._open_call(piece)
             elif isinstance(piece, ToolCallDelta):
@@ -203,6 +235,7 @@ class _Output:
         """Close the open message (``status`` is the answer's); an empty answer is one empty message."""
         if not self.items:
             await self._open_text()
+        await self.close_reasoning("incomplete" if status == "incomplete" else "completed")
         await self.close_text("incomplete" if status == "incomplete" else "completed")
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -210,6 +243,8 @@ class _Output:
         if self._call is not None:
             call = self._call
             return [*self.items[:-1], {**call.item, call.key: call.sent, "status": "incomplete"}]
+        if self._reasoning is not None:
+            return [*self.items[:-1], _reasoning(self.items[-1]["id"], "".join(self._reasoning), "incomplete")]
         if self._text is None:
             return list(self.items)
         return [*self.items[:-1], _message(self.items[-1]["id"], "".join(self._text), "incomplete")]
@@ -292,6 +327,14 @@ def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _reasoning(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [_reasoning_part(text)], "status": status}
+
+
 def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [_part(text)]}
 
@@ -308,6 +351,7 @@ async def _collect(
         raise ApiError(400, full, param="input", code="context_length_exceeded", headers=shape.headers)
     text = out.text
     output = _Output(shape.tools)
+    await output.reason(out.reasoning)
     await output.feed(whole_call_items(answer.parse(text)) if answer is not None else [text])
     status = _status(out)
     await output.finish(status)
@@ -328,14 +372,16 @@ async def _stream(
         await output.send("response.in_progress", {"response": shape.response("in_progress", [])})
 
         async def emit(piece: Piece) -> None:
+            await output.reason(piece.reasoning)
             await output.feed(answer.feed(piece.text) if answer is not None else [piece.text])
             out.check_calls(answer)
 
         if not await collect(request, out, event, events, emit):
             return response  # the client left; the caller aborts the call
         if out.error is None:
-            rest = out.flush()
-            await output.feed(answer.feed(rest) + answer.finish() if answer is not None else [rest])
+            await emit(out.flush())
+            if answer is not None:
+                await output.feed(answer.finish())
             out.check_calls(answer, ended=True)
         if out.error is not None:
             error = {"code": "server_error", "message": out.error}

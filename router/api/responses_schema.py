@@ -29,8 +29,9 @@ accept and render alike:
   comes from the headers as on every API (Codex sends ``session_id``).
 
 Accepted and ignored, since they do not change the answer: ``store`` (nothing is stored),
-``metadata`` (echoed), ``user``, ``safety_identifier``, ``service_tier``, ``reasoning`` (no
-reasoning items are produced), ``include`` (but ``message.output_text.logprobs``),
+``metadata`` (echoed), ``user``, ``safety_identifier``, ``service_tier``, ``reasoning`` (a
+reasoning model's ``reasoning`` item comes back whatever its effort or summary asks, without
+summary or encrypted content), ``include`` (but ``message.output_text.logprobs``),
 ``text.verbosity``, ``stream_options``, ``client_metadata`` (an object of strings, Codex's),
 ``context_management`` (an array of ``{"type": ...}``), ``prompt_cache_key`` (a string,
 echoed; NOT a session source: OpenAI lets one key be shared by unrelated requests, so it

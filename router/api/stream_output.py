@@ -1,6 +1,8 @@
 """Turns a call's CallEvents into the text the client sees: detokenise, cut at stop strings,
-keep logprobs and usage. One assembler per call; the streaming and the collecting handler
-share it, so both answer the same text. A failure the instance reports becomes a generic
+split a thinking model's reasoning from its answer (``router.api.reasoning``; after the stop
+strings, so one inside the reasoning ends the answer there, as vLLM's do), keep logprobs and
+usage. One assembler per call; the streaming and the collecting handler share it, so both
+answer the same text. A failure the instance reports becomes a generic
 ``error`` naming the request id (the detail goes to the log), and :func:`next_event` waits
 for a call's next event while watching that its client is still there."""
 
@@ -16,6 +18,7 @@ from aiohttp import web
 
 from router.api import openai_schema as schema
 from router.api.answer_parser import AnswerParser
+from router.api.reasoning import ReasoningSplitter
 from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallRequest, CallUsage
@@ -28,9 +31,12 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class Piece:
-    """What one event added: text safe to send, and its tokens' logprobs if asked for."""
+    """What one event added: text safe to send (the answer's content, and before it any
+    reasoning, which a model without a reasoning parser never has), and its tokens'
+    logprobs if asked for."""
 
     text: str = ""
+    reasoning: str = ""
     tokens: list[bytes] = field(default_factory=list)  # each token's own bytes
     logprobs: list[float] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # where each token starts in the answer
@@ -40,12 +46,17 @@ class OutputAssembler:
     def __init__(
         self, tok: ModelTokenizer, prompt_ids: Sequence[int], stops: Sequence[str],
         want_logprobs: bool, request_id: str = "", keep_tags: Sequence[str] = (),
+        reasoning: ReasoningSplitter | None = None,
     ) -> None:
         """``keep_tags``: the tool format's tags, kept in the text where the vocabulary
-        marks them special (its parser must see them; other special tokens are skipped)."""
+        marks them special (its parser must see them; other special tokens are skipped), as
+        are the reasoning tags when ``reasoning`` splits the answer."""
         self.request_id = request_id
         self._tok = tok
-        self._keep = tok.special_ids(keep_tags) if keep_tags else []
+        tags = [*keep_tags, *(reasoning.tags if reasoning is not None else ())]
+        self._keep = tok.special_ids(tags) if tags else []
+        self.reasoning_splitter = reasoning
+        self._reasoning: list[str] = []
         self._detok = tok.detokenizer(prompt_ids, self._keep)
         self._stop = StopMatcher(stops)
         self._stops = list(stops)
@@ -72,7 +83,7 @@ class OutputAssembler:
         if event.finished:
             text += self._detok.flush()  # bytes that never completed a character
         emit, stopped = self._stop.feed(text)
-        piece = Piece(text=emit)
+        piece = self._split(emit, len(event.token_ids))
         if self._want_logprobs and event.token_ids:
             tokens = self._tok.token_bytes(event.token_ids)
             offsets = []
@@ -84,7 +95,6 @@ class OutputAssembler:
                 self._all.tokens += piece.tokens
                 self._all.logprobs += piece.logprobs
                 self._all.offsets += piece.offsets
-        self._text.append(emit)
         if stopped:
             self.finish_reason, self.done = "stop", True
         elif event.finished:
@@ -121,16 +131,40 @@ class OutputAssembler:
         self.error, self.error_code = f"{why}; request id {self.request_id}", "malformed_tool_call"
         self.done = True
 
-    def flush(self) -> str:
-        """Release text held back for a possible stop string (call it once, at the end)."""
-        rest = self._stop.flush()
-        self._text.append(rest)
-        return rest
+    def _split(self, text: str, tokens: int, final: bool = False) -> Piece:
+        """``text`` as the answer's content and reasoning (kept for the collected answer)."""
+        splitter = self.reasoning_splitter
+        if splitter is None:
+            self._text.append(text)
+            return Piece(text=text)
+        split = splitter.feed(text, tokens)
+        if final:
+            rest = splitter.finish()
+            split.reasoning, split.content = split.reasoning + rest.reasoning, split.content + rest.content
+        self._reasoning.append(split.reasoning)
+        self._text.append(split.content)
+        return Piece(text=split.content, reasoning=split.reasoning)
+
+    def flush(self) -> Piece:
+        """Release text held back for a possible stop string or reasoning tag (call it once,
+        at the end; later calls release nothing)."""
+        return self._split(self._stop.flush(), 0, final=True)
 
     @property
     def text(self) -> str:
+        """The answer's content (its reasoning left out)."""
         self.flush()
         return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        """The answer's reasoning ("" for a model without a reasoning parser)."""
+        self.flush()
+        return "".join(self._reasoning)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.reasoning_splitter.reasoning_tokens if self.reasoning_splitter is not None else 0
 
     @property
     def stopped_at_string(self) -> bool:
@@ -154,7 +188,10 @@ class OutputAssembler:
         completion = reported.completion_tokens if reported and not stopped_here else len(self.token_ids)
         cached = reported.cached_tokens if reported else 0
         restored = reported.restored_tokens if reported else 0
-        return schema.usage_dict(prompt, completion, cached, restored)
+        usage = schema.usage_dict(prompt, completion, cached, restored)
+        if self.reasoning_splitter is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": min(self.reasoning_tokens, completion)}
+        return usage
 
     def chat_logprobs(self, piece: Piece | None = None) -> dict[str, Any] | None:
         if not self._want_logprobs:

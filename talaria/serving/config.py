@@ -25,6 +25,8 @@ cuda_graphs = true      # on a GPU at TP=1, small decode steps replayed from CUD
 path = "/models/my-model"   # an HF directory or a .gguf file; relative to this file
 max_model_len = 8192
 tool_format = "hermes"      # how it writes tool calls (default: found in its chat template)
+reasoning_parser = "qwen3"  # its <think> text as reasoning: "qwen3" | "deepseek_r1" | "none"
+                            # (default: found in its chat template, else none; router.api.reasoning)
 max_tokens_overflow = "refuse"  # this model's rule (default: the router's)
 
 [[instances]]           # none: one instance on the CPU
@@ -79,6 +81,7 @@ __all__ = [
 
 _PLACEMENT_POLICIES = ("talaria", "load", "cache_aware")
 _OVERFLOW_RULES = ("clamp", "refuse")  # router.api.output_budget's (serve config stays router-free)
+_REASONING_PARSERS = ("deepseek_r1", "none", "qwen3")  # router.api.reasoning's, and "none"
 _DEFAULT_KV_BLOCKS = 512
 _DEFAULT_HOST_KV_BYTES = 256 << 20
 
@@ -124,6 +127,7 @@ class ModelEntry:
     max_model_len: int | None = None
     tool_format: str | None = None
     max_tokens_overflow: str | None = None  # None: the router's rule
+    reasoning_parser: str | None = None  # None: found in the chat template
 
 
 @dataclass
@@ -265,6 +269,10 @@ class ServeConfig:
         for key, rule in rules.items():
             if rule not in _OVERFLOW_RULES:
                 raise ConfigError(f"{key} must be one of {list(_OVERFLOW_RULES)}, got {rule!r}")
+        for name, m in self.models.items():
+            if m.reasoning_parser is not None and m.reasoning_parser not in _REASONING_PARSERS:
+                raise ConfigError(f"[models.{name}].reasoning_parser must be one of {list(_REASONING_PARSERS)}, "
+                                  f"got {m.reasoning_parser!r}")
         headers = r.session_headers
         if headers is not None and (not isinstance(headers, list) or not headers
                                     or not all(isinstance(h, str) and h.strip() for h in headers)):

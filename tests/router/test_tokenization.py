@@ -98,5 +98,5 @@ def test_the_assembled_answer_ends_as_the_full_decode(tiny_tokenizer: ModelToken
     out = OutputAssembler(tiny_tokenizer, tiny_tokenizer.encode_text("hi"), [], want_logprobs=False)
     streamed = [out.add(CallEvent("c", token_ids=[t], finished=k == len(ids) - 1,
                                   finish_reason="length")).text for k, t in enumerate(ids)]
-    assert "".join(streamed) + out.flush() == out.text == tiny_tokenizer.decode(ids)
+    assert "".join(streamed) + out.flush().text == out.text == tiny_tokenizer.decode(ids)
     assert out.text.endswith("\ufffd")
