@@ -11,8 +11,9 @@ stream ends with ``data: [DONE]``, after an error chunk when anything failed (th
 or this side).
 
 A model with a reasoning parser (``router.api.reasoning``) answers its chat completions with
-the reasoning in ``message.reasoning_content`` (null when it had none) and, streamed, in
-``delta.reasoning_content`` chunks before the content's, as vLLM does; ``usage`` then has
+the reasoning in ``message.reasoning`` (null when it had none) and, streamed, in
+``delta.reasoning`` chunks before the content's, as vLLM does, each also named
+``reasoning_content`` (DeepSeek's name, vLLM's earlier one, which many clients read); ``usage`` then has
 ``completion_tokens_details.reasoning_tokens``. Text completions are never split.
 """
 
@@ -66,7 +67,8 @@ async def _collect(
         data = schema.chat_completion(call.call_id, body.model, created, text, finish,
                                       usage, out.chat_logprobs(), calls)
         if out.reasoning_splitter is not None:
-            data["choices"][0]["message"]["reasoning_content"] = out.reasoning or None
+            message = data["choices"][0]["message"]
+            message["reasoning"] = message["reasoning_content"] = out.reasoning or None
     else:
         data = schema.text_completion(call.call_id, body.model, created, out.text, out.finish_reason,
                                       usage, out.completion_logprobs())
@@ -139,7 +141,7 @@ async def _send_answer(
     body: schema.CompletionBody, created: int, logprobs: dict[str, Any] | None,
 ) -> None:
     """One piece of a chat answer as chunks: its reasoning, then its content and calls."""
-    deltas = [{"reasoning_content": reasoning}] if reasoning else []
+    deltas = [{"reasoning": reasoning, "reasoning_content": reasoning}] if reasoning else []
     for delta in deltas + _deltas(items, with_logprobs=logprobs is not None and not deltas):
         await _send(response, schema.chat_chunk(call.call_id, body.model, created, delta, logprobs=logprobs))
         logprobs = None

@@ -171,6 +171,9 @@ def _messages(messages: Any, omitted: Omissions) -> list[dict[str, Any]]:
         clean["content"] = _content(message.get("content"), role, where, message, omitted)
         if role == "assistant" and message.get("tool_calls") is not None:
             clean["tool_calls"] = assistant_tool_calls(message["tool_calls"], where)
+        if role == "assistant" and isinstance(message.get("reasoning"), str):
+            # vLLM's name for what chat templates (Qwen3's) read as reasoning_content
+            clean.setdefault("reasoning_content", clean.pop("reasoning"))
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:

@@ -48,8 +48,9 @@ def chat_parts(chunks: list[Any]) -> tuple[str, str, list[str]]:
         if chunk == "[DONE]" or not chunk["choices"]:
             continue
         delta = chunk["choices"][0]["delta"]
-        if delta.get("reasoning_content"):
-            reasoning += delta["reasoning_content"]
+        if delta.get("reasoning"):
+            assert delta["reasoning_content"] == delta["reasoning"]  # both names, as clients read either
+            reasoning += delta["reasoning"]
             kinds.append("reasoning")
         if delta.get("content"):
             content += delta["content"]
@@ -77,7 +78,8 @@ async def test_chat_returns_the_reasoning_apart_collected_and_streamed(tiny_toke
         data = await chat(client)
         chunks = await chat_stream(client, stream_options={"include_usage": True})
     message = data["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": CONTENT, "reasoning_content": REASONING}
+    assert message == {"role": "assistant", "content": CONTENT, "reasoning": REASONING,
+                       "reasoning_content": REASONING}
     assert data["choices"][0]["finish_reason"] == "stop"
     thought = reasoning_tokens(tiny_tokenizer, ANSWER)
     assert data["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
@@ -317,6 +319,7 @@ async def test_a_stop_string_or_the_token_limit_inside_the_reasoning_ends_the_an
     if api == "chat":
         stopped, limited = results
         assert stopped["choices"][0]["message"] == {"role": "assistant", "content": "",
+                                                    "reasoning": "First this. ",
                                                     "reasoning_content": "First this. "}
         assert stopped["choices"][0]["finish_reason"] == "stop"
         assert limited["choices"][0]["message"]["reasoning_content"] == cut
@@ -362,6 +365,7 @@ async def test_a_forced_tool_call_is_content_even_where_the_prompt_opened_think(
         data = await chat(client, tools=TOOLS, tool_choice="required")
     assert call_of("chat", data) == ("get_weather", {"city": "Oslo"})
     assert data["choices"][0]["message"]["reasoning_content"] is None
+    assert data["choices"][0]["message"]["reasoning"] is None
 
 
 async def test_an_anthropic_prefill_inside_the_thinking_continues_it(tiny_tokenizer: ModelTokenizer) -> None:
@@ -372,3 +376,16 @@ async def test_an_anthropic_prefill_inside_the_thinking_continues_it(tiny_tokeni
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content] == [
         ("thinking", " more."), ("text", CONTENT)]
 
+
+
+def test_a_history_message_s_reasoning_reaches_the_template_as_reasoning_content() -> None:
+    """A client that sends back vLLM's ``reasoning`` field gets it rendered as the
+    ``reasoning_content`` Qwen3's template reads; ``reasoning_content`` itself wins."""
+    from router.api.openai_schema import parse_chat
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "A.", "reasoning": "think 1"},
+             {"role": "assistant", "content": "B.", "reasoning": "x", "reasoning_content": "think 2"}]
+    messages = parse_chat({"model": "tiny", "messages": turns}).messages
+    assert messages is not None
+    assert [m.get("reasoning_content") for m in messages] == [None, "think 1", "think 2"]
+    assert all("reasoning" not in m for m in messages)
