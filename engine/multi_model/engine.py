@@ -40,10 +40,11 @@ from engine.multi_model.catalog import read_catalog
 from engine.multi_model.config import MultiModelConfig
 from engine.multi_model.rank import RankModels
 from engine.multi_model.rates import ModelRateMeter
+from engine.multi_model.secondary import RankSecondary
 from engine.multi_model.tp import RankBuild, TensorParallelRankModels
 from engine.served_models import ServedModels, ServesModels
 from substrate.host_kv_index import ChainLookups
-from substrate.moves import MoveKind, MoveRecord
+from substrate.moves import MoveKind
 
 log = structlog.get_logger(__name__)
 
@@ -367,31 +368,6 @@ class MultiModelEngine(ServesModels):
     @property
     def kv_region(self) -> torch.Tensor:
         return self.rank.kv_region
-
-
-class RankSecondary:
-    """The host KV store as one model's secondary cache (``SecondaryKVCache``), through the
-    rank ops, so that at TP=N a restore is one more op every rank executes."""
-
-    def __init__(self, rank: RankModels | TensorParallelRankModels, model: str) -> None:
-        self.rank = rank
-        self.model = model
-        self._queued = False
-
-    def lookup(self, block_hashes: list[int]) -> int:
-        return self.rank.host_kv_lookup(self.model, block_hashes, touch=True)
-
-    def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
-        """Queue the copy: the step's forward pass writes the blocks (``restore_kv``)."""
-        self.rank.restore_kv(self.model, block_hashes, block_ids)
-        self._queued = True
-
-    def drain_records(self) -> list[MoveRecord]:
-        """Records of the loads the last steps settled (asks the ranks only after a load)."""
-        if not self._queued:
-            return []
-        self._queued = False
-        return self.rank.take_kv_load_records(self.model)
 
 
 def _build_rank(
