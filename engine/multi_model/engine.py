@@ -39,7 +39,7 @@ from engine.models.checkpoint_cache import model_dir
 from engine.multi_model.catalog import read_catalog
 from engine.multi_model.config import MultiModelConfig
 from engine.multi_model.rank import RankModels
-from engine.multi_model.rates import ModelRateMeter
+from engine.multi_model.rates import ModelRateMeter, StagingBook
 from engine.multi_model.secondary import RankSecondary
 from engine.multi_model.tp import RankBuild, TensorParallelRankModels
 from engine.served_models import ServedModels, ServesModels
@@ -103,6 +103,7 @@ class MultiModelEngine(ServesModels):
         self._meters = {
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
         }
+        self._staging = StagingBook(self._meters)
         # The latest restores, for a benchmark to take; bounded, as nobody takes them live.
         self._restores: deque[MoveReport] = deque(maxlen=RESTORE_REPORTS_KEPT)
         self._carried: list[TokenEvent] = []  # switched-out cores' undelivered events
@@ -143,6 +144,7 @@ class MultiModelEngine(ServesModels):
         self.cores[model].reset_kv()  # as many blocks as its KV cache now has
         self.served.active = model
         self._meters[model].observe_move(record)
+        self._book_staging()  # the activation may have seen a staging copy end
         log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds,
                  lend_staging=lend_staging)
         return record
@@ -158,6 +160,7 @@ class MultiModelEngine(ServesModels):
         record = self.rank.activate(model, lend_staging=True)
         self.cores[model].reset_kv()  # as many blocks as its lent KV cache has
         self._meters[model].observe_move(record)
+        self._book_staging()  # lending waited for the staging copy in flight
         log.info("multi_model.lend_to_active", model=model, seconds=record.seconds)
         return record
 
@@ -183,11 +186,15 @@ class MultiModelEngine(ServesModels):
             if estimate is None:
                 record = self.rank.poll_staging(block=True, raise_failure=True)
             else:
-                return MoveReport(MoveKind.STAGE, plan.bytes, estimate)
-        if record is None:
-            return MoveReport(plan.kind, plan.bytes, 0.0)
-        self._meters[model].observe_move(record)
-        return record
+                record = MoveReport(MoveKind.STAGE, plan.bytes, estimate)
+        self._book_staging()
+        return MoveReport(plan.kind, plan.bytes, 0.0) if record is None else record
+
+    def take_staging_failures(self) -> list[str]:
+        """Models whose background staging copies failed since the last call (each staged
+        nothing: the model is in host memory only; a copy ``stage`` waited for raises)."""
+        self._poll_staging()
+        return self._staging.take_failures()
 
     def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
         """Copy the active model's cached device KV of these sessions (None: every session
@@ -333,11 +340,14 @@ class MultiModelEngine(ServesModels):
         self.served.check_model(model)
 
     def _poll_staging(self, block: bool = False) -> None:
-        """Book a completed staging copy against the staged model's rates."""
-        name = self.rank.staged_model
-        record = self.rank.poll_staging(block=block)
-        if record is not None and name is not None:
-            self._meters[name].observe_move(record)
+        """See whether the staging copy in flight ended (``block``: wait for it); book it."""
+        self.rank.poll_staging(block=block)
+        self._book_staging()
+
+    def _book_staging(self) -> None:
+        """Every staging copy the substrate saw end (inside an activation or a stage too):
+        its record to its model's meter, once; a failure for ``take_staging_failures``."""
+        self._staging.book(self.rank.take_staging_outcomes())
 
     def _active_core_of(self, session_id: str) -> EngineCore | None:
         model = self._session_model.get(session_id)
