@@ -88,6 +88,9 @@ class EngineExecutor:
         self.busy_since: float | None = None  # loop time the operation in flight started
         self.on_report: list[Callable[[str, StepResult | MoveReport, str | None], None]] = []
         self._aborted: set[str] = set()  # ids aborted here whose abort event is still to come
+        # background staging copies that failed (engines whose copies end in the background)
+        self._staging_failures: Callable[[], list[str]] | None = getattr(
+            engine, "take_staging_failures", None)
 
     # timed operations -------------------------------------------------------------------
 
@@ -166,6 +169,14 @@ class EngineExecutor:
 
     def can_stage(self, model: str) -> bool:
         return self.engine.can_stage(model)
+
+    def take_staging_failures(self) -> list[str]:
+        """Models whose background staging copies failed since the last call; none from an
+        engine whose copies cannot fail in the background (it has no such method)."""
+        if self._staging_failures is None:
+            return []
+        self._check_idle("take_staging_failures")
+        return self._staging_failures()
 
     def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:
         return self.engine.kv_capacity_blocks(model, lent)
