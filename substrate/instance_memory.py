@@ -24,7 +24,6 @@ from torch import nn
 
 from substrate.arena import DeviceArena
 from substrate.host_kv import HostKVCache, HostKVStore
-from substrate.host_kv_index import ValueHook
 from substrate.host_weights import FillFn, HostWeightStore
 from substrate.layout import WeightLayout, dtype_size
 from substrate.ledger import Ledger, Placement, StagingState, staging_region_bytes
@@ -70,7 +69,6 @@ class InstanceMemory:
         weight_bytes: int | None = None,
         staging_region: str = "largest",
         pin: bool | None = None,
-        value_hook: ValueHook | None = None,
     ) -> None:
         """Size and allocate the arena for the catalog ``layouts`` (model -> this rank's
         layout). ``weight_bytes`` (default: the largest layout) fixes the weight region; a
@@ -86,7 +84,7 @@ class InstanceMemory:
             self.arena.check_fits(layout, name)
         self.layouts = dict(layouts)
         self.hosts = HostWeightStore(pin=pin)
-        self.host_kv = HostKVStore(host_kv_bytes, pin=pin, value_hook=value_hook)
+        self.host_kv = HostKVStore(host_kv_bytes, pin=pin)
         self.ledger = Ledger(self.arena.weight_bytes, self.arena.staging_bytes, self.host_kv.index)
         self.mover = TorchMover(self.arena.device)
         self.stager = Stager(self.arena.staging_region)

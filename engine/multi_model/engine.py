@@ -99,6 +99,7 @@ class MultiModelEngine(ServesModels):
         )
         self._sessions: dict[str, dict[str, list[int]]] = {name: {} for name in self.catalog}
         self._session_model: dict[str, str] = {}
+        self._held: set[str] = set()  # sessions whose host KV is evicted last
         self._host_chains = ChainLookups(self.rank.host_kv_index())
         self._meters = {
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
@@ -268,9 +269,19 @@ class MultiModelEngine(ServesModels):
         if core is not None:
             core.unpin_session_kv(session_id)
 
+    def hold_host_kv(self, session_id: str, held: bool = True) -> None:
+        """Keep the session's host KV past every block of a session not held: the host
+        store evicts it only once nothing else is left to evict (``held=False``: least
+        recently used as any other again). The instance holds a session while it has a
+        soft reservation. Forgetting the session lets it go."""
+        if held != (session_id in self._held):
+            (self._held.add if held else self._held.discard)(session_id)
+            self.rank.hold_host_kv(session_id, held)
+
     def forget_session(self, session_id: str) -> None:
         """Forget it on every model it called, not only its last (an earlier model keeps
         its chain while its host KV lasts, which a new session under the id would read)."""
+        self.hold_host_kv(session_id, False)
         self._session_model.pop(session_id, None)
         self._host_chains.forget(session_id)
         for name, sessions in self._sessions.items():

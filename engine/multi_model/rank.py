@@ -165,6 +165,11 @@ class RankModels:
         recently used, which changes eviction order: every rank must do the same)."""
         return self.memory.host_kv.lookup(name, block_hashes, touch=touch)
 
+    def hold_host_kv(self, session_id: str, held: bool) -> None:
+        """Evict the session's host KV only after every unheld block (``held=False``: as
+        any other again); it changes eviction order, so every rank must do the same."""
+        self.memory.host_kv.index.hold(session_id, held)
+
     # ------------------------------------------------------------------ queries
     def host_kv_index(self) -> HostKVIndex:
         """This rank's host KV index (every rank's holds the same blocks)."""

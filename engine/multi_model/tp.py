@@ -228,6 +228,9 @@ class TensorParallelRankModels:
             return self.local.host_kv_lookup(name, block_hashes)
         return min(self._all("host_kv_lookup", name, block_hashes, True))
 
+    def hold_host_kv(self, session_id: str, held: bool) -> None:
+        self._all("hold_host_kv", session_id, held)  # eviction order: every rank alike
+
     def can_stage(self, name: str) -> bool:
         return self.local.memory.ledger.can_stage(name)  # every rank's region is alike
 

@@ -91,6 +91,8 @@ class EngineExecutor:
         # background staging copies that failed (engines whose copies end in the background)
         self._staging_failures: Callable[[], list[str]] | None = getattr(
             engine, "take_staging_failures", None)
+        self._hold_host_kv: Callable[[str, bool], None] | None = getattr(
+            engine, "hold_host_kv", None)
 
     # timed operations -------------------------------------------------------------------
 
@@ -169,6 +171,14 @@ class EngineExecutor:
 
     def can_stage(self, model: str) -> bool:
         return self.engine.can_stage(model)
+
+    def hold_host_kv(self, session_id: str, held: bool) -> None:
+        """Have the engine's host KV store evict the session's KV last (``held``) or as any
+        other's; nothing on an engine without the method (the simulated one: its host store
+        evicts least recently used first, whatever is reserved)."""
+        if self._hold_host_kv is not None:
+            self._check_idle("hold_host_kv")
+            self._hold_host_kv(session_id, held)
 
     def take_staging_failures(self) -> list[str]:
         """Models whose background staging copies failed since the last call; none from an

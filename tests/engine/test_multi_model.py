@@ -412,3 +412,16 @@ def test_every_finished_staging_copy_is_metered_once(models: dict[str, Path]) ->
     waited.activate(QWEN)
     assert waited._meters[QWEN].moves["stage"].count == 1
     assert waited.rank.memory.ledger.totals("stage").count == 1
+
+
+def test_a_held_session_is_let_go_when_forgotten(models: dict[str, Path]) -> None:
+    """A session whose host KV is held (reserved) and then forgotten is held no more: a new
+    session under its id starts as any other."""
+    engine = make_engine(models)
+    index = engine.rank.host_kv_index()
+    engine.hold_host_kv("s")
+    engine.hold_host_kv("t")
+    engine.hold_host_kv("t", False)
+    assert index._held == {"s"}
+    engine.forget_session("s")
+    assert not index._held

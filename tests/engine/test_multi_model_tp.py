@@ -111,6 +111,7 @@ def test_kv_restore_after_switch_runs_on_every_rank(
     cont_prompt = first_prompt + first[0]["k1"][0] + prompt(99, 7)
     assert tp2.session_kv_tokens(sid)[0] == 32  # 29 + 5 - 1 computed tokens: 8 full blocks
     restored_before = per_rank(tp2, "move_totals", "kv_restore")
+    tp2.hold_host_kv(sid)  # every rank's store evicts it last
     offload = tp2.offload_kv([sid])
     assert offload.bytes == 8 * tp2.catalog[LLAMA].kv_spec.block_bytes
     assert per_rank(tp2, "host_kv_usage") == [tp2.rank.host_kv_usage()] * 2

@@ -1,13 +1,14 @@
 """An instance on the live multi-model engine (two tiny models, CPU) against its substrate: a
 background staging copy that fails is counted and backed off, not started again at every
-turn, and the switch to its model still works (from host)."""
+turn, and the switch to its model still works (from host); a session's soft reservation
+keeps its host KV while the KV of unreserved sessions is evicted to make room."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from real_engine import LLAMA, QWEN, real_engine
+from real_engine import BLOCK, LLAMA, QWEN, real_engine
 
 from engine.interface import Residency
 from engine.sampling_params import SamplingParams
@@ -63,3 +64,34 @@ async def test_a_failed_background_staging_copy_is_backed_off_not_retried_every_
     assert engine.rank.move_totals("activate_h2d")[0] > 0
     assert engine.rank.move_totals("activate_d2d") == (0, 0.0)
 
+
+async def test_a_reserved_sessions_host_kv_outlives_unreserved_kv(
+    tiny_models: dict[str, Path],
+) -> None:
+    """Three Llama sessions' KV goes to a host store that holds two and a half of them at the
+    switch to Qwen. The one with a soft reservation (expected back) comes out whole; the
+    store evicts the unreserved sessions' KV, although the reserved one's is the oldest."""
+    probe = real_engine(tiny_models)
+    block_bytes = int(probe.kv_bytes_per_token(LLAMA)) * BLOCK
+    probe.shutdown()
+    tokens = 40  # the prompt; 43 tokens of KV once 4 are generated: 10 full blocks
+    engine = real_engine(tiny_models, host_kv_bytes=25 * block_bytes)
+    inst = Instance("i", engine, PolicyConfig(slot_quantum_s=60.0, session_prefill=False,
+                                              d2d_staging=False))
+    await inst.start()
+    try:
+        reserved = await inst.submit(call("r", "r", LLAMA, 4, n=tokens, seed=3, gap=30.0)).collect()
+        assert reserved[-1].finish_reason == "length"
+        for i, seed in enumerate((5, 7)):
+            done = await inst.submit(call(f"u{i}", f"u{i}", LLAMA, 4, n=tokens, seed=seed,
+                                          last=True)).collect()
+            assert done[-1].finish_reason == "length"
+        assert "r" in inst.reservations and "u0" not in inst.reservations
+        done = await inst.submit(call("q", "q", QWEN, 2)).collect()  # the switch offloads
+        assert done[-1].finish_reason == "length"
+        assert "r" in inst.reservations
+        host = {s: engine.session_kv_tokens(s)[1] for s in ("r", "u0", "u1")}
+    finally:
+        await inst.stop()
+    assert host["r"] == 10 * BLOCK, host
+    assert host["u0"] + host["u1"] == 15 * BLOCK, host
