@@ -192,9 +192,10 @@ class MultiModelEngine(ServesModels):
         return MoveReport(plan.kind, plan.bytes, 0.0) if record is None else record
 
     def take_staging_failures(self) -> list[str]:
-        """Models whose background staging copies failed since the last call (each staged
-        nothing: the model is in host memory only; a copy ``stage`` waited for raises)."""
-        self._poll_staging()
+        """Models whose background staging copies failed since the last call, as the last
+        poll (``residency``, ``activate``, ``stage``) saw them: each staged nothing (the
+        model is in host memory only); a copy ``stage`` waited for raises instead."""
+        self._book_staging()
         return self._staging.take_failures()
 
     def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
