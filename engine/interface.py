@@ -180,7 +180,10 @@ class MultiModelEngineProtocol(EngineCoreProtocol, Protocol):
 
     def stage(self, model: str) -> MoveReport:
         """Start copying ``model`` into the staging region; ``seconds`` is the time until
-        it is ready (measured when the copy is synchronous, predicted otherwise)."""
+        it is ready (measured when the copy is synchronous, predicted otherwise). A copy
+        that fails in the background stages nothing (the model is HOST again); an engine
+        whose copies can fail so tells of each once through an optional
+        ``take_staging_failures() -> list[str]`` (the live engine's)."""
         ...
 
     def residency(self) -> dict[str, Residency]: ...

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from substrate.host_kv_index import HostKVIndex, HostKVKey, ValueHook
+from substrate.host_kv_index import HostKVIndex, HostKVKey
 from substrate.layer_loads import LayerwiseKVLoad
 from substrate.mover import TorchMover, block_shape
 from substrate.moves import MoveKind, MoveRecord
@@ -28,10 +28,9 @@ class HostKVStore:
         self,
         capacity_bytes: int,
         pin: bool | None = None,
-        value_hook: ValueHook | None = None,
         kv_chunk_bytes: int = 64 * 2**20,
     ) -> None:
-        self.index = HostKVIndex(capacity_bytes, value_hook)
+        self.index = HostKVIndex(capacity_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.kv_chunk_bytes = kv_chunk_bytes
         self._payloads: dict[HostKVKey, torch.Tensor] = {}

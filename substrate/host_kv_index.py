@@ -2,8 +2,9 @@
 
 Keys are ``(model, block_hash)``, the hash being the engine's chained prefix hash of a full
 block, so the host store answers the same prefix queries as the device prefix cache. The
-index is bounded in bytes and never refuses an insert for lack of room: it evicts, least
-valuable first (the value hook; default: all equal), least recently used among equals.
+index is bounded in bytes and never refuses an insert for lack of room: it evicts least
+recently used blocks first, except that blocks of a held session (``hold``: one with a soft
+reservation on the live instance) go only once no other block is left to evict.
 
 Within one chain, ``touch`` stamps the head as the most recent block, so under LRU the tail
 of a prefix is evicted before its head (a missing block ends a restored prefix there, so a
@@ -15,7 +16,7 @@ Used by the live store (substrate.host_kv, with tensor payloads) and by the simu
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from substrate.prefix_presence import PrefixPresence
@@ -35,11 +36,6 @@ class HostKVEntry:
         return (self.model, self.block_hash)
 
 
-# Higher value = kept longer. E.g. the admission layer returns 1.0 for blocks of sessions
-# holding a live reservation and 0.0 otherwise.
-ValueHook = Callable[[HostKVEntry], float]
-
-
 @dataclass
 class ChainInsert:
     """Outcome of ``insert_chain``: the hashes newly inserted (a prefix of the chain's new
@@ -50,12 +46,12 @@ class ChainInsert:
 
 
 class HostKVIndex:
-    def __init__(self, capacity_bytes: int, value_hook: ValueHook | None = None) -> None:
+    def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"host KV capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.value_hook = value_hook
         self.used_bytes = 0
+        self._held: set[str] = set()  # sessions whose blocks are evicted last
         # least recently used first: the order is the recency (``touch`` moves to the end)
         self._entries: OrderedDict[HostKVKey, HostKVEntry] = OrderedDict()
         self._model_bytes: dict[str, int] = {}
@@ -71,6 +67,15 @@ class HostKVIndex:
     @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
+
+    def hold(self, session_id: str, held: bool = True) -> None:
+        """Evict the blocks ``session_id`` saved only once no block of a session not held is
+        left to evict (``held=False``: as any other again). Holding costs eviction nothing
+        while no session is held (the simulator holds none)."""
+        if held:
+            self._held.add(session_id)
+        else:
+            self._held.discard(session_id)
 
     def get(self, model: str, block_hash: int) -> HostKVEntry | None:
         return self._entries.get((model, block_hash))
@@ -175,11 +180,8 @@ class HostKVIndex:
         need = nbytes - self.free_bytes
         if need <= 0:
             return []
-        if self.value_hook is not None:
-            # stable sort: equal values keep LRU order (the dict is oldest first)
-            candidates = sorted(
-                (e for key, e in self._entries.items() if key not in protect), key=self.value_hook
-            )
+        if self._held:
+            candidates = self._held_last(need, protect)
         else:
             # oldest first; only as many entries as the room needs are visited
             candidates = []
@@ -198,6 +200,31 @@ class HostKVIndex:
             evicted.append(entry)
             need -= entry.nbytes
         return evicted
+
+    def _held_last(self, need: int, protect: set[HostKVKey]) -> list[HostKVEntry]:
+        """Entries to evict for ``need`` bytes: those of no held session oldest first, then,
+        if that is not room enough, held sessions' oldest first. Visits entries until the
+        room is found (held ones it passes are visited twice at most)."""
+        held = self._held
+        first: list[HostKVEntry] = []
+        later: list[HostKVEntry] = []
+        room = 0
+        for key, e in self._entries.items():
+            if room >= need:
+                return first
+            if key in protect:
+                continue
+            if held.isdisjoint(e.sessions):
+                first.append(e)
+                room += e.nbytes
+            else:
+                later.append(e)
+        for e in later:
+            if room >= need:
+                break
+            first.append(e)
+            room += e.nbytes
+        return first
 
     def _add_bytes(self, model: str, delta: int) -> None:
         self.used_bytes += delta

@@ -24,13 +24,12 @@ from torch import nn
 
 from substrate.arena import DeviceArena
 from substrate.host_kv import HostKVCache, HostKVStore
-from substrate.host_kv_index import ValueHook
 from substrate.host_weights import FillFn, HostWeightStore
 from substrate.layout import WeightLayout, dtype_size
 from substrate.ledger import Ledger, Placement, StagingState, staging_region_bytes
 from substrate.mover import TorchMover
 from substrate.moves import MoveKind, MoveRecord, PlannedMove
-from substrate.staging import Stager
+from substrate.staging import Stager, StagingOutcome
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +69,6 @@ class InstanceMemory:
         weight_bytes: int | None = None,
         staging_region: str = "largest",
         pin: bool | None = None,
-        value_hook: ValueHook | None = None,
     ) -> None:
         """Size and allocate the arena for the catalog ``layouts`` (model -> this rank's
         layout). ``weight_bytes`` (default: the largest layout) fixes the weight region; a
@@ -86,10 +84,11 @@ class InstanceMemory:
             self.arena.check_fits(layout, name)
         self.layouts = dict(layouts)
         self.hosts = HostWeightStore(pin=pin)
-        self.host_kv = HostKVStore(host_kv_bytes, pin=pin, value_hook=value_hook)
+        self.host_kv = HostKVStore(host_kv_bytes, pin=pin)
         self.ledger = Ledger(self.arena.weight_bytes, self.arena.staging_bytes, self.host_kv.index)
         self.mover = TorchMover(self.arena.device)
         self.stager = Stager(self.arena.staging_region)
+        self._staging_outcomes: list[StagingOutcome] = []
         self._kv_specs: dict[str, KVSpec] = {}
         self._kv_caches: dict[tuple[str, bool], torch.Tensor] = {}
 
@@ -188,7 +187,7 @@ class InstanceMemory:
     def _reclaim_staging(self) -> None:
         """Wait for a staging copy in flight (booked: it crossed the host link) and forget
         what the region holds. A copy that failed staged nothing: it costs its D2D switch,
-        not this activation (``poll_staging`` logs it)."""
+        not this activation (``poll_staging`` logs and queues it)."""
         self.poll_staging(block=True)
         self.stager.invalidate()
         self.ledger.clear_staging()
@@ -207,9 +206,14 @@ class InstanceMemory:
     def poll_staging(self, block: bool = False, raise_failure: bool = False) -> MoveRecord | None:
         """Bring the ledger up to date with the stager (waiting for a copy in flight if
         ``block``); returns the staging record when this call saw the copy complete. A copy
-        that failed staged nothing: it is logged and forgotten (its model activates from
-        host), or raised as RuntimeError with ``raise_failure`` (the caller waits for the
-        copy it asked for)."""
+        that failed staged nothing (the ledger holds no staged model; its model activates
+        from host): it is logged, or raised as RuntimeError with ``raise_failure`` (the
+        caller waits for the copy it asked for).
+
+        Invariant: every copy that ends is queued exactly once for
+        ``take_staging_outcomes``, whichever poll saw it end (this method is called from
+        inside ``activate`` and ``stage`` too, whose callers never see its return), except a
+        failure raised to the caller, who hears of it that way instead."""
         if self.ledger.staging_state is not StagingState.IN_PROGRESS:
             return None
         if not block and self.stager.state is StagingState.IN_PROGRESS:
@@ -222,13 +226,27 @@ class InstanceMemory:
             if raise_failure:
                 raise
             log.warning("staging_copy_failed", model=name)
+            if name is not None:
+                self._staging_outcomes.append(StagingOutcome(name, None))
             return None
         if record is None or name is None:
             self.ledger.clear_staging()
             return None
         self.ledger.finish_staging(name)
         self.ledger.record(record)
+        self._staging_outcomes.append(StagingOutcome(name, record))
         return record
+
+    def take_staging_outcomes(self) -> list[StagingOutcome]:
+        """The staging copies seen ending since the last call, in order (see
+        ``poll_staging``); polls nothing itself."""
+        outcomes, self._staging_outcomes = self._staging_outcomes, []
+        return outcomes
+
+    @property
+    def staging_outcomes_pending(self) -> bool:
+        """Whether ``take_staging_outcomes`` has something to give."""
+        return bool(self._staging_outcomes)
 
     def estimate(self, plan: PlannedMove) -> float | None:
         """Seconds ``plan`` should take at the bandwidth measured so far for its kind

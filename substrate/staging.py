@@ -11,13 +11,28 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
 from substrate.ledger import StagingState
 from substrate.moves import MoveKind, MoveRecord
 
-__all__ = ["Stager", "StagingState"]
+__all__ = ["Stager", "StagingOutcome", "StagingState"]
+
+
+@dataclass(frozen=True)
+class StagingOutcome:
+    """How one background staging copy of ``model`` ended: ``record`` (kind "stage", the
+    bytes, the seconds the copy took) when it completed, None when it failed (it staged
+    nothing: the model activates from host)."""
+
+    model: str
+    record: MoveRecord | None
+
+    @property
+    def failed(self) -> bool:
+        return self.record is None
 
 
 class Stager:

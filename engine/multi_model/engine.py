@@ -39,11 +39,12 @@ from engine.models.checkpoint_cache import model_dir
 from engine.multi_model.catalog import read_catalog
 from engine.multi_model.config import MultiModelConfig
 from engine.multi_model.rank import RankModels
-from engine.multi_model.rates import ModelRateMeter
+from engine.multi_model.rates import ModelRateMeter, StagingBook
+from engine.multi_model.secondary import RankSecondary
 from engine.multi_model.tp import RankBuild, TensorParallelRankModels
 from engine.served_models import ServedModels, ServesModels
 from substrate.host_kv_index import ChainLookups
-from substrate.moves import MoveKind, MoveRecord
+from substrate.moves import MoveKind
 
 log = structlog.get_logger(__name__)
 
@@ -98,10 +99,12 @@ class MultiModelEngine(ServesModels):
         )
         self._sessions: dict[str, dict[str, list[int]]] = {name: {} for name in self.catalog}
         self._session_model: dict[str, str] = {}
+        self._held: set[str] = set()  # sessions whose host KV is evicted last
         self._host_chains = ChainLookups(self.rank.host_kv_index())
         self._meters = {
             name: ModelRateMeter(entry.kv_bytes_per_token) for name, entry in self.catalog.items()
         }
+        self._staging = StagingBook(self._meters)
         # The latest restores, for a benchmark to take; bounded, as nobody takes them live.
         self._restores: deque[MoveReport] = deque(maxlen=RESTORE_REPORTS_KEPT)
         self._carried: list[TokenEvent] = []  # switched-out cores' undelivered events
@@ -142,6 +145,7 @@ class MultiModelEngine(ServesModels):
         self.cores[model].reset_kv()  # as many blocks as its KV cache now has
         self.served.active = model
         self._meters[model].observe_move(record)
+        self._book_staging()  # the activation may have seen a staging copy end
         log.info("multi_model.activate", model=model, kind=record.kind, seconds=record.seconds,
                  lend_staging=lend_staging)
         return record
@@ -157,6 +161,7 @@ class MultiModelEngine(ServesModels):
         record = self.rank.activate(model, lend_staging=True)
         self.cores[model].reset_kv()  # as many blocks as its lent KV cache has
         self._meters[model].observe_move(record)
+        self._book_staging()  # lending waited for the staging copy in flight
         log.info("multi_model.lend_to_active", model=model, seconds=record.seconds)
         return record
 
@@ -182,11 +187,16 @@ class MultiModelEngine(ServesModels):
             if estimate is None:
                 record = self.rank.poll_staging(block=True, raise_failure=True)
             else:
-                return MoveReport(MoveKind.STAGE, plan.bytes, estimate)
-        if record is None:
-            return MoveReport(plan.kind, plan.bytes, 0.0)
-        self._meters[model].observe_move(record)
-        return record
+                record = MoveReport(MoveKind.STAGE, plan.bytes, estimate)
+        self._book_staging()
+        return MoveReport(plan.kind, plan.bytes, 0.0) if record is None else record
+
+    def take_staging_failures(self) -> list[str]:
+        """Models whose background staging copies failed since the last call, as the last
+        poll (``residency``, ``activate``, ``stage``) saw them: each staged nothing (the
+        model is in host memory only); a copy ``stage`` waited for raises instead."""
+        self._book_staging()
+        return self._staging.take_failures()
 
     def offload_kv(self, session_ids: list[str] | None = None) -> MoveReport:
         """Copy the active model's cached device KV of these sessions (None: every session
@@ -260,9 +270,19 @@ class MultiModelEngine(ServesModels):
         if core is not None:
             core.unpin_session_kv(session_id)
 
+    def hold_host_kv(self, session_id: str, held: bool = True) -> None:
+        """Keep the session's host KV past every block of a session not held: the host
+        store evicts it only once nothing else is left to evict (``held=False``: least
+        recently used as any other again). The instance holds a session while it has a
+        soft reservation. Forgetting the session lets it go."""
+        if held != (session_id in self._held):
+            (self._held.add if held else self._held.discard)(session_id)
+            self.rank.hold_host_kv(session_id, held)
+
     def forget_session(self, session_id: str) -> None:
         """Forget it on every model it called, not only its last (an earlier model keeps
         its chain while its host KV lasts, which a new session under the id would read)."""
+        self.hold_host_kv(session_id, False)
         self._session_model.pop(session_id, None)
         self._host_chains.forget(session_id)
         for name, sessions in self._sessions.items():
@@ -332,11 +352,14 @@ class MultiModelEngine(ServesModels):
         self.served.check_model(model)
 
     def _poll_staging(self, block: bool = False) -> None:
-        """Book a completed staging copy against the staged model's rates."""
-        name = self.rank.staged_model
-        record = self.rank.poll_staging(block=block)
-        if record is not None and name is not None:
-            self._meters[name].observe_move(record)
+        """See whether the staging copy in flight ended (``block``: wait for it); book it."""
+        self.rank.poll_staging(block=block)
+        self._book_staging()
+
+    def _book_staging(self) -> None:
+        """Every staging copy the substrate saw end (inside an activation or a stage too):
+        its record to its model's meter, once; a failure for ``take_staging_failures``."""
+        self._staging.book(self.rank.take_staging_outcomes())
 
     def _active_core_of(self, session_id: str) -> EngineCore | None:
         model = self._session_model.get(session_id)
@@ -367,31 +390,6 @@ class MultiModelEngine(ServesModels):
     @property
     def kv_region(self) -> torch.Tensor:
         return self.rank.kv_region
-
-
-class RankSecondary:
-    """The host KV store as one model's secondary cache (``SecondaryKVCache``), through the
-    rank ops, so that at TP=N a restore is one more op every rank executes."""
-
-    def __init__(self, rank: RankModels | TensorParallelRankModels, model: str) -> None:
-        self.rank = rank
-        self.model = model
-        self._queued = False
-
-    def lookup(self, block_hashes: list[int]) -> int:
-        return self.rank.host_kv_lookup(self.model, block_hashes, touch=True)
-
-    def load(self, block_hashes: list[int], block_ids: list[int]) -> None:
-        """Queue the copy: the step's forward pass writes the blocks (``restore_kv``)."""
-        self.rank.restore_kv(self.model, block_hashes, block_ids)
-        self._queued = True
-
-    def drain_records(self) -> list[MoveRecord]:
-        """Records of the loads the last steps settled (asks the ranks only after a load)."""
-        if not self._queued:
-            return []
-        self._queued = False
-        return self.rank.take_kv_load_records(self.model)
 
 
 def _build_rank(

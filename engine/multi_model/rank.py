@@ -25,6 +25,7 @@ from substrate.instance_memory import InstanceMemory, KVSpec
 from substrate.layout import align_up
 from substrate.ledger import Placement, StagingState
 from substrate.moves import MoveRecord, PlannedMove
+from substrate.staging import StagingOutcome
 
 
 def kv_region_bytes(spec: KVSpec, num_blocks: int) -> int:
@@ -132,8 +133,13 @@ class RankModels:
 
     def poll_staging(self, block: bool = False, raise_failure: bool = False) -> MoveRecord | None:
         """The staging record, once, when the copy in flight is seen complete (a failed copy
-        is forgotten, or raised with ``raise_failure``)."""
+        is queued for ``take_staging_outcomes``, or raised with ``raise_failure``)."""
         return self.memory.poll_staging(block=block, raise_failure=raise_failure)
+
+    def take_staging_outcomes(self) -> list[StagingOutcome]:
+        """Every staging copy seen ending since the last call, each once, whichever poll saw
+        it end (``InstanceMemory.poll_staging``)."""
+        return self.memory.take_staging_outcomes()
 
     @property
     def staged_model(self) -> str | None:
@@ -158,6 +164,11 @@ class RankModels:
         """Leading hashes of the chain held by the host KV store (``touch``: mark them
         recently used, which changes eviction order: every rank must do the same)."""
         return self.memory.host_kv.lookup(name, block_hashes, touch=touch)
+
+    def hold_host_kv(self, session_id: str, held: bool) -> None:
+        """Evict the session's host KV only after every unheld block (``held=False``: as
+        any other again); it changes eviction order, so every rank must do the same."""
+        self.memory.host_kv.index.hold(session_id, held)
 
     # ------------------------------------------------------------------ queries
     def host_kv_index(self) -> HostKVIndex:

@@ -3,15 +3,18 @@
 Accumulated from the engine's own measurements: step results (prefill tokens per second of
 steps that prefilled, seconds of decode-only steps) and move records (switch seconds from
 host and from staging, staging seconds, KV restore/offload bytes per second). A rate never
-measured reads 0.0 (unknown), as the instance's rate book expects.
+measured reads 0.0 (unknown), as the instance's rate book expects. Staging copies end in the
+background and are seen ending by whichever poll comes first (``StagingBook``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.interface import StepResult
 from substrate.moves import MoveKind, MoveRecord
+from substrate.staging import StagingOutcome
 
 
 @dataclass
@@ -72,3 +75,26 @@ class ModelRateMeter:
             "kv_offload_bytes_per_s": move(MoveKind.KV_OFFLOAD).bytes_per_s,
             "kv_bytes_per_token": float(self.kv_bytes_per_token),
         }
+
+
+class StagingBook:
+    """Where the staging copies that ended go: each completed copy's record to its model's
+    meter, each failed copy's model to ``take_failures``. Fed only from the substrate's
+    queue of outcomes (``RankModels.take_staging_outcomes``), never from the record a poll
+    returns, so every copy is metered exactly once whichever poll saw it end."""
+
+    def __init__(self, meters: Mapping[str, ModelRateMeter]) -> None:
+        self._meters = meters
+        self._failed: list[str] = []
+
+    def book(self, outcomes: Iterable[StagingOutcome]) -> None:
+        for outcome in outcomes:
+            if outcome.record is None:
+                self._failed.append(outcome.model)
+            else:
+                self._meters[outcome.model].observe_move(outcome.record)
+
+    def take_failures(self) -> list[str]:
+        """The models whose background copies failed since the last call, in order."""
+        failed, self._failed = self._failed, []
+        return failed

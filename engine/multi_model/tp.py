@@ -35,6 +35,7 @@ from engine.parallel_context import ParallelContext
 from substrate.host_kv_index import HostKVIndex
 from substrate.ledger import Placement
 from substrate.moves import MoveRecord, PlannedMove
+from substrate.staging import StagingOutcome
 
 STATE_KEY = "multi_model.rank_models"
 """Where each rank keeps its ``RankModels`` in ``RankContext.state``."""
@@ -124,6 +125,8 @@ class TensorParallelRankModels:
             name: TensorParallelRunner(group, name, runner, owns_group=False)
             for name, runner in local.runners.items()
         }
+        # each rank's staging outcomes not yet combined (a rank may see a copy end later)
+        self._outcomes: list[list[StagingOutcome]] = [[] for _ in range(group.world_size)]
 
     @classmethod
     def start(
@@ -225,6 +228,9 @@ class TensorParallelRankModels:
             return self.local.host_kv_lookup(name, block_hashes)
         return min(self._all("host_kv_lookup", name, block_hashes, True))
 
+    def hold_host_kv(self, session_id: str, held: bool) -> None:
+        self._all("hold_host_kv", session_id, held)  # eviction order: every rank alike
+
     def can_stage(self, name: str) -> bool:
         return self.local.memory.ledger.can_stage(name)  # every rank's region is alike
 
@@ -234,6 +240,27 @@ class TensorParallelRankModels:
         if not block and any(self._all("staging_copy_running")):
             return None
         return combine_records(self._all("poll_staging", True, raise_failure))
+
+    def take_staging_outcomes(self) -> list[StagingOutcome]:
+        """Each staging copy every rank has seen end, once: every rank stages in the same
+        order, so each rank's i-th outcome is the same copy. Its record is the ranks'
+        combined; it failed where any rank's failed. Asks the ranks only when rank 0 has
+        seen one end or some copy waits for a slower rank."""
+        if not (self.local.memory.staging_outcomes_pending or self._outcomes[0]):
+            return []
+        for pending, taken in zip(self._outcomes, self._all("take_staging_outcomes"),
+                                  strict=True):
+            pending.extend(taken)
+        done = min(len(pending) for pending in self._outcomes)
+        out = []
+        for copies in zip(*(pending[:done] for pending in self._outcomes), strict=True):
+            records = [c.record for c in copies]
+            failed = any(r is None for r in records)
+            out.append(StagingOutcome(copies[0].model,
+                                      None if failed else combine_records(records)))
+        for pending in self._outcomes:
+            del pending[:done]
+        return out
 
     def placements(self) -> dict[str, Placement]:
         """Every rank's placements as the ledgers have them (no rank polls on its own)."""

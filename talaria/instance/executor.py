@@ -88,6 +88,11 @@ class EngineExecutor:
         self.busy_since: float | None = None  # loop time the operation in flight started
         self.on_report: list[Callable[[str, StepResult | MoveReport, str | None], None]] = []
         self._aborted: set[str] = set()  # ids aborted here whose abort event is still to come
+        # background staging copies that failed (engines whose copies end in the background)
+        self._staging_failures: Callable[[], list[str]] | None = getattr(
+            engine, "take_staging_failures", None)
+        self._hold_host_kv: Callable[[str, bool], None] | None = getattr(
+            engine, "hold_host_kv", None)
 
     # timed operations -------------------------------------------------------------------
 
@@ -166,6 +171,22 @@ class EngineExecutor:
 
     def can_stage(self, model: str) -> bool:
         return self.engine.can_stage(model)
+
+    def hold_host_kv(self, session_id: str, held: bool) -> None:
+        """Have the engine's host KV store evict the session's KV last (``held``) or as any
+        other's; nothing on an engine without the method (the simulated one: its host store
+        evicts least recently used first, whatever is reserved)."""
+        if self._hold_host_kv is not None:
+            self._check_idle("hold_host_kv")
+            self._hold_host_kv(session_id, held)
+
+    def take_staging_failures(self) -> list[str]:
+        """Models whose background staging copies failed since the last call; none from an
+        engine whose copies cannot fail in the background (it has no such method)."""
+        if self._staging_failures is None:
+            return []
+        self._check_idle("take_staging_failures")
+        return self._staging_failures()
 
     def kv_capacity_blocks(self, model: str, lent: bool = False) -> int:
         return self.engine.kv_capacity_blocks(model, lent)

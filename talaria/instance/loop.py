@@ -31,6 +31,7 @@ from talaria.instance.intake import Intake
 from talaria.instance.kv_pressure import KVPressure
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
+from talaria.instance.staging import StagingRetries
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
 from talaria.policies.config import PolicyConfig
 from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
@@ -84,7 +85,7 @@ class AdmissionLoop:
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
-        self._stage_failed: set[str] = set()  # models whose staging failed since the switch
+        self.staging_retries = StagingRetries(instance_id, policy.staging_retry_backoff_s, counters)
         self.staging_lent = False  # the active model's KV spans the staging region: no staging
         self.pressure = KVPressure(instance_id, policy, executor, calls, sessions, counters)
         self._idle_steps = 0  # engine steps that ran nothing since the last warning
@@ -309,7 +310,6 @@ class AdmissionLoop:
             if self.policy.host_kv:
                 await self.executor.offload_kv(None)
             self.sessions.switch_out(outgoing)
-        self._stage_failed.clear()
         # another model comes in: its KV cache is viewed lent or not (in a slot: lend_in_slot)
         lend = self.pressure.lend_staging(model) if outgoing != model else self.staging_lent
         report = await self.executor.activate(model, lend_staging=lend)
@@ -330,21 +330,19 @@ class AdmissionLoop:
     async def _maybe_stage(self) -> None:
         if not self.policy.d2d_staging or self.staging_lent:
             return
-        self.residency = self.executor.residency()
+        self.residency, retries, now = self.executor.residency(), self.staging_retries, self.now()
+        retries.observe(self.executor.take_staging_failures(), self.residency, now)
         target, slot = staging_target(self.view), self.slot
-        if target is None or target in self._stage_failed or (  # the region is about to be lent
+        if target is None or not retries.may_stage(target, now) or (  # the region is about to be lent
                 slot and slot.open and self.pressure.lend_in_slot_due(slot.model, False)):
             return
         try:
             await self.executor.stage(target)
         except EngineBusy:
             raise
-        except Exception:
-            # A background copy that fails costs its D2D switch, not the calls running on
-            # the active model: no fault; not tried again until the next switch.
+        except Exception:  # costs its D2D switch, not the calls running: no fault, a backoff
             log.exception("staging_failed", instance=self.instance_id, model=target)
-            self._stage_failed.add(target)
-            self.counters["staging_failures"] = self.counters.get("staging_failures", 0) + 1
+            retries.failed(target, now)
             return
         self.counters["stages"] += 1
         self.residency = self.executor.residency()

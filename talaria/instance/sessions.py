@@ -54,7 +54,7 @@ class SessionKeeper:
         self.counters = counters
         self.gaps = GapPredictor(policy.default_gap_s, policy.gap_ewma_alpha)
         self.report = SessionReport(self._entry)
-        self.reservations = ReservationBook(on_change=self.report.touch)
+        self.reservations = ReservationBook(on_change=self._reservation_changed)
         # session -> (device, host) tokens; a change marks the session's report entry
         self.kv_tokens: dict[str, tuple[int, int]] = TouchingDict(self.report.touch)
         self.recent_waits: deque[float] = deque(maxlen=QUEUE_DELAY_WINDOW)
@@ -63,6 +63,15 @@ class SessionKeeper:
         counters.setdefault("reservations_yielded", 0)
         counters.setdefault("reservations_yielded_dropped", 0)
         counters.setdefault("sessions_dropped", 0)
+
+    def _reservation_changed(self, session_id: str) -> None:
+        """A reservation was made or ended: the session's report entry changes, and, with
+        host KV, the engine keeps a reserved session's host KV past every unreserved
+        session's (a switch away or a yield leaves a reservation's KV in host memory only,
+        where plain LRU would evict it before KV nobody is expected back for)."""
+        self.report.touch(session_id)
+        if self.policy.host_kv:
+            self.executor.hold_host_kv(session_id, session_id in self.reservations)
 
     def model_of(self, session_id: str) -> str | None:
         hist = self.gaps.get(session_id)
@@ -256,11 +265,10 @@ class SessionKeeper:
     def release_all(self) -> None:
         """On shutdown: unpin every live reservation (best effort if the engine failed)."""
         for res in self.reservations.all():
-            self.reservations.pop(res.session_id)
-            if not res.pinned:
-                continue
             try:
-                self.executor.unpin_session_kv(res.session_id)
+                self.reservations.pop(res.session_id)
+                if res.pinned:
+                    self.executor.unpin_session_kv(res.session_id)
             except Exception:
                 log.exception("unpin_failed", session=res.session_id)
 

@@ -122,6 +122,9 @@ class PolicyConfig:
     # progress stop the loop (the instance reports unhealthy and is restarted)
     max_engine_faults: int = 5
     engine_fault_backoff_s: float = 0.1  # wait after a fault, doubling while they repeat
+    # a model whose staging copy failed is not staged again for this long, doubling while
+    # its copies keep failing (talaria.instance.staging); its switch copies from host
+    staging_retry_backoff_s: float = 1.0
     # a live engine operation (a step, a switch) still running after this long has wedged
     # the engine (a hung collective, a driver fault): the instance is unhealthy and its
     # process exits to be restarted; 0 disables the watchdog
@@ -139,7 +142,7 @@ class PolicyConfig:
                 raise ValueError(f"PolicyConfig.{key} must be one of {allowed}, got "
                                  f"{getattr(self, key)!r}")
         positive = ("slot_quantum_s", "reservation_ttl_s", "state_refresh_s", "session_memory_s",
-                    "las_starvation_ratio", "remaining_starvation_ratio")
+                    "las_starvation_ratio", "remaining_starvation_ratio", "staging_retry_backoff_s")
         if self.model_order == "priority" and self.admission_order == "fifo":
             raise ValueError("PolicyConfig.model_order 'priority' needs a queue_order that "
                              "ranks sessions, not 'fifo'")

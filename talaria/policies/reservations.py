@@ -10,7 +10,10 @@ Lifetime (the admission loop drives it; this module is bookkeeping only):
   yields under memory pressure; the loop unpins, offloading first when host KV is on and
   ``yield_offload_pays`` says the host store has free room for the copy;
 - a switch away from its model unpins it (after the offload, when host KV is on), but the
-  reservation stays alive with zero device blocks: it still predicts the return.
+  reservation stays alive with zero device blocks: it still predicts the return;
+- while alive, with host KV, the live engine's host store evicts the session's KV only once
+  no unreserved session's is left (``hold_host_kv``); the simulated engine's store evicts
+  least recently used first regardless (holding there would change the simulation).
 
 KV demotion: under KV pressure (``demotion_due``) the admission loop copies a session's KV
 to host when its call ends, while its blocks stay on the device: a later yield, eviction or

@@ -389,3 +389,39 @@ def test_kv_capacity_rate_is_the_plain_view_after_a_lent_slot(models: dict[str, 
     assert engine.model_rates(MOE)["kv_capacity_tokens"] == NUM_BLOCKS * BLOCK
     engine.activate(MOE)
     assert engine.stats().num_total_blocks == NUM_BLOCKS
+
+
+def test_every_finished_staging_copy_is_metered_once(models: dict[str, Path]) -> None:
+    """The staging rate counts each copy that ended exactly once, whichever poll saw it end:
+    the engine's own, one inside the substrate (lending the region waits for the copy and
+    books it), or a copy the engine waited for."""
+    engine = make_engine(models)
+    engine.activate(LLAMA)
+    assert engine.stage(QWEN).kind == "stage"
+    thread = engine.rank.memory.stager._thread
+    assert thread is not None
+    thread.join()  # done, and polled by nobody yet
+    engine.activate(LLAMA, lend_staging=True)  # the substrate's poll books the copy
+    assert engine.rank.move_totals("stage")[0] == engine.catalog[QWEN].layout.total_bytes
+    assert engine.model_rates(QWEN)["stage_s"] > 0
+    assert engine._meters[QWEN].moves["stage"].count == 1
+    waited = make_engine(models, wait_for_staging=True)
+    waited.activate(LLAMA)
+    waited.stage(QWEN)
+    waited.residency()
+    waited.activate(QWEN)
+    assert waited._meters[QWEN].moves["stage"].count == 1
+    assert waited.rank.memory.ledger.totals("stage").count == 1
+
+
+def test_a_held_session_is_let_go_when_forgotten(models: dict[str, Path]) -> None:
+    """A session whose host KV is held (reserved) and then forgotten is held no more: a new
+    session under its id starts as any other."""
+    engine = make_engine(models)
+    index = engine.rank.host_kv_index()
+    engine.hold_host_kv("s")
+    engine.hold_host_kv("t")
+    engine.hold_host_kv("t", False)
+    assert index._held == {"s"}
+    engine.forget_session("s")
+    assert not index._held

@@ -111,6 +111,7 @@ def test_kv_restore_after_switch_runs_on_every_rank(
     cont_prompt = first_prompt + first[0]["k1"][0] + prompt(99, 7)
     assert tp2.session_kv_tokens(sid)[0] == 32  # 29 + 5 - 1 computed tokens: 8 full blocks
     restored_before = per_rank(tp2, "move_totals", "kv_restore")
+    tp2.hold_host_kv(sid)  # every rank's store evicts it last
     offload = tp2.offload_kv([sid])
     assert offload.bytes == 8 * tp2.catalog[LLAMA].kv_spec.block_bytes
     assert per_rank(tp2, "host_kv_usage") == [tp2.rank.host_kv_usage()] * 2
@@ -168,6 +169,10 @@ def test_staged_activation_equals_host_activation(
     assert tp2.activate(LLAMA, lend_staging=True).kind == "activate_d2d"  # staging held it
     assert tp2.stats().num_total_blocks == lent > NUM_BLOCKS
     assert per_rank(tp2, "kv_capacity_blocks", LLAMA, True) == [lent] * 2
+    # each copy that ended is metered once, those polled past the engine above too
+    assert isinstance(tp2.rank, TensorParallelRankModels)
+    copies = tp2.rank.local.memory.ledger.totals("stage").count
+    assert sum(m.moves["stage"].count for m in tp2._meters.values() if "stage" in m.moves) == copies
     batch = [prompt(40 + i, 30) for i in range(12)]  # 12 x 9 blocks > 64: one wave if lent
     assert_same(run(tp2, requests(LLAMA, "lent", batch))[0],
                 fresh(models[LLAMA], requests(LLAMA, "lent", batch)))

@@ -4,6 +4,8 @@ faults in a row without progress make it give up cleanly (every call ends, unhea
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from dataclasses import dataclass, field
 
 from fake_engine import FakeEngine
@@ -132,21 +134,27 @@ def test_a_loop_that_ends_on_its_own_leaves_the_instance_unhealthy_and_refusing(
     assert not healthy and refused
 
 
+@dataclass
 class StagingFails(FaultyEngine):
-    """Its background copy into the staging region always fails."""
+    """Its copy into the staging region always fails at once; each try's loop time is kept."""
+
+    tries: list[tuple[str, float]] = field(default_factory=list)
 
     def stage(self, model: str) -> MoveReport:
         self.log.append(("stage_failed", model))
+        self.tries.append((model, asyncio.get_running_loop().time()))
         raise RuntimeError(f"cannot stage {model}: out of pinned memory")
 
 
-def test_a_failed_staging_copy_fails_no_call_and_is_not_retried_every_step() -> None:
+def test_a_failed_staging_copy_fails_no_call_and_is_backed_off() -> None:
+    """Each model's staging is tried again only after a backoff on the loop's clock, which
+    doubles while its copies keep failing; no call fails and the switches copy from host."""
     eng = StagingFails(["a", "b"], num_blocks=200, step_s=0.1, initial_model="a")
 
     async def main() -> tuple[list[CallEvent], Instance]:
-        inst = Instance("i", eng, preset("talaria"))
+        inst = Instance("i", eng, preset("talaria").with_(staging_retry_backoff_s=0.5))
         await inst.start()
-        a = inst.submit(call("a1", "s1", "a", 20, max_tokens=20))
+        a = inst.submit(call("a1", "s1", "a", 20, max_tokens=60))
         inst.submit(call("b1", "s2", "b", 20, max_tokens=3))  # makes b the model to stage
         events = await a.collect()
         await inst.stop()
@@ -155,11 +163,9 @@ def test_a_failed_staging_copy_fails_no_call_and_is_not_retried_every_step() -> 
     events, inst = run_virtual(main())
     assert events[-1].finish_reason == "length" and events[-1].error is None
     assert inst.healthy and inst.counters.get("engine_faults", 0) == 0
-    tried: set[str] = set()  # a model's staging is tried once between two switches
-    for kind, model in eng.log:
-        if kind == "activate":
-            tried.clear()
-        elif kind == "stage_failed":
-            assert model not in tried, eng.log
-            tried.add(model)
-    assert inst.counters["staging_failures"] >= 1
+    for model in ("a", "b"):
+        times = [t for m, t in eng.tries if m == model]
+        gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+        assert all(gap >= 0.5 * 2**i for i, gap in enumerate(gaps)), (model, times)
+    assert len([m for m, _ in eng.tries if m == "b"]) >= 3  # 6 s of a's decode: 0, 0.5, 1.5, 3.5
+    assert inst.counters["staging_failures"] == len(eng.tries)

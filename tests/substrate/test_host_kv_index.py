@@ -1,4 +1,5 @@
-"""Host KV index: byte bound, LRU order, value hook, prefix lookup (pure Python)."""
+"""Host KV index: byte bound, LRU order, held sessions evicted last, prefix lookup (pure
+Python)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from substrate.host_kv_index import ChainLookups, HostKVEntry, HostKVIndex
+from substrate.host_kv_index import ChainLookups, HostKVIndex
 
 
 def test_lookup_stops_at_the_first_missing_block() -> None:
@@ -46,22 +47,59 @@ def test_within_a_chain_the_tail_is_evicted_before_the_head() -> None:
     assert index.lookup("m", [1, 2, 3, 4]) == 2
 
 
-def test_value_hook_keeps_reserved_sessions_longest() -> None:
-    reserved = {"keep"}
-
-    def value(entry: HostKVEntry) -> float:
-        return 1.0 if entry.sessions & reserved else 0.0
-
-    index = HostKVIndex(60, value_hook=value)
-    index.insert_chain("m", [1, 2], 10, session_id="keep")  # oldest, but reserved
+def test_a_held_sessions_blocks_are_evicted_last() -> None:
+    index = HostKVIndex(60)
+    index.insert_chain("m", [1, 2], 10, session_id="keep")  # oldest, but held
+    index.hold("keep")
     index.insert_chain("m", [3, 4], 10, session_id="drop")
     index.insert_chain("m", [5, 6], 10)
     result = index.insert_chain("m", [7, 8, 9, 10], 10)
-    assert sorted(e.block_hash for e in result.evicted) == [3, 4, 5, 6]
+    assert [e.block_hash for e in result.evicted] == [4, 3, 6, 5]  # unheld, oldest first
     assert index.lookup("m", [1, 2], touch=False) == 2
-    reserved.clear()  # the reservation expired: now plain LRU applies
-    result = index.insert_chain("m", [11], 10)
-    assert [e.block_hash for e in result.evicted] == [2]
+    result = index.insert_chain("m", [11, 12, 13, 14, 15], 10)  # more than the unheld hold
+    assert [e.block_hash for e in result.evicted] == [10, 9, 8, 7, 2]  # held ones last
+    assert index.lookup("m", [1, 2], touch=False) == 1
+    index.hold("keep", held=False)  # its reservation ended: least recently used again
+    index.insert_chain("m", [16], 10)
+    assert index.lookup("m", [1], touch=False) == 0
+
+
+_HELD_OPS = st.lists(
+    st.tuples(st.sampled_from(["insert", "hold", "release"]), st.sampled_from(["a", "b", "c"]),
+              st.lists(st.integers(0, 15), max_size=5)),
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(0, 120), ops=_HELD_OPS)
+def test_eviction_takes_unheld_blocks_oldest_first_then_held_ones(
+    capacity: int, ops: list[tuple[str, str, list[int]]],
+) -> None:
+    """What an insert evicts is exactly: blocks of no held session, least recently used
+    first, then held sessions' blocks, least recently used first, never the chain's own."""
+    index = HostKVIndex(capacity)
+    held: set[str] = set()
+    for op, session, chain in ops:
+        if op != "insert":
+            index.hold(session, held=op == "hold")
+            (held.add if op == "hold" else held.discard)(session)
+            continue
+        before = index.entries()
+        new = {h for h in chain if ("m", h) not in index}
+        need = len(new) * 10 - index.free_bytes
+        own = {("m", h) for h in chain}
+        order = [e for e in before if e.key not in own and not e.sessions & held]
+        order += [e for e in before if e.key not in own and e.sessions & held]
+        want: list[tuple[str, int]] = []
+        for e in order:
+            if need <= 0:
+                break
+            want.append(e.key)
+            need -= e.nbytes
+        result = index.insert_chain("m", chain, 10, session_id=session)
+        assert [e.key for e in result.evicted] == want
+        assert index.used_bytes <= capacity
 
 
 def test_a_chain_larger_than_capacity_keeps_its_head_and_never_fails() -> None:

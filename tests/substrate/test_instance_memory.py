@@ -12,6 +12,7 @@ from substrate.instance_memory import InstanceMemory, KVSpec
 from substrate.layout import WeightLayout
 from substrate.ledger import Placement
 from substrate.moves import MoveKind, MoveRecord, PlannedMove
+from substrate.staging import StagingOutcome
 
 
 def _fill(weights: dict[str, torch.Tensor]):
@@ -217,10 +218,13 @@ def test_a_failed_staging_copy_costs_its_d2d_switch_only() -> None:
     torch.testing.assert_close(models["b"](ids), refs["b"](ids))
     assert mem.placements() == {"a": Placement.HOST, "b": Placement.ACTIVE}
     assert mem.ledger.totals(MoveKind.STAGE).count == 0
+    assert mem.take_staging_outcomes() == [StagingOutcome("b", None)]  # told once
+    assert mem.take_staging_outcomes() == []
     assert mem.stage("a").kind == MoveKind.STAGE  # the caller waiting for its copy hears
     with pytest.raises(RuntimeError, match="staging copy failed: link down"):
         mem.poll_staging(block=True, raise_failure=True)
     assert mem.ledger.staged_model is None
+    assert mem.take_staging_outcomes() == []  # raised instead
 
 
 def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
@@ -249,3 +253,6 @@ def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
     totals = mem.ledger.totals(MoveKind.STAGE)
     assert totals.count == 1 and totals.bytes == WeightLayout.from_module(TinyLM()).total_bytes
     assert mem.ledger.staged_model is None and mem.ledger.staging_lent
+    (outcome,) = mem.take_staging_outcomes()  # queued for the engine's meter, once
+    assert outcome.model == "b" and outcome.record is not None
+    assert outcome.record.bytes == totals.bytes
