@@ -5,10 +5,11 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stre
 ``GET /v1/models``, ``GET /health`` (503 while no instance is healthy), ``GET /live``
 (200 while the process serves), ``GET /metrics``. The handlers validate, tokenize and
 build a :class:`~talaria.protocol.CallRequest`; :class:`~router.core.RouterCore` places and
-forwards it. Errors before the first token get their HTTP status; after it, a streamed
-error event (then ``[DONE]`` on the OpenAI API), or a 502 for a non-streamed call, never a
-silent truncation; an instance's failure reaches the client as a generic message naming the
-request id, the detail goes to the log. A client that goes away (noticed while its call
+forwards it. A stream sends its headers at its first token, or before it once it has waited
+``stream_commit_s`` (then keep-alives: ``router.api.stream_commit``). Errors before that get
+their HTTP status; after it, a streamed error event (then ``[DONE]`` on the OpenAI API), or a
+502 for a non-streamed call, never a silent truncation; an instance's failure reaches the
+client as a generic message naming the request id, the detail goes to the log. A client that goes away (noticed while its call
 waits too), or a stop string reached, aborts the call on its instance. Bounds on what
 requests may take: ``router.limits``. At shut-down (the router no longer listens), calls in
 flight get ``drain_timeout_s`` to finish; the rest are cancelled, each aborting itself on its
@@ -35,9 +36,10 @@ from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
 from router.api.reasoning import ReasoningSplitter, check_reasoning_settings, reasoning_parser_for
-from router.api.stream_output import OutputAssembler, Responder
+from router.api.stream_commit import FirstEvent, Responder, check_stream_settings
+from router.api.stream_output import OutputAssembler
 from router.api.tool_calls import TOOL_FORMATS, detect_tool_format
-from router.core import CallRejected, NoHealthyInstance, RouterCore
+from router.core import RouterCore
 from router.instances.deadlines import Deadlines
 from router.instances.health import HealthPoller
 from router.instances.http import HttpInstanceClient
@@ -49,17 +51,15 @@ from router.sessions.identity import SessionHeaders, resolve_session
 from router.sessions.inference import SessionInference
 from router.sessions.table import SessionTable
 from router.tokenization import ModelTokenizer
-from talaria.protocol import CallRequest, InstanceClient, Overloaded, SamplingParams
+from talaria.protocol import CallRequest, InstanceClient, SamplingParams
 from talaria.protocol.errors import (
     ApiError,
     bad_request,
     error_middleware,
-    no_healthy_instance,
-    overloaded,
     unauthorized,
     unknown_model,
 )
-from talaria.protocol.http import bearer_matches, key_matches, key_problem, next_or_gone
+from talaria.protocol.http import bearer_matches, key_matches, key_problem
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +88,10 @@ class RouterConfig:
     max_tokens_overflow: str = "clamp"
     max_tokens_overflows: dict[str, str] = field(default_factory=dict)  # per-model override
     drain_timeout_s: float = 30.0  # at shut-down, for calls in flight (`serve`: its instances')
+    # A stream still without its first token then sends its 200 and opening (0: at once; None:
+    # at the first token), then a keep-alive every stream_keepalive_s (router.api.stream_commit)
+    stream_commit_s: float | None = 10.0
+    stream_keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -113,6 +117,7 @@ class RouterConfig:
         if bad:
             raise ValueError(f"unknown tool-call formats {bad}; choose from {sorted(TOOL_FORMATS)}")
         check_reasoning_settings(self.reasoning_parsers, self.models)
+        check_stream_settings(self.stream_commit_s, self.stream_keepalive_s)
         unknown = set(self.max_tokens_overflows) - set(self.models)
         if unknown:
             raise ValueError(f"max_tokens_overflows names models not in the catalog: {sorted(unknown)}")
@@ -342,23 +347,22 @@ async def _complete(
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
         call = _call_request(request, body, prompt_ids, budget)
         events = request.app[CORE_KEY].submit(call)
+        config = request.app[CONFIG_KEY]
         async with contextlib.aclosing(events):
+            first = FirstEvent(request, events, call.call_id, limits.disconnect_poll_s,
+                               config.stream_commit_s if body.stream else None, config.stream_keepalive_s)
             try:
-                first = await next_or_gone(events, request, limits.disconnect_poll_s)
-            except NoHealthyInstance as exc:
-                raise no_healthy_instance(f"{exc} (request id {call.call_id})") from exc
-            except Overloaded as exc:
-                raise overloaded(str(exc), exc.retry_after_s) from exc
-            except CallRejected as exc:
-                raise ApiError(exc.status, exc.message) from exc
-            if first is None:
-                return web.Response(status=499)  # the client left before the first token
-            out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id,
-                                  answer.tags if answer else (), _reasoning(request, body, prefill, answer))
-            if not first.token_ids and OutputAssembler.ends_in_failure(first):
-                out.add(first)  # failed before its first token: its HTTP status, streamed or not
-                out.raise_if_failed()
-            response = await respond(request, body, call, out, first, events, answer)
+                await first.until_commit()  # a refusal before it is its HTTP status
+                if first.client_left:
+                    return web.Response(status=499)  # the client left before the first token
+                out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id,
+                                      answer.tags if answer else (), _reasoning(request, body, prefill, answer))
+                if first.arrived and not first.event.token_ids and OutputAssembler.ends_in_failure(first.event):
+                    out.add(first.event)  # failed before its first token and any commit: its HTTP status
+                    out.raise_if_failed()
+                response = await respond(request, body, call, out, first, events, answer)
+            finally:
+                await first.close()
             if out.stopped_at_string:  # closing the events now is no abort: the answer is whole
                 request.app[CORE_KEY].stopped_at_string(call.call_id)
             return response

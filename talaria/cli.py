@@ -73,6 +73,8 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
             max_tokens_overflows={n: m.max_tokens_overflow for n, m in config.models.items()
                                   if m.max_tokens_overflow},
             drain_timeout_s=config.longest_drain_s(),
+            stream_commit_s=r.stream_commit_s if r.stream_commit_s >= 0 else None,
+            stream_keepalive_s=r.stream_keepalive_s,
         )
     )
 

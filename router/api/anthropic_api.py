@@ -6,14 +6,18 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
   (``end_turn`` | ``max_tokens`` | ``stop_sequence`` | ``tool_use``) and usage whose
   ``input_tokens`` excludes the prompt tokens served from cache (``cache_read_input_tokens``);
 - the stream as named SSE events: ``message_start`` (the message, empty, its input usage split
-  as the first event reports it), ``ping``, per content block ``content_block_start`` /
-  ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a ``tool_use`` block starts with
-  ``input: {}`` once the call's name is known and its input follows as ``input_json_delta``
-  events as the model writes it, whose ``partial_json`` joined is the JSON of the block's
-  ``input``), ``message_delta`` (stop reason, cumulative usage), ``message_stop``; a failure
-  after the stream began is an ``error`` event (so is a streamed call that broke, see
-  ``router.api.answer_parser``; one cut short by ``max_tokens`` ends the message with
-  ``stop_reason: "max_tokens"``, as Anthropic's do);
+  as the first event reports it; all of it ``input_tokens`` when the stream commits before
+  that event, ``router.api.stream_commit``) and ``ping``, sent at the first event or at the
+  commit, then a ``ping`` every ``stream_keepalive_s`` until the first event; per content
+  block ``content_block_start`` / ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a
+  ``tool_use`` block starts with ``input: {}`` once the call's name is known and its input
+  follows as ``input_json_delta`` events as the model writes it, whose ``partial_json``
+  joined is the JSON of the block's ``input``), ``message_delta`` (stop reason, cumulative usage with the input's final split),
+  ``message_stop``; a failure before the stream began is an HTTP status, after it an
+  ``error`` event (its type the status's: ``api_error``, or ``overloaded_error`` /
+  ``rate_limit_error`` for a call refused after the commit; so is a streamed call that
+  broke, see ``router.api.answer_parser``; one cut short by ``max_tokens`` ends the message
+  with ``stop_reason: "max_tokens"``, as Anthropic's do);
 - a model's reasoning (``router.api.reasoning``) as one ``thinking`` block before the others
   (``signature: ""``; streamed as its ``content_block_start``, ``thinking_delta`` events and
   ``content_block_stop``) when the request enabled thinking (``thinking.type`` ``enabled``
@@ -44,6 +48,7 @@ from router.api.answer_parser import (
 from router.api.openai_schema import CompletionBody
 from router.api.output_budget import OutputOverflow
 from router.api.prompt_tokens import ContextOverflow
+from router.api.stream_commit import FirstEvent
 from router.api.stream_output import OutputAssembler, Piece, collect
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
@@ -94,11 +99,11 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
 
 async def respond(
     request: web.Request, body: CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+    first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.StreamResponse:
     if body.stream:
-        return await _stream(request, body, call, out, event, events, answer)
-    if not await collect(request, out, event, events):
+        return await _stream(request, body, call, out, first, events, answer)
+    if not await collect(request, out, first.event, events):
         return web.Response(status=499)  # the client left; the caller aborts the call
     out.raise_if_failed()
     text = out.text
@@ -161,10 +166,13 @@ def _usage(out: OutputAssembler) -> dict[str, int]:
             "cache_read_input_tokens": cached, "output_tokens": usage["completion_tokens"]}
 
 
-def _start_usage(out: OutputAssembler, first: CallEvent) -> dict[str, int]:
+def _start_usage(out: OutputAssembler, first: CallEvent | None) -> dict[str, int]:
     """message_start's usage: the input split as the final usage splits it, from the usage the
-    first event carries (the instance reports its cached prompt tokens there); no output yet."""
-    reported = first.usage
+    first event carries (the instance reports its cached prompt tokens there); no output yet.
+    Sent before the first event (a committed stream, ``router.api.stream_commit``), it counts
+    the whole prompt as ``input_tokens`` and none read from cache (not known yet); the
+    ``message_delta`` at the end carries the split, which clients take as final."""
+    reported = first.usage if first is not None else None
     prompt = reported.prompt_tokens if reported else out.prompt_tokens
     cached = reported.cached_tokens if reported else 0
     return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
@@ -182,6 +190,9 @@ class _Events:
 
     async def send(self, name: str, data: dict[str, Any]) -> None:
         await self.response.write(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
+
+    async def ping(self) -> None:
+        await self.send("ping", {"type": "ping"})
 
     async def thinking(self, text: str) -> None:
         if not text:
@@ -224,17 +235,23 @@ class _Events:
 
 async def _stream(
     request: web.Request, body: CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+    first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Session-ID": call.session_id})
     sse = _Events(response)
-    try:
+
+    async def opening(event: CallEvent | None) -> None:
         await response.prepare(request)
         start = _message(call, body.model, [])
         start["usage"] = _start_usage(out, event)
         await sse.send("message_start", {"type": "message_start", "message": start})
-        await sse.send("ping", {"type": "ping"})
+        await sse.ping()
+
+    try:
+        event = await first.stream(out, opening, sse.ping)
+        if event is None:
+            return response  # the client left; the caller aborts the call
 
         async def emit(piece: Piece) -> None:
             if body.show_reasoning:
@@ -250,7 +267,7 @@ async def _stream(
                 await sse.items(answer.finish())
             out.check_calls(answer, ended=True)
         if out.error is not None:
-            await sse.send("error", error_body(500, out.error))
+            await sse.send("error", error_body(out.stream_error().status, out.error))
         else:
             if sse.index < 0:  # an empty answer is one empty text block
                 await sse.start({"type": "text", "text": ""})

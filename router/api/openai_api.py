@@ -5,10 +5,14 @@ and ``finish_reason: "tool_calls"``; streamed, each call's id, type and name com
 first delta (arguments ""), then its arguments in pieces as the model writes them (deltas
 holding only ``index`` and ``function.arguments``; the client joins them per index). A call
 cut short by the answer's length limit ends with ``finish_reason: "length"``, its arguments
-incomplete, as OpenAI's do. A failure after the stream began is an error chunk, never a
-silent truncation (a streamed call that broke is one, code ``malformed_tool_call``); the
-stream ends with ``data: [DONE]``, after an error chunk when anything failed (the instance,
-or this side).
+incomplete, as OpenAI's do. A stream begins (its 200 and, on the chat API, the one chunk
+with ``delta.role``) at the call's first token or at its commit before it
+(``router.api.stream_commit``), then sends an SSE comment (``: keep-alive``) every
+``stream_keepalive_s`` until that token; before it begins a failure is an HTTP status. A
+failure after it began is an error chunk, never a silent truncation (a streamed call that
+broke is one, code ``malformed_tool_call``; a call refused after the commit carries the
+status's type and code, e.g. ``rate_limit_exceeded``); the stream ends with
+``data: [DONE]``, after an error chunk when anything failed (the instance, or this side).
 
 A model with a reasoning parser (``router.api.reasoning``) answers its chat completions with
 the reasoning in ``message.reasoning`` (null when it had none) and, streamed, in
@@ -30,22 +34,24 @@ from aiohttp import web
 from router.api import openai_schema as schema
 from router.api import openai_tools
 from router.api.answer_parser import AnswerItem, AnswerParser, ToolCallDelta, ToolCallStart
+from router.api.stream_commit import FirstEvent
 from router.api.stream_output import OutputAssembler, Piece, collect
 from talaria.protocol import CallEvent, CallRequest
-from talaria.protocol.errors import error_body
 
 log = structlog.get_logger(__name__)
 
 __all__ = ["respond"]
 
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, the connection stays busy
+
 
 async def respond(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+    first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.StreamResponse:
     if body.stream:
-        return await _stream(request, body, call, out, event, events, answer)
-    return await _collect(request, body, call, out, event, events, answer)
+        return await _stream(request, body, call, out, first, events, answer)
+    return await _collect(request, body, call, out, first.event, events, answer)
 
 
 async def _collect(
@@ -78,7 +84,7 @@ async def _collect(
 
 async def _stream(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
+    first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -94,11 +100,19 @@ async def _stream(
             return schema.chat_chunk(call.call_id, body.model, created, delta, finish, usage, logprobs)
         return schema.text_completion(call.call_id, body.model, created, text, finish, usage, logprobs)
 
-    try:
+    async def opening(_first: CallEvent | None) -> None:
         await response.prepare(request)
-        if chat:
+        if chat:  # the role, once: no later chunk repeats it
             await _send(response, schema.chat_chunk(
                 call.call_id, body.model, created, {"role": "assistant", "content": ""}))
+
+    async def keep_alive() -> None:
+        await response.write(KEEP_ALIVE)
+
+    try:
+        event = await first.stream(out, opening, keep_alive)
+        if event is None:
+            return response  # the client left; the caller aborts the call
 
         async def emit(piece: Piece) -> None:
             if not chat:
@@ -121,7 +135,7 @@ async def _stream(
             if answer is not None:
                 out.check_calls(answer, ended=True)
         if out.error is not None:
-            await _send(response, error_body(out.error, "upstream_error", None, out.error_code))
+            await _send(response, out.stream_error().body())
         else:
             if answer is not None:
                 await _send(response, chunk("", answer.finish_reason(out.finish_reason)))

@@ -17,7 +17,10 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   among them ``output_tokens_details.reasoning_tokens``; the request's settings are repeated
   as OpenAI repeats them;
 - the stream as named SSE events, each with a ``sequence_number`` one above the last (from 0):
-  ``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
+  ``response.created``, ``response.in_progress`` (sent at the first event, or at the stream's
+  commit before it, ``router.api.stream_commit``; then ``response.in_progress`` again every
+  ``stream_keepalive_s`` until the first event: Codex's idle timer counts the events it
+  parses, not SSE comments); per message ``response.output_item.added``,
   ``response.content_part.added``, ``response.output_text.delta``...,
   ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``
   (the reasoning item alike, with ``response.reasoning_text.delta`` / ``.done`` events);
@@ -29,10 +32,11 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
   decoded, or one with the whole input at the call's end where the arguments do not begin
   with it, see ``router.api.responses_tools``, and ``.done``); then ``response.completed``
   or ``response.incomplete`` (a call cut short by ``max_output_tokens`` is an
-  ``incomplete`` item with the arguments written so far). A
-  failure after the stream began, a streamed call that broke among them, is an ``error``
-  event then ``response.failed`` (``status: "failed"``, ``error.code: "server_error"``),
-  never a silent truncation. There is no ``[DONE]`` line.
+  ``incomplete`` item with the arguments written so far). A failure before the stream
+  began is an HTTP status; after it, a streamed call that broke among them, an ``error``
+  event then ``response.failed`` (``status: "failed"``, ``error.code: "server_error"``, or
+  for a call refused after the commit ``rate_limit_exceeded`` / ``invalid_prompt`` by its
+  status), never a silent truncation. There is no ``[DONE]`` line.
 - an answer that ran out of context when the client set no ``max_output_tokens`` (the router
   then allows the whole remaining context), or one larger than that room (clamped to it:
   ``router.api.output_budget``), is a failure, not ``incomplete``: Codex retries
@@ -69,7 +73,8 @@ from router.api.answer_parser import (
 from router.api.openai_schema import CompletionBody
 from router.api.responses_schema import ResponsesRequest
 from router.api.responses_tools import CustomInputStream, Tools, custom_input
-from router.api.stream_output import OutputAssembler, Piece, Responder, collect
+from router.api.stream_commit import FirstEvent, Responder
+from router.api.stream_output import OutputAssembler, Piece, collect
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
 
@@ -83,14 +88,14 @@ def responder(parsed: ResponsesRequest) -> Responder:
 
     async def respond(
         request: web.Request, body: CompletionBody, call: CallRequest, out: OutputAssembler,
-        event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+        first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
     ) -> web.StreamResponse:
         shape = _Shape(parsed, call)
         if parsed.tools.skipped:
             shape.headers["X-Talaria-Tools-Skipped"] = ",".join(parsed.tools.skipped)
         if body.stream:
-            return await _stream(request, shape, call, out, event, events, answer)
-        return await _collect(request, shape, call, out, event, events, answer)
+            return await _stream(request, shape, call, out, first, events, answer)
+        return await _collect(request, shape, call, out, first.event, events, answer)
 
     return respond
 
@@ -118,6 +123,10 @@ class _Shape:
             "usage": usage, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
             "store": False, "text": {"format": {"type": "text"}}, "truncation": "disabled", **self.echo,
         }
+
+
+# A call refused after its stream committed: its status's code among those ResponseError knows.
+_ERROR_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}
 
 
 def _status(out: OutputAssembler) -> str:
@@ -361,15 +370,24 @@ async def _collect(
 
 async def _stream(
     request: web.Request, shape: _Shape, call: CallRequest, out: OutputAssembler,
-    event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
+    first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **shape.headers})
     output = _Output(shape.tools, response)
-    try:
+
+    async def opening(_first: CallEvent | None) -> None:
         await response.prepare(request)
         await output.send("response.created", {"response": shape.response("in_progress", [])})
+        await keep_alive()
+
+    async def keep_alive() -> None:  # Codex parses it and ignores it: its idle timer restarts
         await output.send("response.in_progress", {"response": shape.response("in_progress", [])})
+
+    try:
+        event = await first.stream(out, opening, keep_alive)
+        if event is None:
+            return response  # the client left; the caller aborts the call
 
         async def emit(piece: Piece) -> None:
             await output.reason(piece.reasoning)
@@ -384,7 +402,7 @@ async def _stream(
                 await output.feed(answer.finish())
             out.check_calls(answer, ended=True)
         if out.error is not None:
-            error = {"code": "server_error", "message": out.error}
+            error = {"code": _ERROR_CODES.get(out.stream_error().status, "server_error"), "message": out.error}
             await output.send("error", {**error, "param": None})
             await output.send("response.failed", {"response": shape.response(
                 "failed", output.snapshot(), _usage(out), error)})

@@ -21,7 +21,7 @@ from router.api.answer_parser import AnswerParser
 from router.api.reasoning import ReasoningSplitter
 from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
-from talaria.protocol import CallEvent, CallRequest, CallUsage
+from talaria.protocol import CallEvent, CallUsage
 from talaria.protocol.errors import ApiError
 from talaria.protocol.http import next_or_gone
 from talaria.protocol.text import StopMatcher
@@ -71,6 +71,7 @@ class OutputAssembler:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_code = "instance_failed"
+        self.refusal: ApiError | None = None  # the call's refusal, after its stream committed
         self.done = False
 
     def add(self, event: CallEvent) -> Piece:
@@ -120,6 +121,21 @@ class OutputAssembler:
         log.warning("router.call_failed", request_id=self.request_id, error=detail)
         self.error = f"the call failed on its instance; request id {self.request_id}"
         self.done = True
+
+    def refuse(self, error: ApiError) -> None:
+        """The call was refused before its first event, after its stream committed
+        (``router.api.stream_commit``): the client gets ``error`` in the stream, its message
+        and its status's kind, as it would have got its HTTP status before the commit."""
+        log.warning("router.call_refused_in_stream", request_id=self.request_id, status=error.status,
+                    error=error.message)
+        self.refusal = error
+        self.error = error.message
+        self.done = True
+
+    def stream_error(self) -> ApiError:
+        """The failure as a stream tells it: the refusal, else a 502 with ``error_code``."""
+        assert self.error is not None, "the call has not failed"
+        return self.refusal or ApiError(502, self.error, code=self.error_code)
 
     def check_calls(self, answer: AnswerParser | None, ended: bool = False) -> None:
         """Fail a stream whose announced tool call broke (``AnswerParser.failure``; ``ended``:
@@ -237,11 +253,3 @@ async def next_event(request: web.Request, events: AsyncIterator[CallEvent]) -> 
     """The call's next event, or None once its client has gone away."""
     return await next_or_gone(events, request, request.app[LIMITS_KEY].disconnect_poll_s)
 
-
-Responder = Callable[
-    [web.Request, schema.CompletionBody, CallRequest, "OutputAssembler", CallEvent,
-     AsyncIterator[CallEvent], AnswerParser | None],
-    Awaitable[web.StreamResponse],
-]
-"""Writes one call's answer in an API's shape: (request, body, call, assembler, first event,
-the rest of the events, the tool-call parser or None)."""

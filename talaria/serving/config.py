@@ -14,6 +14,8 @@ stall_timeout_s = 60.0  # between two tokens of a call, else an error event
 max_inflight_calls = 1024       # beyond: 429 with Retry-After
 infer_sessions = true   # calls naming no session join the one their prompt extends
 max_tokens_overflow = "clamp"   # a max_tokens beyond the context's room: clamp to it, or "refuse"
+stream_commit_s = 10.0  # a stream without its first token by then sends its 200; -1: not before it
+stream_keepalive_s = 15.0       # then a keep-alive event until its first token
 session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the default list
 
 [engine]                # all optional; shared by every instance
@@ -108,6 +110,8 @@ class RouterSection:
     infer_sessions: bool = True
     session_headers: list[str] | None = None  # None: the router's default list
     max_tokens_overflow: str = "clamp"
+    stream_commit_s: float = 10.0  # negative: at the first token only (router.api.stream_commit)
+    stream_keepalive_s: float = 15.0
 
 
 @dataclass
@@ -249,7 +253,7 @@ class ServeConfig:
         if r.max_body_bytes < 1024:
             raise ConfigError(f"[router].max_body_bytes must be >= 1024, got {r.max_body_bytes}")
         for key in ("poll_interval_s", "first_token_timeout_s", "stall_timeout_s",
-                    "body_timeout_s"):
+                    "body_timeout_s", "stream_keepalive_s"):
             if getattr(r, key) <= 0:
                 raise ConfigError(f"[router].{key} must be > 0, got {getattr(r, key)}")
         for key in ("max_inflight_calls", "max_session_id_chars", "max_sessions"):

@@ -1,8 +1,10 @@
 """Router API test helpers: the router's app on aiohttp's test server over given instance
-clients, request bodies, the tokens of a reply, and an SSE body read into its events."""
+clients, request bodies, the tokens of a reply, an SSE body read into its events, and an
+instance that holds its call's first event back until a gate opens."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,9 +14,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from router_fakes import ScriptedInstance
 
 from router.app import RouterConfig, create_app
+from router.core import CallRejected
 from router.tokenization import ModelTokenizer
+from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded
 
 REPLY_TEXT = "Hello world, this is a test."
+ANSWER = REPLY_TEXT  # what a HeldBack instance answers
 
 
 @asynccontextmanager
@@ -71,3 +76,29 @@ def named_events(text: str) -> list[tuple[str | None, Any]]:
         if data is not None:
             out.append((name, data))
     return out
+
+
+class HeldBack(ScriptedInstance):
+    """Answers ``ANSWER`` once ``gate`` opens (a call waiting for its model's slot), or then
+    fails as ``fails`` says: its engine's error event, a full queue, gone, or refusing."""
+
+    def __init__(self, tok: ModelTokenizer, gate: asyncio.Event, fails: str | None = None) -> None:
+        super().__init__("i0", [tok.encode_text(ANSWER, add_special_tokens=False) + [EOS]])
+        self.gate = gate
+        self.fails = fails
+        self.received: list[str] = []
+
+    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+        self.received.append(call.call_id)
+        await self.gate.wait()
+        if self.fails == "instance":
+            yield CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error="engine failed")
+        elif self.fails == "overloaded":
+            raise Overloaded("i0: the queue is full", retry_after_s=2.5)
+        elif self.fails == "unavailable":
+            raise InstanceUnavailable("i0: gone")
+        elif self.fails == "rejected":
+            raise CallRejected(400, "i0: the prompt holds a token the model does not know")
+        else:
+            async for event in super().submit(call):
+                yield event
