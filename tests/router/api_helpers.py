@@ -64,17 +64,27 @@ def scripted(tok: ModelTokenizer, *answers: str, cached_tokens: int = 0) -> Scri
 
 def named_events(text: str) -> list[tuple[str | None, Any]]:
     """An SSE body's events as (event name or None, data)."""
-    out = []
+    return [(name, data) for name, data in sse_blocks(text) if name != "comment" and data is not None]
+
+
+def sse_blocks(text: str, unnamed: str | None = None) -> list[tuple[str | None, Any]]:
+    """An SSE body's blocks as (kind, data): kind the event's name, ``unnamed`` for data
+    without one, ``comment`` for a comment line."""
+    out: list[tuple[str | None, Any]] = []
     for block in text.split("\n\n"):
-        name, data = None, None
+        if not block.strip():
+            continue
+        if block.startswith(":"):
+            out.append(("comment", block))
+            continue
+        name, data = unnamed, None
         for line in block.splitlines():
             if line.startswith("event: "):
                 name = line[len("event: "):]
             elif line.startswith("data: "):
                 raw = line[len("data: "):]
                 data = raw if raw == "[DONE]" else orjson.loads(raw)
-        if data is not None:
-            out.append((name, data))
+        out.append((name, data))
     return out
 
 

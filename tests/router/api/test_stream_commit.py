@@ -14,10 +14,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from aiohttp import ClientResponse
-from api_helpers import HeldBack, serve
+from api_helpers import HeldBack, serve, sse_blocks
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -49,25 +48,9 @@ def opened() -> asyncio.Event:
     return gate
 
 
-def blocks_of(text: str) -> list[tuple[str, Any]]:
-    """An SSE body's blocks as (kind, data): kind the event's name, ``chunk`` for unnamed
-    data, ``comment`` for a comment line."""
-    out: list[tuple[str, Any]] = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        if block.startswith(":"):
-            out.append(("comment", block))
-            continue
-        name, data = "chunk", None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                raw = line[len("data: "):]
-                data = raw if raw == "[DONE]" else orjson.loads(raw)
-        out.append((name, data))
-    return out
+def blocks_of(text: str) -> list[tuple[str | None, Any]]:
+    """An SSE body's blocks as (kind, data): ``chunk`` for unnamed data."""
+    return sse_blocks(text, unnamed="chunk")
 
 
 def normalized(value: Any) -> Any:
