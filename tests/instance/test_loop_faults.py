@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from fake_engine import FakeEngine
 from instance_helpers import call
 
-from engine.interface import EngineRequest, MoveReport, StepResult
+from engine.interface import EngineRequest, MoveReport, Residency, StepResult
 from talaria.clock import run_virtual
 from talaria.instance.instance import Instance
 from talaria.policies.config import preset
@@ -169,3 +169,54 @@ def test_a_failed_staging_copy_fails_no_call_and_is_backed_off() -> None:
         assert all(gap >= 0.5 * 2**i for i, gap in enumerate(gaps)), (model, times)
     assert len([m for m, _ in eng.tries if m == "b"]) >= 3  # 6 s of a's decode: 0, 0.5, 1.5, 3.5
     assert inst.counters["staging_failures"] == len(eng.tries)
+
+
+@dataclass
+class StagingFlaky(FaultyEngine):
+    """Every staging copy fails at once but those numbered in ``ok_tries`` (1-based, over
+    all models); a copy that starts takes ``stage_s`` (STAGING meanwhile, then STAGED)."""
+
+    ok_tries: set[int] = field(default_factory=set)
+    tries: list[tuple[str, float]] = field(default_factory=list)
+    staged_at: float = 0.0
+
+    def stage(self, model: str) -> MoveReport:
+        now = asyncio.get_running_loop().time()
+        self.tries.append((model, now))
+        if len(self.tries) not in self.ok_tries:
+            raise RuntimeError(f"cannot stage {model}: the link dropped")
+        self.staged_at = now
+        return super().stage(model)
+
+    def residency(self) -> dict[str, Residency]:
+        out = super().residency()
+        copying = asyncio.get_running_loop().time() < self.staged_at + self.stage_s
+        return {m: Residency.STAGING if r is Residency.STAGED and copying else r
+                for m, r in out.items()}
+
+
+def test_a_switch_from_a_completed_staging_copy_ends_its_models_run_of_failures() -> None:
+    """b's first copy fails, its retry completes while a's last call ends, and the loop
+    switches to b from the staging region before any turn saw b STAGED: that copy worked, so
+    b's next failure waits the first backoff again, not a doubled one."""
+    eng = StagingFlaky(["a", "b"], num_blocks=200, step_s=0.1, initial_model="a", ok_tries={2})
+
+    async def main() -> None:
+        inst = Instance("i", eng, preset("talaria").with_(staging_retry_backoff_s=0.5))
+        await inst.start()
+        a = inst.submit(call("a1", "s1", "a", 20, max_tokens=9))  # ends while b's copy runs
+        await asyncio.sleep(0.05)
+        b = inst.submit(call("b1", "s2", "b", 20, max_tokens=3, last=True))
+        await a.collect()
+        await b.collect()
+        a2 = inst.submit(call("a2", "s3", "a", 20, max_tokens=40))
+        await asyncio.sleep(2.5)
+        inst.submit(call("b2", "s4", "b", 20, max_tokens=3, last=True))  # b is staged again
+        await a2.collect()
+        await inst.stop()
+
+    run_virtual(main())
+    b = [t for m, t in eng.tries if m == "b"]
+    assert eng.tries[1][0] == "b" and ("activate", "b") in eng.log  # the copy that worked
+    assert len(b) >= 4, eng.tries
+    assert b[3] - b[2] < 2 * 0.5, b  # a first failure again: one backoff, not two
