@@ -104,6 +104,8 @@ class Instance:
             instance_id, self, self.policy, self.executor, self.calls, self.sessions,
             self.est, self.rates, self.counters, engine.active_model, record_splits,
         )
+        # a switch from the staging region ends its model's run of staging failures
+        self.executor.on_report.append(self.loop.staging_retries.on_report)
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.hung = asyncio.Event()  # set by the watchdog: a live engine op has wedged

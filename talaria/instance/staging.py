@@ -8,7 +8,9 @@ failure in a row up to ``2**MAX_BACKOFF_DOUBLINGS`` times that, on the instance'
 failed copy most likely fails again (a broken link, pinned memory exhausted), and the
 admission loop, which looks for a model to stage at every turn with calls running, would
 otherwise start another copy beside the running model at every engine step. A copy of the
-model seen complete (``Residency.STAGED``) ends its run of failures.
+model seen complete (``Residency.STAGED``) ends its run of failures, and so does a switch to
+the model from the staging region (``on_report``: a copy that completed while the last calls
+of the outgoing model ended is switched to before any turn sees it STAGED).
 
 Such a failure is no engine fault: the calls running on the active model are not touched.
 The simulated engine's copies never fail, so the simulation never meets any of this.
@@ -20,7 +22,8 @@ from collections.abc import Iterable, Mapping
 
 import structlog
 
-from engine.interface import Residency
+from engine.interface import MoveReport, Residency, StepResult
+from substrate.moves import MoveKind
 
 log = structlog.get_logger("talaria.staging")
 
@@ -56,6 +59,14 @@ class StagingRetries:
         log.warning("staging_backoff", instance=self.instance_id, model=model,
                     failures_in_a_row=failures, retry_in_s=wait)
         return wait
+
+    def on_report(self, op: str, report: StepResult | MoveReport, model: str | None) -> None:
+        """An executor report (``EngineExecutor.on_report``): a switch that copied the
+        weights from the staging region proves its model's last copy whole."""
+        if (model is not None and model in self._failures
+                and getattr(report, "kind", None) == MoveKind.ACTIVATE_D2D):
+            del self._failures[model]
+            self._retry_at.pop(model, None)
 
     def observe(self, failed: Iterable[str], residency: Mapping[str, Residency],
                 now: float) -> None:
