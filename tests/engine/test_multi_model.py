@@ -425,3 +425,19 @@ def test_a_held_session_is_let_go_when_forgotten(models: dict[str, Path]) -> Non
     assert index._held == {"s"}
     engine.forget_session("s")
     assert not index._held
+
+
+def test_a_forgotten_sessions_host_kv_is_not_held_for_a_new_session_under_its_id(
+    models: dict[str, Path],
+) -> None:
+    """The host KV a forgotten session saved is no new session's: holding a new session
+    under the same id keeps none of it before an unreserved session's KV."""
+    engine = make_engine(models)
+    _session_round(engine, prompt(13, 29), "s")
+    engine.offload_kv(["s"])
+    index = engine.rank.host_kv_index()
+    old = [e for e in index.entries() if "s" in e.sessions]
+    assert old
+    engine.forget_session("s")
+    engine.hold_host_kv("s")  # a new session "s", reserved before it saved anything
+    assert all(index._held.isdisjoint(e.sessions) for e in old)

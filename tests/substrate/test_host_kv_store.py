@@ -107,3 +107,20 @@ def test_a_failed_host_allocation_leaves_nothing_behind(monkeypatch: pytest.Monk
             store.save("m", [1, 2], [0, 1], src)
     assert store.lookup("m", [1, 2]) == 0
     assert len(store) == 0 and store.used_bytes == 0
+
+
+def test_a_held_session_holds_only_the_chain_it_continues() -> None:
+    """A session whose new chain forks from its last (it continues an earlier call, or a
+    compaction starts it afresh) no longer needs the old chain's tail: holding the session
+    keeps what it will read, not that tail before an unreserved session's KV."""
+    src = _caches(8, 4)
+    store = HostKVStore(capacity_bytes=6 * _block_bytes(), pin=False)
+    store.save("m", [1, 2, 3], [0, 1, 2], src, session_id="r")
+    store.save("m", [1, 2, 7], [0, 1, 3], src, session_id="r")  # forks after block 2
+    store.index.hold("r")
+    store.save("m", [5, 6], [4, 5], src, session_id="u")  # unreserved
+    evicted = store.index.insert_chain("m", [8], _block_bytes()).evicted
+    assert [e.block_hash for e in evicted] == [3]  # the tail r no longer continues
+    assert store.lookup("m", [5, 6], touch=False) == 2
+    assert store.lookup("m", [1, 2, 7], touch=False) == 3
+
