@@ -69,6 +69,8 @@ class HostKVStore:
         shape, dtype = block_shape(kv_cache), kv_cache.dtype
         block_nbytes = math.prod(shape) * dtype.itemsize
         result = self.index.insert_chain(model, block_hashes, block_nbytes, session_id)
+        if session_id is not None:
+            self.index.follow(session_id, model, block_hashes)  # what a hold keeps
         for entry in result.evicted:
             self._payloads.pop(entry.key, None)
         if not result.inserted:

@@ -52,6 +52,8 @@ class HostKVIndex:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._held: set[str] = set()  # sessions whose blocks are evicted last
+        # session -> model -> the chain it saved last (``follow``: the live store only)
+        self._chains: dict[str, dict[str, list[int]]] = {}
         # least recently used first: the order is the recency (``touch`` moves to the end)
         self._entries: OrderedDict[HostKVKey, HostKVEntry] = OrderedDict()
         self._model_bytes: dict[str, int] = {}
@@ -69,13 +71,47 @@ class HostKVIndex:
         return self.capacity_bytes - self.used_bytes
 
     def hold(self, session_id: str, held: bool = True) -> None:
-        """Evict the blocks ``session_id`` saved only once no block of a session not held is
-        left to evict (``held=False``: as any other again). Holding costs eviction nothing
-        while no session is held (the simulator holds none)."""
+        """Evict the blocks ``session_id`` saved (of the chains it still continues: ``follow``)
+        only once no block of a session not held is left to evict (``held=False``: as any
+        other again). Holding costs eviction nothing while no session is held (the simulator
+        holds none)."""
         if held:
             self._held.add(session_id)
         else:
             self._held.discard(session_id)
+
+    def follow(self, session_id: str, model: str, block_hashes: Sequence[int]) -> None:
+        """``session_id`` saved ``block_hashes`` on ``model`` (after ``insert_chain``): the
+        blocks of the chain it saved there last that this one does not continue (it forked
+        from an earlier call; a compaction started it afresh) are no longer its, so holding
+        it keeps them no more. A head of the last chain (the device kept only that) changes
+        nothing. The simulator never calls this (its store holds nothing)."""
+        chains = self._chains.setdefault(session_id, {})
+        last = chains.get(model)
+        if last is not None:
+            common = 0
+            for old, new in zip(last, block_hashes, strict=False):
+                if old != new:
+                    break
+                common += 1
+            if common == len(block_hashes):
+                return
+            self._untag(session_id, model, last[common:])
+        chains[model] = list(block_hashes)
+
+    def forget(self, session_id: str) -> None:
+        """The session is gone: no block it saved (as far as ``follow`` was told) is its
+        any more, and it is held no more; a new session under its id starts with none."""
+        self._held.discard(session_id)
+        for model, chain in self._chains.pop(session_id, {}).items():
+            self._untag(session_id, model, chain)
+
+    def _untag(self, session_id: str, model: str, block_hashes: Iterable[int]) -> None:
+        entries = self._entries
+        for h in block_hashes:
+            entry = entries.get((model, h))
+            if entry is not None:
+                entry.sessions.discard(session_id)
 
     def get(self, model: str, block_hash: int) -> HostKVEntry | None:
         return self._entries.get((model, block_hash))

@@ -274,7 +274,7 @@ class MultiModelEngine(ServesModels):
         """Keep the session's host KV past every block of a session not held: the host
         store evicts it only once nothing else is left to evict (``held=False``: least
         recently used as any other again). The instance holds a session while it has a
-        soft reservation. Forgetting the session lets it go."""
+        soft reservation. Forgetting the session lets it go, and the host KV it saved."""
         if held != (session_id in self._held):
             (self._held.add if held else self._held.discard)(session_id)
             self.rank.hold_host_kv(session_id, held)
@@ -282,8 +282,11 @@ class MultiModelEngine(ServesModels):
     def forget_session(self, session_id: str) -> None:
         """Forget it on every model it called, not only its last (an earlier model keeps
         its chain while its host KV lasts, which a new session under the id would read)."""
-        self.hold_host_kv(session_id, False)
-        self._session_model.pop(session_id, None)
+        # the host KV it saved is no longer its (a new session under the id, held, would
+        # hold it), nor is it held: one rank op, for a session that ran here or is held
+        if self._session_model.pop(session_id, None) is not None or session_id in self._held:
+            self.rank.forget_host_kv(session_id)
+        self._held.discard(session_id)
         self._host_chains.forget(session_id)
         for name, sessions in self._sessions.items():
             sessions.pop(session_id, None)

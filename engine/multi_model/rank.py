@@ -170,6 +170,11 @@ class RankModels:
         any other again); it changes eviction order, so every rank must do the same."""
         self.memory.host_kv.index.hold(session_id, held)
 
+    def forget_host_kv(self, session_id: str) -> None:
+        """The session is gone: the host KV it saved is no longer its (a new session under
+        its id, held, holds none of it); every rank must do the same."""
+        self.memory.host_kv.index.forget(session_id)
+
     # ------------------------------------------------------------------ queries
     def host_kv_index(self) -> HostKVIndex:
         """This rank's host KV index (every rank's holds the same blocks)."""

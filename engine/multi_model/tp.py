@@ -231,6 +231,9 @@ class TensorParallelRankModels:
     def hold_host_kv(self, session_id: str, held: bool) -> None:
         self._all("hold_host_kv", session_id, held)  # eviction order: every rank alike
 
+    def forget_host_kv(self, session_id: str) -> None:
+        self._all("forget_host_kv", session_id)  # eviction order: every rank alike
+
     def can_stage(self, name: str) -> bool:
         return self.local.memory.ledger.can_stage(name)  # every rank's region is alike
 

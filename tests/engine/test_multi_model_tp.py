@@ -28,6 +28,7 @@ from engine.multi_model.tp import (
 )
 from engine.parallel.worker import call_state_method
 from engine.sampling_params import SamplingParams
+from substrate.host_kv_index import HostKVIndex
 from substrate.ledger import Placement
 from substrate.moves import MoveKind, MoveRecord
 
@@ -228,3 +229,17 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def test_forgetting_a_held_session_lets_its_host_kv_go_on_every_rank(
+    tp2: MultiModelEngine,
+) -> None:
+    sid = "forget-s"
+    tp2.activate(LLAMA)
+    run(tp2, [EngineRequest("f1", prompt(12, 29), GREEDY, model=LLAMA, session_id=sid)])
+    tp2.hold_host_kv(sid)
+    tp2.offload_kv([sid])
+    tp2.forget_session(sid)
+    for index in per_rank(tp2, "host_kv_index"):
+        assert isinstance(index, HostKVIndex) and len(index) > 0
+        assert sid not in index._held and all(sid not in e.sessions for e in index.entries())
