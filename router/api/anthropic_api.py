@@ -21,8 +21,9 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
 - a model's reasoning (``router.api.reasoning``) as one ``thinking`` block before the others
   (``signature: ""``; streamed as its ``content_block_start``, ``thinking_delta`` events and
   ``content_block_stop``) when the request enabled thinking (``thinking.type`` ``enabled``
-  or ``adaptive``; its ``budget_tokens`` is not enforced), else left out of the answer;
-  ``output_tokens`` counts it either way;
+  or ``adaptive``; its ``budget_tokens`` is not enforced), else left out of the answer
+  (streamed, a ``ping`` every ``stream_keepalive_s`` while the model thinks, so the stream is
+  not silent for as long as it thinks); ``output_tokens`` counts it either way;
 - errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path;
   a prompt over the model's context in Anthropic's words, ``prompt is too long: N tokens > M
   maximum`` (``router.api.prompt_tokens``), and so a ``max_tokens`` refused under the rule
@@ -31,6 +32,7 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -187,12 +189,19 @@ class _Events:
         self.response = response
         self.index = -1
         self.open: str | None = None
+        self.sent_at = time.monotonic()  # when the last event was written
 
     async def send(self, name: str, data: dict[str, Any]) -> None:
         await self.response.write(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
+        self.sent_at = time.monotonic()
 
     async def ping(self) -> None:
         await self.send("ping", {"type": "ping"})
+
+    async def ping_if_idle(self, idle_s: float) -> None:
+        """A ``ping`` when nothing was sent for ``idle_s`` (the model thinks, its thinking hidden)."""
+        if time.monotonic() - self.sent_at >= idle_s:
+            await self.ping()
 
     async def thinking(self, text: str) -> None:
         if not text:
@@ -256,6 +265,8 @@ async def _stream(
         async def emit(piece: Piece) -> None:
             if body.show_reasoning:
                 await sse.thinking(piece.reasoning)
+            elif piece.reasoning:  # not sent, but the client waits for it as for a first token
+                await sse.ping_if_idle(first.keepalive_s)
             await sse.items(answer.feed(piece.text) if answer is not None else [piece.text])
             out.check_calls(answer)
 

@@ -21,10 +21,9 @@ What Codex offers (``router.api.responses_schema`` reads the rest of the body):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
 
 from talaria.protocol.errors import bad_request
 
@@ -86,13 +85,14 @@ def parse_tools(tools: Any) -> Tools:
 
 
 def custom_input(arguments: str) -> str:
-    """A custom tool call's input: the ``input`` string the model wrote, else its arguments' text."""
+    """A custom tool call's input: the ``input`` string the model wrote (half a surrogate pair
+    in it, which JSON allows and UTF-8 cannot carry, as U+FFFD), else its arguments' text."""
     try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
+        value = json.loads(arguments)
+    except ValueError:
         return arguments
     if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
-        return str(value[CUSTOM_INPUT])
+        return value[CUSTOM_INPUT].encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     return arguments
 
 
@@ -161,15 +161,17 @@ class CustomInputStream:
                 if "\ud800" <= unit <= "\udbff":
                     self._high = unit
                 else:
-                    out.append(unit)
+                    out.append(_LONE if "\udc00" <= unit <= "\udfff" else unit)
         return "".join(out)
 
     def _flush_high(self) -> str:
-        high, self._high = self._high or "", None
-        return high
+        """A high surrogate that no low one followed: alone, it is U+FFFD."""
+        high, self._high = self._high, None
+        return _LONE if high is not None else ""
 
 
 _SIMPLE_ESCAPES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_LONE = "\ufffd"  # half a surrogate pair: no client can be sent one (orjson refuses it)
 
 
 def _opened_at(head: str, tokens: tuple[str, ...]) -> int | None:

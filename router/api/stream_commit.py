@@ -108,6 +108,11 @@ class FirstEvent:
             raise call_error(exc, self._call_id) from exc
 
     @property
+    def keepalive_s(self) -> float:
+        """How long a stream may stay silent before it sends a keep-alive."""
+        return self._keepalive_s
+
+    @property
     def client_left(self) -> bool:
         """The client went away before the first event (and before any commit)."""
         return self.arrived and self._event is None

@@ -68,6 +68,7 @@ class OutputAssembler:
         self.prompt_tokens = len(prompt_ids)
         self.token_ids: list[int] = []
         self.reported: CallUsage | None = None
+        self.reported_final = False  # ``reported`` came with the event that finished the call
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_code = "instance_failed"
@@ -79,7 +80,7 @@ class OutputAssembler:
             return Piece()
         self.token_ids.extend(event.token_ids)
         if event.usage is not None:
-            self.reported = event.usage
+            self.reported, self.reported_final = event.usage, event.finished
         text = self._detok.push(event.token_ids)
         if event.finished:
             text += self._detok.flush()  # bytes that never completed a character
@@ -200,8 +201,10 @@ class OutputAssembler:
     def usage(self) -> dict[str, Any]:
         reported = self.reported
         prompt = reported.prompt_tokens if reported else self.prompt_tokens
-        stopped_here = self._stop.stopped  # cut at the router: count the tokens received
-        completion = reported.completion_tokens if reported and not stopped_here else len(self.token_ids)
+        # The instance's count is final only on its last event; an answer cut here (a stop
+        # string, a broken tool call) or failing mid-call counts the tokens received.
+        final = self.reported_final and not self._stop.stopped
+        completion = reported.completion_tokens if reported and final else len(self.token_ids)
         cached = reported.cached_tokens if reported else 0
         restored = reported.restored_tokens if reported else 0
         usage = schema.usage_dict(prompt, completion, cached, restored)

@@ -204,7 +204,8 @@ class HermesToolParser:
         out = ToolOutput()
         if self._body is not None:
             rest, self._unscanned = self._unscanned, ""
-            self._scan(rest, out)
+            if not self._scanner.done:  # after the object, ``rest`` is the closing tag, cut short
+                self._scan(rest, out)
             self._close_call("".join(self._body), out, closed=False)
         elif not (self._after_call and not self._pending.strip()):
             out.add_text(self._pending)

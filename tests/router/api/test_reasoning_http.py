@@ -204,6 +204,24 @@ async def test_anthropic_thinking_blocks_only_when_thinking_is_enabled(tiny_toke
         assert message.usage.output_tokens == len(tiny_tokenizer.encode_text(ANSWER, False)) + 1
 
 
+async def test_hidden_thinking_keeps_the_anthropic_stream_alive(tiny_tokenizer: ModelTokenizer) -> None:
+    """Thinking not asked for is not sent, but the model still spends its time on it (minutes
+    for a long thought): the stream sends a ``ping`` each ``stream_keepalive_s`` meanwhile, as
+    before its first token, so an idle timeout does not cut it. Shown thinking needs none."""
+    body = {"model": "tiny", "messages": USER, "max_tokens": 200, "stream": True}
+    async with serve(tiny_tokenizer, {"i0": scripted(tiny_tokenizer, ANSWER, ANSWER)}, **QWEN3,
+                     stream_commit_s=None, stream_keepalive_s=1e-9) as client:
+        hidden = named_events(await (await client.post("/v1/messages", json=body)).text())
+        shown = named_events(await (await client.post("/v1/messages", json={
+            **body, "thinking": {"type": "enabled", "budget_tokens": 1024}})).text())
+    names = [name for name, _ in hidden]
+    first_block = names.index("content_block_start")
+    assert names[:2] == ["message_start", "ping"] and names[first_block:].count("ping") == 0
+    assert names.count("ping") > 3  # one at the opening, then while the model thought
+    assert [d["content_block"]["type"] for n, d in hidden if n == "content_block_start"] == ["text"]
+    assert [name for name, _ in shown].count("ping") == 1
+
+
 def validated(event: dict[str, Any]) -> dict[str, Any]:
     if "response" in event:
         Response.model_validate(event["response"])

@@ -104,6 +104,18 @@ def test_what_a_stream_ends_with_when_an_announced_call_breaks() -> None:
     assert summary(stream(TEXTS[10], [])) == whole(TEXTS[10]) == (TEXTS[10], [])  # never announced: text
 
 
+def test_an_answer_cut_inside_a_whole_call_s_closing_tag_ends_the_call_as_without_the_tag() -> None:
+    """The call's JSON closed, then the answer ended (its token limit, a stop string) part
+    way into the closing tag: the call is whole, as when the answer ends before the tag,
+    streamed and collected; the partial tag is no character that breaks its JSON."""
+    for tail in ("", "\n", "\n<", "\n</tool_", "</tool_call"):
+        text = f'ok <tool_call>\n{{"name": "f", "arguments": {{"a": 1}}}}{tail}'
+        for cut in range(len(text) + 1):
+            parser = AnswerParser(HERMES)
+            assert summary(stream(text, [cut], parser)) == whole(text) == ("ok", [("f", '{"a": 1}', "complete")])
+            assert parser.failure("length") is None and parser.finish_reason("length") == "tool_calls"
+
+
 def test_argument_pieces_arrive_before_the_closing_tag() -> None:
     """Fed a character at a time, as tokens come: the call starts once its arguments object
     opens, and every piece of them is out before the closing tag is written."""

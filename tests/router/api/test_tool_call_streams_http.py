@@ -159,3 +159,16 @@ async def test_a_call_cut_short_by_the_length_limit_ends_as_truncated_answers_do
         final = events[-1][1]["response"]
         assert events[-1][0] == "response.incomplete" and final["output"][1]["status"] == "incomplete"
         assert final["output"][1]["arguments"] == joined
+
+
+async def test_a_broken_call_s_failed_response_counts_the_tokens_the_router_read(
+        tiny_tokenizer: ModelTokenizer) -> None:
+    """The router ends the answer where the call broke (its call is aborted there), so its
+    usage counts the tokens read up to that point, as for a stop string; not the usage so
+    far that the instance's first event carried (one token)."""
+    events = await stream_events(tiny_tokenizer, "responses", BROKEN)
+    ids = tiny_tokenizer.encode_text(BROKEN, add_special_tokens=False)
+    read = next(n for n in range(1, len(ids) + 1) if "+" in tiny_tokenizer.decode(ids[:n]))
+    usage = events[-1][1]["response"]["usage"]
+    assert events[-1][0] == "response.failed" and usage["output_tokens"] == read > 1
+    assert usage["total_tokens"] == usage["input_tokens"] + read
