@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.api.tool_calls import whole_characters
 from talaria.protocol.errors import bad_request
 
 __all__ = ["CustomInputStream", "OfferedTool", "Tools", "custom_input", "parse_tools", "tool_choice"]
@@ -92,7 +93,7 @@ def custom_input(arguments: str) -> str:
     except ValueError:
         return arguments
     if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
-        return value[CUSTOM_INPUT].encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return str(whole_characters(value[CUSTOM_INPUT]))
     return arguments
 
 

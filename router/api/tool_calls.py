@@ -62,9 +62,21 @@ class ParsedToolCall:
     arguments: str  # a JSON object, as text (what OpenAI's ``function.arguments`` holds)
 
     def arguments_object(self) -> dict[str, Any]:
-        value = json.loads(self.arguments)
+        value = whole_characters(json.loads(self.arguments))
         assert isinstance(value, dict), "a parsed tool call's arguments are always an object"
         return value
+
+
+def whole_characters(value: Any) -> Any:
+    """``value`` (parsed JSON) with every half of a surrogate pair in its strings as U+FFFD:
+    JSON may escape one, but no client can be sent one (orjson refuses to write it)."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, dict):
+        return {whole_characters(k): whole_characters(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [whole_characters(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -307,7 +319,7 @@ def _hermes_call(body: str) -> ParsedToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedToolCall(data["name"], json.dumps(arguments, ensure_ascii=False))
+    return ParsedToolCall(whole_characters(data["name"]), json.dumps(whole_characters(arguments), ensure_ascii=False))
 
 
 def _hermes_prefix(function: str | None) -> str:

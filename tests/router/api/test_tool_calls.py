@@ -129,3 +129,16 @@ def test_a_long_call_fed_a_character_at_a_time_is_the_same_call() -> None:
     whole = _feed(text)
     assert [c.name for c in whole.calls] == ["write"] and whole.text == "ok"
     assert _feed(text, list(range(len(text)))).items == whole.items
+
+
+def test_half_a_surrogate_pair_in_arguments_reaches_a_client_as_u_fffd() -> None:
+    """JSON may escape half a surrogate pair; no client can be sent one (orjson refuses it,
+    so the answer was a 500). A call's arguments object and a re-written arguments text
+    carry U+FFFD for it, a whole pair stays the character it encodes."""
+    import orjson
+    whole = ParsedToolCall("f", '{"a": ["x\\ud83d", {"\\udc00k": "\\ud83d\\ude00"}]}')
+    assert orjson.dumps(whole.arguments_object())  # it raised
+    assert whole.arguments_object() == {"a": ["x\ufffd", {"\ufffdk": "\U0001F600"}]}
+    out = _feed('<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"\\\\ud83d!\\"}"}</tool_call>')
+    assert out.calls == [ParsedToolCall("f", '{"a": "\ufffd!"}')]
+    assert orjson.dumps(out.calls[0].arguments)
