@@ -67,8 +67,10 @@ class SessionKeeper:
     def _reservation_changed(self, session_id: str) -> None:
         """A reservation was made or ended: the session's report entry changes, and, with
         host KV, the engine keeps a reserved session's host KV past every unreserved
-        session's (a switch away or a yield leaves a reservation's KV in host memory only,
-        where plain LRU would evict it before KV nobody is expected back for)."""
+        session's (a switch away leaves a reservation's KV in host memory only, where plain
+        LRU would evict it before KV nobody is expected back for). A yield ends the
+        reservation, and the hold with it: the yielded session was the one expected back
+        last, and its host KV is then kept as any other session's."""
         self.report.touch(session_id)
         if self.policy.host_kv:
             self.executor.hold_host_kv(session_id, session_id in self.reservations)
