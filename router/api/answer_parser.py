@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 
+# A streamed call's argument pieces go out at least this long (about 16 tokens of JSON): a
+# client that re-parses the call's whole JSON at every delta (the Anthropic SDKs' stream
+# helpers; Claude Code's Write of a large file) does that a sixteenth as often as with a
+# delta per token, for at most 16 tokens' delay on a piece.
+ARGUMENT_DELTA_CHARS = 64
+
+
 def new_tool_call_id(prefix: str = "call_") -> str:
     return prefix + uuid.uuid4().hex[:24]
 
@@ -102,11 +109,17 @@ class AnswerParser:
 
     ``function``: the call ``tool_choice`` forces (its opening was written into the prompt,
     see :attr:`prefill`); ``any_call``: a call of any function is forced. ``parallel=False``
-    keeps the first call only (later ones are dropped, as ``parallel_tool_calls`` asks)."""
+    keeps the first call only (later ones are dropped, as ``parallel_tool_calls`` asks).
+
+    ``min_delta_chars``: a stream's argument pieces are held until they are this long, or
+    the arguments object has closed, or the call ends (0: each piece as it comes). A client
+    that re-parses a call's whole JSON at every delta (the Anthropic SDKs' stream helpers)
+    then does a fraction of the work on a long call, and every piece is still out by the
+    time the arguments are whole."""
 
     def __init__(
         self, fmt: ToolFormat, *, any_call: bool = False, function: str | None = None,
-        parallel: bool = True, id_prefix: str = "call_",
+        parallel: bool = True, id_prefix: str = "call_", min_delta_chars: int = 0,
     ) -> None:
         self.prefill = fmt.forced_prefix(function) if (any_call or function) else ""
         self.tags = fmt.tags
@@ -119,6 +132,9 @@ class AnswerParser:
         self.dropped_calls = 0
         self._open: ToolCallStart | None = None  # the streamed call under way
         self._open_arguments: list[str] = []
+        self._min_delta_chars = min_delta_chars
+        self._held = 0  # the open call's argument pieces not yet sent (the last ones)
+        self._held_chars = 0
         self._dropping = False  # the call under way is dropped (not parallel)
 
     def parse(self, text: str) -> list[str | ToolCall]:
@@ -181,13 +197,13 @@ class AnswerParser:
             elif isinstance(item, CallOpened):
                 items += self._start(item.name)
             elif isinstance(item, ArgumentsText):
-                items += self._delta(item.text)
+                items += self._delta(item.text, send=item.last)
             elif isinstance(item, CallClosed):
                 items += self._end(item.state)
         return items
 
     def _whole(self, call: ParsedToolCall) -> list[AnswerItem]:
-        return self._start(call.name) + self._delta(call.arguments) + self._end("complete")
+        return self._start(call.name) + self._delta(call.arguments, send=True) + self._end("complete")
 
     def _start(self, name: str) -> list[AnswerItem]:
         self._dropping = not self._parallel and bool(self.calls)
@@ -195,25 +211,34 @@ class AnswerParser:
             self.dropped_calls += 1
             return []
         self._open = ToolCallStart(len(self.calls), new_tool_call_id(self._id_prefix), name)
-        self._open_arguments = []
+        self._open_arguments, self._held, self._held_chars = [], 0, 0
         return [self._open]
 
-    def _delta(self, text: str) -> list[AnswerItem]:
-        if self._dropping or not text:
+    def _delta(self, text: str, send: bool = False) -> list[AnswerItem]:
+        """The call's next argument piece: held, or sent with those held before it."""
+        if self._dropping:
             return []
         assert self._open is not None
-        self._open_arguments.append(text)
-        return [ToolCallDelta(self._open.index, text)]
+        if text:
+            self._open_arguments.append(text)
+            self._held += 1
+            self._held_chars += len(text)
+        if not self._held or not (send or self._held_chars >= self._min_delta_chars):
+            return []
+        piece = "".join(self._open_arguments[-self._held:])
+        self._held, self._held_chars = 0, 0
+        return [ToolCallDelta(self._open.index, piece)]
 
     def _end(self, state: CallState) -> list[AnswerItem]:
         if self._dropping:
             self._dropping = False
             return []
+        held = self._delta("", send=True)
         start, self._open = self._open, None
         assert start is not None
         call = ToolCall(start.index, start.id, start.name, "".join(self._open_arguments), state)
         self.calls.append(call)
-        return [ToolCallEnd(call)]
+        return [*held, ToolCallEnd(call)]
 
 
 def answer_parser(
@@ -226,4 +251,5 @@ def answer_parser(
         raise bad_request(f"model {model!r} has no tool-call format in its chat template (set "
                           "tool_formats in the router config); it cannot take tools", "tools")
     return AnswerParser(TOOL_FORMATS[format_name], any_call=tools.choice == "required",
-                        function=tools.function, parallel=tools.parallel, id_prefix=id_prefix)
+                        function=tools.function, parallel=tools.parallel, id_prefix=id_prefix,
+                        min_delta_chars=ARGUMENT_DELTA_CHARS)

@@ -88,9 +88,11 @@ class CallOpened:
 
 @dataclass(frozen=True)
 class ArgumentsText:
-    """The next piece of the open call's arguments, as the model wrote it."""
+    """The next piece of the open call's arguments, as the model wrote it (``last``: the
+    arguments object closed in it)."""
 
     text: str
+    last: bool = False
 
 
 @dataclass(frozen=True)
@@ -258,7 +260,7 @@ class HermesToolParser:
             out.items.append(CallOpened(self._scanner.name))
             self._announced = True
         if piece:
-            out.items.append(ArgumentsText(piece))
+            out.items.append(ArgumentsText(piece, self._scanner.arguments_end is not None))
         if self._scanner.broken_at is not None:
             out.items.append(CallClosed("malformed"))
             self._ended = True

@@ -161,3 +161,24 @@ def test_random_damage_never_splits_differently_and_agrees_whenever_no_call_brok
         assert streamed == summary(stream(damaged, []))
         if all(state == "complete" for _, _, state in streamed[1]):
             assert streamed == whole(damaged), damaged
+
+
+def test_argument_pieces_are_held_to_a_least_length_and_all_out_when_the_object_closes() -> None:
+    """With ``min_delta_chars``, a character at a time still gives the same arguments, in
+    pieces of that length or more but the last, which goes out as the arguments object
+    closes (before the closing tag); a call cut short sends what it held at its end."""
+    text = f"Writing it.\n<tool_call>\n{WRITE}\n</tool_call>"
+    arguments = json.dumps(json.loads(WRITE)["arguments"])
+    parser = AnswerParser(HERMES, min_delta_chars=16)
+    seen: list[tuple[int, AnswerItem]] = []
+    for at, char in enumerate(text):
+        seen += [(at, item) for item in parser.feed(char)]
+    seen += [(len(text), item) for item in parser.finish()]
+    deltas = [(at, i.arguments) for at, i in seen if isinstance(i, ToolCallDelta)]
+    assert "".join(d for _, d in deltas) == arguments
+    assert len(deltas) == -(-len(arguments) // 16) and all(len(d) == 16 for _, d in deltas[:-1])
+    assert deltas[-1][0] == text.index(arguments) + len(arguments) - 1  # at the object's "}"
+    cut = AnswerParser(HERMES, min_delta_chars=1000)
+    items = cut.feed(text[: text.index(arguments) + 20]) + cut.finish()
+    assert [i.arguments for i in items if isinstance(i, ToolCallDelta)] == [arguments[:20]]
+    assert cut.calls[0].state == "cut_short"

@@ -15,6 +15,7 @@ import pytest
 from api_helpers import EOS, serve
 from router_fakes import ScriptedInstance
 
+from router.api.answer_parser import ARGUMENT_DELTA_CHARS
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallRequest
 
@@ -89,7 +90,8 @@ async def test_arguments_stream_before_the_closing_tag_and_join_to_the_whole_ans
         while "".join(pieces) != ARGUMENTS:  # the closing tag is not written yet
             name, data = await asyncio.wait_for(anext(stream), 5)
             pieces += fragments(api, name, data)
-        assert len(pieces) > 5
+        # in pieces of ARGUMENT_DELTA_CHARS or more, the last when the arguments object closed
+        assert len(pieces) >= 2 and all(len(p) >= ARGUMENT_DELTA_CHARS for p in pieces[:-1])
         instance.gate.set()
         rest = [event async for event in stream]
         assert not [f for name, data in rest for f in fragments(api, name, data)]
