@@ -45,8 +45,12 @@ class CallBoard:
         return self._tokens[ref]
 
     def computed(self, ref: CallRef, output_kv_reusable: bool) -> int:
-        """The tokens whose KV an ended call computed: its prompt, and its output but the
-        last token when an output's KV is reused."""
+        """The tokens whose KV an ended call computed (``computed_tokens``)."""
         prompt = self._prompt_lengths[ref]
-        output = len(self._tokens[ref]) - prompt
-        return prompt + (max(0, output - 1) if output_kv_reusable else 0)
+        return computed_tokens(prompt, len(self._tokens[ref]) - prompt, output_kv_reusable)
+
+
+def computed_tokens(prompt: int, output: int, output_kv_reusable: bool) -> int:
+    """The tokens whose KV a call of ``prompt`` tokens answering ``output`` computed: its
+    prompt, and its output but the last token when an output's KV is reused."""
+    return prompt + (max(0, output - 1) if output_kv_reusable else 0)

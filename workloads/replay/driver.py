@@ -41,7 +41,7 @@ from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overlo
 from talaria.protocol.text import BlockChain
 from workloads.benchmark.breakdown import attach_splits
 from workloads.replay.cluster import ClusterSpec, ClusterTotals, start_cluster
-from workloads.replay.dependencies import CallBoard
+from workloads.replay.dependencies import CallBoard, computed_tokens
 from workloads.replay.prompts import PromptView, SessionTokens, next_prompt, prompt_chain
 from workloads.replay.systems import SystemConfig
 from workloads.traces.trace import CallRef, Session
@@ -226,7 +226,7 @@ async def drive(
                 prompt = PromptView(first, len(first))
             else:
                 computed = (board.computed(call.prefix_from, output_kv_reusable) if call.prefix_from
-                            else len(prompt) + (max(0, len(output) - 1) if output_kv_reusable else 0))
+                            else computed_tokens(len(prompt), len(output), output_kv_reusable))
                 prev, out = (board.tokens(call.prefix_from), []) if call.prefix_from else (prompt, output)
                 base_len = len(prev) + len(out)
                 kept = base_len if call.prefix_tokens is None else call.prefix_tokens
