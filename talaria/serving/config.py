@@ -44,8 +44,8 @@ restart = true          # start it again (with backoff) when its process dies
 
 [policy]
 # preset: a rung of the ladder (baseline | +staging | +host_kv | +sp | +priority |
-# +priority_switch | +demotion | talaria) or talaria minus one mechanism (-staging |
-# -host_kv | -sp | -reservations | -priority_switch | -demotion | -lending)
+# +priority_switch | talaria) or talaria minus one mechanism (-staging | -host_kv | -sp |
+# -reservations | -priority_switch | -lending)
 preset = "talaria"
 slot_quantum_s = 10.0   # any PolicyConfig field overrides the preset
 ```

@@ -117,7 +117,8 @@ def test_gap_is_learned_per_session() -> None:
 def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
     """A yielding session is needed after every call waiting here; copying it into a full
     host store would evict KV needed sooner, so without free room the yield only unpins
-    (without KV demotion, which would have copied it when its call ended)."""
+    (without KV demotion, an option off in every preset, which would have copied it when its
+    call ended)."""
     # h (55 tokens) and x (25) reach host on the switches: 8,000 bytes used; s needs 10,500
     capacity = 100_000 if room else 15_000
     engine = FakeEngine(
@@ -125,7 +126,7 @@ def test_a_yield_offloads_only_into_free_host_room(room: bool) -> None:
     )
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("-demotion"))
+        inst = Instance("i", engine, preset("talaria"))
         await inst.start()
         await run_call(inst, call("h-0", "h", "a", 50, 5, last=True))
         await run_call(inst, call("x-0", "x", "b", 20, 5, last=True))  # switch: h offloaded
@@ -161,7 +162,7 @@ def test_demotion_copies_kv_to_host_as_a_call_ends_under_pressure(demotion: bool
     engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1)
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("talaria" if demotion else "-demotion"))
+        inst = Instance("i", engine, preset("talaria", kv_demotion=demotion))
         await inst.start()
 
         async def late_w():  # type: ignore[no-untyped-def]
@@ -193,7 +194,7 @@ def test_demotion_waits_for_pressure() -> None:
     engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1)
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, preset("talaria"))
+        inst = Instance("i", engine, preset("talaria", kv_demotion=True))
         await inst.start()
         await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))
         await inst.stop()
@@ -206,7 +207,7 @@ def test_demotion_waits_for_pressure() -> None:
 def test_no_demotion_for_a_last_call_or_without_host_kv() -> None:
     async def main(last: bool, host_kv: bool) -> bool:
         engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1)
-        inst = Instance("i", engine, preset("talaria", host_kv=host_kv))
+        inst = Instance("i", engine, preset("talaria", host_kv=host_kv, kv_demotion=True))
         await inst.start()
 
         async def late_w():  # type: ignore[no-untyped-def]

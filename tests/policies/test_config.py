@@ -7,13 +7,13 @@ import pytest
 from talaria.policies.config import LEAVE_ONE_OUT, NEEDS, PRESETS, PolicyConfig, preset
 
 MECHANISMS = ("d2d_staging", "host_kv", "session_prefill", "soft_reservations",
-              "session_priority", "priority_switch", "kv_demotion", "lend_staging")
+              "session_priority", "priority_switch", "lend_staging")
 
 
 def test_presets_add_one_mechanism_at_a_time() -> None:
     ladder = ["baseline", "+staging", "+host_kv", "+sp", "+priority", "+priority_switch",
-              "+demotion", "talaria"]
-    assert list(PRESETS)[:8] == ladder
+              "talaria"]
+    assert list(PRESETS)[:7] == ladder
     on = [{m for m in MECHANISMS if getattr(PRESETS[name], m)} for name in ladder]
     assert on[0] == {"soft_reservations"}  # the reference's baseline keeps reservations
     for before, after in zip(on, on[1:], strict=False):
@@ -25,10 +25,16 @@ def test_leave_one_out_presets_turn_off_one_mechanism_of_talaria() -> None:
     for name, off in LEAVE_ONE_OUT:
         on = {m for m in MECHANISMS if getattr(PRESETS[name], m)}
         assert on == set(MECHANISMS) - {off} - {m for m, need in NEEDS.items() if need == off}
-    assert not PRESETS["-host_kv"].kv_demotion  # demotion copies to the host KV store
     assert not PRESETS["-staging"].lend_staging  # lending needs a staging region
-    assert PRESETS["-lending"].with_(name="+demotion") == PRESETS["+demotion"]
-    assert PRESETS["-demotion"].lend_staging and not PRESETS["-demotion"].kv_demotion
+    assert PRESETS["-lending"].with_(name="+priority_switch") == PRESETS["+priority_switch"]
+
+
+def test_kv_demotion_is_an_option_off_in_every_preset() -> None:
+    """Demotion paid at no figure of the suite (docs/constants.md): no preset turns it on,
+    and it is not a rung or a leave-one-out row; a research run turns it on by name."""
+    assert not any(p.kv_demotion for p in PRESETS.values())
+    assert "kv_demotion" not in {off for _, off in LEAVE_ONE_OUT}
+    assert preset("talaria", kv_demotion=True).kv_demotion
 
 
 def test_peer_mechanisms_are_checked_by_name() -> None:

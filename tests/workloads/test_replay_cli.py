@@ -161,14 +161,14 @@ def test_loo_rows_runs_only_the_rows_named(
                 for row in rows for f in ("p50", "p95", "mean")]
 
     monkeypatch.setattr(suite_cli, "run_leave_one_out", fake_run)
-    assert main(["replay", "--leave-one-out", "3", "--loo-rows=placebo, -demotion",
+    assert main(["replay", "--leave-one-out", "3", "--loo-rows=placebo, -lending",
                  "--max-sessions", "2", "--workers", "1", "--no-progress"]) == 0
-    assert asked == {"draws": 3, "rows": ("placebo", "-demotion")}
+    assert asked == {"draws": 3, "rows": ("placebo", "-lending")}
     out = capsys.readouterr().out
     summary = [line.split()[0] for line in out.splitlines() if " / " in line
-               and line.strip().split()[0] in ("placebo", "-demotion", "-sp")]
-    assert summary == ["placebo", "-demotion"]
-    assert "miniswe/burst/1srv -demotion p50 90 against 100" in out
+               and line.strip().split()[0] in ("placebo", "-lending", "-sp")]
+    assert summary == ["placebo", "-lending"]
+    assert "miniswe/burst/1srv -lending p50 90 against 100" in out
 
 
 def test_suite_rows_run_the_baseline_talaria_and_the_rows_named_in_the_suites_order(

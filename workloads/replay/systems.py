@@ -11,7 +11,7 @@ plane.
   H2D copy and drops the outgoing model's KV; each rung adds one mechanism up to ``talaria``.
 - Leave-one-out rows: talaria minus one mechanism (``talaria.policies.config.LEAVE_ONE_OUT``,
   ``-placement``: load-only routing, and ``-layerwise``: host KV restored before the forward
-  pass instead of layer group by layer group inside it, ``engine.sim.kv_tier``). ``-lending`` is the ladder's ``+demotion`` and is not
+  pass instead of layer group by layer group inside it, ``engine.sim.kv_tier``). ``-lending`` is the ladder's ``+priority_switch`` and is not
   run twice.
 - Peers, the systems a user would deploy instead (constants sourced in
   ``engine.sim.switching`` and ``engine.sim.kv_tier``; ``talaria.policies.priority`` and

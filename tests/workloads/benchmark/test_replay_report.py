@@ -88,13 +88,11 @@ def test_speedups_lower_bound_and_best_quantum() -> None:
 
 
 def test_policy_catalogue_is_consistent() -> None:
-    assert list(DEFAULT_POLICIES[:8]) == ["baseline", "+staging", "+host_kv", "+sp",
-                                          "+priority", "+priority_switch", "+demotion",
-                                          "talaria"]
-    # -lending is +demotion: not run twice
+    assert list(DEFAULT_POLICIES[:7]) == ["baseline", "+staging", "+host_kv", "+sp",
+                                          "+priority", "+priority_switch", "talaria"]
+    # -lending is +priority_switch: not run twice
     assert list(LEAVE_ONE_OUT_ROWS) == ["-staging", "-host_kv", "-sp", "-reservations",
-                                        "-priority_switch", "-demotion", "-placement",
-                                        "-layerwise"]
+                                        "-priority_switch", "-placement", "-layerwise"]
     # -layerwise is talaria whose engine restores host KV before the forward pass
     layerwise = LEAVE_ONE_OUT_ROWS["-layerwise"]
     assert layerwise.policy.with_(name="talaria") == ABLATIONS["talaria"].policy
@@ -143,13 +141,13 @@ def test_policy_catalogue_is_consistent() -> None:
 
 
 def test_a_leave_one_out_name_that_is_a_rung_selects_the_rung() -> None:
-    """``-lending`` is the ladder's ``+demotion``: ``--policies`` takes the mechanism's own
-    name and runs that row once, and the default rows do not gain it."""
-    assert [s.name for s in parse_policies("-lending")] == ["+demotion"]
-    assert [s.name for s in parse_policies("talaria,-lending")] == ["talaria", "+demotion"]
+    """``-lending`` is the ladder's ``+priority_switch``: ``--policies`` takes the mechanism's
+    own name and runs that row once, and the default rows do not gain it."""
+    assert [s.name for s in parse_policies("-lending")] == ["+priority_switch"]
+    assert [s.name for s in parse_policies("talaria,-lending")] == ["talaria", "+priority_switch"]
     with pytest.raises(ValueError, match="twice"):
-        parse_policies("-lending,+demotion")
-    with pytest.raises(ValueError, match=r"-lending \(the row \+demotion\)"):
+        parse_policies("-lending,+priority_switch")
+    with pytest.raises(ValueError, match=r"-lending \(the row \+priority_switch\)"):
         parse_policies("-nope")
     assert "-lending" not in DEFAULT_POLICIES
 

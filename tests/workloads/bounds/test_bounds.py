@@ -63,14 +63,16 @@ def _assert_not_below(result: ReplayResult, bound: LowerBound, where: str) -> No
 
 
 def _random_policy(rng: random.Random, system: SystemConfig) -> SystemConfig:
-    """``system`` with random mechanisms off and a random slot rule and quantum."""
+    """``system`` with random mechanisms off, demotion (an option off in every preset)
+    randomly on, and a random slot rule and quantum."""
     mechanisms = ("session_prefill", "soft_reservations", "session_priority",
-                  "priority_switch", "kv_demotion", "lend_staging")
-    off = {m: False for m in mechanisms if rng.random() < 0.4}
-    if not off.get("session_priority", True):
-        off["priority_switch"] = False
+                  "priority_switch", "lend_staging")
+    changed = {m: False for m in mechanisms if rng.random() < 0.4}
+    if not changed.get("session_priority", True):
+        changed["priority_switch"] = False
+    changed["kv_demotion"] = rng.random() < 0.4
     return system.with_policy(
-        **off, slot_close=rng.choice(("empty", "drained", "quantum")),
+        **changed, slot_close=rng.choice(("empty", "drained", "quantum")),
         slot_quantum_s=rng.choice((0.5, 2.0, 10.0, 60.0)))
 
 

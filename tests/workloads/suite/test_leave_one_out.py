@@ -122,15 +122,15 @@ def test_the_placebo_is_talaria_on_the_same_sessions_each_arriving_up_to_a_secon
 
 
 def test_lending_left_out_runs_the_ladder_rung_below_talaria_on_the_same_sessions() -> None:
-    """``-lending`` is not built twice: the check runs the ladder's ``+demotion`` under the
-    leave-one-out name, at Talaria's setting, on Talaria's sessions."""
-    assert "-lending" in LOO_ROWS and "+demotion" not in LOO_ROWS
+    """``-lending`` is not built twice: the check runs the ladder's ``+priority_switch`` under
+    the leave-one-out name, at Talaria's setting, on Talaria's sessions."""
+    assert "-lending" in LOO_ROWS and "+priority_switch" not in LOO_ROWS
     config = SuiteConfig(traces=("miniswe",), servers=(1,))
     run = list(draw_sessions("miniswe", 6, 0, config.spec, "t"))
     jobs = {j.key[1]: j for j in _jobs(Scenario("miniswe", 1, 1.0), [run],
                                        (TALARIA, "-lending"), SuiteSettings(), config)}
     lending, talaria = jobs["-lending"], jobs[TALARIA]
-    assert lending.system == SYSTEMS["+demotion"].with_setting(**TALARIA_SETTING)
+    assert lending.system == SYSTEMS["+priority_switch"].with_setting(**TALARIA_SETTING)
     assert lending.system.policy.with_(name="") == preset("-lending").with_(name="")
     assert not lending.system.policy.lend_staging and talaria.system.policy.lend_staging
     assert lending.sessions == talaria.sessions == tuple(run)
