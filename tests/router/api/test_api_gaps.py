@@ -1,0 +1,53 @@
+"""API gaps a review found (2026-12-06): the text-completions endpoint's default output limit
+is OpenAI's 16 tokens, not the room the context leaves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_helpers import scripted, serve
+from router_fakes import write_tiny_tokenizer
+
+from router.api.output_budget import CLAMP_HEADER
+from router.tokenization import ModelTokenizer
+
+USER = [{"role": "user", "content": "hi"}]
+LONG_ANSWER = " ".join(["word"] * 40)  # well over 16 tokens
+
+
+@pytest.mark.parametrize("absent", [{}, {"max_tokens": None}], ids=["absent", "null"])
+async def test_text_completions_without_max_tokens_write_at_most_16_tokens(
+    tiny_tokenizer: ModelTokenizer, absent: dict[str, Any],
+) -> None:
+    """OpenAI's legacy completions default (vLLM's ``CompletionRequest`` has it too): the
+    answer ends at 16 tokens with ``length``, and no clamp is named (the client asked none).
+    Chat, unchanged, may still write to the context's end."""
+    instance = scripted(tiny_tokenizer, LONG_ANSWER, LONG_ANSWER)
+    async with serve(tiny_tokenizer, {"i0": instance}) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **absent})
+        data = await resp.json()
+        chat = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": USER})
+        assert chat.status == 200
+    assert resp.status == 200, data
+    assert instance.calls[0].params.max_tokens == 16
+    assert data["choices"][0]["finish_reason"] == "length" and data["usage"]["completion_tokens"] == 16
+    assert CLAMP_HEADER not in resp.headers
+    chat_call = instance.calls[1]
+    assert chat_call.params.max_tokens == tiny_tokenizer.context_len - len(chat_call.prompt_token_ids)
+
+
+@pytest.mark.parametrize("rule", ["clamp", "refuse"])
+async def test_the_default_16_is_cut_to_a_smaller_room_silently(tmp_path: Path, rule: str) -> None:
+    """A room under 16 tokens is the limit, under either overflow rule: no 400 naming a
+    ``max_tokens`` the client never sent, no clamp header."""
+    small = ModelTokenizer.load("tiny", write_tiny_tokenizer(tmp_path, context_len=24))
+    instance = scripted(small, LONG_ANSWER)
+    async with serve(small, {"i0": instance}, max_tokens_overflow=rule) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": [7] * 20})
+        data = await resp.json()
+    assert resp.status == 200, data
+    assert instance.calls[0].params.max_tokens == 4
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert CLAMP_HEADER not in resp.headers
