@@ -1,5 +1,6 @@
 """API gaps a review found (2026-12-06): the text-completions endpoint's default output limit
-is OpenAI's 16 tokens, not the room the context leaves."""
+is OpenAI's 16 tokens, not the room the context leaves; Anthropic's ``mcp_servers`` is refused
+naming it, not ignored."""
 
 from __future__ import annotations
 
@@ -51,3 +52,31 @@ async def test_the_default_16_is_cut_to_a_smaller_room_silently(tmp_path: Path, 
     assert instance.calls[0].params.max_tokens == 4
     assert data["choices"][0]["finish_reason"] == "length"
     assert CLAMP_HEADER not in resp.headers
+
+
+MCP_SERVER = {"type": "url", "url": "https://mcp.example.com/sse", "name": "example"}
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("servers", [[MCP_SERVER], {"name": "x"}], ids=["servers", "not-a-list"])
+async def test_anthropic_mcp_servers_is_refused_naming_it(
+    tiny_tokenizer: ModelTokenizer, path: str, servers: Any,
+) -> None:
+    """The router connects to no MCP server: a client that sent one would wait for tools
+    that never come (and a count would leave their definitions out), so a 400 says so."""
+    instance = scripted(tiny_tokenizer, "ok")
+    body = {"model": "tiny", "max_tokens": 10, "messages": USER, "mcp_servers": servers}
+    async with serve(tiny_tokenizer, {"i0": instance}) as client:
+        resp = await client.post(path, json=body)
+        error = await resp.json()
+    assert resp.status == 400 and not instance.calls
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "mcp_servers" in error["error"]["message"]
+
+
+@pytest.mark.parametrize("servers", [[], None], ids=["empty", "null"])
+async def test_no_mcp_server_is_no_option(tiny_tokenizer: ModelTokenizer, servers: Any) -> None:
+    async with serve(tiny_tokenizer, {"i0": scripted(tiny_tokenizer, "ok")}) as client:
+        resp = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 10, "messages": USER,
+                                                       "mcp_servers": servers})
+        assert resp.status == 200, await resp.text()
