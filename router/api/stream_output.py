@@ -59,7 +59,6 @@ class OutputAssembler:
         self._reasoning: list[str] = []
         self._detok = tok.detokenizer(prompt_ids, self._keep)
         self._stop = StopMatcher(stops)
-        self._stops = list(stops)
         self._want_logprobs = want_logprobs
         self._text: list[str] = []
         self._all = Piece()
@@ -190,13 +189,11 @@ class OutputAssembler:
 
     @property
     def matched_stop(self) -> str | None:
-        """The stop string that ended the answer (None when none did): the earliest in the
-        whole output, as the matcher cut at the earliest."""
-        if not self._stop.stopped:
-            return None
-        full = self._tok.decode(self.token_ids, self._keep)
-        hits = [(full.find(s), s) for s in self._stops if s in full]
-        return min(hits)[1] if hits else None
+        """The stop string that ended the answer (None when none did): the one the matcher cut
+        the streamed text at. That text was decoded after the prompt's tail, as the client got
+        it; a decode of the answer alone can differ at its start (a SentencePiece word piece
+        there loses its space) and miss a stop string the stream matched."""
+        return self._stop.matched
 
     def usage(self) -> dict[str, Any]:
         reported = self.reported

@@ -1,6 +1,7 @@
 """API gaps a review found (2026-12-06): the text-completions endpoint's default output limit
 is OpenAI's 16 tokens, not the room the context leaves; Anthropic's ``mcp_servers`` is refused
-naming it, not ignored."""
+naming it, not ignored; the stop string an answer matched is the one its text matched, even
+where a SentencePiece decode of the answer alone loses its leading space."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import Any
 
 import pytest
 from api_helpers import scripted, serve
-from router_fakes import write_tiny_tokenizer
+from router_fakes import sentencepiece_tokenizer, write_tiny_tokenizer
 
 from router.api.output_budget import CLAMP_HEADER
+from router.api.stream_output import OutputAssembler
 from router.tokenization import ModelTokenizer
+from talaria.protocol import CallEvent
 
 USER = [{"role": "user", "content": "hi"}]
 LONG_ANSWER = " ".join(["word"] * 40)  # well over 16 tokens
@@ -80,3 +83,27 @@ async def test_no_mcp_server_is_no_option(tiny_tokenizer: ModelTokenizer, server
         resp = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 10, "messages": USER,
                                                        "mcp_servers": servers})
         assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["one-event", "per-token"])
+@pytest.mark.parametrize(("stops", "matched"), [
+    ([" ol"], " ol"), (["é", " ol"], " ol"), ([" ol", " o"], " ol"), ([" o", " ol"], " o"),
+])
+def test_a_stop_string_with_a_leading_space_at_the_answers_start_is_the_matched_stop(
+    per_token: bool, stops: list[str], matched: str,
+) -> None:
+    """The answer `` olé`` after ``café``: its first piece ``▁ol`` is `` ol`` in the text the
+    stream cut (decoded after the prompt's tail), but ``ol`` in a decode of the answer alone,
+    which found no stop string there and so read as Anthropic's ``end_turn``. The stop is the
+    one the cut text matched: the earliest, the first listed where two start there."""
+    tok = sentencepiece_tokenizer()
+    prompt = tok.encode_text("café", add_special_tokens=False)
+    answer = tok.encode_text("café olé", add_special_tokens=False)[len(prompt):]
+    assert tok.tokenizer.convert_ids_to_tokens(answer) == ["▁ol", "é"]
+    assert not tok.decode(answer).startswith(" ")  # the loss this is about
+    out = OutputAssembler(tok, prompt, stops, want_logprobs=False)
+    batches = [[t] for t in answer] if per_token else [answer]
+    for k, ids in enumerate(batches):
+        out.add(CallEvent("c", token_ids=ids, finished=k == len(batches) - 1, finish_reason="stop"))
+    assert out.stopped_at_string and out.text == ""
+    assert out.matched_stop == matched
