@@ -125,9 +125,15 @@ class OutputAssembler:
     def refuse(self, error: ApiError) -> None:
         """The call was refused before its first event, after its stream committed
         (``router.api.stream_commit``): the client gets ``error`` in the stream, its message
-        and its status's kind, as it would have got its HTTP status before the commit."""
+        and its status's kind, as it would have got its HTTP status before the commit. The
+        delay its ``Retry-After`` would have given ends the message as OpenAI's rate limits
+        say it, ``Please try again in 3s.`` (Codex reads it there), since no header can."""
         log.warning("router.call_refused_in_stream", request_id=self.request_id, status=error.status,
                     error=error.message)
+        retry = error.headers.get("Retry-After")
+        if retry is not None:
+            error = ApiError(error.status, f"{error.message.rstrip('.')}. Please try again in {retry}s.",
+                             param=error.param, code=error.code, error_type=error.error_type, extra=error.extra)
         self.refusal = error
         self.error = error.message
         self.done = True
