@@ -94,8 +94,9 @@ class StopMatcher:
     """Finds stop strings in streamed text; holds back a tail that could begin one.
 
     ``feed`` returns (text safe to emit, stopped). Once stopped, the emitted text ends just
-    before the stop string and later input is ignored. ``flush`` releases the held tail
-    when the call ends without a stop.
+    before the stop string, ``matched`` is that string (the earliest in the text; the first
+    listed of those starting there) and later input is ignored. ``flush`` releases the held
+    tail when the call ends without a stop.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
@@ -103,6 +104,7 @@ class StopMatcher:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._buf = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -110,9 +112,10 @@ class StopMatcher:
         if not self._stops:
             return text, False
         self._buf += text
-        hit = min((i for i in (self._buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if hit >= 0:
-            out, self._buf, self.stopped = self._buf[:hit], "", True
+        hits = [(at, k) for k, at in enumerate(self._buf.find(s) for s in self._stops) if at >= 0]
+        if hits:
+            hit, k = min(hits)
+            out, self._buf, self.stopped, self.matched = self._buf[:hit], "", True, self._stops[k]
             return out, True
         cut = max(0, len(self._buf) - self._hold)
         out, self._buf = self._buf[:cut], self._buf[cut:]

@@ -392,7 +392,7 @@ def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:
 def _output_budget(
     request: web.Request, body: schema.CompletionBody, tok: ModelTokenizer, prompt_tokens: int
 ) -> OutputBudget:
-    """The call's output limit by the one rule of every API (``router.api.output_budget``), in
+    """The call's output limit by the rule of every API (``router.api.output_budget``), in
     the room the context and the serving instances' KV caches leave (``router.instances.kv_room``). A
     prompt that leaves no room, or a limit beyond it under the rule ``refuse``, is a 400
     counted as a refusal."""
@@ -406,7 +406,7 @@ def _output_budget(
     try:
         return output_budget(body.max_tokens, prompt_tokens, room.tokens, room.limit,
                              request.app[CONFIG_KEY].overflow_rule(tok.name),
-                             body.max_tokens_param)
+                             body.max_tokens_param, body.default_max_tokens)
     except ApiError:
         _count_refusal(core, tok.name, room)
         raise

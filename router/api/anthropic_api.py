@@ -14,8 +14,9 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
   follows as ``input_json_delta`` events as the model writes it, whose ``partial_json``
   joined is the JSON of the block's ``input``), ``message_delta`` (stop reason, cumulative usage with the input's final split),
   ``message_stop``; a failure before the stream began is an HTTP status, after it an
-  ``error`` event (its type the status's: ``api_error``, or ``overloaded_error`` /
-  ``rate_limit_error`` for a call refused after the commit; so is a streamed call that
+  ``error`` event (its type the status's, ``api_error``, ``invalid_request_error`` or
+  ``overloaded_error``, but full queues after the commit are ``overloaded_error`` too, as
+  Anthropic's streams tell an overload, not ``rate_limit_error``; so is a streamed call that
   broke, see ``router.api.answer_parser``; one cut short by ``max_tokens`` ends the message
   with ``stop_reason: "max_tokens"``, as Anthropic's do);
 - a model's reasoning (``router.api.reasoning``) as one ``thinking`` block before the others
@@ -68,8 +69,12 @@ _ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+def error_body(status: int, message: str, streamed: bool = False) -> dict[str, Any]:
+    """An error of ``status`` in Anthropic's shape; ``streamed``: an ``error`` event, where a
+    429 (the instances' queues full, not the client's rate) is Anthropic's in-stream
+    overload, ``overloaded_error``."""
+    kind = "overloaded_error" if streamed and status == 429 else _ERROR_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -278,7 +283,7 @@ async def _stream(
                 await sse.items(answer.finish())
             out.check_calls(answer, ended=True)
         if out.error is not None:
-            await sse.send("error", error_body(out.stream_error().status, out.error))
+            await sse.send("error", error_body(out.stream_error().status, out.error, streamed=True))
         else:
             if sse.index < 0:  # an empty answer is one empty text block
                 await sse.start({"type": "text", "text": ""})

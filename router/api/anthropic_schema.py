@@ -15,7 +15,9 @@ model's reasoning comes back (``type`` ``enabled`` or ``adaptive``: as a thinkin
 prompt. Fields the router has no use for (``cache_control``, ``service_tier``,
 ``output_config.effort``, ...) are accepted and ignored. Structured output (``output_config.format``, the beta's ``output_format``) is
 refused with a 400 naming it, as chat's ``response_format`` and the Responses API's
-``text.format`` are: its client parses the answer as JSON of its schema.
+``text.format`` are: its client parses the answer as JSON of its schema. So are MCP servers
+(``mcp_servers``, on a call and on a count; an empty array is accepted as none): the router
+connects to none, and a client would wait for their tools' results.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def parse_count_tokens(data: Any) -> MessagesRequest:
 
 
 def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
+    _refuse_mcp_servers(data.get("mcp_servers"))
     temperature = data.get("temperature")
     if temperature is not None and (not isinstance(temperature, int | float) or not 0 <= temperature <= 1):
         raise bad_request("temperature must be a number in [0, 1]", "temperature")
@@ -100,6 +103,17 @@ def _refuse_structured_output(data: dict[str, Any]) -> None:
         if value is not None:
             raise bad_request(f"{name} is not supported: this server cannot constrain the answer "
                               "to a JSON schema (structured output)", name)
+
+
+def _refuse_mcp_servers(servers: Any) -> None:
+    """The MCP connector (``mcp_servers``) is not implemented: a 400 naming it, unless it
+    names no server (absent, null or ``[]``)."""
+    if servers is None or servers == []:
+        return
+    if not isinstance(servers, list):
+        raise bad_request("mcp_servers must be an array", "mcp_servers")
+    raise bad_request("mcp_servers is not supported: this server connects to no MCP server (the MCP "
+                      "connector); define the tools in tools and run them on the client", "mcp_servers")
 
 
 def metadata_session_id(metadata: Any) -> str | None:

@@ -18,6 +18,7 @@ from talaria.protocol.errors import bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_TOKENS_LIMIT = 1 << 24  # above any context length; the tokenizer's limit is checked later
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default, and vLLM's
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -45,6 +46,7 @@ class CompletionBody:
     tools: ToolRequest = field(default_factory=ToolRequest)
     metadata_session_id: str | None = None  # the session Anthropic metadata.user_id names
     max_tokens_param: str = "max_tokens"  # the field ``max_tokens`` came from, named in errors
+    default_max_tokens: int | None = None  # the limit when none is asked (None: the room left)
     prompt_param: str = "messages"  # the field the prompt came from, named in errors
     media: Omissions = field(default_factory=Omissions)  # images and files left out (router.api.media_placeholders)
     show_reasoning: bool = True  # a reasoning model's reasoning goes back (Anthropic: when thinking is enabled)
@@ -73,12 +75,17 @@ def parse_chat(body: Any) -> CompletionBody:
 
 
 def parse_completion(body: Any) -> CompletionBody:
+    """A /v1/completions body. With no ``max_tokens`` (or a null one) the answer writes at
+    most ``COMPLETION_DEFAULT_MAX_TOKENS`` (16) tokens, OpenAI's default for this API, which
+    vLLM keeps; the chat, Messages and Responses APIs default to the room the context leaves
+    (``router.api.output_budget``)."""
     data = _object(body)
     check_fields(data, "completion")
     parsed = _common(data, "completion")
     parsed.prompt = _prompt(data.get("prompt"))
     parsed.prompt_param = "prompt"
     parsed.max_tokens = max_tokens_field(data.get("max_tokens"), "max_tokens")
+    parsed.default_max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs = data.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
         raise bad_request(

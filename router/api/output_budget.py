@@ -1,12 +1,14 @@
 """How many tokens a call may write: one rule for every API (chat, completions, Messages,
-Responses).
+Responses), but for the limit of a call that asks none.
 
 Agents send one output limit whatever the model: Claude Code asks for ``max_tokens`` 32000
 (64000 for some model names) unless ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` is set, so on a model
 whose context is smaller than that every call would be refused and the agent could not
 start. The room a call has is what the context leaves after the prompt, or less where the KV
 cache of every instance serving the model holds less (``router.instances.kv_room``):
-- no limit asked: the room;
+- no limit asked: the room; on the text-completions API (``/v1/completions``), OpenAI's
+  default of 16 tokens (vLLM's ``CompletionRequest`` has it too), or the room where that is
+  less, cut silently (no clamp header, no refusal: the client asked for no limit);
 - a limit that fits: that limit;
 - a limit beyond the room, under the rule ``"clamp"`` (the default): the room. The response
   names the clamp in the header ``X-Talaria-Max-Tokens-Clamped: <asked>-><room>``, and an
@@ -63,14 +65,18 @@ class OutputOverflow(ApiError):
 
 def output_budget(
     asked: int | None, prompt_tokens: int, room: int, limit: str, rule: str, param: str,
+    default: int | None = None,
 ) -> OutputBudget:
     """The output budget of a call whose prompt has ``prompt_tokens`` tokens and leaves
     ``room`` (>= 1; checked before) under ``limit`` (what bounds it, in words); ``param``
-    names the client's field in a refusal."""
+    names the client's field in a refusal. ``default``: the limit when none is asked (None:
+    the room), never more than the room."""
     if rule not in OVERFLOW_RULES:
         raise ValueError(f"unknown max_tokens overflow rule {rule!r}; choose from {OVERFLOW_RULES}")
-    if asked is None or asked <= room:
-        return OutputBudget(asked if asked is not None else room, asked)
+    if asked is None:
+        return OutputBudget(room if default is None else min(default, room))
+    if asked <= room:
+        return OutputBudget(asked, asked)
     if rule == "refuse":
         raise OutputOverflow(
             f"{param} is {asked} but the prompt has {prompt_tokens} tokens and {limit}: at most "

@@ -17,7 +17,8 @@ The invariant, who tells a client of a failure how:
 - after it, a failure before the first event (the instance's, the router's: overloaded, no
   instance left to retry on, the instance refusing the call) ends the stream as one after
   the first token does (:meth:`OutputAssembler.refuse` or ``fail``; each API writes its own
-  error event), never with a silent close.
+  error event, full queues with the delay ``Retry-After`` would have given in its message),
+  never with a silent close.
 ``stream_commit_s`` 0 commits every stream at once (every failure is then in the stream);
 None (a negative number in the serve config) only at the first event, as before it existed.
 A client that leaves while its committed call waits is noticed as before (``next_or_gone``)

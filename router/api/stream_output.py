@@ -59,7 +59,6 @@ class OutputAssembler:
         self._reasoning: list[str] = []
         self._detok = tok.detokenizer(prompt_ids, self._keep)
         self._stop = StopMatcher(stops)
-        self._stops = list(stops)
         self._want_logprobs = want_logprobs
         self._text: list[str] = []
         self._all = Piece()
@@ -126,9 +125,15 @@ class OutputAssembler:
     def refuse(self, error: ApiError) -> None:
         """The call was refused before its first event, after its stream committed
         (``router.api.stream_commit``): the client gets ``error`` in the stream, its message
-        and its status's kind, as it would have got its HTTP status before the commit."""
+        and its status's kind, as it would have got its HTTP status before the commit. The
+        delay its ``Retry-After`` would have given ends the message as OpenAI's rate limits
+        say it, ``Please try again in 3s.`` (Codex reads it there), since no header can."""
         log.warning("router.call_refused_in_stream", request_id=self.request_id, status=error.status,
                     error=error.message)
+        retry = error.headers.get("Retry-After")
+        if retry is not None:
+            error = ApiError(error.status, f"{error.message.rstrip('.')}. Please try again in {retry}s.",
+                             param=error.param, code=error.code, error_type=error.error_type, extra=error.extra)
         self.refusal = error
         self.error = error.message
         self.done = True
@@ -190,13 +195,11 @@ class OutputAssembler:
 
     @property
     def matched_stop(self) -> str | None:
-        """The stop string that ended the answer (None when none did): the earliest in the
-        whole output, as the matcher cut at the earliest."""
-        if not self._stop.stopped:
-            return None
-        full = self._tok.decode(self.token_ids, self._keep)
-        hits = [(full.find(s), s) for s in self._stops if s in full]
-        return min(hits)[1] if hits else None
+        """The stop string that ended the answer (None when none did): the one the matcher cut
+        the streamed text at. That text was decoded after the prompt's tail, as the client got
+        it; a decode of the answer alone can differ at its start (a SentencePiece word piece
+        there loses its space) and miss a stop string the stream matched."""
+        return self._stop.matched
 
     def usage(self) -> dict[str, Any]:
         reported = self.reported

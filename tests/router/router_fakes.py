@@ -1,5 +1,6 @@
-"""Router test helpers: a tiny byte-level BPE tokenizer with a chat template, and fake
-instances that stream fixed tokens (or fail, or are overloaded) in-process."""
+"""Router test helpers: a tiny byte-level BPE tokenizer with a chat template, a tiny
+SentencePiece one, and fake instances that stream fixed tokens (or fail, or are overloaded)
+in-process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from router.sessions.prefix_chain import ChainSample
 from router.sessions.table import SessionBranch, SessionRecord, SessionTable
+from router.tokenization import ModelTokenizer
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -131,6 +133,20 @@ class FakeInstance:
 
 def model_state(name: str, residency: Residency = Residency.ACTIVE, **kw: float) -> ModelState:
     return ModelState(name=name, residency=residency, **kw)  # type: ignore[arg-type]
+
+
+def sentencepiece_tokenizer() -> ModelTokenizer:
+    """A SentencePiece (Metaspace, Unigram) vocabulary of a few pieces: a word piece ``▁ol``
+    is `` ol`` after other text but ``ol`` when a decode starts with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "▁caf", "é", "▁ol", "▁naï", "ve", "▁", "c", "a", "f", "o", "l"]
+    backend = Tokenizer(models.Unigram([(p, -1.0 - i / 10) for i, p in enumerate(pieces)], 0))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return ModelTokenizer(
+        "sp", PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>"), 64)
 
 
 def write_tiny_tokenizer(path: Path, context_len: int = 4096) -> Path:

@@ -4,6 +4,8 @@ named ``bytes:\\x..``, never U+FFFD; completions' offsets count characters of th
 
 from __future__ import annotations
 
+from router_fakes import sentencepiece_tokenizer
+
 from router.api.stream_output import OutputAssembler
 from router.tokenization import ModelTokenizer, piece_bytes
 from talaria.protocol import CallEvent
@@ -68,22 +70,10 @@ def test_a_vocabulary_entry_gives_its_bytes() -> None:
     assert piece_bytes("▁the") is None and piece_bytes("") is None and piece_bytes(None) is None
 
 
-def _sentencepiece_tokenizer() -> ModelTokenizer:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["<unk>", "▁caf", "é", "▁ol", "▁naï", "ve", "▁", "c", "a", "f", "o", "l"]
-    backend = Tokenizer(models.Unigram([(p, -1.0 - i / 10) for i, p in enumerate(pieces)], 0))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
-    return ModelTokenizer(
-        "sp", PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>"), 64)
-
-
 def test_sentencepiece_pieces_give_their_utf8() -> None:
     """A SentencePiece vocabulary spells text as itself (``▁`` for a space), not in the
     byte-level alphabet: its piece ``é`` is the two bytes of é, not byte 0xE9."""
-    tok = _sentencepiece_tokenizer()
+    tok = sentencepiece_tokenizer()
     ids = tok.encode_text("café olé naïve", add_special_tokens=False)
     assert tok.tokenizer.convert_ids_to_tokens(ids) == ["▁caf", "é", "▁ol", "é", "▁naï", "ve"]
     got = tok.token_bytes(ids)
@@ -94,7 +84,7 @@ def test_sentencepiece_pieces_give_their_utf8() -> None:
 def test_sentencepiece_word_pieces_keep_their_space() -> None:
     """A word piece ``▁ol`` is `` ol`` in the text (a token of an answer follows other
     tokens), so the tokens' bytes join to the text and completions' offsets stay right."""
-    tok = _sentencepiece_tokenizer()
+    tok = sentencepiece_tokenizer()
     ids = tok.encode_text("café olé naïve", add_special_tokens=False)
     assert b"".join(tok.token_bytes(ids)) == " café olé naïve".encode()
     out = _assembler(tok)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ KEEP_ALIVE = {"chat": "comment", "completions": "comment", "messages": "ping",
               "responses": "response.in_progress"}
 FAST = {"stream_commit_s": 0.02, "stream_keepalive_s": 0.02}
 STREAM_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+# Codex's reading of a rate_limit_exceeded error's message (codex-rs/codex-api, responses SSE)
+CODEX_RETRY_AFTER = re.compile(r"Please try again in (\d+(?:\.\d+)?)(s|ms)")
 
 
 def opened() -> asyncio.Event:
@@ -112,10 +115,11 @@ async def test_a_waiting_stream_commits_then_keeps_alive_then_answers_as_before(
 
 
 # (api, failure) -> what ends the stream: the error chunk's code, the Anthropic error's type,
-# the Responses error's code.
+# the Responses error's code. Full queues are Anthropic's in-stream overloaded_error (what its
+# streams send where a call gets 529 before them), not a rate_limit_error (the client's).
 AFTER_COMMIT = {
     "instance": ("instance_failed", "api_error", "server_error"),
-    "overloaded": ("rate_limit_exceeded", "rate_limit_error", "rate_limit_exceeded"),
+    "overloaded": ("rate_limit_exceeded", "overloaded_error", "rate_limit_exceeded"),
     "unavailable": ("no_healthy_instance", "overloaded_error", "server_error"),
     "rejected": (None, "invalid_request_error", "invalid_prompt"),
 }
@@ -157,6 +161,12 @@ async def test_a_failure_after_the_commit_ends_the_stream_with_its_error(
             assert STREAM_EVENT.validate_python(data).type == kind
     if fails == "instance":
         assert "the call failed on its instance" in text
+    if fails == "overloaded":  # the delay Retry-After gives before the commit, in the message
+        said = [blocks[-2][1]["message"], failed["error"]["message"]] if api == "responses" else [error["message"]]
+        for message in said:
+            assert message.endswith("Please try again in 3s."), message
+            seconds = CODEX_RETRY_AFTER.search(message)  # as Codex reads a rate limit's delay
+            assert seconds is not None and seconds.groups() == ("3", "s")
 
 
 BEFORE_COMMIT = {"instance": 502, "overloaded": 429, "unavailable": 503, "rejected": 400}
