@@ -237,6 +237,19 @@ class InstanceMemory:
         self._staging_outcomes.append(StagingOutcome(name, record))
         return record
 
+    def drop_staged(self, name: str) -> bool:
+        """Forget ``name``'s completed staging copy; whether this rank held one. At TP=N a
+        copy that failed on another rank is dropped here too: no rank holds a model staged
+        alone, so the ranks' ledgers agree (``name`` activates from host on every rank) and
+        a later ``stage`` of it starts a copy on every rank, whose outcomes then pair up. A
+        copy in flight, or another model's, is kept."""
+        ledger = self.ledger
+        if ledger.staged_model != name or ledger.staging_state is not StagingState.READY:
+            return False
+        self.stager.invalidate()
+        ledger.clear_staging()
+        return True
+
     def take_staging_outcomes(self) -> list[StagingOutcome]:
         """The staging copies seen ending since the last call, in order (see
         ``poll_staging``); polls nothing itself."""

@@ -141,6 +141,10 @@ class RankModels:
         it end (``InstanceMemory.poll_staging``)."""
         return self.memory.take_staging_outcomes()
 
+    def drop_staged(self, name: str) -> bool:
+        """Forget ``name``'s completed staging copy (``InstanceMemory.drop_staged``)."""
+        return self.memory.drop_staged(name)
+
     @property
     def staged_model(self) -> str | None:
         return self.memory.ledger.staged_model

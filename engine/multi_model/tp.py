@@ -12,8 +12,10 @@ on all ranks, in the order the controller calls them; ranks therefore keep ident
 ledgers and host-KV eviction orders. A move's record carries rank 0's bytes (each rank moves
 its own shard, of the same size when the model divides evenly) and the slowest rank's
 seconds. Read-only queries (estimates, totals, usage) answer from rank 0. A model counts as
-staged only once every rank's copy is done. An op that fails on any rank breaks the group
-(see ``engine.parallel.launcher``): later calls raise the group's RuntimeError.
+staged only once every rank's copy is done; a copy that failed on any rank is dropped on every
+rank, so the ledgers agree again (the model activates from host everywhere). An op that fails
+on any rank breaks the group (see ``engine.parallel.launcher``): later calls raise the group's
+RuntimeError.
 """
 
 from __future__ import annotations
@@ -247,7 +249,12 @@ class TensorParallelRankModels:
     def take_staging_outcomes(self) -> list[StagingOutcome]:
         """Each staging copy every rank has seen end, once: every rank stages in the same
         order, so each rank's i-th outcome is the same copy. Its record is the ranks'
-        combined; it failed where any rank's failed. Asks the ranks only when rank 0 has
+        combined; it failed where any rank's failed. The last such copy, when some rank's
+        completed, is dropped on every rank (``InstanceMemory.drop_staged``): the ranks that
+        staged it would otherwise switch D2D while the others copy from host, and plan no
+        copy where the others start one when it is staged again, and each rank's i-th
+        outcome would no longer be the same copy. (An earlier copy in the batch was replaced
+        in the staging region by a later one already.) Asks the ranks only when rank 0 has
         seen one end or some copy waits for a slower rank."""
         if not (self.local.memory.staging_outcomes_pending or self._outcomes[0]):
             return []
@@ -256,13 +263,17 @@ class TensorParallelRankModels:
             pending.extend(taken)
         done = min(len(pending) for pending in self._outcomes)
         out = []
+        partly_staged = False  # the last copy failed on some rank and completed on another
         for copies in zip(*(pending[:done] for pending in self._outcomes), strict=True):
             records = [c.record for c in copies]
             failed = any(r is None for r in records)
+            partly_staged = failed and any(r is not None for r in records)
             out.append(StagingOutcome(copies[0].model,
                                       None if failed else combine_records(records)))
         for pending in self._outcomes:
             del pending[:done]
+        if partly_staged:
+            self._all("drop_staged", out[-1].model)
         return out
 
     def placements(self) -> dict[str, Placement]:

@@ -54,7 +54,8 @@ class SessionKeeper:
         self.counters = counters
         self.gaps = GapPredictor(policy.default_gap_s, policy.gap_ewma_alpha)
         self.report = SessionReport(self._entry)
-        self.reservations = ReservationBook(on_change=self._reservation_changed)
+        self.reservations = ReservationBook(on_change=self._reservation_changed,
+                                            unpin=executor.unpin_session_kv)
         # session -> (device, host) tokens; a change marks the session's report entry
         self.kv_tokens: dict[str, tuple[int, int]] = TouchingDict(self.report.touch)
         self.recent_waits: deque[float] = deque(maxlen=QUEUE_DELAY_WINDOW)
@@ -90,12 +91,8 @@ class SessionKeeper:
     def on_admit(self, session_id: str) -> None:
         """The session's call is in the engine: its request now references the session's
         blocks, so its reservation (if any) is consumed and its pin released."""
-        res = self.reservations.pop(session_id)
-        if res is None:
-            return
-        if res.pinned:
-            self.executor.unpin_session_kv(session_id)
-        self.counters["reservations_consumed"] += 1
+        if self.reservations.pop(session_id) is not None:
+            self.counters["reservations_consumed"] += 1
 
     def service(self, session_id: str, waiting_s: float) -> Service:
         """What the session has had so far, for priority rules; ``waiting_s``: how long its
@@ -188,10 +185,9 @@ class SessionKeeper:
         # weighs the whole gap distribution, so its TTL stands whatever this session's gap.
         if ttl <= 0 or (self.policy.reservation_ttl == "fixed" and gap >= ttl):
             return
-        old = self.reservations.pop(call.session_id)
-        if old is not None and old.pinned:
-            self.executor.unpin_session_kv(call.session_id)
+        self.reservations.pop(call.session_id)
         blocks = self.executor.pin_session_kv(call.session_id)
+        self.counters["reservations"] += 1  # before ``add``: it stands even if the hook raises
         self.reservations.add(
             Reservation(
                 session_id=call.session_id,
@@ -203,7 +199,6 @@ class SessionKeeper:
                 pinned=True,
             )
         )
-        self.counters["reservations"] += 1
 
     def _ttl(self, model: str, prefix_tokens: int) -> float:
         """How long a reservation made now lives: the configured TTL, or Continuum's rule
@@ -218,8 +213,6 @@ class SessionKeeper:
     def expire(self, now: float) -> None:
         for res in self.reservations.expired(now):
             self.reservations.pop(res.session_id)
-            if res.pinned:
-                self.executor.unpin_session_kv(res.session_id)
             self.counters["reservations_expired"] += 1
 
     async def yield_reservation(self, res: Reservation) -> None:
@@ -234,8 +227,6 @@ class SessionKeeper:
         elif self.policy.host_kv:
             self.counters["reservations_yielded_dropped"] += 1
         self.reservations.pop(res.session_id)
-        if res.pinned:
-            self.executor.unpin_session_kv(res.session_id)
         self.counters["reservations_yielded"] += 1
         self.kv_tokens[res.session_id] = self.executor.session_kv_tokens(res.session_id)
         log.debug("reservation_yielded", session=res.session_id, blocks=res.blocks)
@@ -269,8 +260,6 @@ class SessionKeeper:
         for res in self.reservations.all():
             try:
                 self.reservations.pop(res.session_id)
-                if res.pinned:
-                    self.executor.unpin_session_kv(res.session_id)
             except Exception:
                 log.exception("unpin_failed", session=res.session_id)
 
@@ -308,11 +297,11 @@ class SessionKeeper:
         for session_id in sorted(session_ids - live_sessions):
             if self.gaps.get(session_id) is None and session_id not in self.reservations:
                 continue
-            res = self.reservations.pop(session_id)
-            if res is not None and res.pinned:
-                self.executor.unpin_session_kv(session_id)
-            self.forget(session_id)
-            self.counters["sessions_dropped"] += 1
+            try:
+                self.reservations.pop(session_id)
+            finally:
+                self.forget(session_id)
+                self.counters["sessions_dropped"] += 1
 
     def _entry(self, session_id: str) -> SessionKV | None:
         """The session's entry in the state report: where its KV is and its reservation;

@@ -7,8 +7,9 @@ Lifetime (the admission loop drives it; this module is bookkeeping only):
 - while alive and pinned, its blocks cannot be evicted and count in the admission budget;
   it also tells session-prefill that a continuation is coming;
 - it ends when the session's next call is admitted (consumed), when it expires, or when it
-  yields under memory pressure; the loop unpins, offloading first when host KV is on and
-  ``yield_offload_pays`` says the host store has free room for the copy;
+  yields under memory pressure (the loop offloading first when host KV is on and
+  ``yield_offload_pays`` says the host store has free room for the copy); the book's ``pop``
+  releases its pin, whatever its change hook does;
 - a switch away from its model unpins it (after the offload, when host KV is on), but the
   reservation stays alive with zero device blocks: it still predicts the return;
 - while alive, with host KV, the live engine's host store evicts the session's KV only once
@@ -40,12 +41,25 @@ class Reservation:
 
 
 class ReservationBook:
-    """Live reservations by session; ``on_change(session_id)`` hears of each one added or
-    removed (the state report recomputes that session's entry)."""
+    """Live reservations by session. ``on_change(session_id)`` hears of each one added or
+    removed (the state report recomputes that session's entry; with host KV the engine holds
+    or releases the session's host KV), ``unpin(session_id)`` releases the device pin of a
+    pinned one leaving the book.
 
-    def __init__(self, on_change: Callable[[str], None] | None = None) -> None:
+    Invariant: a reservation leaves the book only through ``pop``, which releases its pin
+    whatever ``on_change`` does; a hook that raises (a broken TP group's ``hold_host_kv``)
+    raises out of ``add`` / ``pop`` once the book is consistent: after ``add`` the
+    reservation is in the book (its pin the book's to release), after ``pop`` it is out and
+    unpinned."""
+
+    def __init__(
+        self,
+        on_change: Callable[[str], None] | None = None,
+        unpin: Callable[[str], None] | None = None,
+    ) -> None:
         self._by_session: dict[str, Reservation] = {}
         self._on_change = on_change
+        self._unpin = unpin
 
     def __len__(self) -> int:
         return len(self._by_session)
@@ -64,9 +78,18 @@ class ReservationBook:
             self._on_change(reservation.session_id)
 
     def pop(self, session_id: str) -> Reservation | None:
+        """Remove the session's reservation (None: it has none) and release its pin, then
+        tell ``on_change``, which runs even when ``unpin`` raises."""
         res = self._by_session.pop(session_id, None)
-        if res is not None and self._on_change is not None:
-            self._on_change(session_id)
+        if res is None:
+            return None
+        try:
+            if res.pinned and self._unpin is not None:
+                self._unpin(session_id)
+                res.pinned = False
+        finally:
+            if self._on_change is not None:
+                self._on_change(session_id)
         return res
 
     def all(self) -> list[Reservation]:

@@ -3,12 +3,14 @@
 A -> B -> A outputs equal the TP=1 multi-model engine's and a fresh single-model engine's;
 session KV offloaded before a switch is restored on every rank after switching back (and
 equals recompute); staged activation equals host activation and a model is STAGED only
-once every rank's copy is done; shutdown leaves no worker process.
+once every rank's copy is done; a copy that fails on one rank only reads failed, once, and
+leaves no rank with the model staged; shutdown leaves no worker process.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -26,7 +28,7 @@ from engine.multi_model.tp import (
     combine_placements,
     combine_records,
 )
-from engine.parallel.worker import call_state_method
+from engine.parallel.worker import RankContext, call_state_method
 from engine.sampling_params import SamplingParams
 from substrate.host_kv_index import HostKVIndex
 from substrate.ledger import Placement
@@ -243,3 +245,74 @@ def test_forgetting_a_held_session_lets_its_host_kv_go_on_every_rank(
     for index in per_rank(tp2, "host_kv_index"):
         assert isinstance(index, HostKVIndex) and len(index) > 0
         assert sid not in index._held and all(sid not in e.sessions for e in index.entries())
+
+
+def fail_next_staging_copy(ctx: RankContext, rank: int) -> None:
+    """Rank op: on rank ``rank`` only, the next staging copy fails (its host link breaks)."""
+    if ctx.rank != rank:
+        return
+    stager = ctx.state[STATE_KEY].memory.stager
+
+    def failing(dst: object, src: object) -> None:
+        del stager._cpu_copy  # this copy only: the class's copy again after it
+        stager._error = RuntimeError(f"link down on rank {rank}")
+
+    stager._cpu_copy = failing
+
+
+def staged_copies(engine: MultiModelEngine, model: str) -> int:
+    """Staging copies of ``model`` the engine's meter has booked."""
+    moves = engine._meters[model].moves
+    return moves["stage"].count if "stage" in moves else 0
+
+
+def wait_for_staging_copies(engine: MultiModelEngine) -> dict[str, Residency]:
+    """Wait until no rank's staging copy runs; the residency the engine then reports (its
+    poll books every rank's copy together)."""
+    deadline = time.monotonic() + 30
+    while any(per_rank(engine, "staging_copy_running")):
+        assert time.monotonic() < deadline, "a staging copy never ended"
+        time.sleep(0.01)
+    return engine.residency()
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_staging_copy_failed_on_one_rank_is_failed_on_every_rank(
+    tp2: MultiModelEngine, models: dict[str, Path], bad_rank: int
+) -> None:
+    """A background copy that completes on one rank and fails on the other: the combined
+    outcome reads failed, told once and metered nowhere; no rank keeps the model staged (the
+    ranks' ledgers agree: HOST everywhere), so the switch to it copies from host on every
+    rank and its outputs are right; staging it again copies on every rank and is booked as
+    one completed copy, the switch after it D2D on every rank."""
+    tp2.activate(QWEN)
+    tp2.activate(LLAMA)  # whatever earlier tests left: LLAMA active, nothing lent,
+    tp2.stage(LLAMA)  # and QWEN in host memory only
+    assert wait_for_staging_copies(tp2)[QWEN] is Residency.HOST
+    assert tp2.take_staging_failures() == []
+    copies = staged_copies(tp2, QWEN)
+    tp2.rank.group.run_on_all_ranks(fail_next_staging_copy, bad_rank)
+    assert tp2.stage(QWEN).kind == "stage"
+    residency = wait_for_staging_copies(tp2)
+    assert tp2.take_staging_failures() == [QWEN]
+    assert tp2.take_staging_failures() == []  # told once
+    assert staged_copies(tp2, QWEN) == copies
+    assert residency[QWEN] is Residency.HOST
+    assert [p[QWEN] for p in per_rank(tp2, "placements", False)] == ["host"] * 2  # type: ignore[index]
+    h2d = per_rank(tp2, "move_totals", "activate_h2d")
+    d2d = per_rank(tp2, "move_totals", "activate_d2d")
+    assert tp2.activate(QWEN).kind == "activate_h2d"
+    shard = tp2.catalog[QWEN].layout.total_bytes
+    assert [b for b, _ in per_rank(tp2, "move_totals", "activate_h2d")] == [  # type: ignore[misc]
+        b + shard for b, _ in h2d  # type: ignore[misc]
+    ]
+    assert per_rank(tp2, "move_totals", "activate_d2d") == d2d
+    assert_same(run(tp2, requests(QWEN, "partial", PROMPTS))[0],
+                fresh(models[QWEN], requests(QWEN, "partial", PROMPTS)))
+    tp2.activate(LLAMA)
+    assert tp2.stage(QWEN).kind == "stage"  # every rank copies again: their outcomes pair up
+    assert wait_for_staging_copies(tp2)[QWEN] is Residency.STAGED
+    assert tp2.take_staging_failures() == []
+    assert staged_copies(tp2, QWEN) == copies + 1
+    assert tp2.activate(QWEN).kind == "activate_d2d"
+    assert [p[QWEN] for p in per_rank(tp2, "placements", False)] == ["active"] * 2  # type: ignore[index]

@@ -91,6 +91,43 @@ def test_reservation_book_yield_order_and_expiry() -> None:
     assert book.next_expiry() == 5.0
 
 
+def test_reservation_book_pop_releases_the_pin_whatever_a_hook_does() -> None:
+    """``pop`` unpins a pinned reservation leaving the book even when ``on_change`` raises,
+    and still tells ``on_change`` when ``unpin`` raises; ``add`` keeps the reservation when
+    its hook raises (its pin is then released by a later ``pop``)."""
+    heard: list[str] = []
+    unpinned: list[str] = []
+    broken: set[str] = set()
+
+    def on_change(session_id: str) -> None:
+        heard.append(session_id)
+        if "hook" in broken:
+            raise RuntimeError("TP group broken")
+
+    def unpin(session_id: str) -> None:
+        unpinned.append(session_id)
+        if "unpin" in broken:
+            raise RuntimeError("unpin failed")
+
+    book = ReservationBook(on_change=on_change, unpin=unpin)
+    broken.add("hook")
+    with pytest.raises(RuntimeError, match="TP group broken"):
+        book.add(Reservation("s", "a", 0.0, 1.0, 2.0, blocks=3, pinned=True))
+    assert "s" in book and heard == ["s"] and unpinned == []
+    with pytest.raises(RuntimeError, match="TP group broken"):
+        book.pop("s")
+    assert "s" not in book and unpinned == ["s"] and heard == ["s", "s"]
+    broken.discard("hook")
+    book.add(Reservation("t", "a", 0.0, 1.0, 2.0))  # not pinned: nothing to release
+    assert book.pop("t") is not None and unpinned == ["s"]
+    book.add(Reservation("u", "a", 0.0, 1.0, 2.0, blocks=3, pinned=True))
+    broken.add("unpin")
+    with pytest.raises(RuntimeError, match="unpin failed"):
+        book.pop("u")
+    assert "u" not in book and unpinned == ["s", "u"] and heard[-1] == "u"
+    assert book.pop("u") is None and unpinned == ["s", "u"]
+
+
 def test_yield_offload_needs_free_host_room_unless_eviction_is_allowed() -> None:
     assert yield_offload_pays(100.0, 800.0, 1000.0)
     assert yield_offload_pays(200.0, 800.0, 1000.0)  # exactly fills the store

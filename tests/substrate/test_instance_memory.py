@@ -256,3 +256,36 @@ def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
     (outcome,) = mem.take_staging_outcomes()  # queued for the engine's meter, once
     assert outcome.model == "b" and outcome.record is not None
     assert outcome.record.bytes == totals.bytes
+
+
+def test_a_dropped_staging_copy_leaves_its_model_in_host_memory_only() -> None:
+    """``drop_staged`` (a TP rank whose copy completed where another rank's failed) forgets a
+    completed copy of that model only: the switch to it then copies from host, and staging
+    it again starts a copy; a copy in flight, or another model's, is kept."""
+    refs, models, _, mem = _two_models(5, kv_blocks=4)
+    mem.activate("a")
+    gate = threading.Event()
+    copy = mem.stager._cpu_copy
+
+    def gated(dst: torch.Tensor, src: torch.Tensor) -> None:
+        gate.wait(timeout=10)
+        copy(dst, src)
+
+    mem.stager._cpu_copy = gated  # type: ignore[method-assign]
+    mem.stage("b")
+    assert not mem.drop_staged("b")  # in flight: kept
+    gate.set()
+    mem.poll_staging(block=True)
+    del mem.stager._cpu_copy
+    assert not mem.drop_staged("a")  # not what is staged
+    assert mem.placements()["b"] is Placement.STAGED
+    assert mem.drop_staged("b")
+    assert not mem.drop_staged("b")
+    assert mem.placements() == {"a": Placement.ACTIVE, "b": Placement.HOST}
+    assert mem.activate("b").kind == MoveKind.ACTIVATE_H2D
+    ids = torch.tensor([[4, 1, 8]])
+    torch.testing.assert_close(models["b"](ids), refs["b"](ids))
+    assert mem.stage("b").kind == MoveKind.STAGE  # nothing staged: a copy again
+    mem.poll_staging(block=True)
+    assert mem.activate("a").kind == MoveKind.ACTIVATE_H2D
+    assert mem.activate("b").kind == MoveKind.ACTIVATE_D2D
