@@ -20,6 +20,13 @@ Invariants of :class:`ReasoningSplitter` (one per answer):
   stream and a collected answer agree;
 - reasoning is released before any content, so a piece's reasoning always precedes its content.
 
+A request that switched thinking off (``router.api.template_kwargs``) gets a prompt whose
+template wrote an empty think block after the generation prompt (Qwen3's, Qwen3.5's, GLM-4.5's
+``<think>\n\n</think>\n\n``, DeepSeek-V3.1's ``</think>``): a prompt that ends with
+``</think>`` (:func:`closes_thinking`, as vLLM's ``prompt_is_reasoning_end``) makes the answer
+all content under either parser. A template that does not read the switch renders as before,
+and the model's thinking is split as before.
+
 The model's chat template decides the default (:func:`detect_reasoning_parser`); the serve
 config's ``reasoning_parser`` (``"none"`` among its values) overrides it.
 """
@@ -37,6 +44,7 @@ __all__ = [
     "ReasoningSplitter",
     "Split",
     "check_reasoning_settings",
+    "closes_thinking",
     "detect_reasoning_parser",
     "reasoning_parser_for",
 ]
@@ -152,6 +160,12 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def closes_thinking(prompt: str) -> bool:
+    """Whether a rendered chat prompt (before any prefill) ends with ``</think>``: its
+    template wrote the thinking as done, so the answer starts as content."""
+    return prompt.rstrip().endswith(THINK_CLOSE)
 
 
 _PROBE = [{"role": "user", "content": "hi"}]

@@ -1,0 +1,159 @@
+"""A request switches a reasoning model's thinking off (and on), over HTTP, on the tiny models'
+tokenizer with two hand-written templates that read ``enable_thinking`` as real ones do:
+Qwen3's (thinking off: an empty ``<think>\\n\\n</think>\\n\\n`` after the generation prompt; on:
+the model writes ``<think>`` itself, parser ``qwen3``) and one that opens ``<think>`` in the
+prompt (Qwen3.5's; the same empty block when off, parser ``deepseek_r1``). Thinking off, the
+prompt is rendered so and the whole answer is content under either parser; a template that
+does not read the switch keeps the model thinking, its reasoning split as before."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+from api_helpers import scripted, serve, sse
+from router_fakes import ScriptedInstance
+
+from router.tokenization import ModelTokenizer
+
+REASONING = "The user greets me; I say hello back.\n"
+CONTENT = "Hello there."
+USER = [{"role": "user", "content": "Hi"}]
+OFF = {"enable_thinking": False}
+CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # what a template writes with thinking off
+TINY_GENERATION = "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+SWITCH = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+GENERATIONS = {
+    "qwen3": "{{- '<|im_start|>assistant\\n' }}" + SWITCH + "{%- endif %}{%- endif %}",
+    "opens_think": "{{- '<|im_start|>assistant\\n' }}" + SWITCH + "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}",
+}
+# what each model writes when it thinks (the second's template opened <think> for it)
+THOUGHT = {"qwen3": f"<think>\n{REASONING}</think>\n\n{CONTENT}", "opens_think": f"{REASONING}</think>\n\n{CONTENT}"}
+
+
+@pytest.fixture(scope="module", params=sorted(GENERATIONS))
+def switch(request: pytest.FixtureRequest, tiny_tokenizer: ModelTokenizer) -> tuple[str, ModelTokenizer]:
+    """(the template's kind, the tiny tokenizer with its generation prompt)."""
+    hf = copy.deepcopy(tiny_tokenizer.tokenizer)
+    hf.chat_template = (tiny_tokenizer.chat_template or "").replace(TINY_GENERATION, GENERATIONS[request.param])
+    assert hf.chat_template != tiny_tokenizer.chat_template
+    return request.param, ModelTokenizer("tiny", hf, 4096)
+
+
+def rendered(tok: ModelTokenizer, **kwargs: Any) -> str:
+    """The prompt's text as transformers renders it (the oracle, apart from the router's code)."""
+    text: str = tok.tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True, **kwargs)
+    return text
+
+
+def prompt_text(tok: ModelTokenizer, instance: ScriptedInstance, i: int = 0) -> str:
+    text: str = tok.tokenizer.decode(instance.calls[i].prompt_token_ids, skip_special_tokens=False)
+    return text
+
+
+async def post(client: TestClient, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
+    resp = await client.post(path, json={"model": "tiny", **body})
+    assert resp.status == status, await resp.text()
+    data: dict[str, Any] = await resp.json()
+    return data
+
+
+async def test_chat_template_kwargs_switch_thinking_off_and_the_answer_is_all_content(
+        switch: tuple[str, ModelTokenizer]) -> None:
+    kind, tok = switch
+    instance = scripted(tok, CONTENT, CONTENT, THOUGHT[kind])
+    async with serve(tok, {"i0": instance}) as client:
+        data = await post(client, "/v1/chat/completions", {"messages": USER, "chat_template_kwargs": OFF})
+        chunks = await sse(await client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": USER, "chat_template_kwargs": OFF, "stream": True}))
+        thinking = await post(client, "/v1/chat/completions", {"messages": USER})
+    assert rendered(tok, enable_thinking=False).endswith(CLOSED) and not rendered(tok).endswith(CLOSED)
+    assert prompt_text(tok, instance, 0) == prompt_text(tok, instance, 1) == rendered(tok, enable_thinking=False)
+    assert prompt_text(tok, instance, 2) == rendered(tok)
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": CONTENT, "reasoning": None,
+                                             "reasoning_content": None}
+    assert data["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    deltas = [c["choices"][0]["delta"] for c in chunks if c != "[DONE]" and c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == CONTENT
+    assert not any(d.get("reasoning") for d in deltas)
+    message = thinking["choices"][0]["message"]  # not switched off: thinks as before
+    assert (message["reasoning_content"], message["content"]) == (REASONING, CONTENT)
+
+
+async def test_a_template_that_does_not_read_the_switch_keeps_the_model_thinking(
+        tiny_tokenizer: ModelTokenizer) -> None:
+    """Asked not to think, a model whose template ignores ``enable_thinking`` thinks anyway:
+    its ``<think>`` text is still its reasoning, never the answer's content."""
+    answer = f"<think>\n{REASONING}</think>\n\n{CONTENT}"
+    instance = scripted(tiny_tokenizer, answer)
+    async with serve(tiny_tokenizer, {"i0": instance}, reasoning_parsers={"tiny": "qwen3"}) as client:
+        data = await post(client, "/v1/chat/completions", {"messages": USER, "chat_template_kwargs": OFF})
+    assert prompt_text(tiny_tokenizer, instance) == rendered(tiny_tokenizer)
+    message = data["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (REASONING, CONTENT)
+
+
+async def test_any_other_key_reaches_the_template(tiny_tokenizer: ModelTokenizer) -> None:
+    hf = copy.deepcopy(tiny_tokenizer.tokenizer)
+    hf.chat_template = (tiny_tokenizer.chat_template or "") + "{%- if house_style is defined %}{{- house_style }}{%- endif %}"
+    tok = ModelTokenizer("tiny", hf, 4096)
+    instance = scripted(tok, CONTENT)
+    async with serve(tok, {"i0": instance}) as client:
+        await post(client, "/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"house_style": "terse"}})
+    assert prompt_text(tok, instance).endswith("<|im_start|>assistant\nterse")
+
+
+@pytest.mark.parametrize(("extra", "param", "needle"), [
+    ({"chat_template_kwargs": "enable_thinking=false"}, "chat_template_kwargs", "must be an object"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "must be an object"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages", "set by the server"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "set by the server"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt",
+     "set by the server"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize", "set by the server"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs.chat_template",
+     "set by the server"),
+    ({"chat_template_kwargs": {"bos_token": "<s>"}}, "chat_template_kwargs.bos_token", "set by the server"),
+    ({"enable_thinking": False}, "enable_thinking", "unsupported field(s): enable_thinking"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "reasoning_effort must be one of"),
+    ({"reasoning_effort": ["none"]}, "reasoning_effort", "reasoning_effort must be one of"),
+])
+async def test_chat_template_kwargs_that_cannot_be_passed_are_refused_by_name(
+        tiny_tokenizer: ModelTokenizer, extra: dict[str, Any], param: str, needle: str) -> None:
+    instance = scripted(tiny_tokenizer, CONTENT)
+    async with serve(tiny_tokenizer, {"i0": instance}) as client:
+        error = (await post(client, "/v1/chat/completions", {"messages": USER, **extra}, 400))["error"]
+        await post(client, "/v1/chat/completions", {"messages": USER, "chat_template_kwargs": None})
+    assert error["param"] == param and needle in error["message"]
+    assert len(instance.calls) == 1  # only the one with chat_template_kwargs null, as absent
+
+
+def test_every_argument_transformers_renders_with_is_refused() -> None:
+    """The refused keys hold every named argument of ``apply_chat_template`` in the installed
+    transformers (a new one there fails this test) and the special tokens it passes."""
+    from transformers import PreTrainedTokenizerBase
+
+    from router.api.template_kwargs import RENDERER_ARGUMENTS
+
+    signature = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    named = {p.name for p in signature if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+    assert named | set(PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES) <= RENDERER_ARGUMENTS
+    assert {"messages", "conversation", "tools"} <= RENDERER_ARGUMENTS
+    assert not {"enable_thinking", "thinking"} & RENDERER_ARGUMENTS
+
+
+async def test_chat_reasoning_effort_none_switches_thinking_off_and_chat_template_kwargs_win(
+        switch: tuple[str, ModelTokenizer]) -> None:
+    kind, tok = switch
+    instance = scripted(tok, CONTENT, THOUGHT[kind], THOUGHT[kind])
+    async with serve(tok, {"i0": instance}) as client:
+        off = await post(client, "/v1/chat/completions", {"messages": USER, "reasoning_effort": "none"})
+        await post(client, "/v1/chat/completions", {"messages": USER, "reasoning_effort": "high"})
+        await post(client, "/v1/chat/completions", {"messages": USER, "reasoning_effort": "none",
+                                                   "chat_template_kwargs": {"enable_thinking": True}})
+    assert prompt_text(tok, instance, 0) == rendered(tok, enable_thinking=False)
+    assert prompt_text(tok, instance, 1) == prompt_text(tok, instance, 2) == rendered(tok)
+    assert off["choices"][0]["message"]["content"] == CONTENT
