@@ -35,7 +35,12 @@ from router.api.answer_parser import AnswerParser, answer_parser
 from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
-from router.api.reasoning import ReasoningSplitter, check_reasoning_settings, reasoning_parser_for
+from router.api.reasoning import (
+    ReasoningSplitter,
+    answer_splitter,
+    check_reasoning_settings,
+    reasoning_parser_for,
+)
 from router.api.stream_commit import FirstEvent, Responder, check_stream_settings
 from router.api.stream_output import OutputAssembler
 from router.api.tool_calls import TOOL_FORMATS, detect_tool_format
@@ -377,13 +382,12 @@ def _answer_parser(config: RouterConfig, body: schema.CompletionBody, tok: Model
 def _reasoning(request: web.Request, body: schema.CompletionBody, prefill: str,
                answer: AnswerParser | None, prompt: Prompt) -> ReasoningSplitter | None:
     """The splitter of a chat answer's reasoning, for a model with a reasoning parser: the
-    answer continues ``prefill``; a tool call the prompt opened, or thinking it closed (the
-    request switched it off), makes it content at once."""
+    answer continues ``prefill``; a tool call the prompt opened makes it content at once, as
+    does a ``</think>`` the prompt ends with (the request switched thinking off)."""
     parser = request.app[REASONING_KEY].get(body.model)
     if parser is None or body.kind != "chat":
         return None
-    forced = bool(answer and answer.prefill) or prompt.thinking_closed
-    return ReasoningSplitter(parser, prefill, forced_content=forced)
+    return answer_splitter(parser, prompt.think_tag, prefill, forced_content=bool(answer and answer.prefill))
 
 
 def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from router.api.reasoning import closes_thinking
+from router.api.reasoning import prompt_think_tag
 from router.api.template_roles import TemplateRoles
 from talaria.protocol.text import IncrementalDetokenizer, decode_text
 
@@ -31,11 +31,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt's token ids; for a chat prompt, whether its template closed the model's
-    thinking (``router.api.reasoning.closes_thinking``: the answer is then all content)."""
+    """A prompt's token ids; for a chat prompt, the think tag its rendered text ends with
+    (``router.api.reasoning.prompt_think_tag``: where the answer starts)."""
 
     ids: list[int]
-    thinking_closed: bool = False
+    think_tag: str | None = None
 
 
 class ModelTokenizer:
@@ -65,8 +65,8 @@ class ModelTokenizer:
         tools: list[dict[str, Any]] | None = None, prefill: str = "",
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
-        """``encode_chat`` in the lane for a prompt of ``size`` bytes, with whether the
-        rendered prompt closed the model's thinking."""
+        """``encode_chat`` in the lane for a prompt of ``size`` bytes, with the think tag the
+        rendered prompt ends with."""
         executor, tokenizer = self._lane(size)
         return await asyncio.get_running_loop().run_in_executor(
             executor, _encode_chat, tokenizer, self.name, messages, tools, prefill, self.roles,
@@ -182,7 +182,7 @@ def _encode_chat(
     text = tokenizer.apply_chat_template(
         messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
-    return Prompt(_encode_text(tokenizer, text + prefill, add_special_tokens=False), closes_thinking(text))
+    return Prompt(_encode_text(tokenizer, text + prefill, add_special_tokens=False), prompt_think_tag(text))
 
 
 def _encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

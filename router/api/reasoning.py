@@ -20,12 +20,14 @@ Invariants of :class:`ReasoningSplitter` (one per answer):
   stream and a collected answer agree;
 - reasoning is released before any content, so a piece's reasoning always precedes its content.
 
-A request that switched thinking off (``router.api.template_kwargs``) gets a prompt whose
-template wrote an empty think block after the generation prompt (Qwen3's, Qwen3.5's, GLM-4.5's
-``<think>\n\n</think>\n\n``, DeepSeek-V3.1's ``</think>``): a prompt that ends with
-``</think>`` (:func:`closes_thinking`, as vLLM's ``prompt_is_reasoning_end``) makes the answer
-all content under either parser. A template that does not read the switch renders as before,
-and the model's thinking is split as before.
+Where one request's answer starts, the tag its rendered prompt ends with decides, whatever the
+parser (:func:`prompt_think_tag`, :func:`answer_splitter`): after ``</think>`` the answer is all
+content (a request that switched thinking off, ``router.api.template_kwargs``: Qwen3's,
+Qwen3.5's, GLM-4.5's templates write an empty ``<think>\n\n</think>\n\n``, DeepSeek-V3.1's a
+``</think>``; vLLM's ``prompt_is_reasoning_end``); after ``<think>`` it begins inside its
+reasoning, as under ``deepseek_r1`` (DeepSeek-V3.1's template switched on). A prompt that ends
+with neither leaves the parser's rule; a template that does not read the switch renders as
+before, and the model's thinking is split as before.
 
 The model's chat template decides the default (:func:`detect_reasoning_parser`); the serve
 config's ``reasoning_parser`` (``"none"`` among its values) overrides it.
@@ -44,7 +46,8 @@ __all__ = [
     "ReasoningSplitter",
     "Split",
     "check_reasoning_settings",
-    "closes_thinking",
+    "prompt_think_tag",
+    "answer_splitter",
     "detect_reasoning_parser",
     "reasoning_parser_for",
 ]
@@ -162,10 +165,20 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def closes_thinking(prompt: str) -> bool:
-    """Whether a rendered chat prompt (before any prefill) ends with ``</think>``: its
-    template wrote the thinking as done, so the answer starts as content."""
-    return prompt.rstrip().endswith(THINK_CLOSE)
+def prompt_think_tag(prompt: str) -> str | None:
+    """The think tag a rendered chat prompt (before any prefill) ends with, if any: ``</think>``
+    when its template wrote the thinking as done, ``<think>`` when it opened it."""
+    end = prompt.rstrip()
+    return next((tag for tag in (THINK_CLOSE, THINK_OPEN) if end.endswith(tag)), None)
+
+
+def answer_splitter(parser: str, prompt_tag: str | None, prefill: str = "",
+                    forced_content: bool = False) -> ReasoningSplitter:
+    """One answer's splitter under ``parser``, its start set by ``prompt_tag`` (the tag its
+    prompt ends with): after ``</think>`` content, after ``<think>`` inside the reasoning."""
+    if prompt_tag == THINK_OPEN:
+        parser = "deepseek_r1"
+    return ReasoningSplitter(parser, prefill, forced_content or prompt_tag == THINK_CLOSE)
 
 
 _PROBE = [{"role": "user", "content": "hi"}]

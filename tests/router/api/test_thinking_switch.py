@@ -30,17 +30,25 @@ GENERATIONS = {
     "qwen3": "{{- '<|im_start|>assistant\\n' }}" + SWITCH + "{%- endif %}{%- endif %}",
     "opens_think": "{{- '<|im_start|>assistant\\n' }}" + SWITCH + "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}",
 }
+# DeepSeek-V3.1's: thinking off unless the request sets ``thinking``; on, <think> opens in the prompt
+THINKING_KEY = ("{{- '<|im_start|>assistant\\n' }}{%- if thinking is defined and thinking %}{{- '<think>' }}"
+                "{%- else %}{{- '</think>' }}{%- endif %}{%- endif %}")
 # what each model writes when it thinks (the second's template opened <think> for it)
 THOUGHT = {"qwen3": f"<think>\n{REASONING}</think>\n\n{CONTENT}", "opens_think": f"{REASONING}</think>\n\n{CONTENT}"}
+
+
+def with_generation(tok: ModelTokenizer, generation: str) -> ModelTokenizer:
+    """The tiny tokenizer with ``generation`` as its chat template's generation prompt."""
+    hf = copy.deepcopy(tok.tokenizer)
+    hf.chat_template = (tok.chat_template or "").replace(TINY_GENERATION, generation)
+    assert hf.chat_template != tok.chat_template
+    return ModelTokenizer("tiny", hf, 4096)
 
 
 @pytest.fixture(scope="module", params=sorted(GENERATIONS))
 def switch(request: pytest.FixtureRequest, tiny_tokenizer: ModelTokenizer) -> tuple[str, ModelTokenizer]:
     """(the template's kind, the tiny tokenizer with its generation prompt)."""
-    hf = copy.deepcopy(tiny_tokenizer.tokenizer)
-    hf.chat_template = (tiny_tokenizer.chat_template or "").replace(TINY_GENERATION, GENERATIONS[request.param])
-    assert hf.chat_template != tiny_tokenizer.chat_template
-    return request.param, ModelTokenizer("tiny", hf, 4096)
+    return request.param, with_generation(tiny_tokenizer, GENERATIONS[request.param])
 
 
 def rendered(tok: ModelTokenizer, **kwargs: Any) -> str:
@@ -157,3 +165,20 @@ async def test_chat_reasoning_effort_none_switches_thinking_off_and_chat_templat
     assert prompt_text(tok, instance, 0) == rendered(tok, enable_thinking=False)
     assert prompt_text(tok, instance, 1) == prompt_text(tok, instance, 2) == rendered(tok)
     assert off["choices"][0]["message"]["content"] == CONTENT
+
+
+async def test_the_tag_the_prompt_ends_with_decides_where_the_answer_starts(tiny_tokenizer: ModelTokenizer) -> None:
+    """A template whose default prompt opens no ``<think>`` gets ``qwen3`` (DeepSeek-V3.1's,
+    which reads ``thinking``), yet switched on it opens ``<think>`` in the prompt: the answer
+    then begins inside its reasoning; off, it writes ``</think>``: the answer is content."""
+    tok = with_generation(tiny_tokenizer, THINKING_KEY)
+    instance = scripted(tok, THOUGHT["opens_think"], CONTENT)
+    async with serve(tok, {"i0": instance}) as client:
+        on = await post(client, "/v1/chat/completions", {"messages": USER, "reasoning_effort": "high"})
+        off = await post(client, "/v1/chat/completions", {"messages": USER})
+    assert prompt_text(tok, instance, 0).endswith("<|im_start|>assistant\n<think>")
+    assert prompt_text(tok, instance, 1).endswith("<|im_start|>assistant\n</think>")
+    message = on["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (REASONING, CONTENT)
+    assert off["choices"][0]["message"] == {"role": "assistant", "content": CONTENT, "reasoning": None,
+                                            "reasoning_content": None}
