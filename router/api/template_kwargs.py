@@ -15,9 +15,10 @@ The thinking switch is ``{"enable_thinking": on, "thinking": on}``: Qwen3's and 
 templates read the first, DeepSeek-V3.1's and Granite's the second (SGLang sets both alike).
 Chat's ``reasoning_effort`` sets it (:func:`effort_switch`: ``none`` or ``minimal``: off, since
 a switch has no "few tokens" setting and ``minimal`` asks for the fastest answer; ``low`` and
-up: on; SGLang turns only ``none`` off). An entry the request wrote in
-``chat_template_kwargs`` wins over the switch. A template that reads neither key leaves the
-model thinking as it always does.
+up: on; SGLang turns only ``none`` off), and so does Anthropic's ``thinking``
+(:func:`thinking_switch`, ``router.api.anthropic_schema``: on only when enabled). An entry the
+request wrote in ``chat_template_kwargs`` wins over the switch. A template that reads neither
+key leaves the model thinking as it always does.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import copy
 import inspect
 from typing import Any
 
+import anthropic
 import pytest
 from aiohttp.test_utils import TestClient
 from api_helpers import scripted, serve, sse
@@ -182,3 +183,56 @@ async def test_the_tag_the_prompt_ends_with_decides_where_the_answer_starts(tiny
     assert (message["reasoning_content"], message["content"]) == (REASONING, CONTENT)
     assert off["choices"][0]["message"] == {"role": "assistant", "content": CONTENT, "reasoning": None,
                                             "reasoning_content": None}
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "disabled"}])
+async def test_anthropic_without_thinking_renders_it_off_and_the_answer_is_its_text(
+        switch: tuple[str, ModelTokenizer], thinking: dict[str, Any] | None) -> None:
+    """Anthropic's default is no extended thinking: the model is asked not to think (it
+    spends no tokens on hidden thinking), and its whole answer is the text."""
+    _, tok = switch
+    body: dict[str, Any] = {"messages": USER, "max_tokens": 100, **({"thinking": thinking} if thinking else {})}
+    instance = scripted(tok, CONTENT)
+    async with serve(tok, {"i0": instance}) as client:
+        reply = await post(client, "/v1/messages", body)
+        counted = await post(client, "/v1/messages/count_tokens", body)
+    assert prompt_text(tok, instance) == rendered(tok, enable_thinking=False)
+    assert counted == {"input_tokens": len(instance.calls[0].prompt_token_ids)}
+    assert reply["content"] == [{"type": "text", "text": CONTENT}]
+    assert reply["stop_reason"] == "end_turn"
+
+
+@pytest.mark.parametrize("kind", ["enabled", "adaptive"])
+async def test_anthropic_thinking_enabled_renders_it_on_and_shows_it(
+        switch: tuple[str, ModelTokenizer], kind: str) -> None:
+    name, tok = switch
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024} if kind == "enabled" else {"type": "adaptive"}
+    async with serve(tok, {"i0": scripted(tok, THOUGHT[name], THOUGHT[name])}) as http:
+        client = anthropic.AsyncAnthropic(base_url=str(http.server.make_url("/")), api_key="x", max_retries=0)
+        try:
+            reply = await client.messages.create(model="tiny", max_tokens=200, messages=USER, thinking=thinking)
+            async with client.messages.stream(model="tiny", max_tokens=200, messages=USER,
+                                              thinking=thinking) as stream:
+                streamed = await stream.get_final_message()
+        finally:
+            await client.close()
+    for message in (reply, streamed):
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+            ("thinking", REASONING), ("text", CONTENT)]
+
+
+async def test_anthropic_thinking_switches_on_a_template_that_thinks_only_when_asked(
+        tiny_tokenizer: ModelTokenizer) -> None:
+    """DeepSeek-V3.1's template does not think unless ``thinking`` is set: enabled thinking
+    sets it (the prompt opens ``<think>``), and the thinking comes back as its block."""
+    tok = with_generation(tiny_tokenizer, THINKING_KEY)
+    instance = scripted(tok, THOUGHT["opens_think"], CONTENT)
+    async with serve(tok, {"i0": instance}) as client:
+        on = await post(client, "/v1/messages", {"messages": USER, "max_tokens": 100,
+                                                 "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        off = await post(client, "/v1/messages", {"messages": USER, "max_tokens": 100})
+    assert prompt_text(tok, instance, 0).endswith("<|im_start|>assistant\n<think>")
+    assert prompt_text(tok, instance, 1).endswith("<|im_start|>assistant\n</think>")
+    assert on["content"] == [{"type": "thinking", "thinking": REASONING, "signature": ""},
+                             {"type": "text", "text": CONTENT}]
+    assert off["content"] == [{"type": "text", "text": CONTENT}]
