@@ -13,9 +13,10 @@ not read changes nothing; vLLM drops such keys instead).
 
 The thinking switch is ``{"enable_thinking": on, "thinking": on}``: Qwen3's and GLM-4.5's
 templates read the first, DeepSeek-V3.1's and Granite's the second (SGLang sets both alike).
-Chat's ``reasoning_effort`` sets it (:func:`effort_switch`: ``none`` or ``minimal``: off, since
-a switch has no "few tokens" setting and ``minimal`` asks for the fastest answer; ``low`` and
-up: on; SGLang turns only ``none`` off), and so does Anthropic's ``thinking``
+Chat's ``reasoning_effort`` and a Responses ``reasoning.effort`` set it (:func:`effort_switch`:
+``none`` or ``minimal``: off, since a switch has no "few tokens" setting and ``minimal`` asks
+for the fastest answer; ``low`` up to ``max``: on; SGLang turns only ``none`` off; no effort
+leaves the template's default), and so does Anthropic's ``thinking``
 (:func:`thinking_switch`, ``router.api.anthropic_schema``: on only when enabled). An entry the
 request wrote in ``chat_template_kwargs`` wins over the switch. A template that reads neither
 key leaves the model thinking as it always does.
@@ -40,7 +41,7 @@ RENDERER_ARGUMENTS = frozenset({
 })
 # OpenAI's reasoning efforts -> whether the model thinks
 EFFORTS: dict[str, bool] = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
-                            "xhigh": True}
+                            "xhigh": True, "max": True}
 
 
 def chat_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:

@@ -2,9 +2,12 @@
 tokenizer with two hand-written templates that read ``enable_thinking`` as real ones do:
 Qwen3's (thinking off: an empty ``<think>\\n\\n</think>\\n\\n`` after the generation prompt; on:
 the model writes ``<think>`` itself, parser ``qwen3``) and one that opens ``<think>`` in the
-prompt (Qwen3.5's; the same empty block when off, parser ``deepseek_r1``). Thinking off, the
-prompt is rendered so and the whole answer is content under either parser; a template that
-does not read the switch keeps the model thinking, its reasoning split as before."""
+prompt (Qwen3.5's; the same empty block when off, parser ``deepseek_r1``), and one that thinks
+only when ``thinking`` is set (DeepSeek-V3.1's). Thinking off (chat ``chat_template_kwargs`` or
+``reasoning_effort``, Anthropic ``thinking`` absent or disabled, Responses ``reasoning.effort``
+``none`` / ``minimal``), the prompt is rendered so and the whole answer is content under either
+parser; a template that does not read the switch keeps the model thinking, its reasoning split
+as before."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import anthropic
 import pytest
 from aiohttp.test_utils import TestClient
 from api_helpers import scripted, serve, sse
+from openai.types.responses import Response
 from router_fakes import ScriptedInstance
 
 from router.tokenization import ModelTokenizer
@@ -236,3 +240,27 @@ async def test_anthropic_thinking_switches_on_a_template_that_thinks_only_when_a
     assert on["content"] == [{"type": "thinking", "thinking": REASONING, "signature": ""},
                              {"type": "text", "text": CONTENT}]
     assert off["content"] == [{"type": "text", "text": CONTENT}]
+
+
+@pytest.mark.parametrize("effort", ["none", "minimal"])
+async def test_responses_effort_none_or_minimal_switches_thinking_off(
+        switch: tuple[str, ModelTokenizer], effort: str) -> None:
+    kind, tok = switch
+    instance = scripted(tok, CONTENT, THOUGHT[kind])
+    async with serve(tok, {"i0": instance}) as client:
+        off = await post(client, "/v1/responses", {"input": "Hi", "reasoning": {"effort": effort}})
+        on = await post(client, "/v1/responses", {"input": "Hi", "reasoning": {"effort": "medium", "summary": "auto"}})
+    assert prompt_text(tok, instance, 0) == rendered(tok, enable_thinking=False)
+    assert prompt_text(tok, instance, 1) == rendered(tok)
+    assert [i["type"] for i in off["output"]] == ["message"]
+    assert off["output"][0]["content"][0]["text"] == CONTENT
+    assert off["reasoning"]["effort"] == effort
+    Response.model_validate(off)
+    assert [i["type"] for i in on["output"]] == ["reasoning", "message"]
+    assert on["reasoning"]["effort"] == "medium"
+
+
+async def test_responses_refuses_an_unknown_effort_by_name(tiny_tokenizer: ModelTokenizer) -> None:
+    async with serve(tiny_tokenizer, {"i0": scripted(tiny_tokenizer, CONTENT)}) as client:
+        error = (await post(client, "/v1/responses", {"input": "Hi", "reasoning": {"effort": "extreme"}}, 400))["error"]
+    assert error["param"] == "reasoning.effort" and "must be one of" in error["message"]
