@@ -360,8 +360,8 @@ async def _complete(
                 await first.until_commit()  # a refusal before it is its HTTP status
                 if first.client_left:
                     return web.Response(status=499)  # the client left before the first token
-                out = OutputAssembler(tok, prompt.ids, body.stop, body.logprobs, call.call_id, answer.tags
-                                      if answer else (), _reasoning(request, body, prefill, answer, prompt))
+                out = OutputAssembler(tok, prompt.ids, body.stop, body.logprobs, call.call_id,
+                                      answer.tags if answer else (), _reasoning(request, body, prompt, prefill, answer))
                 if first.arrived and not first.event.token_ids and OutputAssembler.ends_in_failure(first.event):
                     out.add(first.event)  # failed before its first token and any commit: its HTTP status
                     out.raise_if_failed()
@@ -379,11 +379,12 @@ def _answer_parser(config: RouterConfig, body: schema.CompletionBody, tok: Model
     return answer_parser(body.tools, tok.name, fmt, id_prefix)
 
 
-def _reasoning(request: web.Request, body: schema.CompletionBody, prefill: str,
-               answer: AnswerParser | None, prompt: Prompt) -> ReasoningSplitter | None:
+def _reasoning(request: web.Request, body: schema.CompletionBody, prompt: Prompt, prefill: str,
+               answer: AnswerParser | None) -> ReasoningSplitter | None:
     """The splitter of a chat answer's reasoning, for a model with a reasoning parser: the
-    answer continues ``prefill``; a tool call the prompt opened makes it content at once, as
-    does a ``</think>`` the prompt ends with (the request switched thinking off)."""
+    think tag ``prompt`` ends with sets where the answer starts (``</think>``: the request
+    switched thinking off); it continues ``prefill``; a tool call the prompt opened makes it
+    content at once."""
     parser = request.app[REASONING_KEY].get(body.model)
     if parser is None or body.kind != "chat":
         return None

@@ -45,10 +45,10 @@ __all__ = [
     "THINK_OPEN",
     "ReasoningSplitter",
     "Split",
-    "check_reasoning_settings",
-    "prompt_think_tag",
     "answer_splitter",
+    "check_reasoning_settings",
     "detect_reasoning_parser",
+    "prompt_think_tag",
     "reasoning_parser_for",
 ]
 

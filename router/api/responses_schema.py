@@ -34,8 +34,8 @@ accept and render alike:
 
 Accepted and ignored, since they do not change the answer: ``store`` (nothing is stored),
 ``metadata`` (echoed), ``user``, ``safety_identifier``, ``service_tier``, ``include`` (but
-``message.output_text.logprobs``),
-``text.verbosity``, ``stream_options``, ``client_metadata`` (an object of strings, Codex's),
+``message.output_text.logprobs``), ``text.verbosity``, ``stream_options``, ``client_metadata``
+(an object of strings, Codex's),
 ``context_management`` (an array of ``{"type": ...}``), ``prompt_cache_key`` (a string,
 echoed; NOT a session source: OpenAI lets one key be shared by unrelated requests, so it
 would merge conversations); ``truncation: "disabled"``, ``background: false`` and
@@ -67,8 +67,8 @@ log = structlog.get_logger(__name__)
 __all__ = ["ResponsesRequest", "parse_responses"]
 
 _PASSED = frozenset({"model", "temperature", "top_p", "stream", "parallel_tool_calls", "session_id", "talaria"})
-_IGNORED = frozenset({"store", "metadata", "user", "safety_identifier", "service_tier", "include", "text", "stream_options", "prompt_cache_key", "client_metadata",
-                      "context_management"})
+_IGNORED = frozenset({"store", "metadata", "user", "safety_identifier", "service_tier", "include", "text",
+                      "stream_options", "prompt_cache_key", "client_metadata", "context_management"})
 _READ = frozenset({"input", "instructions", "tools", "tool_choice", "max_output_tokens", "previous_response_id",
                    "reasoning"})
 _AT_DEFAULT: dict[str, Any] = {"truncation": "disabled", "background": False, "top_logprobs": 0}
