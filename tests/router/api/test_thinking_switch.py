@@ -1,7 +1,7 @@
 """A request switches a reasoning model's thinking off (and on), over HTTP, on the tiny models'
-tokenizer with two hand-written templates that read ``enable_thinking`` as real ones do:
-Qwen3's (thinking off: an empty ``<think>\\n\\n</think>\\n\\n`` after the generation prompt; on:
-the model writes ``<think>`` itself, parser ``qwen3``) and one that opens ``<think>`` in the
+tokenizer with three hand-written templates that read the switch as real ones do: Qwen3's
+(``enable_thinking`` off: an empty ``<think>\\n\\n</think>\\n\\n`` after the generation prompt;
+on: the model writes ``<think>`` itself, parser ``qwen3``), one that opens ``<think>`` in the
 prompt (Qwen3.5's; the same empty block when off, parser ``deepseek_r1``), and one that thinks
 only when ``thinking`` is set (DeepSeek-V3.1's). Thinking off (chat ``chat_template_kwargs`` or
 ``reasoning_effort``, Anthropic ``thinking`` absent or disabled, Responses ``reasoning.effort``
