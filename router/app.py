@@ -35,7 +35,12 @@ from router.api.answer_parser import AnswerParser, answer_parser
 from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
-from router.api.reasoning import ReasoningSplitter, check_reasoning_settings, reasoning_parser_for
+from router.api.reasoning import (
+    ReasoningSplitter,
+    answer_splitter,
+    check_reasoning_settings,
+    reasoning_parser_for,
+)
 from router.api.stream_commit import FirstEvent, Responder, check_stream_settings
 from router.api.stream_output import OutputAssembler
 from router.api.tool_calls import TOOL_FORMATS, detect_tool_format
@@ -50,7 +55,7 @@ from router.metrics import RouterMetrics
 from router.sessions.identity import SessionHeaders, resolve_session
 from router.sessions.inference import SessionInference
 from router.sessions.table import SessionTable
-from router.tokenization import ModelTokenizer
+from router.tokenization import ModelTokenizer, Prompt
 from talaria.protocol import CallRequest, InstanceClient, SamplingParams
 from talaria.protocol.errors import (
     ApiError,
@@ -271,9 +276,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     tok = _tokenizer(request, parsed.body.model)
     answer = _answer_parser(request.app[CONFIG_KEY], parsed.body, tok)
     with request.app[GATE_KEY].admit():  # its encode takes the tokenizer's thread like a call's
-        ids = await tokenize_prompt(request, tok, parsed.body,
-                                    parsed.prefill + (answer.prefill if answer else ""), within_context=False)
-    return _json({"input_tokens": len(ids)})
+        prompt = await tokenize_prompt(request, tok, parsed.body,
+                                       parsed.prefill + (answer.prefill if answer else ""), within_context=False)
+    return _json({"input_tokens": len(prompt.ids)})
 
 
 async def root(request: web.Request) -> web.Response:
@@ -338,14 +343,14 @@ async def _complete(
     limits = request.app[LIMITS_KEY]
     with request.app[GATE_KEY].admit():
         try:
-            prompt_ids = await tokenize_prompt(request, tok, body, prefill + (answer.prefill if answer else ""))
+            prompt = await tokenize_prompt(request, tok, body, prefill + (answer.prefill if answer else ""))
         except (ContextOverflow, PromptTooLarge) as exc:  # before any output room is priced
             reason = "prompt_bytes" if isinstance(exc, PromptTooLarge) else "context_length"
             request.app[CORE_KEY].metrics.rejected.inc(model=tok.name, reason=reason)
             raise
-        budget = _output_budget(request, body, tok, len(prompt_ids))
+        budget = _output_budget(request, body, tok, len(prompt.ids))
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
-        call = _call_request(request, body, prompt_ids, budget)
+        call = _call_request(request, body, prompt.ids, budget)
         events = request.app[CORE_KEY].submit(call)
         config = request.app[CONFIG_KEY]
         async with contextlib.aclosing(events):
@@ -355,8 +360,8 @@ async def _complete(
                 await first.until_commit()  # a refusal before it is its HTTP status
                 if first.client_left:
                     return web.Response(status=499)  # the client left before the first token
-                out = OutputAssembler(tok, prompt_ids, body.stop, body.logprobs, call.call_id,
-                                      answer.tags if answer else (), _reasoning(request, body, prefill, answer))
+                out = OutputAssembler(tok, prompt.ids, body.stop, body.logprobs, call.call_id,
+                                      answer.tags if answer else (), _reasoning(request, body, prompt, prefill, answer))
                 if first.arrived and not first.event.token_ids and OutputAssembler.ends_in_failure(first.event):
                     out.add(first.event)  # failed before its first token and any commit: its HTTP status
                     out.raise_if_failed()
@@ -374,14 +379,16 @@ def _answer_parser(config: RouterConfig, body: schema.CompletionBody, tok: Model
     return answer_parser(body.tools, tok.name, fmt, id_prefix)
 
 
-def _reasoning(request: web.Request, body: schema.CompletionBody, prefill: str,
+def _reasoning(request: web.Request, body: schema.CompletionBody, prompt: Prompt, prefill: str,
                answer: AnswerParser | None) -> ReasoningSplitter | None:
     """The splitter of a chat answer's reasoning, for a model with a reasoning parser: the
-    answer continues ``prefill``; a tool call the prompt opened makes it content at once."""
+    think tag ``prompt`` ends with sets where the answer starts (``</think>``: the request
+    switched thinking off); it continues ``prefill``; a tool call the prompt opened makes it
+    content at once."""
     parser = request.app[REASONING_KEY].get(body.model)
     if parser is None or body.kind != "chat":
         return None
-    return ReasoningSplitter(parser, prefill, forced_content=bool(answer and answer.prefill))
+    return answer_splitter(parser, prompt.think_tag, prefill, forced_content=bool(answer and answer.prefill))
 
 
 def _count_refusal(core: RouterCore, model: str, room: OutputRoom) -> None:

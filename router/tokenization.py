@@ -16,15 +16,26 @@ import asyncio
 import copy
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from router.api.reasoning import prompt_think_tag
 from router.api.template_roles import TemplateRoles
 from talaria.protocol.text import IncrementalDetokenizer, decode_text
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids; for a chat prompt, the think tag its rendered text ends with
+    (``router.api.reasoning.prompt_think_tag``: where the answer starts)."""
+
+    ids: list[int]
+    think_tag: str | None = None
 
 
 class ModelTokenizer:
@@ -52,11 +63,14 @@ class ModelTokenizer:
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], size: int,
         tools: list[dict[str, Any]] | None = None, prefill: str = "",
-    ) -> list[int]:
-        """``encode_chat`` in the lane for a prompt of ``size`` bytes."""
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
+        """``encode_chat`` in the lane for a prompt of ``size`` bytes, with the think tag the
+        rendered prompt ends with."""
         executor, tokenizer = self._lane(size)
         return await asyncio.get_running_loop().run_in_executor(
-            executor, _encode_chat, tokenizer, self.name, messages, tools, prefill, self.roles
+            executor, _encode_chat, tokenizer, self.name, messages, tools, prefill, self.roles,
+            template_kwargs or {},
         )
 
     async def tokenize_text(self, text: str, size: int) -> list[int]:
@@ -100,13 +114,15 @@ class ModelTokenizer:
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-        prefill: str = "",
+        prefill: str = "", template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The chat template applied (with ``tools`` when given, through transformers, whose
-        ``tojson`` the templates expect), the generation prompt added and ``prefill``
-        written after it as the start of the answer; then tokenized. A role the template
-        would drop is a ValueError (``router.api.template_roles``)."""
-        return _encode_chat(self.tokenizer, self.name, messages, tools, prefill, self.roles)
+        ``tojson`` the templates expect, and ``template_kwargs`` as more of its variables),
+        the generation prompt added and ``prefill`` written after it as the start of the
+        answer; then tokenized. A role the template would drop is a ValueError
+        (``router.api.template_roles``)."""
+        return _encode_chat(self.tokenizer, self.name, messages, tools, prefill, self.roles,
+                            template_kwargs or {}).ids
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return _encode_text(self.tokenizer, text, add_special_tokens)
@@ -158,14 +174,15 @@ def _chat_template(tokenizer: Any) -> str | None:
 def _encode_chat(
     tokenizer: Any, name: str, messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None, prefill: str, roles: TemplateRoles,
-) -> list[int]:
+    template_kwargs: Mapping[str, Any],
+) -> Prompt:
     if _chat_template(tokenizer) is None:
         raise ValueError(f"model {name!r} has no chat template; use /v1/completions")
     roles.check(tokenizer, messages)
     text = tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
-    return _encode_text(tokenizer, text + prefill, add_special_tokens=False)
+    return Prompt(_encode_text(tokenizer, text + prefill, add_special_tokens=False), prompt_think_tag(text))
 
 
 def _encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

@@ -22,9 +22,11 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
 - a model's reasoning (``router.api.reasoning``) as one ``thinking`` block before the others
   (``signature: ""``; streamed as its ``content_block_start``, ``thinking_delta`` events and
   ``content_block_stop``) when the request enabled thinking (``thinking.type`` ``enabled``
-  or ``adaptive``; its ``budget_tokens`` is not enforced), else left out of the answer
-  (streamed, a ``ping`` every ``stream_keepalive_s`` while the model thinks, so the stream is
-  not silent for as long as it thinks); ``output_tokens`` counts it either way;
+  or ``adaptive``; its ``budget_tokens`` is not enforced), else left out of the answer: the
+  prompt then asked the model not to think (``router.api.anthropic_schema``), and a model
+  whose template ignores that thinks anyway (streamed, a ``ping`` every
+  ``stream_keepalive_s`` while it thinks, so the stream is not silent for as long as it
+  thinks); ``output_tokens`` counts it either way;
 - errors as ``{"type": "error", "error": {"type", "message"}}`` on every ``/v1/messages`` path;
   a prompt over the model's context in Anthropic's words, ``prompt is too long: N tokens > M
   maximum`` (``router.api.prompt_tokens``), and so a ``max_tokens`` refused under the rule

@@ -9,8 +9,12 @@ role merge (as Anthropic's API does; each message's text on lines of its own); a
 Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``document`` blocks, in
 a user turn or a tool result, become a line naming what was left out
 (``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
-resends every image its Read tool ever returned. ``thinking`` says only whether a reasoning
-model's reasoning comes back (``type`` ``enabled`` or ``adaptive``: as a thinking block); its
+resends every image its Read tool ever returned. ``thinking`` switches a reasoning model's
+thinking (``router.api.template_kwargs``): ``enabled`` or ``adaptive`` renders the template with
+it on and the reasoning comes back as a thinking block; absent (Anthropic's default: no
+extended thinking), ``disabled`` or unreadable renders it off, so a template that reads the
+switch (Qwen3's) has the model answer without thinking. A template that does not read it
+leaves the model thinking, and the reasoning is then left out of the answer. Its
 ``budget_tokens`` is not enforced, and ``thinking`` blocks in the history are left out of the
 prompt. Fields the router has no use for (``cache_control``, ``service_tier``,
 ``output_config.effort``, ...) are accepted and ignored. Structured output (``output_config.format``, the beta's ``output_format``) is
@@ -30,6 +34,7 @@ import orjson
 
 from router.api import openai_schema
 from router.api.media_placeholders import Omissions, OwnLines, join_text
+from router.api.template_kwargs import thinking_switch
 from talaria.protocol.errors import bad_request
 
 __all__ = ["MessagesRequest", "parse_messages", "parse_count_tokens", "metadata_session_id"]
@@ -73,6 +78,8 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
         "stop": _stop_sequences(data.get("stop_sequences")),
         **extra,
     }
+    thinking = _thinking_enabled(data.get("thinking"))
+    chat["chat_template_kwargs"] = thinking_switch(thinking)
     tools = data.get("tools")
     if tools is not None:
         chat["tools"] = _tools(tools)
@@ -80,7 +87,7 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
     body = openai_schema.parse_chat(chat)
     body.media.count += omitted.count
     body.metadata_session_id = metadata_session_id(data.get("metadata"))
-    body.show_reasoning = _thinking_enabled(data.get("thinking"))
+    body.show_reasoning = thinking
     if prefill and body.tools.choice in ("required", "function"):
         raise bad_request("a final assistant turn (prefill) cannot be combined with a tool_choice "
                           "that forces a tool call", "tool_choice")

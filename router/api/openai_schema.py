@@ -3,7 +3,8 @@
 Parsing never trusts the body: every wrong type, missing field or out-of-range value raises
 an :class:`~talaria.protocol.errors.ApiError` (400) whose message names the field. A field
 the server does not support is refused the same way (``router.api.request_fields``), so no
-option is silently ignored.
+option is silently ignored. A chat request's ``chat_template_kwargs`` and ``reasoning_effort``
+become variables of the chat template (``router.api.template_kwargs``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Literal
 from router.api.media_placeholders import Omissions, join_text
 from router.api.openai_tools import ToolRequest, assistant_tool_calls, parse_tools
 from router.api.request_fields import check_fields
+from router.api.template_kwargs import chat_template_kwargs, effort_switch
 from talaria.protocol.errors import bad_request
 
 MAX_STOP_STRINGS = 16
@@ -50,6 +52,7 @@ class CompletionBody:
     prompt_param: str = "messages"  # the field the prompt came from, named in errors
     media: Omissions = field(default_factory=Omissions)  # images and files left out (router.api.media_placeholders)
     show_reasoning: bool = True  # a reasoning model's reasoning goes back (Anthropic: when thinking is enabled)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables (router.api.template_kwargs)
 
 
 def parse_chat(body: Any) -> CompletionBody:
@@ -58,6 +61,8 @@ def parse_chat(body: Any) -> CompletionBody:
     parsed = _common(data, "chat")
     parsed.messages = one_system(_messages(data.get("messages"), parsed.media))
     parsed.tools = parse_tools(data)
+    parsed.template_kwargs = {**effort_switch(data.get("reasoning_effort"), "reasoning_effort"),
+                              **chat_template_kwargs(data.get("chat_template_kwargs"))}
     max_tokens = data.get("max_completion_tokens")
     name = "max_completion_tokens"
     if max_tokens is None:

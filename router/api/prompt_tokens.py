@@ -16,7 +16,7 @@ from aiohttp import web
 from router.api.body_limits import off_loop_if_large
 from router.api.openai_schema import CompletionBody
 from router.limits import LIMITS_KEY, check_prompt_bytes, prompt_bytes
-from router.tokenization import ModelTokenizer
+from router.tokenization import ModelTokenizer, Prompt
 from talaria.protocol.errors import ApiError, bad_request
 
 __all__ = ["ContextOverflow", "check_prompt_len", "tokenize_prompt"]
@@ -48,11 +48,12 @@ def check_prompt_len(n: int, tok: ModelTokenizer, param: str) -> None:
 async def tokenize_prompt(
     request: web.Request, tok: ModelTokenizer, body: CompletionBody, prefill: str,
     within_context: bool = True,
-) -> list[int]:
+) -> Prompt:
     """Token ids of the request's prompt, its size checked first (``router.limits``): the
     bytes of its text, or the count of its token ids before any id is looked at. With
     ``within_context`` False (a token count), a prompt over the context is counted, not
-    refused; the byte bound still applies."""
+    refused; the byte bound still applies. A chat prompt is rendered with the request's
+    ``template_kwargs``."""
     limits = request.app[LIMITS_KEY]
     param = body.prompt_param
     size = await off_loop_if_large(request, prompt_bytes, body.messages, body.prompt,
@@ -61,14 +62,14 @@ async def tokenize_prompt(
     check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
-            ids = await tok.tokenize_chat(body.messages, size, body.tools.tools, prefill)
+            prompt = await tok.tokenize_chat(body.messages, size, body.tools.tools, prefill, body.template_kwargs)
         elif isinstance(body.prompt, str):
-            ids = await tok.tokenize_text(body.prompt, size)
+            prompt = Prompt(await tok.tokenize_text(body.prompt, size))
         elif body.prompt is not None:
             if within_context:
                 check_prompt_len(len(body.prompt), tok, param)
             tok.check_token_ids(body.prompt)
-            ids = list(body.prompt)
+            prompt = Prompt(list(body.prompt))
         else:
             raise bad_request("the request has neither messages nor prompt", param)
     except ValueError as exc:
@@ -77,8 +78,8 @@ async def tokenize_prompt(
         raise
     except Exception as exc:  # a chat template that rejects the conversation raises its own types
         raise bad_request(f"cannot apply the chat template: {exc}", param) from exc
-    if not ids:
+    if not prompt.ids:
         raise bad_request("the prompt tokenizes to nothing", param)
     if within_context:
-        check_prompt_len(len(ids), tok, param)
-    return ids
+        check_prompt_len(len(prompt.ids), tok, param)
+    return prompt

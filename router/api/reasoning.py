@@ -20,6 +20,15 @@ Invariants of :class:`ReasoningSplitter` (one per answer):
   stream and a collected answer agree;
 - reasoning is released before any content, so a piece's reasoning always precedes its content.
 
+Where one request's answer starts, the tag its rendered prompt ends with decides, whatever the
+parser (:func:`prompt_think_tag`, :func:`answer_splitter`): after ``</think>`` the answer is all
+content (a request that switched thinking off, ``router.api.template_kwargs``: Qwen3's,
+Qwen3.5's, GLM-4.5's templates write an empty ``<think>\n\n</think>\n\n``, DeepSeek-V3.1's a
+``</think>``; vLLM's ``prompt_is_reasoning_end``); after ``<think>`` it begins inside its
+reasoning, as under ``deepseek_r1`` (DeepSeek-V3.1's template switched on). A prompt that ends
+with neither leaves the parser's rule; a template that does not read the switch renders as
+before, and the model's thinking is split as before.
+
 The model's chat template decides the default (:func:`detect_reasoning_parser`); the serve
 config's ``reasoning_parser`` (``"none"`` among its values) overrides it.
 """
@@ -36,8 +45,10 @@ __all__ = [
     "THINK_OPEN",
     "ReasoningSplitter",
     "Split",
+    "answer_splitter",
     "check_reasoning_settings",
     "detect_reasoning_parser",
+    "prompt_think_tag",
     "reasoning_parser_for",
 ]
 
@@ -152,6 +163,22 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def prompt_think_tag(prompt: str) -> str | None:
+    """The think tag a rendered chat prompt (before any prefill) ends with, if any: ``</think>``
+    when its template wrote the thinking as done, ``<think>`` when it opened it."""
+    end = prompt.rstrip()
+    return next((tag for tag in (THINK_CLOSE, THINK_OPEN) if end.endswith(tag)), None)
+
+
+def answer_splitter(parser: str, prompt_tag: str | None, prefill: str = "",
+                    forced_content: bool = False) -> ReasoningSplitter:
+    """One answer's splitter under ``parser``, its start set by ``prompt_tag`` (the tag its
+    prompt ends with): after ``</think>`` content, after ``<think>`` inside the reasoning."""
+    if prompt_tag == THINK_OPEN:
+        parser = "deepseek_r1"
+    return ReasoningSplitter(parser, prefill, forced_content or prompt_tag == THINK_CLOSE)
 
 
 _PROBE = [{"role": "user", "content": "hi"}]

@@ -4,8 +4,10 @@ A field outside it is refused with 400 naming it, so a client never believes an 
 effect when it did not. Fields in ``ACCEPTED_AT_DEFAULT`` are accepted only at the value
 that changes nothing (clients often send them explicitly); any other value is refused the
 same way. A ``null`` value counts as absent. Structured output (``response_format``) is not
-supported. The Anthropic Messages API (``router.api.anthropic_schema``) and the Responses API
-(``router.api.responses_schema``) read their own fields and hand the chat parser only those.
+supported. A top-level ``enable_thinking`` is refused, as neither vLLM nor SGLang reads one:
+``chat_template_kwargs`` carries it (``router.api.template_kwargs``). The Anthropic Messages
+API (``router.api.anthropic_schema``) and the Responses API (``router.api.responses_schema``)
+read their own fields and hand the chat parser only those.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _COMMON = frozenset({
 
 SUPPORTED_FIELDS: dict[str, frozenset[str]] = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                       "parallel_tool_calls"},
+                       "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"},
     "completion": _COMMON | {"prompt", "best_of", "echo"},
 }
 

@@ -26,13 +26,16 @@ accept and render alike:
   hosted tools such as ``web_search`` are skipped and named in a response header);
 - ``max_output_tokens`` (a 400 for too large a value names it), ``temperature``, ``top_p``,
   ``stream``; Talaria's ``session_id`` and ``talaria`` hints as on the chat API. The session
-  comes from the headers as on every API (Codex sends ``session_id``).
+  comes from the headers as on every API (Codex sends ``session_id``);
+- ``reasoning.effort`` switches a reasoning model's thinking as chat's ``reasoning_effort`` does
+  (``router.api.template_kwargs``: ``none`` or ``minimal`` off, ``low`` and up on, another value a
+  400) and is echoed; a reasoning model's ``reasoning`` item comes back when it thought,
+  without summary or encrypted content, whatever ``reasoning.summary`` asks.
 
 Accepted and ignored, since they do not change the answer: ``store`` (nothing is stored),
-``metadata`` (echoed), ``user``, ``safety_identifier``, ``service_tier``, ``reasoning`` (a
-reasoning model's ``reasoning`` item comes back whatever its effort or summary asks, without
-summary or encrypted content), ``include`` (but ``message.output_text.logprobs``),
-``text.verbosity``, ``stream_options``, ``client_metadata`` (an object of strings, Codex's),
+``metadata`` (echoed), ``user``, ``safety_identifier``, ``service_tier``, ``include`` (but
+``message.output_text.logprobs``), ``text.verbosity``, ``stream_options``, ``client_metadata``
+(an object of strings, Codex's),
 ``context_management`` (an array of ``{"type": ...}``), ``prompt_cache_key`` (a string,
 echoed; NOT a session source: OpenAI lets one key be shared by unrelated requests, so it
 would merge conversations); ``truncation: "disabled"``, ``background: false`` and
@@ -56,6 +59,7 @@ from router.api import openai_schema
 from router.api.media_placeholders import Omissions, join_text
 from router.api.openai_tools import json_arguments
 from router.api.responses_tools import CUSTOM_INPUT, Tools, parse_tools, tool_choice
+from router.api.template_kwargs import effort_switch
 from talaria.protocol.errors import bad_request
 
 log = structlog.get_logger(__name__)
@@ -63,10 +67,10 @@ log = structlog.get_logger(__name__)
 __all__ = ["ResponsesRequest", "parse_responses"]
 
 _PASSED = frozenset({"model", "temperature", "top_p", "stream", "parallel_tool_calls", "session_id", "talaria"})
-_IGNORED = frozenset({"store", "metadata", "user", "safety_identifier", "service_tier", "reasoning",
-                      "include", "text", "stream_options", "prompt_cache_key", "client_metadata",
-                      "context_management"})
-_READ = frozenset({"input", "instructions", "tools", "tool_choice", "max_output_tokens", "previous_response_id"})
+_IGNORED = frozenset({"store", "metadata", "user", "safety_identifier", "service_tier", "include", "text",
+                      "stream_options", "prompt_cache_key", "client_metadata", "context_management"})
+_READ = frozenset({"input", "instructions", "tools", "tool_choice", "max_output_tokens", "previous_response_id",
+                   "reasoning"})
 _AT_DEFAULT: dict[str, Any] = {"truncation": "disabled", "background": False, "top_logprobs": 0}
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TEXT_PARTS = frozenset({"input_text", "output_text"})
@@ -93,6 +97,7 @@ def parse_responses(data: Any) -> ResponsesRequest:
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions must be a string", "instructions")
     max_output = openai_schema.max_tokens_field(data.get("max_output_tokens"), "max_output_tokens")
+    effort = _reasoning_effort(data.get("reasoning"))
     _check_ignored(data)
     tools = parse_tools(data["tools"]) if data.get("tools") is not None else Tools()
     chat: dict[str, Any] = {key: data[key] for key in _PASSED if key in data}
@@ -100,6 +105,7 @@ def parse_responses(data: Any) -> ResponsesRequest:
     chat["messages"] = _messages(data.get("input"), instructions, tools, omitted)
     chat["max_tokens"] = max_output
     chat["tools"] = tools.chat
+    chat["chat_template_kwargs"] = effort_switch(effort, "reasoning.effort")
     if data.get("tool_choice") is not None:
         chat["tool_choice"] = tool_choice(data["tool_choice"], tools)
     body = openai_schema.parse_chat(chat)
@@ -113,6 +119,7 @@ def parse_responses(data: Any) -> ResponsesRequest:
         "metadata": data.get("metadata") or {}, "parallel_tool_calls": body.tools.parallel,
         "temperature": body.temperature, "top_p": body.top_p, "tools": data.get("tools") or [],
         "tool_choice": data.get("tool_choice") or "auto", "prompt_cache_key": data.get("prompt_cache_key"),
+        "reasoning": {"effort": effort, "summary": None},
     }
     return ResponsesRequest(body, echo, tools)
 
@@ -128,9 +135,18 @@ def _check_fields(data: dict[str, Any]) -> None:
                           "them)", refused[0])
 
 
+def _reasoning_effort(reasoning: Any) -> Any:
+    """``reasoning.effort`` as sent (checked by ``effort_switch``); the rest is ignored."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise bad_request("reasoning must be an object", "reasoning")
+    return reasoning.get("effort")
+
+
 def _check_ignored(data: dict[str, Any]) -> None:
     """The ignored fields' types, and the values of them that would change the answer."""
-    for name in ("metadata", "reasoning", "text", "stream_options", "client_metadata"):
+    for name in ("metadata", "text", "stream_options", "client_metadata"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             raise bad_request(f"{name} must be an object", name)
     if not all(isinstance(v, str) for v in (data.get("client_metadata") or {}).values()):

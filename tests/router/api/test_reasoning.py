@@ -9,9 +9,13 @@ from typing import Any
 import pytest
 
 from router.api.reasoning import (
+    THINK_CLOSE,
+    THINK_OPEN,
     ReasoningSplitter,
     Split,
+    answer_splitter,
     detect_reasoning_parser,
+    prompt_think_tag,
     reasoning_parser_for,
 )
 from router.app import RouterConfig
@@ -110,6 +114,17 @@ def test_a_prefill_sets_where_the_answer_starts_and_a_forced_call_is_content() -
     assert ReasoningSplitter("deepseek_r1", prefill="Hmm").parse(", so</think>ok") == Split(", so", "ok")
     forced = ReasoningSplitter("deepseek_r1", forced_content=True)
     assert forced.parse('{"name": "f"}</tool_call>') == Split("", '{"name": "f"}</tool_call>')
+
+
+def test_the_tag_a_prompt_ends_with_sets_where_the_answer_starts_under_either_parser() -> None:
+    off, opened = "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_start|>assistant\n<think>\n"
+    assert [prompt_think_tag(p) for p in (off, opened, "<|im_start|>assistant\n", "</think> said")] == [
+        THINK_CLOSE, THINK_OPEN, None, None]
+    for parser in ("qwen3", "deepseek_r1"):
+        assert answer_splitter(parser, THINK_CLOSE).parse("All answer.") == Split("", "All answer.")
+        assert answer_splitter(parser, THINK_OPEN).parse("Plan</think>Go") == Split("Plan", "Go")
+        assert answer_splitter(parser, None).parse("Go") == ReasoningSplitter(parser).parse("Go")
+    assert answer_splitter("qwen3", THINK_OPEN, prefill="So").parse(" far</think>ok") == Split(" far", "ok")
 
 
 QWEN3_TEMPLATE = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{- m.content.split('</think>')[-1] }}"
