@@ -351,7 +351,7 @@ async def _complete(
         budget = _output_budget(request, body, tok, len(prompt.ids))
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
         call = _call_request(request, body, prompt.ids, budget)
-        events = request.app[CORE_KEY].submit(call)
+        events = request.app[CORE_KEY].submit(call, prompt.repeated)
         config = request.app[CONFIG_KEY]
         async with contextlib.aclosing(events):
             first = FirstEvent(request, events, call.call_id, limits.disconnect_poll_s,

@@ -218,13 +218,13 @@ class RouterCore:
         """Where calls may go: the healthy instances, else the suspect ones."""
         return set(self.healthy or self.suspect)
 
-    async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
+    async def submit(self, call: CallRequest, repeated: int | None = None) -> AsyncIterator[CallEvent]:
         """Place and forward ``call``; yields its events, each tagged with ``instance_id``.
 
         Raises before the first event: :class:`NoHealthyInstance`, :class:`Overloaded`,
-        :class:`CallRejected`."""
+        :class:`CallRejected`. ``repeated``: see ``SessionBooks.start``."""
         start = self.now()
-        books = self.books.start(call, await self._hash_prompt(call), start)
+        books = self.books.start(call, await self._hash_prompt(call), start, repeated)
         previous, sent = books.branch.instance_id, books.sent
         siblings = books.record.side_calls_since(books.branch)
         pcall = self.placement_call(sent, books.prompt.hashes, books.affinity, siblings)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from router.api.reasoning import prompt_think_tag
+from router.api.reasoning import prompt_think_start, prompt_think_tag
 from router.api.template_roles import TemplateRoles
 from talaria.protocol.text import IncrementalDetokenizer, decode_text
 
@@ -32,10 +32,14 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Prompt:
     """A prompt's token ids; for a chat prompt, the think tag its rendered text ends with
-    (``router.api.reasoning.prompt_think_tag``: where the answer starts)."""
+    (``router.api.reasoning.prompt_think_tag``: where the answer starts), and how many of
+    its ids the conversation's next prompt repeats when that is not all of them: those
+    before the think tags it ends with (``router.api.reasoning.prompt_think_start``) and any
+    prefill after them (``router.sessions.inference`` anchors the session there)."""
 
     ids: list[int]
     think_tag: str | None = None
+    repeated: int | None = None  # None: all of ``ids``
 
 
 class ModelTokenizer:
@@ -182,7 +186,21 @@ def _encode_chat(
     text = tokenizer.apply_chat_template(
         messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
-    return Prompt(_encode_text(tokenizer, text + prefill, add_special_tokens=False), prompt_think_tag(text))
+    ids = _encode_text(tokenizer, text + prefill, add_special_tokens=False)
+    return Prompt(ids, prompt_think_tag(text), _repeated(tokenizer, ids, text, prefill))
+
+
+def _repeated(tokenizer: Any, ids: list[int], text: str, prefill: str) -> int | None:
+    """How many of ``ids`` (``text`` and ``prefill`` tokenized) come before the think tags
+    ``text`` ends with: the length of ``ids`` less that of the tags and ``prefill`` tokenized
+    alone, when ``ids`` ends with those tokens (None: no tags, or a boundary that tokenizes
+    otherwise, where the whole prompt stands)."""
+    start = prompt_think_start(text)
+    if start is None:
+        return None
+    tail = _encode_text(tokenizer, text[start:] + prefill, add_special_tokens=False)
+    n = len(ids) - len(tail)
+    return n if n > 0 and ids[n:] == tail else None
 
 
 def _encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

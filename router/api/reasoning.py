@@ -48,6 +48,7 @@ __all__ = [
     "answer_splitter",
     "check_reasoning_settings",
     "detect_reasoning_parser",
+    "prompt_think_start",
     "prompt_think_tag",
     "reasoning_parser_for",
 ]
@@ -170,6 +171,22 @@ def prompt_think_tag(prompt: str) -> str | None:
     when its template wrote the thinking as done, ``<think>`` when it opened it."""
     end = prompt.rstrip()
     return next((tag for tag in (THINK_CLOSE, THINK_OPEN) if end.endswith(tag)), None)
+
+
+def prompt_think_start(prompt: str) -> int | None:
+    """Where the think tags a rendered chat prompt ends with begin (None: it ends with
+    none): its ``<think>``, its ``</think>``, or the ``<think>`` of the empty block it ends
+    with. A later turn renders that answer without them (or otherwise), so a conversation's
+    next prompt repeats this one only up to there (``router.sessions.inference``)."""
+    end = prompt.rstrip()
+    tag = prompt_think_tag(end)
+    if tag is None:
+        return None
+    start = len(end) - len(tag)
+    before = end[:start].rstrip()
+    if tag == THINK_CLOSE and before.endswith(THINK_OPEN):
+        start = len(before) - len(THINK_OPEN)
+    return start
 
 
 def answer_splitter(parser: str, prompt_tag: str | None, prefill: str = "",

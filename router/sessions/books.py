@@ -74,11 +74,14 @@ class SessionBooks:
         record = self.table.get(call.session_id)
         return [b.key for b in record.branches.values() if b.model == call.model] if record else []
 
-    def start(self, call: CallRequest, prompt: PromptHashes, now: float) -> SessionCall:
-        """Name the call's session if it names none, and record the call's arrival."""
+    def start(self, call: CallRequest, prompt: PromptHashes, now: float,
+              repeated: int | None = None) -> SessionCall:
+        """Name the call's session if it names none, and record the call's arrival.
+        ``repeated``: how many of its prompt's tokens its session's next prompt repeats (None:
+        all; ``SessionInference.assign``)."""
         tentative = False
         if not call.session_id:
-            ends_session, tentative = self._name(call, prompt.hashes)
+            ends_session, tentative = self._name(call, prompt.hashes, repeated)
         else:
             ends_session = call.last_call
         record, branch, new = self.table.start_call(
@@ -140,13 +143,13 @@ class SessionBooks:
         if self._forget is not None and branch.instance_id is not None:
             self._forget(branch.instance_id, [branch.key])
 
-    def _name(self, call: CallRequest, hashes: list[int]) -> tuple[bool, bool]:
+    def _name(self, call: CallRequest, hashes: list[int], repeated: int | None) -> tuple[bool, bool]:
         """Name the call's session; returns whether the session ends with this call here, and
         whether the call is tentative (an inferred session's first)."""
         if self.inference is None:
             call.session_id, call.last_call = f"anon-{call.call_id}", True
             return True, False
-        call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes)
+        call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes, repeated)
         return call.last_call, self.inference.calls(call.session_id) == 1
 
     def _parent(self, call: CallRequest, record: SessionRecord, hashes: list[int]) -> SessionBranch | None:

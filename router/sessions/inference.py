@@ -10,7 +10,10 @@ the few tokens after that block (the prompt's partial tail) are compared exactly
 
 Rules (why each call lands where it does):
 - the call joins a session whose latest prompt is a prefix of its prompt (equal counts: a
-  retry); none: it starts a new session, ``inferred-<n>``;
+  retry); none: it starts a new session, ``inferred-<n>``. A prompt whose chat template
+  ended it with think tags after the generation prompt (thinking switched off: an empty
+  ``<think></think>``; opened: ``<think>``) stands only up to them, before any prefill: the
+  next turn renders that answer without them (``router.tokenization.Prompt.repeated``);
 - among several, the one whose latest answer the prompt also repeats for longest (the agent
   sent that answer back), then the most recently seen;
 - prompts from different models never match; sessions are forgotten when the router drops
@@ -65,11 +68,13 @@ class SessionInference:
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._anchors
 
-    def assign(self, model: str, prompt: Sequence[int], hashes: Sequence[int]) -> str:
-        """The session this prompt continues (a new one if none); it becomes the session's
-        latest prompt. ``hashes``: ``block_hashes(prompt, block_size)``."""
+    def assign(self, model: str, prompt: Sequence[int], hashes: Sequence[int],
+               repeated: int | None = None) -> str:
+        """The session this prompt continues (a new one if none); its first ``repeated``
+        tokens (None: all), what the next prompt repeats, become the session's latest
+        prompt. ``hashes``: ``block_hashes(prompt, block_size)``."""
         session_id = self.match(model, prompt, hashes) or f"{self.prefix}{next(self._ids)}"
-        self._set_anchor(session_id, model, prompt, hashes, self.calls(session_id) + 1)
+        self._set_anchor(session_id, model, prompt, hashes, self.calls(session_id) + 1, repeated)
         return session_id
 
     def calls(self, session_id: str) -> int:
@@ -115,14 +120,17 @@ class SessionInference:
         return len(prompt) >= anchor.prompt_len and tuple(prompt[start:anchor.prompt_len]) == anchor.tail
 
     def _set_anchor(
-        self, session_id: str, model: str, prompt: Sequence[int], hashes: Sequence[int], calls: int
+        self, session_id: str, model: str, prompt: Sequence[int], hashes: Sequence[int], calls: int,
+        length: int | None = None,
     ) -> None:
+        """The session's latest prompt is ``prompt``'s first ``length`` tokens (None: all)."""
         self.forget(session_id)
-        full = len(prompt) // self.block_size
+        length = len(prompt) if length is None else min(length, len(prompt))
+        full = length // self.block_size
         if len(hashes) < full:
             raise ValueError(f"{len(hashes)} block hashes for a prompt of {full} full blocks")
-        anchor = _Anchor(session_id, model, len(prompt), full, hashes[full - 1] if full else None,
-                         tuple(prompt[full * self.block_size:]), next(self._seen), calls)
+        anchor = _Anchor(session_id, model, length, full, hashes[full - 1] if full else None,
+                         tuple(prompt[full * self.block_size:length]), next(self._seen), calls)
         self._anchors[session_id] = anchor
         key, index = self._key(anchor)
         index.setdefault(key, set()).add(session_id)

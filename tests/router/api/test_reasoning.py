@@ -15,6 +15,7 @@ from router.api.reasoning import (
     Split,
     answer_splitter,
     detect_reasoning_parser,
+    prompt_think_start,
     prompt_think_tag,
     reasoning_parser_for,
 )
@@ -125,6 +126,16 @@ def test_the_tag_a_prompt_ends_with_sets_where_the_answer_starts_under_either_pa
         assert answer_splitter(parser, THINK_OPEN).parse("Plan</think>Go") == Split("Plan", "Go")
         assert answer_splitter(parser, None).parse("Go") == ReasoningSplitter(parser).parse("Go")
     assert answer_splitter("qwen3", THINK_OPEN, prefill="So").parse(" far</think>ok") == Split(" far", "ok")
+
+
+def test_where_the_think_tags_a_prompt_ends_with_begin() -> None:
+    """What a later turn does not repeat: the empty block thinking off writes (Qwen3's), the
+    ``</think>`` alone (DeepSeek-V3.1's), the opened ``<think>`` (Qwen3.5's, R1's)."""
+    head = "<|im_start|>assistant\n"
+    for tail in ("<think>\n\n</think>\n\n", "</think>", "<think>\n", "<think>"):
+        assert prompt_think_start(head + tail) == len(head)
+    assert prompt_think_start(head) is None and prompt_think_start("a</think>b") is None
+    assert prompt_think_start("<think>x</think>") == len("<think>x")  # not an empty block
 
 
 QWEN3_TEMPLATE = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{- m.content.split('</think>')[-1] }}"

@@ -264,3 +264,49 @@ async def test_responses_refuses_an_unknown_effort_by_name(tiny_tokenizer: Model
     async with serve(tiny_tokenizer, {"i0": scripted(tiny_tokenizer, CONTENT)}) as client:
         error = (await post(client, "/v1/responses", {"input": "Hi", "reasoning": {"effort": "extreme"}}, 400))["error"]
     assert error["param"] == "reasoning.effort" and "must be one of" in error["message"]
+
+
+async def _conversation(client: TestClient, path: str, turns: list[dict[str, Any]]) -> list[str]:
+    """One conversation of ``len(turns)`` calls naming no session, each with its turn's extra
+    fields, every answer and a tool-like result sent back; the session each call was put in."""
+    messages: list[dict[str, Any]] = list(USER)
+    sessions = []
+    for n, extra in enumerate(turns):
+        resp = await client.post(path, json={"model": "tiny", "messages": messages, "max_tokens": 100, **extra})
+        assert resp.status == 200, await resp.text()
+        data = await resp.json()
+        sessions.append(resp.headers["X-Session-ID"])
+        text = (data["choices"][0]["message"]["content"] if "choices" in data
+                else "".join(b["text"] for b in data["content"] if b["type"] == "text"))
+        messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": f"result {n}"}]
+    return sessions
+
+
+@pytest.mark.parametrize("turns", [
+    pytest.param([{"chat_template_kwargs": OFF}] * 3, id="off"),
+    pytest.param([{}] * 3, id="on"),
+    pytest.param([{}, {"reasoning_effort": "none"}, {}, {"reasoning_effort": "none"}], id="on-off-on-off"),
+])
+async def test_a_conversation_naming_no_session_is_one_inferred_session_whatever_its_thinking(
+        switch: tuple[str, ModelTokenizer], turns: list[dict[str, Any]]) -> None:
+    """A call that names no session joins the one whose last prompt its own repeats. A think
+    block the template writes after the generation prompt (an empty one with thinking off;
+    ``<think>`` opened with it on, Qwen3.5's) is in no later turn's rendering of that answer:
+    the next prompt repeats the last one but for it, and must still join its session (it
+    started a new session per call, each a tentative first call: no reservation, ever)."""
+    kind, tok = switch
+    answers = [CONTENT if "chat_template_kwargs" in t or "reasoning_effort" in t else THOUGHT[kind] for t in turns]
+    instance = scripted(tok, *answers)
+    async with serve(tok, {"i0": instance}) as client:
+        sessions = await _conversation(client, "/v1/chat/completions", turns)
+    assert sessions == [sessions[0]] * len(turns)
+
+
+async def test_an_anthropic_conversation_without_thinking_is_one_inferred_session(
+        switch: tuple[str, ModelTokenizer]) -> None:
+    """Anthropic's default, no ``thinking``, renders every prompt with thinking off."""
+    _, tok = switch
+    instance = scripted(tok, CONTENT)
+    async with serve(tok, {"i0": instance}) as client:
+        sessions = await _conversation(client, "/v1/messages", [{}] * 3)
+    assert sessions == [sessions[0]] * 3
