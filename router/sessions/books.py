@@ -41,6 +41,7 @@ class SessionCall:
     prompt: PromptHashes
     sent: CallRequest  # the call as the instance receives it (its branch's key, tentative or not)
     ends_session: bool  # the client said this is its session's last call
+    repeated: int | None = None  # of its prompt's tokens, those the next prompt repeats (None: all)
 
 
 class SessionBooks:
@@ -85,12 +86,13 @@ class SessionBooks:
         else:
             ends_session = call.last_call
         record, branch, new = self.table.start_call(
-            call.session_id, call.model, now, call.prompt_token_ids, prompt.hashes)
+            call.session_id, call.model, now, call.prompt_token_ids, prompt.hashes,
+            self._head(call.prompt_token_ids, prompt.hashes, repeated))
         tentative = tentative or (new and record.calls > 1)  # a new chain in a known session
         parent = self._parent(call, record, prompt.hashes)
         sent = dataclasses.replace(call, session_id=branch.key, last_call=call.last_call or tentative)
         return SessionCall(record, branch, parent or branch, parent.instance_id if parent else None,
-                           prompt, sent, ends_session)
+                           prompt, sent, ends_session, repeated)
 
     def end(
         self, call: CallRequest, books: SessionCall, instance_id: str | None, now: float,
@@ -104,9 +106,10 @@ class SessionBooks:
         branch = books.branch
         if instance_id is not None:
             more = block_hashes(tail, self.block_size, parent=hashes[-1] if hashes else None)
-            kv = ChainSample.of(hashes + more, marks=(len(hashes) - 2, len(hashes) - 1))
-            branch.ran_on(instance_id, call.prompt_token_ids, hashes, kv,
-                          len(call.prompt_token_ids) + len(outputs))
+            head, head_hashes = self._head(call.prompt_token_ids, hashes, books.repeated)
+            kv = ChainSample.of(hashes + more, marks=(len(hashes) - 2, len(hashes) - 1,
+                                                      len(head_hashes) - 2, len(head_hashes) - 1))
+            branch.ran_on(instance_id, head, head_hashes, kv, len(call.prompt_token_ids) + len(outputs))
         if self.table.end_call(books.record, branch, now, last_call=books.ends_session):
             self._dropped(books.record)
             return more
@@ -142,6 +145,14 @@ class SessionBooks:
         self.chains.forget(branch.key)
         if self._forget is not None and branch.instance_id is not None:
             self._forget(branch.instance_id, [branch.key])
+
+    def _head(self, prompt: Sequence[int], hashes: list[int],
+              repeated: int | None) -> tuple[Sequence[int], list[int]]:
+        """The part of a prompt (and of its full blocks' ``hashes``) its session's next prompt
+        repeats, which a branch's next call must: its first ``repeated`` tokens (None: all)."""
+        if repeated is None:
+            return prompt, hashes
+        return prompt[:repeated], hashes[:repeated // self.block_size]
 
     def _name(self, call: CallRequest, hashes: list[int], repeated: int | None) -> tuple[bool, bool]:
         """Name the call's session; returns whether the session ends with this call here, and

@@ -7,7 +7,9 @@ main loop's place: so a session holds one :class:`SessionBranch` per KV chain, o
 and a call joins the branch whose chain its prompt continues (it repeats that branch's last
 prompt: all its full blocks but perhaps the last, which a re-tokenised boundary between the
 prompt and the answer after it may change; a prompt under one block is matched token for
-token), the one sharing the most blocks among several; none: it starts a branch. The
+token; a prompt whose template ended it with think tags counts up to them, before any
+prefill, as ``router.sessions.inference`` says), the one sharing the most blocks among
+several; none: it starts a branch. The
 instance knows each branch as a session of its own, by the branch's ``key`` (the session id
 itself for the session's first branch, ``<session id>#<n>`` for the next ones: see
 :func:`branch_key`), so its reservation, KV and call history are the chain's, and a side
@@ -169,10 +171,12 @@ class SessionTable:
 
     def start_call(
         self, session_id: str, model: str, now: float, prompt: Sequence[int], hashes: Sequence[int],
+        head: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> tuple[SessionRecord, SessionBranch, bool]:
         """Record a call's arrival: its session's record, the branch it continues (as it was
         before this call: its KV and instance are what placement reads) and whether that
-        branch is new. ``hashes``: the prompt's full blocks' chain."""
+        branch is new. ``hashes``: the prompt's full blocks' chain; ``head``: the part of the
+        prompt and of ``hashes`` a next call of a new branch repeats (None: all of them)."""
         record = self._sessions.get(session_id)
         if record is None:
             self._make_room()
@@ -188,7 +192,9 @@ class SessionTable:
             n = record.branches_made
             branch = SessionBranch(branch_key(session_id, n), model, n)
             record.branches_made += 1
-            branch.set_chain(prompt, hashes, ChainSample.of(hashes, marks=(len(hashes) - 2,)))
+            head_prompt, head_hashes = head or (prompt, hashes)
+            branch.set_chain(head_prompt, head_hashes, ChainSample.of(
+                hashes, marks=(len(hashes) - 2, len(head_hashes) - 2, len(head_hashes) - 1)))
             record.branches[branch.key] = branch
         branch.calls += 1
         branch.active_calls += 1

@@ -266,13 +266,16 @@ async def test_responses_refuses_an_unknown_effort_by_name(tiny_tokenizer: Model
     assert error["param"] == "reasoning.effort" and "must be one of" in error["message"]
 
 
-async def _conversation(client: TestClient, path: str, turns: list[dict[str, Any]]) -> list[str]:
-    """One conversation of ``len(turns)`` calls naming no session, each with its turn's extra
-    fields, every answer and a tool-like result sent back; the session each call was put in."""
-    messages: list[dict[str, Any]] = list(USER)
+async def _conversation(client: TestClient, path: str, turns: list[dict[str, Any]],
+                        headers: dict[str, str] | None = None, first: str = "Hi") -> list[str]:
+    """One conversation of ``len(turns)`` calls (naming no session unless ``headers`` do), each
+    with its turn's extra fields, every answer and a tool-like result sent back; the session
+    each call was put in."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": first}]
     sessions = []
     for n, extra in enumerate(turns):
-        resp = await client.post(path, json={"model": "tiny", "messages": messages, "max_tokens": 100, **extra})
+        resp = await client.post(path, headers=headers,
+                                 json={"model": "tiny", "messages": messages, "max_tokens": 100, **extra})
         assert resp.status == 200, await resp.text()
         data = await resp.json()
         sessions.append(resp.headers["X-Session-ID"])
@@ -310,3 +313,39 @@ async def test_an_anthropic_conversation_without_thinking_is_one_inferred_sessio
     async with serve(tok, {"i0": instance}) as client:
         sessions = await _conversation(client, "/v1/messages", [{}] * 3)
     assert sessions == [sessions[0]] * 3
+
+
+@pytest.mark.parametrize(("path", "turn", "first"), [
+    pytest.param("/v1/chat/completions", {"chat_template_kwargs": OFF}, "Hi", id="chat-short"),
+    pytest.param("/v1/messages", {}, "Hi", id="anthropic-short"),
+    pytest.param("/v1/messages", {"messages": None}, "Fix the failing test in the tiny model. " * 8,
+                 id="anthropic-prefill"),
+])
+async def test_a_named_sessions_calls_with_thinking_off_stay_on_its_main_chain(
+        switch: tuple[str, ModelTokenizer], path: str, turn: dict[str, Any], first: str) -> None:
+    """A named session's call joins the chain (branch) whose last prompt it repeats, all of
+    it under one block, else all its full blocks but perhaps the last. Thinking off, the empty
+    think block (and a prefill after it) is in no later prompt: a short prompt, or a prefill
+    longer than a block's tail, made each call a new branch, its KV and reservation under
+    ``<session>#<n>`` as if a side call, and every call tentative after the first."""
+    _, tok = switch
+    instance = scripted(tok, CONTENT)
+    prefill = "Sure, here is the plan for the fix in three steps, then the patch itself:"
+    turns = [dict(turn) for _ in range(3)]
+    for t in turns:
+        t.pop("messages", None)
+    async with serve(tok, {"i0": instance}) as client:
+        if "messages" in turn:  # the client prefills each answer: a final assistant turn
+            messages: list[dict[str, Any]] = [{"role": "user", "content": first}]
+            for n in range(3):
+                body = {"model": "tiny", "max_tokens": 100,
+                        "messages": [*messages, {"role": "assistant", "content": prefill}]}
+                resp = await client.post(path, headers={"x-session-id": "s1"}, json=body)
+                assert resp.status == 200, await resp.text()
+                text = "".join(b["text"] for b in (await resp.json())["content"] if b["type"] == "text")
+                messages = [*messages, {"role": "assistant", "content": prefill + text},
+                            {"role": "user", "content": f"result {n}"}]
+        else:
+            await _conversation(client, path, turns, {"x-session-id": "s1"}, first)
+    assert [c.session_id for c in instance.calls] == ["s1"] * 3
+    assert [c.last_call for c in instance.calls] == [False] * 3
