@@ -2,9 +2,10 @@
 
 The core is flat and small: requests (``request``), the block pool and KV manager with prefix
 caching by the chained block hash (``block_pool``, ``kv_cache_manager``, ``block_hash``), the
-chunked-prefill scheduler, the sampler and detokenizer, the single-model ``EngineCore`` and
-``LLM``, the model runner, and the seam every engine implements (``interface``,
-``served_models``). Packages: ``graphs/`` (the host-sync guard, decode steps replayed from
+chunked-prefill scheduler, the sampler (and ``thinking_budget``: the end of a reasoning
+model's thinking forced once its budget is spent) and detokenizer, the single-model
+``EngineCore`` and ``LLM``, the model runner, and the seam every engine implements
+(``interface``, ``served_models``). Packages: ``graphs/`` (the host-sync guard, decode steps replayed from
 CUDA graphs), ``models/``, ``layers/``, ``attention/``, ``parallel/`` (tensor-
 parallel processes), ``multi_model/`` (a catalog on the substrate), ``sim/`` (the simulated
 engine and its cost model).

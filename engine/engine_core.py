@@ -26,7 +26,7 @@ from engine.interface import EngineRequest, EngineStats, StepResult, TokenEvent
 from engine.kv_cache_manager import KVCacheManager, SecondaryKVCache
 from engine.model_runner import ModelRunner
 from engine.models.checkpoint_cache import model_dir
-from engine.request import Request, RequestStatus, token_event, validate_prompt
+from engine.request import Request, RequestStatus, token_event, validate_forced_ids, validate_prompt
 from engine.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
@@ -103,6 +103,7 @@ class EngineCore:
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         validate_prompt(rid, prompt, self.max_model_len, self.vocab_size)
+        validate_forced_ids(rid, request.params, self.vocab_size)
         req = Request(rid, prompt, request.params, session_id=request.session_id)
         self.scheduler.add_request(req)
         if request.params.seed is not None:
@@ -151,9 +152,7 @@ class EngineCore:
         self.scheduler.update_after_step(out)
         for tok in sampled:
             req = self.scheduler.requests[tok.request_id]
-            req.output_token_ids.append(tok.token_id)
-            if tok.logprob is not None:
-                req.output_logprobs.append(tok.logprob)
+            req.append_token(tok.token_id, tok.logprob)
             status = self._check_stop(req, tok.token_id)
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)

@@ -6,7 +6,8 @@ caller-supplied one (e.g. a view of a device arena) that it never reallocates. A
 three parts: ``prepare`` (host work: token ids, positions, slots and attention metadata,
 built once per step and moved in one copy), ``forward_step`` (the model and the logits of
 the sampled rows: device work only, no host synchronisation, the part a CUDA graph captures
-when ``prepare`` is given a ``FixedShape``), and sampling. Logits are computed only for the
+when ``prepare`` is given a ``FixedShape``), and sampling (where a request's thinking budget
+may force its token, ``engine.thinking_budget``). Logits are computed only for the
 last scheduled token of sequences that reach their end this step (the ones that yield a
 token). On a CPU (torch backend), decode groups keep their gathered context across steps
 (``engine.attention.decode_context``, at most the KV cache's size again); on a GPU the
@@ -38,6 +39,7 @@ from engine.graphs.decode import DecodeGraphs
 from engine.parallel_context import SINGLE, ParallelContext
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.thinking_budget import forced_tokens
 from substrate.layer_loads import LayerwiseKVLoad
 from substrate.moves import MoveRecord
 
@@ -336,6 +338,7 @@ class ModelRunner:
                 logits[: inputs.num_samples],
                 [s.request.params for s in sampling],
                 [generators.get(s.request_id) for s in sampling],
+                forced_tokens([s.request.thinking for s in sampling]),
             )
         return [
             SampledToken(s.request_id, tok, lp)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.interface import FinishReason, TokenEvent
 from engine.sampling_params import SamplingParams
+from engine.thinking_budget import ThinkingBudget
 
 
 def validate_prompt(
@@ -49,6 +50,19 @@ def validate_prompt(
         f"request {request_id!r}: token id {bad!r} is outside the vocabulary "
         f"(integers in [0, {vocab_size}))"
     )
+
+
+def validate_forced_ids(request_id: str, params: SamplingParams, vocab_size: int) -> None:
+    """The tokens a thinking budget may force are in the vocabulary: the model reads each
+    forced token at the next step, where an id out of range would fail the whole batch."""
+    if params.thinking_budget is None:
+        return
+    bad = next((t for t in params.thinking_end_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"request {request_id!r}: thinking_end_ids holds {bad}, outside the vocabulary "
+            f"(integers in [0, {vocab_size}))"
+        )
 
 
 class RequestStatus(enum.Enum):
@@ -93,6 +107,12 @@ class Request:
     admitted: bool = False  # scheduled at least once (cached counts are then final)
     # Chained hashes of the full blocks of all_token_ids, extended lazily by the KV manager.
     block_hashes: list[int] = field(default_factory=list, repr=False)
+    # Its thinking so far, when its params set a thinking budget (engine.thinking_budget).
+    thinking: ThinkingBudget | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.thinking is None:
+            self.thinking = ThinkingBudget.of(self.params)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -113,6 +133,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        """The next output token (and its logprob, when the request asked for them)."""
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.thinking is not None:
+            self.thinking.add(token_id)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt + output without building the whole list."""

@@ -5,7 +5,9 @@ of exactly 0, which torch's CPU generator can return, counts as the smallest pos
 A request with its own generator draws its ``q`` row alone from that generator, so its
 tokens depend only on its seed and its logits, never on what else is in the batch.
 Requests without a generator share the sampler's generator. Logprobs are those of the
-model's distribution (raw logits, before temperature / top-k / top-p).
+model's distribution (raw logits, before temperature / top-k / top-p). A row given a forced
+token (a thinking budget's end, ``engine.thinking_budget``) takes it without drawing; its
+logprob is the model's for that token.
 """
 
 from __future__ import annotations
@@ -33,20 +35,28 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
+        forced: list[int | None] | None = None,
     ) -> SamplerOutput:
+        """One token per row; ``forced[i]`` (when given and not None) is row i's token."""
         n, vocab = logits.shape
         if len(params) != n:
             raise ValueError(f"{n} rows of logits but {len(params)} sampling params")
         generators = generators if generators is not None else [None] * n
+        forced = forced if forced is not None else [None] * n
         logits = logits.float()
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
 
-        greedy = [i for i, p in enumerate(params) if p.greedy]
+        free = [i for i in range(n) if forced[i] is None]
+        taken = [i for i in range(n) if forced[i] is not None]
+        if taken:
+            tokens[taken] = torch.tensor([forced[i] for i in taken], device=logits.device)
+
+        greedy = [i for i in free if params[i].greedy]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
             tokens[idx] = logits[idx].argmax(dim=-1)
 
-        rand = [i for i, p in enumerate(params) if not p.greedy]
+        rand = [i for i in free if not params[i].greedy]
         if rand:
             idx = torch.tensor(rand, device=logits.device)
             probs = self._filtered_probs(logits[idx], [params[i] for i in rand])

@@ -20,6 +20,11 @@ class SamplingParams:
     the request's sampling reproducible whatever else shares its batch (each request draws
     from its own generator). Every field is checked by type and range: a boolean is not an
     integer, a number must be finite.
+
+    ``thinking_budget`` (None: none) caps a reasoning model's thinking: once the answer has
+    thought that many tokens, ``thinking_end_ids`` are forced next (``engine.thinking_budget``).
+    The thinking starts at the answer's first token when ``thinking_from_start``, else after
+    the answer writes ``thinking_start_ids``; a budget needs end ids and one of the two.
     """
 
     max_tokens: int = 16
@@ -31,6 +36,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    thinking_budget: int | None = None
+    thinking_start_ids: list[int] = field(default_factory=list)
+    thinking_end_ids: list[int] = field(default_factory=list)
+    thinking_from_start: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,13 +58,25 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or any(
-            not _is_int(t) or t < 0 for t in self.stop_token_ids
-        ):
-            raise ValueError("stop_token_ids must be a list of integers >= 0")
-        for name in ("ignore_eos", "logprobs"):
+        for name in ("stop_token_ids", "thinking_start_ids", "thinking_end_ids"):
+            if not _is_id_list(getattr(self, name)):
+                raise ValueError(f"{name} must be a list of integers >= 0")
+        for name in ("ignore_eos", "logprobs", "thinking_from_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        self._check_thinking_budget()
+
+    def _check_thinking_budget(self) -> None:
+        budget = self.thinking_budget
+        if budget is None:
+            return
+        if not _is_int(budget) or budget < 0:
+            raise ValueError(f"thinking_budget must be an integer >= 0 or None, got {budget!r}")
+        if not self.thinking_end_ids:
+            raise ValueError("thinking_budget needs thinking_end_ids (the tokens forced to end the thinking)")
+        if not (self.thinking_from_start or self.thinking_start_ids):
+            raise ValueError("thinking_budget needs thinking_start_ids or thinking_from_start "
+                             "(where the thinking starts)")
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +85,10 @@ class SamplingParams:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(t) and t >= 0 for t in value)
 
 
 def _is_number(value: Any) -> bool:

@@ -40,6 +40,7 @@ from router.api.reasoning import (
     answer_splitter,
     check_reasoning_settings,
     reasoning_parser_for,
+    thinking_budget_fields,
 )
 from router.api.stream_commit import FirstEvent, Responder, check_stream_settings
 from router.api.stream_output import OutputAssembler
@@ -350,7 +351,9 @@ async def _complete(
             raise
         budget = _output_budget(request, body, tok, len(prompt.ids))
         request[ANSWER_HEADERS_KEY] = {**budget.headers(), **body.media.headers()}
-        call = _call_request(request, body, prompt.ids, budget)
+        reasoning = _reasoning(request, body, prompt, prefill, answer)
+        thinking = await thinking_budget_fields(body.thinking_budget, reasoning, tok.think_tag_ids)
+        call = _call_request(request, body, prompt.ids, budget, thinking)
         events = request.app[CORE_KEY].submit(call, prompt.repeated)
         config = request.app[CONFIG_KEY]
         async with contextlib.aclosing(events):
@@ -361,7 +364,7 @@ async def _complete(
                 if first.client_left:
                     return web.Response(status=499)  # the client left before the first token
                 out = OutputAssembler(tok, prompt.ids, body.stop, body.logprobs, call.call_id,
-                                      answer.tags if answer else (), _reasoning(request, body, prompt, prefill, answer))
+                                      answer.tags if answer else (), reasoning)
                 if first.arrived and not first.event.token_ids and OutputAssembler.ends_in_failure(first.event):
                     out.add(first.event)  # failed before its first token and any commit: its HTTP status
                     out.raise_if_failed()
@@ -420,8 +423,10 @@ def _output_budget(
 
 
 def _call_request(
-    request: web.Request, body: schema.CompletionBody, prompt_ids: list[int], budget: OutputBudget
+    request: web.Request, body: schema.CompletionBody, prompt_ids: list[int], budget: OutputBudget,
+    thinking: dict[str, Any],
 ) -> CallRequest:
+    """The call to place; ``thinking``: the sampling fields of its thinking budget, if any."""
     identity = resolve_session(request.headers, body.session_id, body.metadata_session_id,
                                body.last_call, request.app[CONFIG_KEY].session_headers,
                                request.app[LIMITS_KEY].max_session_id_chars)
@@ -429,6 +434,7 @@ def _call_request(
         params = SamplingParams(
             max_tokens=budget.max_tokens, temperature=body.temperature, top_k=body.top_k,
             top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs,
+            **thinking,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc

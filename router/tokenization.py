@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from router.api.reasoning import prompt_think_start, prompt_think_tag
+from router.api.reasoning import THINK_CLOSE, THINK_OPEN, prompt_think_start, prompt_think_tag
 from router.api.template_roles import TemplateRoles
 from talaria.protocol.text import IncrementalDetokenizer, decode_text
 
@@ -57,12 +57,21 @@ class ModelTokenizer:
         self.byte_level = _is_byte_level(tokenizer)
         self.large_prompt_bytes = large_prompt_bytes
         self.roles = TemplateRoles(name)
+        self._think_tag_ids: dict[str, list[int]] | None = None  # encoded on first use
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}")
         self._large: tuple[ThreadPoolExecutor, Any] | None = None  # made on first use
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run an encode off the event loop, on this tokenizer's own (small-prompt) thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def think_tag_ids(self) -> dict[str, list[int]]:
+        """Each think tag's ids (``tag_ids``), for a thinking budget
+        (``router.api.reasoning.thinking_budget_fields``): encoded once, on this tokenizer's
+        own thread, when a request first asks for a budget."""
+        if self._think_tag_ids is None:
+            self._think_tag_ids = await self.run(_think_tag_ids, self.tokenizer)
+        return self._think_tag_ids
 
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], size: int,
@@ -159,6 +168,19 @@ class ModelTokenizer:
         self, prompt_token_ids: Sequence[int], keep_special: Sequence[int] = ()
     ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, keep_special=keep_special)
+
+
+def tag_ids(tokenizer: Any, tag: str) -> list[int]:
+    """The ids that write ``tag``: its own id when the vocabulary holds it as one token
+    (Qwen3's ``</think>``), else its encoding."""
+    token_id = tokenizer.convert_tokens_to_ids(tag)
+    if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == tag:
+        return [token_id]
+    return _encode_text(tokenizer, tag, False)
+
+
+def _think_tag_ids(tokenizer: Any) -> dict[str, list[int]]:
+    return {tag: tag_ids(tokenizer, tag) for tag in (THINK_OPEN, THINK_CLOSE)}
 
 
 def _is_byte_level(tokenizer: Any) -> bool:

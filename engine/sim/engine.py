@@ -21,7 +21,7 @@ the active model (token-level preemption) until it is activated again.
 Simplifications, all deliberate:
 - tokens are synthetic; an answer ends where ``answer_lengths`` (written by the replay only,
   never seen by a policy) says, as at an EOS, else at ``max_tokens`` or the context length;
-  stop strings and stop token ids are ignored;
+  stop strings, stop token ids and thinking budgets (``engine.thinking_budget``) are ignored;
 - decode-only steps are fused (``max_fused_decode_steps``, ``cut_fused_steps``): ``SimEngineConfig``;
 - a background staging copy does not slow the active model's steps, but it shares the host
   link with KV restored from host meanwhile: both run at half rate while they overlap.

@@ -21,8 +21,8 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
   with ``stop_reason: "max_tokens"``, as Anthropic's do);
 - a model's reasoning (``router.api.reasoning``) as one ``thinking`` block before the others
   (``signature: ""``; streamed as its ``content_block_start``, ``thinking_delta`` events and
-  ``content_block_stop``) when the request enabled thinking (``thinking.type`` ``enabled``
-  or ``adaptive``; its ``budget_tokens`` is not enforced), else left out of the answer: the
+  ``content_block_stop``) when the request enabled thinking (``thinking.type`` ``enabled``,
+  whose ``budget_tokens`` caps it, or ``adaptive``), else left out of the answer: the
   prompt then asked the model not to think (``router.api.anthropic_schema``), and a model
   whose template ignores that thinks anyway (streamed, a ``ping`` every
   ``stream_keepalive_s`` while it thinks, so the stream is not silent for as long as it

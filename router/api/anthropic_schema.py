@@ -14,9 +14,11 @@ thinking (``router.api.template_kwargs``): ``enabled`` or ``adaptive`` renders t
 it on and the reasoning comes back as a thinking block; absent (Anthropic's default: no
 extended thinking), ``disabled`` or unreadable renders it off, so a template that reads the
 switch (Qwen3's) has the model answer without thinking. A template that does not read it
-leaves the model thinking, and the reasoning is then left out of the answer. Its
-``budget_tokens`` is not enforced, and ``thinking`` blocks in the history are left out of the
-prompt. Fields the router has no use for (``cache_control``, ``service_tier``,
+leaves the model thinking, and the reasoning is then left out of the answer. An ``enabled``
+thinking's ``budget_tokens`` (an integer >= 0; any other value, or none, caps nothing) becomes
+chat's ``thinking_token_budget``: the engine ends the thinking there
+(``router.api.reasoning.thinking_budget_fields``). ``thinking`` blocks in the history are left
+out of the prompt. Fields the router has no use for (``cache_control``, ``service_tier``,
 ``output_config.effort``, ...) are accepted and ignored. Structured output (``output_config.format``, the beta's ``output_format``) is
 refused with a 400 naming it, as chat's ``response_format`` and the Responses API's
 ``text.format`` are: its client parses the answer as JSON of its schema. So are MCP servers
@@ -80,6 +82,7 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
     }
     thinking = _thinking_enabled(data.get("thinking"))
     chat["chat_template_kwargs"] = thinking_switch(thinking)
+    chat["thinking_token_budget"] = _budget_tokens(data.get("thinking"))
     tools = data.get("tools")
     if tools is not None:
         chat["tools"] = _tools(tools)
@@ -98,6 +101,13 @@ def _thinking_enabled(thinking: Any) -> bool:
     """The request asked for the model's thinking (``{"type": "enabled", ...}`` or
     ``"adaptive"``); absent, ``disabled`` or unreadable, it did not."""
     return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+
+
+def _budget_tokens(thinking: Any) -> int | None:
+    """An enabled thinking's ``budget_tokens``, when it is an integer >= 0; anything else
+    (Anthropic refuses below 1024 and from ``max_tokens`` on) caps nothing, as before."""
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) and thinking.get("type") == "enabled" else None
+    return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
 
 
 def _refuse_structured_output(data: dict[str, Any]) -> None:

@@ -4,7 +4,9 @@ Parsing never trusts the body: every wrong type, missing field or out-of-range v
 an :class:`~talaria.protocol.errors.ApiError` (400) whose message names the field. A field
 the server does not support is refused the same way (``router.api.request_fields``), so no
 option is silently ignored. A chat request's ``chat_template_kwargs`` and ``reasoning_effort``
-become variables of the chat template (``router.api.template_kwargs``).
+become variables of the chat template (``router.api.template_kwargs``); its
+``thinking_token_budget`` (vLLM's) caps a reasoning model's thinking
+(``router.api.reasoning.thinking_budget_fields``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class CompletionBody:
     media: Omissions = field(default_factory=Omissions)  # images and files left out (router.api.media_placeholders)
     show_reasoning: bool = True  # a reasoning model's reasoning goes back (Anthropic: when thinking is enabled)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables (router.api.template_kwargs)
+    thinking_budget: int | None = None  # the most tokens a reasoning model may think (None: no cap)
 
 
 def parse_chat(body: Any) -> CompletionBody:
@@ -63,6 +66,7 @@ def parse_chat(body: Any) -> CompletionBody:
     parsed.tools = parse_tools(data)
     parsed.template_kwargs = {**effort_switch(data.get("reasoning_effort"), "reasoning_effort"),
                               **chat_template_kwargs(data.get("chat_template_kwargs"))}
+    parsed.thinking_budget = _thinking_budget(data.get("thinking_token_budget"))
     max_tokens = data.get("max_completion_tokens")
     name = "max_completion_tokens"
     if max_tokens is None:
@@ -105,6 +109,12 @@ def parse_completion(body: Any) -> CompletionBody:
     if best_of is not None and not (_is_int(best_of) and best_of == 1):
         raise bad_request("best_of must be the integer 1", "best_of")
     return parsed
+
+
+def _thinking_budget(value: Any) -> int | None:
+    if value is not None and (not _is_int(value) or value < 0):
+        raise bad_request("thinking_token_budget must be an integer >= 0 (or null: no cap)", "thinking_token_budget")
+    return value
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -31,10 +31,15 @@ before, and the model's thinking is split as before.
 
 The model's chat template decides the default (:func:`detect_reasoning_parser`); the serve
 config's ``reasoning_parser`` (``"none"`` among its values) overrides it.
+
+A thinking budget (:func:`thinking_budget_fields`) is enforced by the engine
+(``engine.thinking_budget``): the splitter's start tells it where the thinking starts (at
+once, or after the model writes ``<think>``) and that an answer starting as content has none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +56,7 @@ __all__ = [
     "prompt_think_start",
     "prompt_think_tag",
     "reasoning_parser_for",
+    "thinking_budget_fields",
 ]
 
 THINK_OPEN = "<think>"
@@ -100,6 +106,11 @@ class ReasoningSplitter:
     def reasoning_ended(self) -> bool:
         """Every later text is content (the reasoning closed, or the answer had none)."""
         return self._phase in (_AFTER, _CONTENT)
+
+    @property
+    def reasoning_open(self) -> bool:
+        """The answer is inside its reasoning now (at the start: the prompt or prefill opened it)."""
+        return self._phase in (_OPENING, _REASONING)
 
     def feed(self, text: str, tokens: int = 0) -> Split:
         """The answer's next text (``tokens``: how many tokens it came from)."""
@@ -196,6 +207,20 @@ def answer_splitter(parser: str, prompt_tag: str | None, prefill: str = "",
     if prompt_tag == THINK_OPEN:
         parser = "deepseek_r1"
     return ReasoningSplitter(parser, prefill, forced_content or prompt_tag == THINK_CLOSE)
+
+
+async def thinking_budget_fields(budget: int | None, splitter: ReasoningSplitter | None,
+                                 tag_ids: Callable[[], Awaitable[Mapping[str, list[int]]]]) -> dict[str, Any]:
+    """The sampling fields that cap a new answer's thinking at ``budget`` tokens (none when
+    there is no budget, no reasoning to split, or the answer starts as content): the ids of
+    ``</think>`` forced to end it, and where it starts, read from ``splitter`` (inside the
+    reasoning: at once; else after the ids of ``<think>``). ``tag_ids``: each tag's ids, asked
+    for only when a budget applies."""
+    if budget is None or splitter is None or splitter.reasoning_ended:
+        return {}
+    ids, inside = await tag_ids(), splitter.reasoning_open
+    return {"thinking_budget": budget, "thinking_end_ids": list(ids[THINK_CLOSE]),
+            "thinking_from_start": inside, "thinking_start_ids": [] if inside else list(ids[THINK_OPEN])}
 
 
 _PROBE = [{"role": "user", "content": "hi"}]

@@ -5,7 +5,8 @@ effect when it did not. Fields in ``ACCEPTED_AT_DEFAULT`` are accepted only at t
 that changes nothing (clients often send them explicitly); any other value is refused the
 same way. A ``null`` value counts as absent. Structured output (``response_format``) is not
 supported. A top-level ``enable_thinking`` is refused, as neither vLLM nor SGLang reads one:
-``chat_template_kwargs`` carries it (``router.api.template_kwargs``). The Anthropic Messages
+``chat_template_kwargs`` carries it (``router.api.template_kwargs``); a top-level
+``thinking_token_budget`` is vLLM's cap on a reasoning model's thinking. The Anthropic Messages
 API (``router.api.anthropic_schema``) and the Responses API (``router.api.responses_schema``)
 read their own fields and hand the chat parser only those.
 """
@@ -25,7 +26,8 @@ _COMMON = frozenset({
 
 SUPPORTED_FIELDS: dict[str, frozenset[str]] = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                       "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"},
+                       "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
+                       "thinking_token_budget"},
     "completion": _COMMON | {"prompt", "best_of", "echo"},
 }
 

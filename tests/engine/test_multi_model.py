@@ -288,6 +288,19 @@ def test_host_kv_exhaustion_evicts_and_restores_partially(models: dict[str, Path
     assert run(engine, [again])[0]["c3"][0] == want["c2"][0]
 
 
+def test_a_thinking_budget_reaches_the_active_models_core(models: dict[str, Path]) -> None:
+    """A request's thinking budget is enforced by the active model's core: the end ids
+    forced at the budget, the outputs those of a single-model engine given the same."""
+    budgeted = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True,
+                              thinking_budget=2, thinking_end_ids=[7, 8], thinking_from_start=True)
+    reqs = engine_runs.requests(QWEN, "think", PROMPTS, budgeted)
+    engine = make_engine(models)
+    engine.activate(QWEN)
+    got = run(engine, reqs)[0]
+    assert all(tokens[2:4] == [7, 8] for tokens, _ in got.values())
+    assert_same(got, fresh(models[QWEN], reqs))
+
+
 def test_request_for_non_active_model_raises(models: dict[str, Path]) -> None:
     engine = make_engine(models)
     req = EngineRequest("r", prompt(1, 5), GREEDY, model=LLAMA)

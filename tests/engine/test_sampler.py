@@ -130,3 +130,21 @@ def test_an_exponential_draw_of_zero_never_picks_a_filtered_token(monkeypatch) -
     params = [SamplingParams(top_k=1), SamplingParams(top_p=0.5, seed=1)]
     out = Sampler(gen(0))(x, params, [None, gen(1)])
     assert out.token_ids == [1, 2]
+
+
+def test_a_forced_row_takes_its_token_with_the_models_logprob_and_draws_nothing() -> None:
+    """A thinking budget's forced token: the row takes it, its logprob is the raw
+    distribution's for it, the other rows sample as without it, and the forced row's own
+    generator is left as it was."""
+    x = logits(3, seed=4)
+    params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(seed=7, logprobs=True),
+              SamplingParams(seed=8, logprobs=True)]
+    forced_gen, free_gen = gen(7), gen(8)
+    out = Sampler(gen(0))(x, params, [None, forced_gen, free_gen], [None, 11, None])
+    plain = Sampler(gen(0))(x, params, [None, gen(7), gen(8)])
+    assert out.token_ids[1] == 11 and plain.token_ids[1] != 11
+    assert out.logprobs[1] == torch.log_softmax(x[1], -1)[11].item()
+    assert [out.token_ids[i] for i in (0, 2)] == [plain.token_ids[i] for i in (0, 2)]
+    assert [out.logprobs[i] for i in (0, 2)] == [plain.logprobs[i] for i in (0, 2)]
+    assert forced_gen.get_state().equal(gen(7).get_state())
+    assert not free_gen.get_state().equal(gen(8).get_state())

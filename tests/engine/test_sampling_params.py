@@ -30,7 +30,11 @@ def test_a_tiny_temperature_samples_greedily(temperature: float) -> None:
         {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": True},
         {"top_k": True}, {"top_k": 1.5}, {"seed": "x"}, {"seed": True}, {"seed": 1 << 64},
         {"seed": 1.0}, {"stop": [1]}, {"stop_token_ids": [True]}, {"stop_token_ids": "1"},
-        {"ignore_eos": 1}, {"logprobs": "yes"},
+        {"ignore_eos": 1}, {"logprobs": "yes"}, {"thinking_budget": -1},
+        {"thinking_budget": True}, {"thinking_budget": 2.0}, {"thinking_start_ids": [-1]},
+        {"thinking_end_ids": "7"}, {"thinking_from_start": 1},
+        {"thinking_budget": 4, "thinking_from_start": True},
+        {"thinking_budget": 4, "thinking_end_ids": [7]},
     ],
 )
 def test_wrong_types_and_ranges_are_refused(bad: dict[str, object]) -> None:
@@ -42,3 +46,6 @@ def test_good_values_pass() -> None:
     p = SamplingParams(max_tokens=3, temperature=0, top_k=5, top_p=0.5, seed=-(1 << 63),
                        stop="x", stop_token_ids=[0, 2], ignore_eos=True, logprobs=True)
     assert p.stop == ["x"] and p.greedy and not SamplingParams(temperature=0.5).greedy
+    for start in ({"thinking_from_start": True}, {"thinking_start_ids": [5, 6]}):
+        assert SamplingParams(thinking_budget=0, thinking_end_ids=[7], **start).thinking_budget == 0  # type: ignore[arg-type]
+    assert SamplingParams(thinking_end_ids=[7]).thinking_budget is None  # ids without a budget: unused

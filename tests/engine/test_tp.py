@@ -224,6 +224,21 @@ def test_tp2_through_preemption_equals_tp1(pool: WorkerGroup, model_dirs: dict[s
     core.shutdown()
 
 
+@pytest.mark.slow
+def test_tp2_forces_a_thinking_budgets_end_as_tp1_does(pool: WorkerGroup, model_dirs: dict[str, Path]) -> None:
+    """Rank 0 samples, so it forces the end ids: TP=2 gives TP=1's budgeted outputs."""
+    path = model_dirs["qwen3"]
+    ps = _prompts(3, (7, 13, 5))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, thinking_budget=3,
+                            thinking_end_ids=[7, 8], thinking_from_start=True)
+    expected = run_staggered(EngineCore(_config(path)), ps, params)
+    assert all(out[3:5] == [7, 8] for out in expected)
+    config = _config(path, tensor_parallel_size=2)
+    core = EngineCore(config, runner=TensorParallelRunner.load(pool, config))
+    assert run_staggered(core, ps, params) == expected
+    core.shutdown()
+
+
 _TP8_CHILD = """
 import json, sys
 from engine import LLM, SamplingParams

@@ -1,11 +1,13 @@
 """An instance on the real multi-model engine (two tiny models, CPU) survives what killed it
 before: a call aborted while a call of another model waits (the loop then switches models
-while the engine still holds the abort's undelivered event)."""
+while the engine still holds the abort's undelivered event). A call's thinking budget, sent as
+the router sends it, is enforced by the engine behind the instance."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 from real_engine import LLAMA, NUM_BLOCKS, QWEN, real_engine
 
 from engine.sampling_params import SamplingParams
@@ -39,6 +41,25 @@ async def test_an_abort_while_another_model_waits_leaves_the_instance_serving(
     finally:
         await inst.stop()
     assert inst.engine.stats().num_free_blocks == inst.engine.stats().num_total_blocks
+
+
+async def test_a_thinking_budget_sent_over_the_wire_is_enforced(tiny_models: dict[str, Path]) -> None:
+    """The call as the router's HTTP client sends it (``to_dict``) and the instance server
+    parses it (``from_dict``): its budget and end ids reach the engine, which forces the end
+    after two thinking tokens."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, thinking_budget=2,
+                            thinking_end_ids=[7, 8], thinking_from_start=True)
+    sent = CallRequest("think", "s-think", LLAMA, [(i * 3) % 400 + 1 for i in range(12)], params)
+    received = CallRequest.from_dict(orjson.loads(orjson.dumps(sent.to_dict())))
+    assert received.params == params
+    inst = Instance("i", real_engine(tiny_models), PolicyConfig())
+    await inst.start()
+    try:
+        events = await inst.submit(received).collect()
+    finally:
+        await inst.stop()
+    tokens = [t for e in events for t in e.token_ids]
+    assert len(tokens) == 6 and tokens[2:4] == [7, 8]
 
 
 async def _qwen_burst(tiny_models: dict[str, Path], lend: bool
