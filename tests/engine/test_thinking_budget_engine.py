@@ -97,6 +97,16 @@ def test_thinking_starts_after_the_start_ids(core: EngineCore, base: list[int]) 
     assert generate(core, (PROMPT, params(thinking_budget=0, **never))) == [base]
 
 
+def test_start_ids_written_after_the_answer_began_open_no_thinking(core: EngineCore, base: list[int]) -> None:
+    """The router reads an answer that does not open with ``<think>`` as all content
+    (``router.api.reasoning``, qwen3): start ids the model writes later open no thinking, so
+    no end is forced into that content."""
+    end = unused(base, 1)
+    for start in ([base[1]], [base[2], base[3]], [base[0], base[2]]):
+        later = {"thinking_start_ids": start, "thinking_end_ids": end}
+        assert generate(core, (PROMPT, params(thinking_budget=0, **later))) == [base], start
+
+
 def test_without_a_budget_or_short_of_it_nothing_changes(core: EngineCore, base: list[int]) -> None:
     end = unused(base, 1)
     ids_only = params(thinking_end_ids=end, thinking_start_ids=end, thinking_from_start=True)
