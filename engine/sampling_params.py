@@ -24,7 +24,8 @@ class SamplingParams:
     ``thinking_budget`` (None: none) caps a reasoning model's thinking: once the answer has
     thought that many tokens, ``thinking_end_ids`` are forced next (``engine.thinking_budget``).
     The thinking starts at the answer's first token when ``thinking_from_start``, else after
-    the answer writes ``thinking_start_ids``; a budget needs end ids and one of the two.
+    the answer opens with ``thinking_start_ids`` (an answer opening otherwise is not capped);
+    a budget needs end ids and one of the two.
     """
 
     max_tokens: int = 16

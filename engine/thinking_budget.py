@@ -7,12 +7,13 @@ per step, whatever the model would have sampled; then sampling goes on as before
 what vLLM's ``thinking_token_budget`` and SGLang's thinking-budget logit processor do.
 
 Where the thinking starts: at the answer's first token when ``thinking_from_start`` (the
-prompt opened it), else right after the answer writes ``thinking_start_ids``. The start and
-end sequences themselves are not counted; tokens of a partly written natural end are. The
-first complete ``thinking_end_ids`` the model writes itself ends the thinking, and nothing is
-forced after it: an answer thinks once, as ``router.api.reasoning`` splits it. A start
-sequence written after the thinking ended starts nothing. Tokens of the prompt (a prefill
-inside the thinking) are not counted.
+prompt opened it), else right after the answer opens with ``thinking_start_ids``; an answer
+that opens with anything else (whitespace included) is content and is never capped, as
+``router.api.reasoning`` reads it (qwen3). The start and end sequences themselves are not
+counted; tokens of a partly written natural end are. The first complete ``thinking_end_ids``
+the model writes itself ends the thinking, and nothing is forced after it: an answer thinks
+once, as ``router.api.reasoning`` splits it. A start sequence written later in the answer
+starts nothing. Tokens of the prompt (a prefill inside the thinking) are not counted.
 
 :class:`ThinkingBudget` is one request's state, fed every output token in order
 (``Request.append_token``); :func:`forced_tokens` gives the model runner, per sampling row,
@@ -69,8 +70,11 @@ class ThinkingBudget:
     def add(self, token_id: int) -> None:
         """The answer's next token (forced or sampled)."""
         if self.phase is _Phase.WAITING:
-            if self._completes(token_id, self.start_ids):
+            self._tail.append(token_id)
+            if self._tail == self.start_ids:
                 self._start_thinking()
+            elif self._tail != self.start_ids[: len(self._tail)]:
+                self.phase = _Phase.DONE  # it began as content: it thinks no more
         elif self.phase is _Phase.THINKING:
             if self._completes(token_id, self.end_ids):
                 self.phase = _Phase.DONE

@@ -86,13 +86,13 @@ def test_the_end_is_forced_at_the_budget_and_the_model_goes_on_from_there(
     assert out[closed:] == after  # sampled as from that text: nothing more is forced
 
 
-def test_thinking_starts_after_the_start_ids(core: EngineCore, base: list[int]) -> None:
-    opens = first_new(base, 1)  # the model writes base[opens]: the thinking opens after it
-    end = unused(base, 1)
-    thinking = {"thinking_start_ids": [base[opens]], "thinking_end_ids": end}
+@pytest.mark.parametrize("n_start", [1, 2])
+def test_thinking_starts_after_the_start_ids(core: EngineCore, base: list[int], n_start: int) -> None:
+    end = unused(base, 1)  # the answer opens with base[:n_start]: the thinking opens after it
+    thinking = {"thinking_start_ids": base[:n_start], "thinking_end_ids": end}
     (out,) = generate(core, (PROMPT, params(thinking_budget=2, **thinking)))
-    assert out[:opens + 3] == base[:opens + 3]
-    assert out[opens + 3] == end[0]
+    assert out[:n_start + 2] == base[:n_start + 2]
+    assert out[n_start + 2] == end[0]
     never = {"thinking_start_ids": unused(base, 2)[1:], "thinking_end_ids": end}
     assert generate(core, (PROMPT, params(thinking_budget=0, **never))) == [base]
 
