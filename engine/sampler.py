@@ -13,6 +13,7 @@ logprob is the model's for that token.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +43,15 @@ class Sampler:
         if len(params) != n:
             raise ValueError(f"{n} rows of logits but {len(params)} sampling params")
         generators = generators if generators is not None else [None] * n
-        forced = forced if forced is not None else [None] * n
         logits = logits.float()
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
 
-        free = [i for i in range(n) if forced[i] is None]
-        taken = [i for i in range(n) if forced[i] is not None]
-        if taken:
-            tokens[taken] = torch.tensor([forced[i] for i in taken], device=logits.device)
+        free: Sequence[int] = range(n)
+        if forced is not None:  # the common step has none: no pass over the rows for them
+            taken = [i for i, t in enumerate(forced) if t is not None]
+            if taken:
+                tokens[taken] = torch.tensor([forced[i] for i in taken], device=logits.device)
+                free = [i for i, t in enumerate(forced) if t is None]
 
         greedy = [i for i in free if params[i].greedy]
         if greedy:

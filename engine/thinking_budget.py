@@ -104,5 +104,7 @@ class ThinkingBudget:
 def forced_tokens(budgets: Sequence[ThinkingBudget | None]) -> list[int | None] | None:
     """Per sampling row, the token its request must take (None: sample it); None when no
     row is forced, the common step."""
+    if budgets.count(None) == len(budgets):
+        return None  # no row has a budget: no pass over the rows in Python
     forced = [None if b is None else b.forced for b in budgets]
-    return forced if any(t is not None for t in forced) else None
+    return None if forced.count(None) == len(forced) else forced
