@@ -100,8 +100,10 @@ async def test_chat_thinking_token_budget_caps_the_thinking_unless_it_is_switche
     off = await sent(tok, "/v1/chat/completions", {"messages": USER, "thinking_token_budget": 5,
                                                    "chat_template_kwargs": OFF})
     unset = await sent(tok, "/v1/chat/completions", {"messages": USER, "thinking_token_budget": None})
+    unlimited = await sent(tok, "/v1/chat/completions", {"messages": USER, "thinking_token_budget": -1})
     assert (on.thinking_budget, on.thinking_end_ids, on.thinking_from_start) == (0, encoded(tok, "</think>"), True)
     assert off.thinking_budget is None and unset.thinking_budget is None
+    assert unlimited.thinking_budget is None  # vLLM's -1: unlimited
 
 
 async def test_a_model_without_a_reasoning_parser_gets_no_budget(tiny_tokenizer: ModelTokenizer) -> None:
@@ -113,7 +115,7 @@ async def test_a_model_without_a_reasoning_parser_gets_no_budget(tiny_tokenizer:
     assert chat.thinking_budget is None and messages.thinking_budget is None
 
 
-@pytest.mark.parametrize("value", [-1, "5", True, 1.5, [5]])
+@pytest.mark.parametrize("value", [-2, "5", True, 1.5, [5]])
 async def test_a_bad_chat_thinking_token_budget_is_refused_by_name(
         tiny_tokenizer: ModelTokenizer, value: Any) -> None:
     instance = scripted(tiny_tokenizer, CONTENT)
