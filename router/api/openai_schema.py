@@ -112,9 +112,11 @@ def parse_completion(body: Any) -> CompletionBody:
 
 
 def _thinking_budget(value: Any) -> int | None:
-    if value is not None and (not _is_int(value) or value < 0):
-        raise bad_request("thinking_token_budget must be an integer >= 0 (or null: no cap)", "thinking_token_budget")
-    return value
+    """vLLM's rule: an integer >= 0, or -1 (as null) for no cap."""
+    if value is not None and (not _is_int(value) or value < -1):
+        raise bad_request("thinking_token_budget must be an integer >= 0 (or -1 or null: no cap)",
+                          "thinking_token_budget")
+    return None if value == -1 else value
 
 
 def _object(body: Any) -> dict[str, Any]:
