@@ -36,8 +36,8 @@ id = "i0"
 port = 0
 device = "cpu"          # or "cuda:0"
 tensor_parallel_size = 1
-kv_blocks = 1024        # blocks per model; and/or kv_bytes = "8GiB" (the KV region)
-host_kv_bytes = "16GiB"
+kv_blocks = 1024        # blocks per model (default 512); or kv_bytes = "8GiB" (the KV region)
+host_kv_bytes = "16GiB" # host memory for KV across switches (default 256 MiB)
 staging = true
 staging_region = "largest"  # or "second": the largest model loads from host, a smaller region
 restart = true          # start it again (with backoff) when its process dies
