@@ -56,6 +56,7 @@ def _worker(rank: int, port: int, path: Path, queue: mp.Queue) -> None:
     try:
         out = _logits(path, ParallelContext(rank, WORLD_SIZE, dist.group.WORLD))
         queue.put((rank, out.tolist()))
+        dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     finally:
         dist.destroy_process_group()
 
