@@ -227,12 +227,8 @@ def test_a_failed_staging_copy_costs_its_d2d_switch_only() -> None:
     assert mem.take_staging_outcomes() == []  # raised instead
 
 
-def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
-    """Lending the region waits for the staging copy in flight before dropping what it
-    staged: the copy still crossed the host link, so the ledger books it (the staging rate
-    is measured from such records)."""
-    mem = _blank_models()
-    mem.activate("a")
+def _gate_copies(mem: InstanceMemory) -> threading.Event:
+    """Hold ``mem``'s staging copies until the returned event is set."""
     gate = threading.Event()
     copy = mem.stager._cpu_copy
 
@@ -241,6 +237,16 @@ def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
         copy(dst, src)
 
     mem.stager._cpu_copy = gated  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_staging_copy_that_a_lend_waits_for_is_booked() -> None:
+    """Lending the region waits for the staging copy in flight before dropping what it
+    staged: the copy still crossed the host link, so the ledger books it (the staging rate
+    is measured from such records)."""
+    mem = _blank_models()
+    mem.activate("a")
+    gate = _gate_copies(mem)
     mem.stage("b")
     plan = mem.ledger.plan_activation
 
@@ -264,14 +270,7 @@ def test_a_dropped_staging_copy_leaves_its_model_in_host_memory_only() -> None:
     it again starts a copy; a copy in flight, or another model's, is kept."""
     refs, models, _, mem = _two_models(5, kv_blocks=4)
     mem.activate("a")
-    gate = threading.Event()
-    copy = mem.stager._cpu_copy
-
-    def gated(dst: torch.Tensor, src: torch.Tensor) -> None:
-        gate.wait(timeout=10)
-        copy(dst, src)
-
-    mem.stager._cpu_copy = gated  # type: ignore[method-assign]
+    gate = _gate_copies(mem)
     mem.stage("b")
     assert not mem.drop_staged("b")  # in flight: kept
     gate.set()

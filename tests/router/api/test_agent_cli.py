@@ -285,19 +285,31 @@ def _dirs(tmp_path: Path) -> tuple[Path, Path]:
     return work, tmp_path / "home"
 
 
+CASES = {"claude": ("Bash", _claude_case, _run_claude), "codex": ("exec_command", _codex_case, _run_codex)}
+
+
+async def _tool_loop(tok: ModelTokenizer, wire: Wire, tmp_path: Path, cli: str, thinking: bool,
+                     instance_type: type[AgentInstance] = AgentInstance) -> tuple[AgentInstance, dict[str, Any]]:
+    """Serve an ``instance_type`` scripted for ``cli``'s shell tool, run the CLI through its
+    tool loop and check the loop (``_check_loop``); the instance and the call's arguments."""
+    work, home = _dirs(tmp_path)
+    tool, case, run = CASES[cli]
+    proof, arguments, call_text = case(work)
+    instance = instance_type(tok, tool, call_text, thinking)
+    server = await _serve(tok, instance, wire, thinking)
+    try:
+        rc, out, err = await run(server, work, home)
+    finally:
+        await server.close()
+    _check_loop(instance, proof, rc, out, err)
+    return instance, arguments
+
+
 @pytest.mark.skipif(CLAUDE is None, reason="no claude CLI (TALARIA_AGENT_CLI_BIN or PATH)")
 @pytest.mark.parametrize("thinking", [False, True], ids=["plain", "thinking"])
 async def test_claude_code_tool_loop(long_tokenizer: ModelTokenizer, wire: Wire, tmp_path: Path,
                                      thinking: bool) -> None:
-    work, home = _dirs(tmp_path)
-    proof, arguments, call_text = _claude_case(work)
-    instance = AgentInstance(long_tokenizer, "Bash", call_text, thinking)
-    server = await _serve(long_tokenizer, instance, wire, thinking)
-    try:
-        rc, out, err = await _run_claude(server, work, home)
-    finally:
-        await server.close()
-    _check_loop(instance, proof, rc, out, err)
+    _instance, arguments = await _tool_loop(long_tokenizer, wire, tmp_path, "claude", thinking)
     events = _streamed(wire, "ping", "content_block_start")
     pieces = _argument_pieces(events)
     assert len(pieces) >= 2 and json.loads("".join(pieces)) == arguments, pieces
@@ -317,15 +329,7 @@ async def test_claude_code_tool_loop(long_tokenizer: ModelTokenizer, wire: Wire,
 @pytest.mark.skipif(CODEX is None, reason="no codex CLI (TALARIA_AGENT_CLI_BIN or PATH)")
 @pytest.mark.parametrize("thinking", [False, True], ids=["plain", "thinking"])
 async def test_codex_tool_loop(long_tokenizer: ModelTokenizer, wire: Wire, tmp_path: Path, thinking: bool) -> None:
-    work, home = _dirs(tmp_path)
-    proof, arguments, call_text = _codex_case(work)
-    instance = AgentInstance(long_tokenizer, "exec_command", call_text, thinking)
-    server = await _serve(long_tokenizer, instance, wire, thinking)
-    try:
-        rc, out, err = await _run_codex(server, work, home)
-    finally:
-        await server.close()
-    _check_loop(instance, proof, rc, out, err)
+    _instance, arguments = await _tool_loop(long_tokenizer, wire, tmp_path, "codex", thinking)
     events = _streamed(wire, "response.in_progress", "response.output_item.added")
     pieces = _argument_pieces(events)
     assert len(pieces) >= 2 and json.loads("".join(pieces)) == arguments, pieces
@@ -367,17 +371,7 @@ async def test_overload_after_commit_is_retried(long_tokenizer: ModelTokenizer, 
     can be sent then); both CLIs retry it and finish the loop. Codex waits the delay the
     message gives (``Please try again in 3s.``); Claude Code its own backoff (the event has
     no ``Retry-After``), so only Codex's wait is checked."""
-    work, home = _dirs(tmp_path)
-    tool, case, run = ("Bash", _claude_case, _run_claude) if cli == "claude" else \
-        ("exec_command", _codex_case, _run_codex)
-    proof, _arguments, call_text = case(work)
-    instance = OverloadedOnce(long_tokenizer, tool, call_text, thinking=False)
-    server = await _serve(long_tokenizer, instance, wire, thinking=False)
-    try:
-        rc, out, err = await run(server, work, home)
-    finally:
-        await server.close()
-    _check_loop(instance, proof, rc, out, err)
+    instance, _arguments = await _tool_loop(long_tokenizer, wire, tmp_path, cli, False, OverloadedOnce)
     kinds = [a.kind for a in instance.answered]
     assert kinds[kinds.index("overloaded") + 1] == "call", kinds
     refused = next(events for events in wire.events() if not _argument_pieces(events))
