@@ -178,6 +178,10 @@ def test_suite_rows_run_the_baseline_talaria_and_the_rows_named_in_the_suites_or
 
     assert suite_cli.parse_suite_rows("talaria, aegaeon") == ("baseline", "aegaeon", "talaria")
     assert suite_cli.parse_suite_rows("autellix,baseline") == ("baseline", "autellix", "talaria")
+    # with --tune-suite: only the rows named are tuned, never Talaria; the baseline when none
+    assert suite_cli.tune_rows("talaria, aegaeon,continuum_ttl") == ("continuum_ttl", "aegaeon")
+    assert suite_cli.tune_rows("autellix,baseline") == ("baseline", "autellix")
+    assert suite_cli.tune_rows("talaria") == ("baseline",)
     asked: dict[str, object] = {}
 
     class Ran(Exception):

@@ -57,7 +57,7 @@ from workloads.suite.tuning import load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
            "default_trace_settings", "format_capacity", "parse_loo_rows", "parse_suite_rows",
-           "run_develop", "run_from_args"]
+           "run_develop", "run_from_args", "tune_rows"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
@@ -88,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite-rows", default=None, metavar="ROWS",
                    help="only these rows of the suite and its capacity search, "
                    f"comma-separated (default all: {', '.join(SUITE_ROWS)}); the baseline "
-                   "and talaria always run (the baseline's bursts set the Poisson rates)")
+                   "and talaria always run (the baseline's bursts set the Poisson rates); with "
+                   "--tune-suite only the rows named are tuned, the others keep the cache's "
+                   "settings (a row whose code or router changed)")
     p.add_argument("--tune-new-points", action="store_true",
                    help="with --tune-suite: run only the grid points the cache records no run "
                    "of (e.g. a quantum added to SUITE_QUANTA), keeping its best values for the "
@@ -118,6 +120,14 @@ def parse_suite_rows(text: str) -> tuple[str, ...]:
                          f"known: {', '.join(SUITE_ROWS)}")
     wanted = {BASELINE, TALARIA, *named}
     return tuple(r for r in SUITE_ROWS if r in wanted)
+
+
+def tune_rows(text: str) -> tuple[str, ...]:
+    """With ``--tune-suite``, the rows ``--suite-rows`` names that are tuned (Talaria is not:
+    it runs one configuration); the baseline alone when it names none."""
+    named = parse_suite_rows(text)
+    picked = [r.strip() for r in text.split(",") if r.strip()]
+    return tuple(r for r in named if r in picked and r != TALARIA) or (BASELINE,)
 
 
 def parse_loo_rows(text: str) -> tuple[str, ...]:
@@ -188,7 +198,8 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                    else tuple(int(n) for n in args.tune_servers.split(",")))
         settings = tune_suite(config, fallback, workers=args.workers,
                               progress=not args.no_progress, servers=servers,
-                              new_points_only=args.tune_new_points)
+                              new_points_only=args.tune_new_points,
+                              rows=None if args.suite_rows is None else tune_rows(args.suite_rows))
     else:
         settings = load_suite_settings(config, fallback)
     rows = SUITE_ROWS if args.suite_rows is None else parse_suite_rows(args.suite_rows)

@@ -80,30 +80,28 @@ def _new_points(
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, dict[str, Any]]]]:
     """Per row, the grid points some scenario of ``names`` has no recorded run of; and the
     cached best of every scenario, figure by figure, to start from."""
-    recorded = cached.get("grids", {})
-    missing = [name for name in names
-               if not all(row in recorded.get(name, {}) and row in cached["values"].get(name, {})
-                          for row in grids)]
-    if missing:
-        raise ValueError(f"the cache records no grid for {missing[:3]}"
-                         f"{' ...' if len(missing) > 3 else ''}: tune them in full first")
+    seed = _cached_best(cached, names, list(grids), "tune them in full first")
+    recorded = cached["grids"]
     points = {}
     for row, grid in grids.items():
         everywhere = set.intersection(*({(rule, float(q)) for rule, q in recorded[name][row]}
                                         for name in names))
         points[row] = [p for p in grid if tuple(_pair(p)) not in everywhere]
-    seed = {name: {row: {f: {"value": cached["values"][name][row][f],
-                             "setting": cached["settings"][name][row][f]} for f in FIGURES}
-                   for row in grids} for name in names}
     return points, seed
 
 
 def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, workers: int = 1,
                progress: bool = False, path: Path = SUITE_SETTINGS_PATH,
                servers: tuple[int, ...] | None = None,
-               new_points_only: bool = False) -> SuiteSettings:
+               new_points_only: bool = False,
+               rows: tuple[str, ...] | None = None) -> SuiteSettings:
     """Run every tuned row's grid in every scenario (only those on ``servers`` when given);
     write the best settings beside the cached ones of other scenarios; return them all.
+
+    ``rows``: tune only these rows of ``TUNED_ROWS`` (a row whose code or router changed);
+    every other row keeps the cache's settings, values and grids in these scenarios, which it
+    must hold. The baseline runs in every pass whichever rows are tuned (its bursts set the
+    Poisson rates).
 
     ``new_points_only``: run only the grid points the cache records no run of in these
     scenarios (its ``grids``), starting from its best values: a grid extended by a point
@@ -115,10 +113,14 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
             raise ValueError(f"server count(s) {sorted(unknown)} are not in the suite's "
                              f"{list(config.servers)}")
         config = replace(config, servers=tuple(servers))
-    grids = {row: _grid(row, fallback.get(row)) for row in TUNED_ROWS}
+    tuned_rows = _tuned_rows(rows)
+    grids = {row: _grid(row, fallback.get(row)) for row in tuned_rows}
     names = [s.name for s in scenarios(config)]
     start = _cached(config, path)
     points, seed = _new_points(grids, start, names) if new_points_only else (grids, {})
+    kept = [row for row in TUNED_ROWS if row not in grids]
+    if kept:
+        seed = _merge(seed, _cached_best(start, names, kept, "tune every row there first"))
     checkpoint = _Checkpoint(_partial_path(path), config, points)
     done, best = checkpoint.load()
     if not done:
@@ -134,13 +136,17 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
         chosen = {row: g[min(i, len(g) - 1)] for row, g in points.items()
                   if i < len(g) or (g and not new_points_only)}
         if BASELINE not in chosen:
-            chosen = {BASELINE: (points[BASELINE] or grids[BASELINE])[-1]} | chosen
-        rows = list(chosen)
-        settings = SuiteSettings({name: {row: {f: chosen[row] for f in FIGURES} for row in rows}
+            baseline_grid = points.get(BASELINE) or grids.get(BASELINE) or _grid(
+                BASELINE, fallback.get(BASELINE))
+            chosen = {BASELINE: baseline_grid[-1]} | chosen
+        run_rows = list(chosen)
+        settings = SuiteSettings({name: {row: {f: chosen[row] for f in FIGURES} for row in run_rows}
                                   for name in names}, fallback)
-        result = run_suite(config, settings, rows=rows, workers=workers, progress=progress)
+        result = run_suite(config, settings, rows=run_rows, workers=workers, progress=progress)
         for name, res in result.scenarios.items():
             for row, r in res.rows.items():
+                if row not in grids:
+                    continue  # run for the rates only: it keeps what the cache holds
                 for f in FIGURES:
                     current = best.setdefault(name, {}).setdefault(row, {}).get(f)
                     if current is None or r.values[f] < current["value"]:
@@ -148,13 +154,14 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
         checkpoint.save(i + 1, best)
     cached = _cached(config, path)  # read again: another tuning may have written it meanwhile
     tuned = cached["settings"] | {name: {row: {f: v["setting"] for f, v in by_fig.items()}
-                                         for row, by_fig in rows.items()}
-                                  for name, rows in best.items()}
+                                         for row, by_fig in by_row.items()}
+                                  for name, by_row in best.items()}
     values = cached["values"] | {name: {row: {f: v["value"] for f, v in by_fig.items()}
-                                        for row, by_fig in rows.items()}
-                                 for name, rows in best.items()}
+                                        for row, by_fig in by_row.items()}
+                                 for name, by_row in best.items()}
     recorded = start.get("grids", {}) if new_points_only else {}
-    ran = {name: {row: _union(recorded.get(name, {}).get(row, []), grids[row])
+    ran = {name: {row: (_union(recorded.get(name, {}).get(row, []), grids[row]) if row in grids
+                        else start["grids"][name][row])
                   for row in TUNED_ROWS} for name in names}
     data = {"suite_key": suite_key(config), "criterion": "per figure, the lowest over the grid",
             "settings": tuned, "values": values, "grids": cached.get("grids", {}) | ran}
@@ -175,6 +182,39 @@ def _union(recorded: list[list[Any]], grid: list[dict[str, Any]]) -> list[list[A
 def _pair(point: dict[str, Any]) -> list[Any]:
     """A grid point as the cache records it: [rule, quantum]."""
     return [point["slot_close"], float(point["slot_quantum_s"])]
+
+
+def _tuned_rows(rows: tuple[str, ...] | None) -> tuple[str, ...]:
+    """``rows`` in ``TUNED_ROWS``' order (None: all of them); a row not tuned is refused."""
+    if rows is None:
+        return TUNED_ROWS
+    unknown = [row for row in rows if row not in TUNED_ROWS]
+    if unknown or not rows:
+        raise ValueError(f"rows to tune must be some of {', '.join(TUNED_ROWS)}; got "
+                         f"{', '.join(rows) or 'none'}")
+    return tuple(row for row in TUNED_ROWS if row in rows)
+
+
+def _cached_best(cached: dict[str, Any], names: list[str], rows: list[str],
+                 hint: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """The cache's best of ``rows`` in every scenario of ``names``, figure by figure: what a
+    tuning of new points starts from, and what a tuning of other rows keeps. A scenario whose
+    cache lacks a row's values or its grid is refused (``hint``: what to do instead)."""
+    recorded = cached.get("grids", {})
+    missing = [name for name in names
+               if not all(row in recorded.get(name, {}) and row in cached["values"].get(name, {})
+                          for row in rows)]
+    if missing:
+        raise ValueError(f"the cache holds no tuning of {', '.join(rows)} for {missing[:3]}"
+                         f"{' ...' if len(missing) > 3 else ''}: {hint}")
+    return {name: {row: {f: {"value": cached["values"][name][row][f],
+                             "setting": cached["settings"][name][row][f]} for f in FIGURES}
+                   for row in rows} for name in names}
+
+
+def _merge(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Two per-scenario maps of rows, joined scenario by scenario."""
+    return {name: {**a.get(name, {}), **b.get(name, {})} for name in {*a, *b}}
 
 
 def _partial_path(path: Path) -> Path:

@@ -81,13 +81,13 @@ def test_new_points_only_needs_the_cache_to_say_what_ran(
 ) -> None:
     _grid(monkeypatch, (10.0,))
     path = tmp_path / "suite.json"
-    with pytest.raises(ValueError, match="records no grid"):
+    with pytest.raises(ValueError, match="holds no tuning"):
         suite_tuning.tune_suite(_CONFIG, _FALLBACK, path=path, new_points_only=True)
     suite_tuning.tune_suite(_CONFIG, _FALLBACK, path=path)
     data = orjson.loads(path.read_bytes())
     del data["grids"]
     path.write_bytes(orjson.dumps(data))
-    with pytest.raises(ValueError, match="records no grid"):
+    with pytest.raises(ValueError, match="holds no tuning"):
         suite_tuning.tune_suite(_CONFIG, _FALLBACK, path=path, new_points_only=True)
 
 
@@ -100,3 +100,33 @@ def test_the_shipped_cache_records_the_grid_of_its_settings() -> None:
             ran = data["grids"][name][row]
             for setting in by_figure.values():
                 assert [setting["slot_close"], setting["slot_quantum_s"]] in ran
+
+
+def test_tuning_some_rows_keeps_the_others_as_the_cache_holds_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _grid(monkeypatch, (10.0, 200.0))
+    path = tmp_path / "suite.json"
+    with pytest.raises(ValueError, match="holds no tuning of baseline"):
+        suite_tuning.tune_suite(_CONFIG, _FALLBACK, path=path, rows=("vllm_sleep",))
+    suite_tuning.tune_suite(_CONFIG, _FALLBACK, path=path)
+    first = orjson.loads(path.read_bytes())
+    scenario = next(iter(first["values"]))
+    # the cache's baseline as another tuning would have left it: it must come back untouched
+    first["values"][scenario]["baseline"]["p50"] = 1.0
+    first["grids"][scenario]["baseline"].append(["drained", 7.0])
+    path.write_bytes(orjson.dumps(first))
+
+    passes = _record_passes(monkeypatch)
+    retuned = suite_tuning.tune_suite(_CONFIG, _FALLBACK, path=path, rows=("vllm_sleep",))
+    # vllm_sleep at each of its points; the baseline at one point in each pass, for the rates
+    assert passes == [{"baseline": 60.0, "vllm_sleep": 10.0}, {"baseline": 60.0, "vllm_sleep": 200.0}]
+    data = orjson.loads(path.read_bytes())
+    assert data["values"][scenario]["baseline"] == first["values"][scenario]["baseline"]
+    assert data["settings"][scenario]["baseline"] == first["settings"][scenario]["baseline"]
+    assert data["grids"][scenario]["baseline"] == first["grids"][scenario]["baseline"]
+    assert data["values"][scenario]["vllm_sleep"] == first["values"][scenario]["vllm_sleep"]
+    assert data["grids"][scenario]["vllm_sleep"] == [["quantum", 10.0], ["quantum", 200.0]]
+    assert retuned.tuned == data["settings"]
+    with pytest.raises(ValueError, match="rows to tune"):
+        suite_tuning.tune_suite(_CONFIG, _FALLBACK, path=path, rows=("talaria",))
