@@ -35,7 +35,7 @@ from engine.parallel.tp_runner import TensorParallelRunner
 from engine.parallel.worker import RankContext, call_state_method
 from engine.parallel_context import ParallelContext
 from substrate.host_kv_index import HostKVIndex
-from substrate.ledger import Placement
+from substrate.ledger import Placement, StagingState
 from substrate.moves import MoveRecord, PlannedMove
 from substrate.staging import StagingOutcome
 
@@ -129,6 +129,8 @@ class TensorParallelRankModels:
         }
         # each rank's staging outcomes not yet combined (a rank may see a copy end later)
         self._outcomes: list[list[StagingOutcome]] = [[] for _ in range(group.world_size)]
+        # combined outcomes taken early (by a waited copy's failure), still to be told
+        self._told_later: list[StagingOutcome] = []
 
     @classmethod
     def start(
@@ -195,11 +197,10 @@ class TensorParallelRankModels:
 
     def stage(self, name: str, wait: bool) -> tuple[PlannedMove, MoveRecord | None]:
         self.local.memory.ledger.plan_staging(name)  # bad requests fail here, group intact
-        results = self._all("stage", name, wait)
-        plan = results[0][0]
+        plan = self._all("stage", name, False)[0][0]
         if not wait:
             return plan, None
-        return plan, combine_records([record for _, record in results])
+        return plan, self.poll_staging(block=True, raise_failure=True)
 
     def offload_kv(
         self, name: str, block_hashes: list[int], block_ids: list[int], session_id: str | None
@@ -241,10 +242,27 @@ class TensorParallelRankModels:
 
     def poll_staging(self, block: bool = False, raise_failure: bool = False) -> MoveRecord | None:
         """The staging record, once, when every rank's copy is done (``block``: wait for
-        all). Without ``block`` no rank books its copy before all have finished."""
+        all). Without ``block`` no rank books its copy before all have finished.
+
+        ``raise_failure`` (the caller waits for the copy it asked for): a copy that failed on
+        any rank raises RuntimeError here, after every rank has ended it, with the group
+        intact. No rank raises on its own (a rank's op that raises breaks the group), and
+        the copy is then as a background copy failed on some rank is
+        (``take_staging_outcomes``): dropped on every rank that completed it, and told by
+        the raise only, not again as an outcome."""
         if not block and any(self._all("staging_copy_running")):
             return None
-        return combine_records(self._all("poll_staging", True, raise_failure))
+        name = self.local.staged_model
+        ledger = self.local.memory.ledger  # every rank starts and ends its copies together
+        in_flight = ledger.staging_state is StagingState.IN_PROGRESS
+        records = self._all("poll_staging", True, False)
+        if not raise_failure or not in_flight or all(r is not None for r in records):
+            return combine_records(records)
+        failed = [rank for rank, r in enumerate(records) if r is None]
+        taken = self.take_staging_outcomes()  # pairs this copy's outcomes, drops partial ones
+        self._told_later.extend(taken[:-1])  # copies that ended before it: told as usual
+        raise RuntimeError(f"staging {name!r} failed on rank(s) {failed}; it stays in host "
+                           "memory on every rank")
 
     def take_staging_outcomes(self) -> list[StagingOutcome]:
         """Each staging copy every rank has seen end, once: every rank stages in the same
@@ -256,8 +274,9 @@ class TensorParallelRankModels:
         outcome would no longer be the same copy. (An earlier copy in the batch was replaced
         in the staging region by a later one already.) Asks the ranks only when rank 0 has
         seen one end or some copy waits for a slower rank."""
+        told, self._told_later = self._told_later, []
         if not (self.local.memory.staging_outcomes_pending or self._outcomes[0]):
-            return []
+            return told
         for pending, taken in zip(self._outcomes, self._all("take_staging_outcomes"),
                                   strict=True):
             pending.extend(taken)
@@ -274,7 +293,7 @@ class TensorParallelRankModels:
             del pending[:done]
         if partly_staged:
             self._all("drop_staged", out[-1].model)
-        return out
+        return told + out
 
     def placements(self) -> dict[str, Placement]:
         """Every rank's placements as the ledgers have them (no rank polls on its own)."""

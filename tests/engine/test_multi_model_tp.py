@@ -9,6 +9,7 @@ leaves no rank with the model staged; shutdown leaves no worker process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -316,3 +317,35 @@ def test_a_staging_copy_failed_on_one_rank_is_failed_on_every_rank(
     assert staged_copies(tp2, QWEN) == copies + 1
     assert tp2.activate(QWEN).kind == "activate_d2d"
     assert [p[QWEN] for p in per_rank(tp2, "placements", False)] == ["active"] * 2  # type: ignore[index]
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_waited_staging_copy_failed_on_one_rank_raises_and_the_group_goes_on(
+    tp2: MultiModelEngine, models: dict[str, Path], bad_rank: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy ``stage`` waits for (``wait_for_staging``) that fails on one rank raises
+    there, once every rank has ended it, and leaves the group working (a rank that raised on
+    its own used to break it): no rank keeps the model staged, the failure is not told again
+    as a background one, and staging it again completes on every rank, its switch D2D."""
+    tp2.activate(QWEN)
+    tp2.activate(LLAMA)
+    tp2.stage(LLAMA)
+    assert wait_for_staging_copies(tp2)[QWEN] is Residency.HOST
+    tp2.take_staging_failures()
+    copies = staged_copies(tp2, QWEN)
+    monkeypatch.setattr(tp2, "config", dataclasses.replace(tp2.config, wait_for_staging=True))
+    tp2.rank.group.run_on_all_ranks(fail_next_staging_copy, bad_rank)
+    with pytest.raises(RuntimeError, match=rf"staging 'tiny-qwen3' failed on rank\(s\) \[{bad_rank}\]"):
+        tp2.stage(QWEN)
+    assert tp2.take_staging_failures() == []  # told by the raise
+    assert tp2.residency()[QWEN] is Residency.HOST
+    assert [p[QWEN] for p in per_rank(tp2, "placements", False)] == ["host"] * 2  # type: ignore[index]
+    assert staged_copies(tp2, QWEN) == copies
+    assert tp2.stage(QWEN).kind == "stage"  # waited: done on every rank when it returns
+    assert tp2.residency()[QWEN] is Residency.STAGED
+    assert tp2.take_staging_failures() == []
+    assert staged_copies(tp2, QWEN) == copies + 1
+    assert tp2.activate(QWEN).kind == "activate_d2d"
+    assert_same(run(tp2, requests(QWEN, "waited", PROMPTS))[0],
+                fresh(models[QWEN], requests(QWEN, "waited", PROMPTS)))
