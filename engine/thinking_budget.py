@@ -10,7 +10,8 @@ Where the thinking starts: at the answer's first token when ``thinking_from_star
 prompt opened it), else right after the answer opens with ``thinking_start_ids``; an answer
 that opens with anything else (whitespace included) is content and is never capped, as
 ``router.api.reasoning`` reads it (qwen3). The start and end sequences themselves are not
-counted; tokens of a partly written natural end are. The first complete ``thinking_end_ids``
+counted; tokens of a partly written natural end are, and a budget spent inside one forces
+only the rest of it. The first complete ``thinking_end_ids``
 the model writes itself ends the thinking, and nothing is forced after it: an answer thinks
 once, as ``router.api.reasoning`` splits it. A start sequence written later in the answer
 starts nothing. Tokens of the prompt (a prefill inside the thinking) are not counted.
@@ -91,8 +92,20 @@ class ThinkingBudget:
         self._close_if_spent()
 
     def _close_if_spent(self) -> None:
+        """Spent: force the end, from where a partly written one stands (the model wrote
+        ``</th`` of a ``</think>`` in several tokens: only ``ink>`` is forced, never the
+        whole tag after its own beginning)."""
         if self.thought >= self.budget:
             self.phase = _Phase.CLOSING
+            self.closed = self._end_written()
+
+    def _end_written(self) -> int:
+        """How many leading end ids the last tokens written are (fewer than all of them)."""
+        tail, end = self._tail, self.end_ids
+        for k in range(min(len(tail), len(end) - 1), 0, -1):
+            if tail[-k:] == end[:k]:
+                return k
+        return 0
 
     def _completes(self, token_id: int, sequence: list[int]) -> bool:
         """Whether ``token_id`` completes ``sequence`` (the last tokens kept to match it)."""

@@ -130,6 +130,20 @@ def test_a_thinking_the_model_ends_itself_is_never_cut(core: EngineCore, base: l
     assert cut[ends - 1:ends - 1 + n_end] == end  # the same budget spent before: forced
 
 
+def test_a_budget_spent_inside_a_partly_written_end_forces_only_its_rest(
+        core: EngineCore, base: list[int]) -> None:
+    """The model writes the end's first token itself at ``k`` and the budget runs out on it:
+    the end's second token is forced next, not the whole end again after its beginning."""
+    k = first_new(base, 2)
+    end = [base[k], *unused(base, 1)]
+    (out,) = generate(core, (PROMPT, params(thinking_budget=k + 1, thinking_end_ids=end,
+                                            thinking_from_start=True)))
+    assert out[:k + 1] == base[:k + 1]
+    assert out[k + 1] == end[1]
+    (after,) = generate(core, (PROMPT + out[:k + 2], params(MAX - k - 2)))
+    assert out[k + 2:] == after  # the thinking ended there: nothing more is forced
+
+
 def test_in_a_batch_only_the_request_with_a_budget_is_forced(core: EngineCore, base: list[int]) -> None:
     end = unused(base, 2)
     budgeted = params(thinking_budget=2, thinking_end_ids=end, thinking_from_start=True)
