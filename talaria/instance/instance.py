@@ -195,21 +195,44 @@ class Instance:
 
     async def stop(self, drain: bool = True) -> None:
         """Stop taking calls; with ``drain`` serve what is queued and running first,
-        otherwise abort it. Live reservations are released."""
+        otherwise abort it. Live reservations are released.
+
+        The watchdog keeps watching while the loop winds down: an engine operation wedged
+        past ``engine_op_timeout_s`` sets ``hung`` and the stop returns without waiting for
+        it (the loop is cancelled; its thread cannot be, so the process must exit without
+        joining it: ``talaria.serving.instance_main``)."""
         self._closing = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
         if not drain:
             for pending in self.calls:
                 self.abort(pending.call.call_id)
         self.loop.stopping = True
         self.loop.wake.set()
-        if self._task is not None:
-            try:
-                await self._task
-            finally:
-                self._task = None
+        task = self._task
+        try:
+            if (task is not None and not await self._ended_or_hung(task)
+                    and self.executor.busy is not None):
+                log.error("engine_wedged_at_stop", instance=self.instance_id,
+                          op=self.executor.busy)
+                task.cancel()
+                await asyncio.wait({task})  # ends at its next await; its outcome is dropped
+                return
+            if task is not None:
+                await task  # its outcome (an exception raises here, as before)
+        finally:
+            self._task = None
+            if self._watchdog is not None:
+                self._watchdog.cancel()
         self.executor.close()
+
+    async def _ended_or_hung(self, task: asyncio.Task[None]) -> bool:
+        """Wait for the admission loop to end (True) or the watchdog to find an engine
+        operation wedged (False)."""
+        hung = asyncio.ensure_future(self.hung.wait())
+        try:
+            await asyncio.wait({task, hung}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hung.cancel()
+        return task.done()
 
     async def wait_until_stopped(self) -> None:
         """Return when the admission loop has ended: stopped, or given up after engine

@@ -110,6 +110,11 @@ def run_instance(
         app = create_instance_app(instance, settings)
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
             failed = runner.run(_serve(app, entry, ready_file, instance, reuse_port))
+        if instance.hung.is_set() and instance.executor.busy is not None:
+            # wedged while stopping (``Instance.stop``): the engine thread cannot be joined,
+            # nor the engine shut down under it; leave without either
+            log.error("instance.engine_wedged_exit", instance=entry.id)
+            os._exit(1)
     finally:
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):

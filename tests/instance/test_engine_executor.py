@@ -168,3 +168,30 @@ def test_the_watchdog_marks_an_instance_with_a_wedged_engine_unhealthy() -> None
 
     hung, healthy = run_live(main())
     assert hung and not healthy
+
+
+def test_a_stop_does_not_wait_for_an_engine_operation_wedged_past_the_timeout() -> None:
+    """Stopping while a live step never returns: the watchdog still watches, and the stop
+    returns once the operation is past ``engine_op_timeout_s`` (hung set, the loop
+    cancelled) instead of waiting for a thread nothing can interrupt."""
+    from talaria.instance.instance import Instance
+    from talaria.policies.config import preset
+
+    engine = SlowStepEngine(["a"], initial_model="a")
+
+    async def main() -> tuple[bool, float]:
+        inst = Instance("i", engine, preset("baseline", engine_op_timeout_s=0.3))
+        await inst.start()
+        inst.submit(CallRequest("c", "s", "a", list(range(10)), SamplingParams(max_tokens=2)))
+        while inst.executor.busy is None:
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.wait_for(inst.stop(drain=False), timeout=3.0)
+        took = loop.time() - began
+        hung = inst.hung.is_set()
+        engine.hold.set()  # let the thread go, so the test leaves nothing behind
+        return hung, took
+
+    hung, took = run_live(main())
+    assert hung and took < 3.0
