@@ -26,7 +26,7 @@ __all__ = ["CONVERTER_VERSION", "default_cache_dir", "gguf_cache_key", "convert_
 
 log = structlog.get_logger("engine.models.checkpoint_cache")
 
-CONVERTER_VERSION = 3  # bump when a conversion's output changes: old cache entries are ignored
+CONVERTER_VERSION = 4  # bump when a conversion's output changes: old cache entries are ignored
 SOURCE_FILE = "talaria_source.json"  # what a converted directory was made from
 
 
@@ -69,7 +69,7 @@ def convert_gguf(path: str | Path, out: str | Path, chat_template: str | None = 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                   if k in config}
-    stops = stop_token_ids(meta)  # EOS and the end-of-turn / end-of-message ids
+    stops = stop_token_ids(meta)  # EOS, end of turn and of message, as llama.cpp's
     if stops:
         generation["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))

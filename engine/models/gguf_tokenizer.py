@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-__all__ = ["build_tokenizer", "stop_token_ids", "tokenizer_config", "PRE_TOKENIZERS"]
+__all__ = ["END_OF_TURN_TEXTS", "PRE_TOKENIZERS", "build_tokenizer", "stop_token_ids", "tokenizer_config"]
 
 _CONTROL, _USER_DEFINED = 3, 4
 # ``tokenizer.ggml.<key>_token_id`` -> the tokenizer_config.json entry naming that token
@@ -85,15 +85,29 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     return tokenizer
 
 
+# Token texts llama.cpp takes for an end of turn whatever the metadata says
+# (src/llama-vocab.cpp at 971f245: "find EOT token"), since converters often leave
+# ``eot_token_id`` out: a chat model's turn ends at them.
+END_OF_TURN_TEXTS: tuple[str, ...] = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>",
+    "<｜end▁of▁sentence｜>",
+)
+
+
 def stop_token_ids(meta: dict[str, Any]) -> list[int]:
-    """The ids that end a generation, as the metadata names them: EOS, end of turn, end of
-    message (``tokenizer.ggml.{eos,eot,eom}_token_id``, part of llama.cpp's
-    end-of-generation set), in that order, without repeats."""
+    """The ids that end a generation: as the metadata names them, EOS, end of turn, end of
+    message (``tokenizer.ggml.{eos,eot,eom}_token_id``), then the vocabulary's tokens whose
+    text llama.cpp reads as an end of turn (``END_OF_TURN_TEXTS``), in id order; no repeats.
+    That is llama.cpp's end-of-generation set."""
     ids: list[int] = []
     for key in ("eos", "eot", "eom"):
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
         if value is not None and int(value) not in ids:
             ids.append(int(value))
+    texts = set(END_OF_TURN_TEXTS)
+    for token_id, text in enumerate(meta.get("tokenizer.ggml.tokens", ())):
+        if text in texts and token_id not in ids:
+            ids.append(token_id)
     return ids
 
 

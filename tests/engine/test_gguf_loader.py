@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from engine.models.checkpoint_cache import model_dir
 from engine.models.gguf_checkpoint import hf_tensor_name, unpermute_rows
-from engine.models.gguf_tokenizer import build_tokenizer
+from engine.models.gguf_tokenizer import END_OF_TURN_TEXTS, build_tokenizer
 from engine.models.tiny import write_random_checkpoint
 
 gguf = pytest.importorskip("gguf")
@@ -198,10 +198,13 @@ def test_end_of_turn_and_message_ids_stop_and_add_eos_token_appends_eos(
     write_gguf(src, tmp_path / "stops.gguf", stops=(eot, eom), add_eos=True)
     converted = model_dir(tmp_path / "stops.gguf", tmp_path / "cache")
     generation = json.loads((converted / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == [eos, eot, eom]
+    vocab = json.loads((converted / "tokenizer.json").read_text())["model"]["vocab"]
+    by_text = sorted({vocab[t] for t in END_OF_TURN_TEXTS if t in vocab} - {eos, eot, eom})
+    assert generation["eos_token_id"] == [eos, eot, eom, *by_text]
+    assert not set(by_text) & set(free[: free.index(eom) + 1])  # so eom ends the answer
     llm = LLM(str(converted), device="cpu", kv_cache_blocks=32)
     try:
-        assert llm.engine.eos_token_ids == {eos, eot, eom}
+        assert llm.engine.eos_token_ids == {eos, eot, eom, *by_text}
         [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
     finally:
         llm.shutdown()
@@ -213,3 +216,16 @@ def test_end_of_turn_and_message_ids_stop_and_add_eos_token_appends_eos(
     assert ours.encode("Hello, world!", add_special_tokens=False) == body
     plain_tok = transformers.AutoTokenizer.from_pretrained(str(plain))
     assert plain_tok.encode("Hello, world!") == body  # neither flag: nothing added
+
+
+def test_tokens_llama_cpp_reads_as_an_end_of_turn_stop_whatever_the_metadata_names() -> None:
+    """A GGUF that names only EOS still stops at ``<|im_end|>`` and ``<end_of_turn>`` (by their
+    text, as llama.cpp does), after the ids the metadata names, in id order, once each."""
+    from engine.models.gguf_tokenizer import stop_token_ids
+
+    tokens = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "hello", "<end_of_turn>",
+              "im_end", "<|im_end|> "]
+    meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 3,
+            "tokenizer.ggml.eom_token_id": 4}
+    assert stop_token_ids(meta) == [3, 4, 1, 5]
+    assert stop_token_ids({"tokenizer.ggml.tokens": ["a", "b"]}) == []
