@@ -207,8 +207,9 @@ class Instance:
 
         The operation in flight is watched while the loop winds down: one wedged past
         ``engine_op_timeout_s`` sets ``hung`` and the stop returns without waiting for it
-        (the loop is cancelled; its thread cannot be, so the process must exit without
-        joining it: ``talaria.serving.instance_main``). Only the operation in flight counts:
+        (the loop is cancelled, and every call it still had ends with an error; its thread
+        cannot be, so the process must exit without joining it:
+        ``talaria.serving.instance_main``). Only the operation in flight counts:
         ``hung`` set by an earlier one that has since returned is no reason to cancel."""
         self._closing = True
         if not drain:
@@ -223,6 +224,8 @@ class Instance:
                           op=self.executor.busy)
                 task.cancel()
                 await asyncio.wait({task})  # ends at its next await; its outcome is dropped
+                # no loop will end the calls it still had: end them here (no engine call)
+                self.loop.faults.fail_all("the instance's engine wedged while it stopped")
                 return
             if task is not None:
                 await task  # its outcome (an exception raises here, as before)

@@ -59,3 +59,33 @@ def test_a_stop_after_a_slow_operation_that_returned_still_drains() -> None:
     assert events and getattr(events[-1], "finish_reason", None) == "length"
     assert closed
 
+
+def test_a_stop_that_leaves_a_wedged_operation_behind_ends_every_call() -> None:
+    """A stop that returns without waiting for a wedged step ends the calls the cancelled
+    loop still had (running and queued), with an error: none waits for an event that no
+    loop will ever send."""
+    engine = OnceSlowEngine(["a"], initial_model="a")
+
+    async def main() -> list[list[object]]:
+        inst = Instance("i", engine, preset("baseline", engine_op_timeout_s=0.3))
+        await inst.start()
+        handles = [inst.submit(CallRequest("c", "s", "a", list(range(10)),
+                                           SamplingParams(max_tokens=2)))]
+        while inst.executor.busy is None:
+            await asyncio.sleep(0.01)
+        handles.append(inst.submit(CallRequest("d", "t", "a", list(range(10)),
+                                               SamplingParams(max_tokens=2))))
+        await asyncio.wait_for(inst.stop(drain=True), timeout=3.0)
+        assert inst.hung.is_set()
+        ended = []
+        for handle in handles:
+            events = []
+            while not handle.queue.empty():
+                events.append(handle.queue.get_nowait())
+            ended.append(events)
+        engine.hold.set()  # let the thread go, so the test leaves nothing behind
+        return ended
+
+    ended = run_live(main())
+    assert [[getattr(e, "finish_reason", None) for e in events][-1:] for events in ended] == [
+        ["error"], ["error"]]
