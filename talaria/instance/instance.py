@@ -185,22 +185,32 @@ class Instance:
         (``talaria.serving.instance_main`` exits and its supervisor restarts it)."""
         while True:
             await asyncio.sleep(min(1.0, timeout_s / 4))
-            since = self.executor.busy_since
-            if since is not None and self.now() - since > timeout_s:
-                log.error("engine_wedged", instance=self.instance_id, op=self.executor.busy,
-                          seconds=self.now() - since)
-                self.loop.healthy = False
-                self.hung.set()
+            if self._wedged(timeout_s):
                 return
+
+    def _wedged(self, timeout_s: float) -> bool:
+        """Whether the operation in flight now has run for ``timeout_s``; if so the instance
+        is marked unhealthy and ``hung`` is set."""
+        since = self.executor.busy_since
+        if since is None or self.now() - since <= timeout_s:
+            return False
+        if not self.hung.is_set():
+            log.error("engine_wedged", instance=self.instance_id, op=self.executor.busy,
+                      seconds=self.now() - since)
+        self.loop.healthy = False
+        self.hung.set()
+        return True
 
     async def stop(self, drain: bool = True) -> None:
         """Stop taking calls; with ``drain`` serve what is queued and running first,
         otherwise abort it. Live reservations are released.
 
-        The watchdog keeps watching while the loop winds down: an engine operation wedged
-        past ``engine_op_timeout_s`` sets ``hung`` and the stop returns without waiting for
-        it (the loop is cancelled; its thread cannot be, so the process must exit without
-        joining it: ``talaria.serving.instance_main``)."""
+        The operation in flight is watched while the loop winds down: one wedged past
+        ``engine_op_timeout_s`` sets ``hung`` and the stop returns without waiting for it
+        (the loop is cancelled, and every call it still had ends with an error; its thread
+        cannot be, so the process must exit without joining it:
+        ``talaria.serving.instance_main``). Only the operation in flight counts:
+        ``hung`` set by an earlier one that has since returned is no reason to cancel."""
         self._closing = True
         if not drain:
             for pending in self.calls:
@@ -209,12 +219,13 @@ class Instance:
         self.loop.wake.set()
         task = self._task
         try:
-            if (task is not None and not await self._ended_or_hung(task)
-                    and self.executor.busy is not None):
+            if task is not None and not await self._ended_or_wedged(task):
                 log.error("engine_wedged_at_stop", instance=self.instance_id,
                           op=self.executor.busy)
                 task.cancel()
                 await asyncio.wait({task})  # ends at its next await; its outcome is dropped
+                # no loop will end the calls it still had: end them here (no engine call)
+                self.loop.faults.fail_all("the instance's engine wedged while it stopped")
                 return
             if task is not None:
                 await task  # its outcome (an exception raises here, as before)
@@ -224,15 +235,20 @@ class Instance:
                 self._watchdog.cancel()
         self.executor.close()
 
-    async def _ended_or_hung(self, task: asyncio.Task[None]) -> bool:
-        """Wait for the admission loop to end (True) or the watchdog to find an engine
-        operation wedged (False)."""
-        hung = asyncio.ensure_future(self.hung.wait())
-        try:
-            await asyncio.wait({task, hung}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hung.cancel()
-        return task.done()
+    async def _ended_or_wedged(self, task: asyncio.Task[None]) -> bool:
+        """Wait for the admission loop to end (True) or the engine operation in flight to
+        wedge past ``engine_op_timeout_s`` (False; never where no watchdog watches). The
+        watchdog returns once it has set ``hung``, so the stop watches on its own: an
+        operation that started after the one the watchdog found is judged by itself."""
+        if self._watchdog is None:
+            await asyncio.wait({task})
+            return True
+        timeout_s = self.policy.engine_op_timeout_s
+        while not task.done():
+            await asyncio.wait({task}, timeout=min(1.0, timeout_s / 4))
+            if not task.done() and self._wedged(timeout_s):
+                return False
+        return True
 
     async def wait_until_stopped(self) -> None:
         """Return when the admission loop has ended: stopped, or given up after engine

@@ -153,6 +153,11 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
                         best[name][row][f] = {"value": r.values[f], "setting": chosen[row]}
         checkpoint.save(i + 1, best)
     cached = _cached(config, path)  # read again: another tuning may have written it meanwhile
+    # a row not tuned here is the cache's as it is now (a tuning of it may have ended since)
+    source = {(name, row): cached if _holds(cached, name, row) else start
+              for name in names for row in kept}
+    for (name, row), held in source.items():
+        best = _merge(best, _cached_best(held, [name], [row], "tune every row there first"))
     tuned = cached["settings"] | {name: {row: {f: v["setting"] for f, v in by_fig.items()}
                                          for row, by_fig in by_row.items()}
                                   for name, by_row in best.items()}
@@ -161,7 +166,7 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
                                  for name, by_row in best.items()}
     recorded = start.get("grids", {}) if new_points_only else {}
     ran = {name: {row: (_union(recorded.get(name, {}).get(row, []), grids[row]) if row in grids
-                        else start["grids"][name][row])
+                        else source[name, row]["grids"][name][row])
                   for row in TUNED_ROWS} for name in names}
     data = {"suite_key": suite_key(config), "criterion": "per figure, the lowest over the grid",
             "settings": tuned, "values": values, "grids": cached.get("grids", {}) | ran}
@@ -210,6 +215,11 @@ def _cached_best(cached: dict[str, Any], names: list[str], rows: list[str],
     return {name: {row: {f: {"value": cached["values"][name][row][f],
                              "setting": cached["settings"][name][row][f]} for f in FIGURES}
                    for row in rows} for name in names}
+
+
+def _holds(cached: dict[str, Any], name: str, row: str) -> bool:
+    """Whether the cache holds ``row``'s settings, values and grid in scenario ``name``."""
+    return all(row in cached.get(key, {}).get(name, {}) for key in ("settings", "values", "grids"))
 
 
 def _merge(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
