@@ -209,7 +209,8 @@ class Instance:
         ``engine_op_timeout_s`` sets ``hung`` and the stop returns without waiting for it
         (the loop is cancelled, and every call it still had ends with an error; its thread
         cannot be, so the process must exit without joining it:
-        ``talaria.serving.instance_main``). Only the operation in flight counts:
+        ``talaria.serving.instance_main``; live reservations are not released on that path,
+        as no engine call can be made). Only the operation in flight counts:
         ``hung`` set by an earlier one that has since returned is no reason to cancel."""
         self._closing = True
         if not drain:
