@@ -23,7 +23,9 @@ plane.
   - ``vllm_sleep``: one vLLM engine per model (each model's KV region is what its own weights
     leave), switched on demand by sleep mode level 1: the outgoing engine sleeps (weights
     copied to host, KV discarded), the incoming one wakes (weights copied back, CUDA graphs
-    kept), both at vLLM's measured multi-GPU efficiency of the host link; FCFS.
+    kept), both at vLLM's measured multi-GPU efficiency of the host link; FCFS. The
+    vLLM-based rows (these two, Continuum and Aegaeon) are routed as the vLLM Router routes
+    by default: cache-aware (``_VLLM_ROUTER``).
   - ``vllm_sleep_lmcache``: the same with LMCache's CPU backend: KV written through to host
     as it is computed, surviving sleep; layer-wise (``use_layerwise``), its best setting
     here: each layer retrieved before it runs and stored after it, overlapping the compute
@@ -247,20 +249,28 @@ def _peer(name: str, description: str, placement: str, policy: dict[str, Any],
                         placement, **engine)
 
 
+# The vLLM-based rows route as the vLLM Router does by default (vllm-project/router, derived
+# from SGLang's model gateway; its default policy is ``cache_aware``: the instance holding the
+# longest prefix, then load): a vLLM fleet's own router. Until 2026-12-06 they routed by load
+# only, with no source, which made vLLM sleep, Continuum and Aegaeon about 1.3x slower on four
+# servers in the development scenarios (vLLM + LMCache within 4%; docs/benchmark.md, "The
+# vLLM rows behind the vLLM Router").
+_VLLM_ROUTER = "cache_aware"
+
 PEERS: dict[str, SystemConfig] = {
     s.name: s
     for s in (
-        _peer("vllm_sleep", "vLLM engines switched by sleep mode level 1; KV dropped on sleep",
-              "load", {}, **_SLEEP),
+        _peer("vllm_sleep", "vLLM engines switched by sleep mode level 1; KV dropped on sleep; "
+              "the vLLM Router (cache-aware)", _VLLM_ROUTER, {}, **_SLEEP),
         _peer("vllm_sleep_lmcache", "vllm_sleep + LMCache CPU tier (write-through, survives "
-              "sleep; layer-wise)", "load", {}, host_kv=True, kv_tier="lmcache_layerwise",
+              "sleep; layer-wise)", _VLLM_ROUTER, {}, host_kv=True, kv_tier="lmcache_layerwise",
               **_SLEEP),
         _peer("sglang_hicache", "SGLang engines (release/resume) + HiCache host tier "
               "(flushed on release), longest-prefix-match scheduling; cache-aware router",
               "cache_aware", {"queue_order": "lpm"}, host_kv=True, kv_tier="hicache",
               **_SLEEP),
         _peer("continuum_ttl", "vllm_sleep + Continuum: KV pinned for its TTL rule, "
-              "program-level FCFS", "load",
+              "program-level FCFS", _VLLM_ROUTER,
               {"soft_reservations": True, "reservation_ttl": "continuum", "hard_pins": True,
                "queue_order": "program_fcfs"}, **_SLEEP),
         _peer("autellix", "vllm_sleep + Autellix PLAS (least attained service first, "
@@ -270,7 +280,8 @@ PEERS: dict[str, SystemConfig] = {
         # the size of a shard, which this server can only take from KV; its best setting
         # leaves it off (docs/constants.md).
         _peer("aegaeon", "token-level preemptive multi-model scheduling: short slots, KV of "
-              "calls in flight swapped to host, link-floor scale-ups", "load",
+              "calls in flight swapped to host, link-floor scale-ups; cache-aware routing",
+              _VLLM_ROUTER,
               {"preempt": True, "slot_close": "quantum", "slot_quantum_s": 4.0},
               switch="scale_up", grid="preempt"),
     )

@@ -127,6 +127,8 @@ def test_policy_catalogue_is_consistent() -> None:
     for name in ("vllm_sleep", "vllm_sleep_lmcache", "sglang_hicache", "continuum_ttl", "autellix"):
         assert PEERS[name].switch == "sleep_wake" and not PEERS[name].stable_substrate
     assert PEERS["aegaeon"].policy.preempt and PEERS["aegaeon"].switch == "scale_up"
+    # every peer routes as its stack's own router does: none by load alone
+    assert {p.placement for p in PEERS.values()} == {"cache_aware"}
     assert ABLATIONS["baseline"].with_quantum(7.0).policy.slot_quantum_s == 7.0
     assert [s.name for s in parse_policies("talaria, baseline")] == ["talaria", "baseline"]
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
