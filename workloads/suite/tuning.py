@@ -119,8 +119,7 @@ def tune_suite(config: SuiteConfig, fallback: dict[str, dict[str, Any]], *, work
     start = _cached(config, path)
     points, seed = _new_points(grids, start, names) if new_points_only else (grids, {})
     kept = [row for row in TUNED_ROWS if row not in grids]
-    if kept:
-        seed = _merge(seed, _cached_best(start, names, kept, "tune every row there first"))
+    _cached_best(start, names, kept, "tune every row there first")  # refused before any pass
     checkpoint = _Checkpoint(_partial_path(path), config, points)
     done, best = checkpoint.load()
     if not done:
