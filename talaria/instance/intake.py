@@ -192,9 +192,15 @@ class Intake:
         goes in while the engine's free blocks, less the prompts handed to it since its last
         step, hold its prompt; nothing is kept for its answer (the engine preempts when a
         decode finds no block). Pinned reservations are the engine's own pins: they yield as
-        in the budget (a hard pin only when nothing runs, Continuum's deadlock guard)."""
+        in the budget (a hard pin only when nothing runs, Continuum's deadlock guard, which
+        ``unstall`` also applies to calls already handed to the engine). The session's own
+        pinned prefix is not asked for again: as vLLM V1's ``allocate_slots``, only the
+        blocks beyond it must be free."""
         bs = max(1, self._stats().block_size)
         prompt = -(-len(pending.call.prompt_token_ids) // bs)
+        own = self.sessions.reservations.get(pending.call.session_id)
+        if own is not None and own.pinned and own.model == pending.call.model:
+            prompt = max(0, prompt - own.blocks)
         while True:
             if prompt + self.handed_blocks <= self.executor.stats().num_free_blocks:
                 self.handed_blocks += prompt
@@ -203,6 +209,24 @@ class Intake:
             if not victims or (self.policy.hard_pins and self.calls.running):
                 return Room.WAIT if self.calls.running else Room.FITS
             await self.sessions.yield_reservation(victims[0])
+
+    async def unstall(self, stats: EngineStats) -> bool:
+        """The pins' deadlock guard at the engine: calls handed to the engine wait there for
+        blocks while nothing runs, and pinned reservations of the active model hold them. A
+        vLLM-style engine admits on the blocks free when a call is handed, then its prefill
+        takes them chunk by chunk, so a call can be handed, preempted by a running call's
+        decode, and left waiting once every call in flight has ended and pinned its KV: no
+        queued call asks for room again, and without this the pins would hold until their
+        TTL. The least valuable pin yields (one per stalled step, the next step yields
+        another if the engine still cannot run); returns whether one did."""
+        model = self._active_model()
+        if stats.num_running or not stats.num_waiting or model is None:
+            return False
+        victims = self.yield_order(model, "")
+        if not victims:
+            return False
+        await self.sessions.yield_reservation(victims[0])
+        return True
 
     def yield_order(self, model: str, exclude: str) -> list[Reservation]:
         """Reservations to yield, least valuable first: the latest expected return, or under

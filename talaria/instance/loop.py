@@ -364,6 +364,8 @@ class AdmissionLoop:
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:
             self.refresh_engine_view(all_sessions=True)
         if not result.events and (result.num_steps == 0 or result.seconds <= 0):
+            if await self.intake.unstall(self.stats):
+                return
             # Nothing could run (e.g. the engine waits for memory): do not spin, and say so
             # at most every _IDLE_WARN_EVERY_S.
             self._idle_steps += 1

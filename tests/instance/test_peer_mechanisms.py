@@ -173,12 +173,6 @@ def test_device_claims() -> None:
         DeviceSchedule("random")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Intake._engine_room asks the free blocks for the whole prompt, its own pinned prefix "
-    "included, where vLLM V1 allocates only the blocks beyond it; counting them once "
-    "(3cc0186) defeated Continuum's pins under KV pressure (test_peers: recompute 431k -> "
-    "649k tokens, as soft pins; mean SCT 76.5 -> 95.2 s), so it was reverted until the "
-    "interplay with the engine's preemption is understood"))
 def test_engine_admission_does_not_count_a_sessions_own_pinned_prefix_again() -> None:
     """Continuum's row (the engine's own admission, hard pins): session s's 60 blocks stay
     pinned after its call; its next call (61 blocks, 60 of them its pinned prefix) needs one
@@ -210,3 +204,36 @@ def test_engine_admission_does_not_count_a_sessions_own_pinned_prefix_again() ->
     assert first is not None and r_done is not None
     assert first < r_done
     assert first - sent <= 0.2  # one loop turn and a step
+
+
+@pytest.mark.parametrize("hard", [True, False])
+def test_a_hard_pin_holds_while_a_call_runs_and_a_soft_one_yields(hard: bool) -> None:
+    """Continuum's pins under the engine's own admission: session s's 60 blocks stay pinned
+    after its call; another session's 50-block call finds 39 blocks free beside r's call in
+    flight. A hard pin holds while r runs (Continuum's deadlock guard yields it only when
+    nothing runs), so x starts once r has ended; a soft one yields at once."""
+    from workloads.replay.systems import PEERS
+
+    policy = PEERS["continuum_ttl"].policy.with_(reservation_ttl="fixed",
+                                                 reservation_ttl_s=1000.0, hard_pins=hard)
+
+    async def main() -> tuple[float, float | None, float | None, int]:
+        inst = Instance("i", FakeEngine(["a"], num_blocks=100, block_size=16,
+                                        initial_model="a"), policy)
+        await inst.start()
+        try:
+            await run_call(inst, call("s#0", "s", "a", 60 * 16 - 1, max_tokens=1, gap=100.0))
+            r = asyncio.create_task(run_call(inst, call("r#0", "r", "a", 16, max_tokens=50)))
+            await asyncio.sleep(0.5)
+            x = await run_call(inst, call("x#0", "x", "a", 50 * 16, max_tokens=1))
+            return x.sent, x.first, (await r).done, inst.counters["reservations_yielded"]
+        finally:
+            await inst.stop()
+
+    sent, first, r_done, yielded = run_virtual(main())
+    assert first is not None and r_done is not None
+    assert yielded == 1
+    if hard:
+        assert first >= r_done
+    else:
+        assert first - sent <= 0.2

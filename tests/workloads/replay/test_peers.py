@@ -86,13 +86,14 @@ def test_continuum_pins_keep_kv_through_tool_calls_under_pressure() -> None:
     pinned, continuum = _run(PEERS["continuum_ttl"].with_setting(**DRAINED), trace, spec)
     assert continuum.counters["reservations"] > 0
     # under the engine's own admission a decode that finds no block still preempts (and
-    # recomputes) a call, pins or not: the pins save about a third here
-    assert continuum.tokens_recomputed < plain.tokens_recomputed * 0.75
-    assert continuum.sct_mean_s < plain.sct_mean_s
-    # Pins that yield to every call needing room (soft reservations) would keep nothing.
-    soft = PEERS["continuum_ttl"].with_setting(**DRAINED).with_policy(hard_pins=False)
-    _, soft_st = _run(soft, trace, spec)
-    assert soft_st.tokens_recomputed > continuum.tokens_recomputed
+    # recomputes) a call, pins or not: the pins save more than half here
+    assert continuum.tokens_recomputed < plain.tokens_recomputed * 0.5
+    assert continuum.sct_mean_s < plain.sct_mean_s * 0.7
+    # A call handed to the engine, preempted by a running call's decode, then left waiting
+    # there once the calls in flight ended and pinned their KV, makes pins yield (the
+    # deadlock guard: nothing runs); before, they held until their TTL (mean SCT 76.5 s
+    # against 49.4, no pin ever yielded).
+    assert continuum.counters["reservations_yielded"] > 0
 
 
 def test_autellix_serves_the_least_served_model_next() -> None:
