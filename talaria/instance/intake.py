@@ -197,12 +197,14 @@ class Intake:
         pinned prefix is not asked for again: as vLLM V1's ``allocate_slots``, only the
         blocks beyond it must be free."""
         bs = max(1, self._stats().block_size)
-        prompt = -(-len(pending.call.prompt_token_ids) // bs)
+        prompt = new = -(-len(pending.call.prompt_token_ids) // bs)
         own = self.sessions.reservations.get(pending.call.session_id)
         if own is not None and own.pinned and own.model == pending.call.model:
-            prompt = max(0, prompt - own.blocks)
+            new = max(0, prompt - own.blocks)
         while True:
-            if prompt + self.handed_blocks <= self.executor.stats().num_free_blocks:
+            if new + self.handed_blocks <= self.executor.stats().num_free_blocks:
+                # the whole prompt: admission releases the session's pin (``on_admit``), and
+                # the engine counts those blocks free until the call's prefill takes them back
                 self.handed_blocks += prompt
                 return Room.FITS
             victims = self.yield_order(pending.call.model, pending.call.session_id)

@@ -9,8 +9,9 @@ import math
 
 import pytest
 from fake_engine import FakeEngine
-from instance_helpers import call, late_continuation, run_call
+from instance_helpers import Timed, call, late_continuation, run_call
 
+from engine.interface import EngineRequest
 from talaria.clock import run_virtual
 from talaria.instance.instance import Instance
 from talaria.instance.time_split import DEVICE_WAIT, IDLE, SWITCH, TimeSplit, serving
@@ -237,3 +238,64 @@ def test_a_hard_pin_holds_while_a_call_runs_and_a_soft_one_yields(hard: bool) ->
         assert first >= r_done
     else:
         assert first - sent <= 0.2
+
+
+
+def test_engine_admission_counts_a_released_pin_as_taken() -> None:
+    """Continuum's row on the simulated engine (100 blocks of 64 tokens, the vLLM-style
+    scheduler): s's 60 blocks stay pinned after its call; s's next call needs one block
+    beyond them and is handed to the engine, which releases the pin, so the engine reports
+    those 60 blocks free until s's prefill takes them back. x (50 blocks), queued behind s
+    in the same admission pass, must not be handed on them: beside r, 37 blocks are left.
+    Handed, x would wait in the engine, where no pin yields to it while r runs, instead of
+    in the instance's queue; with chunked prefill it would start there and be preempted."""
+    from engine.sampling_params import SamplingParams
+    from engine.sim.engine import SimEngine, SimEngineConfig
+    from talaria.protocol import CallRequest
+    from workloads.replay.systems import PEERS
+
+    model, bs = "mistral-large-2407", 64
+    policy = PEERS["continuum_ttl"].policy.with_(reservation_ttl="fixed",
+                                                 reservation_ttl_s=1000.0)
+
+    def req(call_id: str, session: str, prompt: list[int], max_tokens: int) -> CallRequest:
+        return CallRequest(call_id, session, model, prompt, SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True), expected_gap_s=1.0)
+
+    def tokens(n: int, start: int) -> list[int]:
+        return [start + i for i in range(n)]
+
+    async def main() -> tuple[Timed, dict[str, float]]:
+        loop = asyncio.get_running_loop()
+        engine = SimEngine([model], SimEngineConfig(kv_tokens=100 * bs, host_kv_bytes=0,
+                                                    staging=False), clock=loop.time)
+        engine.activate(model)
+        handed: dict[str, float] = {}
+        add = engine.add_request
+
+        def record(request: EngineRequest) -> None:
+            handed[request.request_id] = loop.time()
+            add(request)
+        engine.add_request = record  # type: ignore[method-assign]
+        inst = Instance("i", engine, policy)
+        await inst.start()
+        try:
+            prompt = tokens(60 * bs, 1)
+            s0 = await run_call(inst, req("s#0", "s", prompt, 1))
+            res = inst.loop.sessions.reservations.get("s")
+            assert res is not None and res.pinned and res.blocks == 60
+            r = asyncio.create_task(run_call(inst, req("r#0", "r", tokens(bs, 20_000), 3000)))
+            await asyncio.sleep(0.5)
+            prompt += s0.last.token_ids + tokens(bs - 1, 25_000)
+            s1 = asyncio.create_task(run_call(inst, req("s#1", "s", prompt, 3)))
+            x = asyncio.create_task(run_call(inst, req("x#0", "x", tokens(50 * bs, 10_000), 1)))
+            s1_t = await s1
+            await x
+            await r
+            return s1_t, handed
+        finally:
+            await inst.stop()
+
+    s1, handed = run_virtual(main())
+    assert s1.done is not None and handed["s#1"] - s1.sent <= 0.2
+    assert handed["x#0"] > s1.done
