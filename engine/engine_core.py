@@ -168,6 +168,7 @@ class EngineCore:
             seconds=time.perf_counter() - start,
             num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens,
+            num_steps=0 if out.is_empty else 1,  # nothing could run (e.g. blocks pinned)
         )
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:

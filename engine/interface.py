@@ -68,7 +68,8 @@ class StepResult:
     num_decode_tokens: int = 0
     # Engine steps this result stands for: the simulated engine fuses consecutive
     # decode-only steps (then ``seconds`` is their sum and every running request gets up to
-    # ``num_steps`` tokens); the simulated engine reports 0 when nothing ran.
+    # ``num_steps`` tokens); an engine reports 0 when nothing ran (the admission loop backs
+    # off, and its deadlock guard makes a pin yield when calls wait with none running).
     num_steps: int = 1
 
 

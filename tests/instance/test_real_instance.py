@@ -91,3 +91,39 @@ async def test_a_burst_under_kv_pressure_runs_on_the_lent_staging_region(
     assert lent["staging_lends"] == 1 and "staging_lends" not in plain
     assert plain_blocks == NUM_BLOCKS < lent_blocks
     assert with_lending == without and all(len(out) == 10 for out in with_lending)
+
+
+async def test_a_call_stalled_in_the_live_engine_makes_a_pin_yield(
+    tiny_models: dict[str, Path],
+) -> None:
+    """Continuum's row on the live engine (96 blocks of 4 tokens): s's 49 blocks stay
+    pinned (hard) after its call; x's prompt (30 blocks) fits the 47 free, so it is handed,
+    but its answer grows it to 55: its decode finds no block and preempts x itself, which
+    then waits in the engine with nothing running. The engine's step that ran nothing must
+    read as one (``num_steps`` 0) for the deadlock guard to make s's pin yield; otherwise x
+    waits for the pin's TTL (1000 s)."""
+    import asyncio
+
+    from workloads.replay.systems import PEERS
+
+    policy = PEERS["continuum_ttl"].policy.with_(reservation_ttl="fixed",
+                                                 reservation_ttl_s=1000.0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    inst = Instance("i", real_engine(tiny_models), policy)
+    await inst.start()
+    try:
+        s = CallRequest("s#0", "s", LLAMA, [(i * 7) % 400 + 2 for i in range(199)], params,
+                        expected_gap_s=1.0)
+        await inst.submit(s).collect()
+        res = inst.loop.sessions.reservations.get("s")
+        assert res is not None and res.pinned and res.blocks == 49
+        x = inst.submit(call("x", LLAMA, max_tokens=100, n=120))
+        try:
+            events = await asyncio.wait_for(x.collect(), timeout=30.0)
+        except TimeoutError:
+            x.abort()  # else stopping waits for it
+            raise AssertionError("x waited in the engine for the pin's TTL") from None
+        assert events[-1].finish_reason == "length", events[-1]
+        assert inst.counters["reservations_yielded"] == 1
+    finally:
+        await inst.stop()
