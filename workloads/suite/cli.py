@@ -14,7 +14,8 @@ times the same sessions' p95 alone, searched on one server (quick suite: two bis
 on one and four (full: three), each probe running a row at each of its p95 settings of the
 trace's Poisson scenarios (one per load) and keeping the best; and per row the servers needed at one rate: the capacity trace's saturation rate
 on the suite's largest server count (the baseline's burst throughput there), the load at
-which that many baseline servers are just busy.
+which that many baseline servers are just busy, each probe running the row at its p95
+settings of the trace's Poisson scenarios on every server count.
 """
 
 from __future__ import annotations
@@ -240,6 +241,17 @@ def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAP
                 found.append(setting)
         return found
 
+    def every_setting(row: str) -> list[dict[str, Any]]:
+        """The row's p95 settings in the trace's scenarios on every server count, the
+        largest cluster's first, each once: a servers-needed probe runs anywhere from one
+        server up, so a setting the row took on one server may serve it best there too
+        (with the largest cluster's settings alone, vLLM + LMCache and Autellix ran their
+        7.5 s slots at the higher rate, which serves it worse: stop 70)."""
+        found: list[dict[str, Any]] = []
+        for n in sorted(cfg.servers, reverse=True):
+            found += [s for s in settings_for(row, n) if s not in found]
+        return found
+
     servers = tuple(n for n in cfg.servers if n in search_servers) or (min(cfg.servers),)
     rates = rate_capacity(rows, drawn, cfg.spec_for, servers, saturation.__getitem__,
                           settings_for, config, seed=cfg.seed, workers=workers,
@@ -248,7 +260,7 @@ def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAP
     one = rates[str(min(servers))]
     guess = {row: one[row]["sessions_per_s"] / min(servers) for row in rows}
     needed = servers_needed(rows, drawn, cfg.spec_for, saturation[largest],
-                            lambda row: settings_for(row, largest), config, estimate=guess,
+                            every_setting, config, estimate=guess,
                             seed=cfg.seed, workers=workers, progress=progress)
     return {"trace": trace, "sessions": sessions, "slo_factor": config.slo_factor,
             "servers": rates,

@@ -192,3 +192,42 @@ def test_the_suites_capacity_searches_one_server_and_sizes_the_cluster() -> None
     assert need["sessions_per_s"] == suite.saturation["claude-code/2srv"]
     for row, v in need["rows"].items():
         assert 1 <= v["servers"] <= 2 and v["probes"], row
+
+
+def test_servers_needed_probes_every_p95_setting_the_row_took_on_any_server_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A servers-needed probe runs from one server up, so the row may take the p95 setting of
+    any of the trace's scenarios: the largest cluster's first, then the one-server ones."""
+    import workloads.suite.cli as cli
+    from workloads.suite.run import SuiteResult, SuiteSettings
+    from workloads.suite.scenarios import Scenario, SuiteConfig
+
+    config = SuiteConfig(traces=("claude-code",), loads=(0.5, 1.0), servers=(1, 4))
+    setting = {n: {load: {"slot_close": "drained", "slot_quantum_s": q}
+                   for load, q in ((0.5, 60.0 * n), (1.0, 7.5 if n == 4 else 60.0))}
+               for n in (1, 4)}
+    figures = ("p50", "p95", "mean")
+    tuned = {Scenario("claude-code", n, load).name: {"baseline": {f: setting[n][load]
+                                                                  for f in figures}}
+             for n in (1, 4) for load in (0.5, 1.0)}
+    suite = SuiteResult(config, {}, {"claude-code/1srv": 0.01, "claude-code/4srv": 0.04})
+    seen: dict[str, list[dict[str, object]]] = {}
+
+    def rate_capacity(rows: tuple[str, ...], *_args: object, **_kw: object) -> dict[str, object]:
+        return {"1": {row: {"sessions_per_s": 0.01} for row in rows}}
+
+    def servers_needed(rows: tuple[str, ...], _sessions: object, _spec_for: object, _rate: float,
+                       settings_for: Callable[[str], list[dict[str, object]]], *_a: object,
+                       **_kw: object) -> dict[str, object]:
+        seen.update({row: settings_for(row) for row in rows})
+        return {row: {"servers": 1} for row in rows}
+
+    monkeypatch.setattr(cli, "rate_capacity", rate_capacity)
+    monkeypatch.setattr(cli, "servers_needed", servers_needed)
+    monkeypatch.setattr(cli, "draw_sessions", lambda *_a, **_kw: [])
+    cli.capacity(suite, SuiteSettings(tuned=tuned), rows=("baseline",))
+    assert seen["baseline"] == [
+        {"slot_close": "drained", "slot_quantum_s": 7.5},  # 4 servers, load 1.0
+        {"slot_close": "drained", "slot_quantum_s": 240.0},  # 4 servers, load 0.5
+        {"slot_close": "drained", "slot_quantum_s": 60.0},  # 1 server, both loads
+    ]
