@@ -224,15 +224,16 @@ class Intake:
         model = self._active_model()
         if stats.num_running or not stats.num_waiting or model is None:
             return False
-        victims = self.yield_order(model, "")
+        victims = self.yield_order(model)
         if not victims:
             return False
         await self.sessions.yield_reservation(victims[0])
         return True
 
-    def yield_order(self, model: str, exclude: str) -> list[Reservation]:
+    def yield_order(self, model: str, exclude: str | None = None) -> list[Reservation]:
         """Reservations to yield, least valuable first: the latest expected return, or under
-        session priority the session that comes last (the latest return among equals)."""
+        session priority the session that comes last (the latest return among equals);
+        ``exclude``: a session whose own reservation is not a candidate."""
         victims = self.sessions.reservations.yield_order(model, exclude=exclude)
         if not self.policy.session_priority or len(victims) < 2:
             return victims

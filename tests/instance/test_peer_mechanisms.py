@@ -240,7 +240,6 @@ def test_a_hard_pin_holds_while_a_call_runs_and_a_soft_one_yields(hard: bool) ->
         assert first - sent <= 0.2
 
 
-
 def test_engine_admission_counts_a_released_pin_as_taken() -> None:
     """Continuum's row on the simulated engine (100 blocks of 64 tokens, the vLLM-style
     scheduler): s's 60 blocks stay pinned after its call; s's next call needs one block
