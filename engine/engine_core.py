@@ -104,7 +104,8 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         validate_prompt(rid, prompt, self.max_model_len, self.vocab_size)
         validate_forced_ids(rid, request.params, self.vocab_size)
-        req = Request(rid, prompt, request.params, session_id=request.session_id)
+        req = Request(rid, prompt, request.params, session_id=request.session_id,
+                      priority=request.priority)
         self.scheduler.add_request(req)
         if request.params.seed is not None:
             gen = torch.Generator(device=self.runner.device)

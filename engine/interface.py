@@ -38,6 +38,9 @@ class EngineRequest:
     model: str | None = None  # multi-model engines check it is the active model
     session_id: str | None = None  # lets the engine account / offload KV per session
     prompt_chain: BlockChain | None = None  # the prompt's hashes, when its sender has them
+    # under KV pressure the running request with the largest value is preempted first, the
+    # latest admitted among equals (engine.scheduler): vLLM's priority policy's order
+    priority: float = 0.0
 
 
 @dataclass

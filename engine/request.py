@@ -95,6 +95,7 @@ class Request:
     prompt_token_ids: Sequence[int]  # read only: shared with the call it serves, never changed
     params: SamplingParams
     session_id: str | None = None
+    priority: float = 0.0  # under KV pressure the largest is preempted first (``Scheduler``)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -4,8 +4,11 @@ Torch-free. Each ``schedule`` call spends a token budget: running requests first
 and the next chunk of prefills already started), in admission order; then, if nothing was
 preempted, waiting requests in arrival order (preempted ones go back to the front), each
 after a prefix-cache lookup, with a prefill chunk that fits the remaining budget. When a
-running request cannot get a block, the most recently admitted running request is
-preempted (blocks freed, recomputed later) until it can.
+running request cannot get a block, the running request with the largest ``priority`` value
+is preempted (blocks freed, recomputed later) until it can, the most recently admitted
+among equals: with every priority equal (the default) that is vLLM V1's FCFS
+(``self.running.pop()``), and a larger value preempted first is its priority policy's
+``max(self.running, key=(priority, arrival_time))`` (vllm/v1/core/sched/scheduler.py).
 
 The caller runs the step, then calls ``update_after_step`` (the scheduled tokens' KV is now
 computed) and appends sampled tokens / finishes requests through ``finish_request``.
@@ -62,6 +65,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def _priority(request: Request) -> float:
+    return request.priority
 
 
 class Scheduler:
@@ -145,13 +152,17 @@ class Scheduler:
                 i += 1
                 continue
             while not allocate(request, num_new):
-                victim = running[-1]
+                victim = max(reversed(running), key=_priority)  # the last of the largest
+                scheduled_already = running.index(victim) < i
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
+                if scheduled_already:  # ranked ahead of it, so run earlier this step: undo
+                    budget += self._unschedule(out, victim)
+                    i -= 1
             if request.status != RequestStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
+                break  # it preempted itself (as vLLM's priority policy, nothing after it runs)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
             i += 1
@@ -194,6 +205,18 @@ class Scheduler:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        """Take a request preempted after it was scheduled this step out of ``out`` (its
+        blocks are free now, maybe another's already): the tokens it had."""
+        k = next(k for k, x in enumerate(out.scheduled) if x.request is request)
+        gone = out.scheduled.pop(k)
+        if gone.samples and gone.num_new_tokens == 1 and request.output_token_ids:
+            out.num_decode_tokens -= 1
+        else:
+            out.num_prefill_tokens -= gone.num_new_tokens
+        return gone.num_new_tokens
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, back to the front of the waiting queue."""

@@ -143,7 +143,7 @@ class SimEngine(ServesModels):
         rid = request.request_id
         self.served.resolve_model(request)
         assert self.scheduler is not None  # a model is active
-        req = Request(rid, request.prompt_token_ids, request.params, request.session_id)
+        req = Request(rid, request.prompt_token_ids, request.params, request.session_id, request.priority)
         # Tokens of the session's previous call were checked then: check only the rest.
         req.block_hashes, checked = self.sessions.prompt_hashes(req, request.prompt_chain)
         self.served.check_request(request, self.scheduler.requests,

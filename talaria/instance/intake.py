@@ -123,6 +123,8 @@ class Intake:
             self.counters["departed"] += 1
             self.finish(pending, "abort", None)
             return
+        # the engine preempts the largest first: the session that arrived last (Continuum)
+        program = self.policy.engine_preempt == "program"
         try:
             self.executor.add_request(
                 EngineRequest(
@@ -132,6 +134,8 @@ class Intake:
                     model=call.model,
                     session_id=call.session_id,
                     prompt_chain=call.prompt_chain,
+                    priority=self.sessions.service(call.session_id, 0.0).first_arrival
+                    if program else 0.0,
                 )
             )
         except ValueError as exc:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 __all__ = [
-    "ADMISSIONS", "LADDER", "LEAVE_ONE_OUT", "MECHANISMS", "MODEL_ORDERS", "PolicyConfig", "PRESETS",
+    "ADMISSIONS", "ENGINE_PREEMPTS", "LADDER", "LEAVE_ONE_OUT", "MECHANISMS", "MODEL_ORDERS", "PolicyConfig", "PRESETS",
     "QUEUE_ORDERS", "RESERVATION_TTLS", "Rung", "SLOT_CLOSE_RULES", "TALARIA_SETTING", "preset",
 ]
 
@@ -38,6 +38,14 @@ RESERVATION_TTLS = ("fixed", "continuum")
 # blocks hold the prompt, no room kept for the answer; a decode that finds no block preempts
 # the latest admitted call, recomputed later: vllm/v1/core/sched/scheduler.py).
 ADMISSIONS = ("budget", "engine")
+# Which running call the engine preempts when a decode finds no free KV block: the latest
+# admitted (vLLM V1's FCFS); or the one whose session arrived last (program-level), as
+# Continuum's scheduler picks its victim: ``pop_running_request_based_on_last_step`` in
+# vllm/v1/core/sched/scheduler.py of the paper's code (Hanchenli's vllm-continuum, commit
+# 69fa78b, read from the fork Whrlicht/vllm-continuum) preempts the running request whose
+# job first arrived latest; its ``is_last_step`` exemption is for an agent's step limit,
+# which no trace here reaches.
+ENGINE_PREEMPTS = ("admitted", "program")
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,7 @@ class PolicyConfig:
     gap_ewma_alpha: float = 0.5
     # admission budget
     admission: str = "budget"  # ADMISSIONS: Talaria's budget, or the engine's own
+    engine_preempt: str = "admitted"  # ENGINE_PREEMPTS: whose call the engine preempts
     max_queue_calls: int = 1024  # queued (not yet admitted) calls beyond which Overloaded
     max_running_calls: int = 256
     # measured rates
@@ -141,7 +150,7 @@ class PolicyConfig:
                 raise ValueError(f"PolicyConfig.{f.name} must be a bool, got {value!r}")
         for key, allowed in (("slot_close", SLOT_CLOSE_RULES), ("queue_order", QUEUE_ORDERS),
                              ("model_order", MODEL_ORDERS), ("reservation_ttl", RESERVATION_TTLS),
-                             ("admission", ADMISSIONS)):
+                             ("admission", ADMISSIONS), ("engine_preempt", ENGINE_PREEMPTS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"PolicyConfig.{key} must be one of {allowed}, got "
                                  f"{getattr(self, key)!r}")

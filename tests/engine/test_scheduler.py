@@ -104,6 +104,61 @@ def test_preemption_frees_blocks_and_recomputes() -> None:
     assert s.kv.num_free_blocks == 4 and s.num_preemptions == 1
 
 
+def test_preemption_takes_the_largest_priority_then_the_latest_admitted() -> None:
+    # Three running requests of 2 blocks each in a 6-block pool; "a" needs a third block.
+    s = make(num_blocks=6, budget=64)
+    ranked = {"a": 5.0, "b": 9.0, "c": 1.0}
+    for i, rid in enumerate("abc"):
+        r = req(rid, 8, max_tokens=6, base=50 * i)
+        r.priority = ranked[rid]
+        s.add_request(r)
+    step(s)
+    assert s.kv.num_free_blocks == 0
+    out = step(s)
+    assert out.preempted_ids == ["b"]  # the largest, though admitted second (FCFS takes "c")
+    # among equals, the latest admitted: FCFS as before
+    s2 = make(num_blocks=6, budget=64)
+    for i, rid in enumerate("abc"):
+        r = req(rid, 8, max_tokens=6, base=50 * i)
+        r.priority = 3.0 if rid != "a" else 0.0
+        s2.add_request(r)
+    step(s2)
+    assert step(s2).preempted_ids == ["c"]
+
+
+def test_a_request_that_ranks_largest_preempts_itself() -> None:
+    s = make(num_blocks=4, budget=64)
+    first, second = req("a", 8, max_tokens=6), req("b", 8, max_tokens=6, base=50)
+    first.priority = 2.0  # "a" needs a block and is itself the one to go
+    s.add_request(first)
+    s.add_request(second)
+    step(s)
+    out = step(s)
+    assert out.preempted_ids == ["a"] and out.is_empty  # nothing after it runs (vLLM's rule)
+    assert first.status == RequestStatus.PREEMPTED and s.waiting[0] is first
+    assert [x.request_id for x in step(s).scheduled] == ["b"]
+
+
+def test_a_victim_scheduled_earlier_in_the_step_is_taken_back() -> None:
+    # "a" (7 tokens) decodes within its second block; "b" (8) needs a third: the pool is full,
+    # and "a", ranked to go first, was already scheduled this step.
+    s = make(num_blocks=4, budget=64)
+    a, b = req("a", 7, max_tokens=3), req("b", 8, max_tokens=3, base=50)
+    a.priority = 1.0
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    out = step(s)
+    assert out.preempted_ids == ["a"]
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1)]
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (1, 0)
+    assert s.kv.block_ids("b") and not s.kv.holds_blocks("a")
+    while s.has_unfinished():
+        step(s)
+    assert a.num_output_tokens == b.num_output_tokens == 3
+    assert s.kv.num_free_blocks == 4
+
+
 def test_abort_at_any_time_frees_every_block() -> None:
     s = make(num_blocks=8, budget=6)
     s.add_request(req("a", 10))
@@ -155,27 +210,49 @@ def check_invariants(s: Scheduler) -> None:
     assert len(s.running) <= s.max_num_seqs
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step"]), st.integers(0, 59))))
-def test_random_workload_keeps_block_accounting(program: list[tuple[str, int]]) -> None:
+def checked_step(s: Scheduler) -> None:
+    """A step whose every scheduled request runs on blocks it holds for all its new tokens
+    (a request preempted after it was scheduled would run on freed blocks)."""
+    out = s.schedule()
+    for x in out.scheduled:
+        assert x.request.status == RequestStatus.RUNNING
+        assert len(s.kv.block_ids(x.request_id)) * BS >= x.num_computed_tokens + x.num_new_tokens
+    assert out.num_tokens == out.num_decode_tokens + out.num_prefill_tokens <= s.max_num_batched_tokens
+    s.update_after_step(out)
+    for x in out.scheduled:
+        r = x.request
+        if x.samples:
+            r.output_token_ids.append(7)
+            if r.num_output_tokens >= r.params.max_tokens:
+                s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step"]), st.integers(0, 59))),
+       st.booleans())
+def test_random_workload_keeps_block_accounting(program: list[tuple[str, int]],
+                                                ranked: bool) -> None:
     s = make(num_blocks=10, budget=8, max_seqs=3)
     n = 0
     for op, arg in program:
         if op == "add":
             # Three prompt families share prefixes, so prefix hits happen.
-            s.add_request(req(f"r{n}", arg % 20 + 1, max_tokens=arg % 5 + 1, base=100 * (arg % 3)))
+            r = req(f"r{n}", arg % 20 + 1, max_tokens=arg % 5 + 1 + 4 * ranked,
+                    base=100 * (arg % 3))
+            r.priority = float(arg % 4) if ranked else 0.0  # preempted largest first
+            s.add_request(r)
             n += 1
         elif op == "abort" and s.requests:
             s.finish_request(
                 sorted(s.requests)[arg % len(s.requests)], RequestStatus.FINISHED_ABORTED
             )
         else:
-            step(s)
+            checked_step(s)
         check_invariants(s)
     for _ in range(500):
         if not s.has_unfinished():
             break
-        step(s)
+        checked_step(s)
         check_invariants(s)
     assert not s.has_unfinished()
     assert s.kv.num_free_blocks == 10

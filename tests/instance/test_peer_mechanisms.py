@@ -12,6 +12,9 @@ from fake_engine import FakeEngine
 from instance_helpers import Timed, call, late_continuation, run_call
 
 from engine.interface import EngineRequest
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.sim.engine import SimEngine, SimEngineConfig
 from talaria.clock import run_virtual
 from talaria.instance.instance import Instance
 from talaria.instance.time_split import DEVICE_WAIT, IDLE, SWITCH, TimeSplit, serving
@@ -19,6 +22,7 @@ from talaria.policies.config import PolicyConfig, preset
 from talaria.policies.priority import Service, next_model, priority_key
 from talaria.policies.round_scheduler import RoundScheduler, slot_closes
 from talaria.policies.ttl import MIN_SAMPLES, continuum_ttl
+from talaria.protocol import CallRequest
 from workloads.bounds.shared_device import DeviceSchedule, SharedDevice, claim
 
 
@@ -240,6 +244,31 @@ def test_a_hard_pin_holds_while_a_call_runs_and_a_soft_one_yields(hard: bool) ->
         assert first - sent <= 0.2
 
 
+SIM_MODEL, SIM_BLOCK = "mistral-large-2407", 64
+
+
+def _sim_call(call_id: str, session: str, prompt: list[int], max_tokens: int,
+              gap: float | None = None) -> CallRequest:
+    return CallRequest(call_id, session, SIM_MODEL, prompt, SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True), expected_gap_s=gap)
+
+
+def _sim_engine(handed: dict[str, EngineRequest]) -> SimEngine:
+    """The simulated engine with 100 blocks of 64 tokens, its model active, on the running
+    loop's clock; ``handed`` gets each request it is given."""
+    engine = SimEngine([SIM_MODEL], SimEngineConfig(kv_tokens=100 * SIM_BLOCK, host_kv_bytes=0,
+                                                    staging=False),
+                       clock=asyncio.get_running_loop().time)
+    engine.activate(SIM_MODEL)
+    add = engine.add_request
+
+    def record(request: EngineRequest) -> None:
+        handed[request.request_id] = request
+        add(request)
+    engine.add_request = record  # type: ignore[method-assign]
+    return engine
+
+
 def test_engine_admission_counts_a_released_pin_as_taken() -> None:
     """Continuum's row on the simulated engine (100 blocks of 64 tokens, the vLLM-style
     scheduler): s's 60 blocks stay pinned after its call; s's next call needs one block
@@ -248,34 +277,28 @@ def test_engine_admission_counts_a_released_pin_as_taken() -> None:
     in the same admission pass, must not be handed on them: beside r, 37 blocks are left.
     Handed, x would wait in the engine, where no pin yields to it while r runs, instead of
     in the instance's queue; with chunked prefill it would start there and be preempted."""
-    from engine.sampling_params import SamplingParams
-    from engine.sim.engine import SimEngine, SimEngineConfig
-    from talaria.protocol import CallRequest
     from workloads.replay.systems import PEERS
 
-    model, bs = "mistral-large-2407", 64
+    bs = SIM_BLOCK
     policy = PEERS["continuum_ttl"].policy.with_(reservation_ttl="fixed",
                                                  reservation_ttl_s=1000.0)
 
     def req(call_id: str, session: str, prompt: list[int], max_tokens: int) -> CallRequest:
-        return CallRequest(call_id, session, model, prompt, SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True), expected_gap_s=1.0)
+        return _sim_call(call_id, session, prompt, max_tokens, gap=1.0)
 
     def tokens(n: int, start: int) -> list[int]:
         return [start + i for i in range(n)]
 
     async def main() -> tuple[Timed, dict[str, float]]:
         loop = asyncio.get_running_loop()
-        engine = SimEngine([model], SimEngineConfig(kv_tokens=100 * bs, host_kv_bytes=0,
-                                                    staging=False), clock=loop.time)
-        engine.activate(model)
         handed: dict[str, float] = {}
+        engine = _sim_engine({})
         add = engine.add_request
 
-        def record(request: EngineRequest) -> None:
+        def when(request: EngineRequest) -> None:
             handed[request.request_id] = loop.time()
             add(request)
-        engine.add_request = record  # type: ignore[method-assign]
+        engine.add_request = when  # type: ignore[method-assign]
         inst = Instance("i", engine, policy)
         await inst.start()
         try:
@@ -298,3 +321,55 @@ def test_engine_admission_counts_a_released_pin_as_taken() -> None:
     s1, handed = run_virtual(main())
     assert s1.done is not None and handed["s#1"] - s1.sent <= 0.2
     assert handed["x#0"] > s1.done
+
+
+@pytest.mark.parametrize(("order", "victim"), [("admitted", "old#1"), ("program", "new#0")])
+def test_continuums_engine_preempts_the_session_that_arrived_last(order: str,
+                                                                  victim: str) -> None:
+    """The simulated engine (100 blocks of 64 tokens) with two calls decoding 2000 tokens each
+    past what it holds: old's second call, admitted after new's first, is preempted under
+    vLLM V1's FCFS (the latest admitted); Continuum's scheduler preempts by program order,
+    the call of the session that arrived last (``engine_preempt="program"``). Each call
+    carries its session's first arrival to the engine."""
+    from workloads.replay.systems import PEERS
+
+    bs = SIM_BLOCK
+    policy = PEERS["continuum_ttl"].policy.with_(soft_reservations=False, engine_preempt=order)
+    assert PEERS["continuum_ttl"].policy.engine_preempt == "program"
+    req = _sim_call
+
+    async def main() -> tuple[list[str], dict[str, float]]:
+        handed: dict[str, EngineRequest] = {}
+        engine = _sim_engine(handed)
+        inst = Instance("i", engine, policy)
+        await inst.start()
+        scheduler = engine.scheduler
+        assert scheduler is not None
+        victims: list[str] = []
+        preempt = scheduler._preempt
+
+        def recorded(request: Request) -> None:
+            victims.append(request.request_id)
+            preempt(request)
+        scheduler._preempt = recorded  # type: ignore[method-assign]
+        try:
+            old = list(range(1, 40 * bs + 1))
+            old0 = await run_call(inst, req("old#0", "old", old, 1))
+            await asyncio.sleep(0.5)
+            new0 = asyncio.create_task(run_call(inst, req(
+                "new#0", "new", list(range(20_000, 20_000 + 30 * bs)), 2000)))
+            await asyncio.sleep(0.5)
+            old1 = asyncio.create_task(run_call(inst, req(
+                "old#1", "old", old + old0.last.token_ids + [7] * 63, 2000)))
+            await new0
+            await old1
+            return victims, {rid: r.priority for rid, r in handed.items()}
+        finally:
+            await inst.stop()
+
+    victims, priorities = run_virtual(main())
+    assert victims and victims[0] == victim
+    if order == "program":
+        assert priorities["old#1"] == priorities["old#0"] < priorities["new#0"]
+    else:
+        assert set(priorities.values()) == {0.0}

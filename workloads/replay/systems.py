@@ -38,7 +38,12 @@ plane.
     cache-aware router.
   - ``continuum_ttl``: vLLM sleep-mode engines running Continuum: KV pinned on the device
     after each call for the TTL of its rule (a call that does not fit waits rather than
-    evict a pin, unless nothing runs), program-level FCFS with pinned sessions first.
+    evict a pin, unless nothing runs), program-level FCFS with pinned sessions first; a
+    decode that finds no block preempts the running call whose session arrived last
+    (``engine_preempt="program"``, Continuum's victim). Where Continuum's engine has one
+    call running it unpins the pin that ends last instead; here that call is preempted and
+    the step that then runs nothing makes a pin yield (``Intake.unstall``): one step later,
+    its blocks recomputed or found again in the prefix cache.
   - ``autellix``: vLLM sleep-mode engines running Autellix's PLAS: the session with the
     least attained service first (within a model and for the next model), anti-starvation
     promotion; locality-aware routing.
@@ -272,7 +277,7 @@ PEERS: dict[str, SystemConfig] = {
         _peer("continuum_ttl", "vllm_sleep + Continuum: KV pinned for its TTL rule, "
               "program-level FCFS", _VLLM_ROUTER,
               {"soft_reservations": True, "reservation_ttl": "continuum", "hard_pins": True,
-               "queue_order": "program_fcfs"}, **_SLEEP),
+               "queue_order": "program_fcfs", "engine_preempt": "program"}, **_SLEEP),
         _peer("autellix", "vllm_sleep + Autellix PLAS (least attained service first, "
               "anti-starvation); locality-aware routing", "cache_aware",
               {"queue_order": "las", "model_order": "las"}, **_SLEEP),
