@@ -159,6 +159,41 @@ def test_a_victim_scheduled_earlier_in_the_step_is_taken_back() -> None:
     assert s.kv.num_free_blocks == 4
 
 
+def _three_decoding(budget: int) -> tuple[Scheduler, Request, Request, Request]:
+    """"a" (7 tokens, ranked to go first) and "c" (7) decode within their second block, "b"
+    (8) needs a third; the 6-block pool is full. Prefilled with a budget of 64, then
+    ``budget`` tokens a step."""
+    s = make(num_blocks=6, budget=64)
+    a, b, c = (req("a", 7, max_tokens=3), req("b", 8, max_tokens=3, base=50),
+               req("c", 7, max_tokens=3, base=100))
+    a.priority = 1.0
+    for r in (a, b, c):
+        s.add_request(r)
+    step(s)
+    assert s.kv.num_free_blocks == 0
+    s.max_num_batched_tokens = budget
+    return s, a, b, c
+
+
+def test_the_request_after_one_that_took_back_an_earlier_victim_still_runs() -> None:
+    # "a" is taken back out of the step for "b": "c", behind "b" in the running list, is
+    # not skipped (the index steps back with the victim gone from before it).
+    s, a, _, _ = _three_decoding(budget=64)
+    out = step(s)
+    assert out.preempted_ids == ["a"] and a.status == RequestStatus.PREEMPTED
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 1)]
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (2, 0)
+
+
+def test_a_victim_taken_back_returns_its_tokens_to_the_budget() -> None:
+    # Two tokens a step: "a" had one when it is taken back; "b" and "c" get both.
+    s, _, _, _ = _three_decoding(budget=2)
+    out = step(s)
+    assert out.preempted_ids == ["a"]
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 1)]
+    assert out.num_tokens == out.num_decode_tokens == 2
+
+
 def test_abort_at_any_time_frees_every_block() -> None:
     s = make(num_blocks=8, budget=6)
     s.add_request(req("a", 10))
