@@ -110,6 +110,42 @@ def test_preemption_gives_unconstrained_outputs(model_dirs: dict[str, Path]) -> 
     assert stats.num_free_blocks == 12 and stats.num_running == 0 and stats.num_waiting == 0
 
 
+def test_preemption_by_priority_gives_unconstrained_outputs(model_dirs: dict[str, Path]) -> None:
+    """The core hands each request's priority to its scheduler: the earliest prompts, ranked
+    to go first, are preempted, taken back out of steps that had scheduled them already
+    (their freed blocks run another request in the same step), and every output is still
+    the unconstrained one."""
+    path = model_dirs["qwen3"]
+    ps = prompts(2)
+    reference = make_llm(path).generate(ps, GREEDY)
+    core = make_llm(path, kv_cache_blocks=12, max_num_batched_tokens=64).engine
+    victims: list[str] = []
+    taken_back: list[str] = []
+    preempt, unschedule = core.scheduler._preempt, core.scheduler._unschedule
+
+    def preempted(request):  # type: ignore[no-untyped-def]
+        assert request.priority == max(r.priority for r in core.scheduler.running)
+        victims.append(request.request_id)
+        preempt(request)
+
+    def took_back(out, request):  # type: ignore[no-untyped-def]
+        taken_back.append(request.request_id)
+        return unschedule(out, request)
+    core.scheduler._preempt = preempted  # type: ignore[method-assign]
+    core.scheduler._unschedule = took_back  # type: ignore[method-assign]
+    n = len(ps)
+    for i, p in enumerate(ps):
+        core.add_request(EngineRequest(f"p{i}", p, GREEDY, priority=float(n - i)))
+    tokens: dict[str, list[int]] = {f"p{i}": [] for i in range(n)}
+    while core.has_unfinished():
+        for ev in core.step().events:
+            tokens[ev.request_id].extend(ev.new_token_ids)
+    assert victims[0] == "p0" and taken_back  # FCFS (equal priorities) takes none back
+    assert [tokens[f"p{i}"] for i in range(n)] == [o.token_ids for o in reference]
+    stats = core.stats()
+    assert stats.num_free_blocks == 12 and stats.num_running == 0 and stats.num_waiting == 0
+
+
 def test_abort_and_finish_free_every_block(model_dirs: dict[str, Path]) -> None:
     core = make_llm(model_dirs["mixtral"]).engine
     assert isinstance(core, EngineCoreProtocol)

@@ -104,14 +104,24 @@ def pool() -> WorkerGroup:
 
 
 # ------------------------------------------------------------------- no processes
-def test_step_channel_mirrors_scheduler_through_preemption() -> None:
+@pytest.mark.parametrize("ranked", [False, True])
+def test_step_channel_mirrors_scheduler_through_preemption(ranked: bool) -> None:
     """Workers rebuild every step's tokens and block tables from the deltas alone; decodes
-    carry one token; preemption (block tables replaced) and finished requests stay in sync."""
+    carry one token; preemption (block tables replaced) and finished requests stay in sync.
+    ``ranked``: priorities that make the scheduler take victims back out of a step after
+    scheduling them (their freed blocks then go to a request scheduled after them)."""
     kv = KVCacheManager(10, BLOCK, enable_prefix_caching=True)
     sched = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=64)
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     for i, p in enumerate(_prompts(1, (6, 9, 3, 11))):
-        sched.add_request(Request(f"r{i}", p, params))
+        sched.add_request(Request(f"r{i}", p, params, priority=float(4 - i) if ranked else 0.0))
+    taken_back: list[str] = []
+    unschedule = sched._unschedule
+
+    def counted(out, request):  # type: ignore[no-untyped-def]
+        taken_back.append(request.request_id)
+        return unschedule(out, request)
+    sched._unschedule = counted  # type: ignore[method-assign]
     enc, dec = StepEncoder("m"), StepDecoder()
     decode_tokens_sent = 0
     steps = 0
@@ -143,6 +153,7 @@ def test_step_channel_mirrors_scheduler_through_preemption() -> None:
                     sched.finish_request(s.request_id, RequestStatus.FINISHED_LENGTH)
         steps += 1
     assert sched.num_preemptions > 0
+    assert bool(taken_back) == ranked
     assert decode_tokens_sent > 0
     enc.encode(sched.schedule())
     dec.decode(enc.encode(sched.schedule()))
