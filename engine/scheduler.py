@@ -209,8 +209,11 @@ class Scheduler:
     @staticmethod
     def _unschedule(out: SchedulerOutput, request: Request) -> int:
         """Take a request preempted after it was scheduled this step out of ``out`` (its
-        blocks are free now, maybe another's already): the tokens it had."""
-        k = next(k for k, x in enumerate(out.scheduled) if x.request is request)
+        blocks are free now, maybe another's already): the tokens it had (none when the
+        step skipped it, having nothing to compute)."""
+        k = next((k for k, x in enumerate(out.scheduled) if x.request is request), None)
+        if k is None:
+            return 0
         gone = out.scheduled.pop(k)
         if gone.samples and gone.num_new_tokens == 1 and request.output_token_ids:
             out.num_decode_tokens -= 1

@@ -159,6 +159,23 @@ def test_a_victim_scheduled_earlier_in_the_step_is_taken_back() -> None:
     assert s.kv.num_free_blocks == 4
 
 
+def test_a_victim_skipped_earlier_in_the_step_is_preempted_without_being_taken_back() -> None:
+    # "a" (ranked to go first) has no token to compute, so the step skipped it; "b" needs a
+    # third block of the full pool: "a" goes, though nothing of it was scheduled.
+    s = make(num_blocks=4, budget=64)
+    a, b = req("a", 7, max_tokens=3), req("b", 8, max_tokens=3, base=50)
+    a.priority = 1.0
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    s.update_after_step(out)
+    b.output_token_ids.append(7)  # only b's sampled token has come back
+    out = s.schedule()
+    assert out.preempted_ids == ["a"]
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1)]
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (1, 0)
+
+
 def _three_decoding(budget: int) -> tuple[Scheduler, Request, Request, Request]:
     """"a" (7 tokens, ranked to go first) and "c" (7) decode within their second block, "b"
     (8) needs a third; the 6-block pool is full. Prefilled with a budget of 64, then
@@ -252,7 +269,8 @@ def checked_step(s: Scheduler) -> None:
     for x in out.scheduled:
         assert x.request.status == RequestStatus.RUNNING
         assert len(s.kv.block_ids(x.request_id)) * BS >= x.num_computed_tokens + x.num_new_tokens
-    assert out.num_tokens == out.num_decode_tokens + out.num_prefill_tokens <= s.max_num_batched_tokens
+    assert out.num_tokens == out.num_decode_tokens + out.num_prefill_tokens
+    assert out.num_tokens <= s.max_num_batched_tokens
     s.update_after_step(out)
     for x in out.scheduled:
         r = x.request
