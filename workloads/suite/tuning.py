@@ -37,7 +37,7 @@ __all__ = ["SUITE_QUANTA", "SUITE_QUOTAS", "SUITE_RULES", "SUITE_SETTINGS_PATH",
 SUITE_SETTINGS_PATH = Path(__file__).parents[1] / "data" / "suite_settings.json"
 TUNED_ROWS: tuple[str, ...] = (BASELINE, *PEERS)
 SUITE_RULES: tuple[str, ...] = ("drained", "quantum")
-SUITE_QUANTA: tuple[float, ...] = (0.9375, 1.875, 3.75, 7.5, 15.0, 30.0, 60.0, 240.0, 960.0)
+SUITE_QUANTA: tuple[float, ...] = (0.234375, 0.46875, 0.9375, 1.875, 3.75, 7.5, 15.0, 30.0, 60.0, 240.0, 960.0)
 SUITE_QUOTAS: tuple[float, ...] = (1.0, 2.0, 4.0)  # Aegaeon's, within its Q_MAX of 4 s
 
 
