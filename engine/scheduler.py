@@ -71,6 +71,11 @@ def _priority(request: Request) -> float:
     return request.priority
 
 
+def _is_decode(request: Request, num_new: int, samples: bool) -> bool:
+    """A scheduled chunk counted as a decode token (else as prefill tokens)."""
+    return samples and num_new == 1 and bool(request.output_token_ids)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -201,7 +206,7 @@ class Scheduler:
         samples = computed + num_new == len(request.prompt_token_ids) + len(request.output_token_ids)
         out.scheduled.append(ScheduledRequest(request, num_new, computed,
                                               self.kv.block_ids(request.request_id), samples))
-        if samples and num_new == 1 and request.output_token_ids:
+        if _is_decode(request, num_new, samples):
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
@@ -215,7 +220,7 @@ class Scheduler:
         if k is None:
             return 0
         gone = out.scheduled.pop(k)
-        if gone.samples and gone.num_new_tokens == 1 and request.output_token_ids:
+        if _is_decode(request, gone.num_new_tokens, gone.samples):
             out.num_decode_tokens -= 1
         else:
             out.num_prefill_tokens -= gone.num_new_tokens

@@ -139,14 +139,20 @@ def test_a_request_that_ranks_largest_preempts_itself() -> None:
     assert [x.request_id for x in step(s).scheduled] == ["b"]
 
 
-def test_a_victim_scheduled_earlier_in_the_step_is_taken_back() -> None:
-    # "a" (7 tokens) decodes within its second block; "b" (8) needs a third: the pool is full,
-    # and "a", ranked to go first, was already scheduled this step.
+def _two_ranked() -> tuple[Scheduler, Request, Request]:
+    """"a" (7 tokens, ranked to go first) and "b" (8) in a 4-block pool, not yet scheduled."""
     s = make(num_blocks=4, budget=64)
     a, b = req("a", 7, max_tokens=3), req("b", 8, max_tokens=3, base=50)
     a.priority = 1.0
     s.add_request(a)
     s.add_request(b)
+    return s, a, b
+
+
+def test_a_victim_scheduled_earlier_in_the_step_is_taken_back() -> None:
+    # "a" (7 tokens) decodes within its second block; "b" (8) needs a third: the pool is full,
+    # and "a", ranked to go first, was already scheduled this step.
+    s, a, b = _two_ranked()
     step(s)
     out = step(s)
     assert out.preempted_ids == ["a"]
@@ -162,11 +168,7 @@ def test_a_victim_scheduled_earlier_in_the_step_is_taken_back() -> None:
 def test_a_victim_skipped_earlier_in_the_step_is_preempted_without_being_taken_back() -> None:
     # "a" (ranked to go first) has no token to compute, so the step skipped it; "b" needs a
     # third block of the full pool: "a" goes, though nothing of it was scheduled.
-    s = make(num_blocks=4, budget=64)
-    a, b = req("a", 7, max_tokens=3), req("b", 8, max_tokens=3, base=50)
-    a.priority = 1.0
-    s.add_request(a)
-    s.add_request(b)
+    s, a, b = _two_ranked()
     out = s.schedule()
     s.update_after_step(out)
     b.output_token_ids.append(7)  # only b's sampled token has come back
