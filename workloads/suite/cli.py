@@ -6,7 +6,9 @@ and 1.0 with 60 sessions a scenario; ``off`` none. ``--tune-suite`` first runs t
 and every peer's grid in every scenario (``workloads.suite.tuning``; ``--tune-servers``: only
 the scenarios on those server counts). ``--leave-one-out DRAWS`` runs, instead of the peers
 and capacity, Talaria against each of its leave-one-out rows and a placebo
-(``workloads.suite.leave_one_out``).
+(``workloads.suite.leave_one_out``). ``--settings-seed S`` runs every tuned row at the
+settings chosen on seed S's draw, on ``--seed``'s sessions: whether a setting picked in
+hindsight carries to other sessions of the same scenario.
 
 Capacity at the SLO (``workloads.suite.capacity``), on the ``CAPACITY_TRACE``'s report
 sessions: per row, the highest Poisson rate at which the p95 SCT stays within ``SLO_FACTOR``
@@ -54,11 +56,11 @@ from workloads.suite.run import (
     run_suite,
 )
 from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
-from workloads.suite.tuning import load_suite_settings, tune_suite
+from workloads.suite.tuning import SUITE_SETTINGS_PATH, load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
            "default_trace_settings", "format_capacity", "parse_loo_rows", "parse_suite_rows",
-           "run_develop", "run_from_args", "tune_rows"]
+           "run_develop", "run_from_args", "suite_settings", "tune_rows"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
@@ -107,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dev-traces", default=None, metavar="TRACES",
                    help="with --develop: only these development traces, comma-separated "
                    f"(default all: {', '.join(DEV_SUITE_TRACES)})")
+    p.add_argument("--settings-seed", type=int, default=None, metavar="SEED",
+                   help="run the suite's rows at the settings tuned on this seed's draw "
+                   "(default: --seed's own): with --seed 1 --settings-seed 0 every peer runs "
+                   "on other sessions at the settings chosen in hindsight on seed 0's, a "
+                   "held-out check of that choice")
     p.add_argument("--dev-draws", type=int, default=1, metavar="DRAWS",
                    help="with --develop: independent draws of the scenarios, pooled (default 1)")
 
@@ -185,6 +192,9 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
         return None
     config = replace(_SIZES[args.suite], seed=args.seed,
                      spec=replace(spec, servers=1))
+    if args.settings_seed is not None and (args.tune_suite or args.leave_one_out):
+        raise ValueError("--settings-seed runs the peers at settings tuned on another draw: "
+                         "not with --tune-suite or --leave-one-out")
     if args.leave_one_out:
         if args.tune_suite:
             raise ValueError("--leave-one-out runs Talaria's one setting: no --tune-suite")
@@ -202,7 +212,7 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                               new_points_only=args.tune_new_points,
                               rows=None if args.suite_rows is None else tune_rows(args.suite_rows))
     else:
-        settings = load_suite_settings(config, fallback)
+        settings = suite_settings(config, fallback, args.settings_seed)
     rows = SUITE_ROWS if args.suite_rows is None else parse_suite_rows(args.suite_rows)
     suite = run_suite(config, settings, rows=rows, workers=args.workers,
                       progress=not args.no_progress)
@@ -212,8 +222,22 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                     search_servers=(1,) if quick else (1, 4),
                     config=CapacityConfig(slo_factor=SLO_FACTOR, bisections=2 if quick else 3))
     text = format_suite(suite) + "\n\n" + format_capacity(caps)
-    return text, {"scenarios": suite_json(suite), "capacity": caps,
-                  "margins": margins_json(margins(suite, config.seed))}
+    found: dict[str, Any] = {"scenarios": suite_json(suite), "capacity": caps,
+                             "margins": margins_json(margins(suite, config.seed))}
+    if args.settings_seed is not None and args.settings_seed != config.seed:
+        text = (f"held out: every tuned row runs seed {config.seed}'s sessions at the settings "
+                f"chosen on seed {args.settings_seed}'s\n\n{text}")
+        found["settings_seed"] = args.settings_seed
+    return text, found
+
+
+def suite_settings(config: SuiteConfig, fallback: dict[str, dict[str, Any]],
+                   settings_seed: int | None, path: Path = SUITE_SETTINGS_PATH) -> SuiteSettings:
+    """The cached settings ``config``'s suite runs at: those tuned on ``config``'s own draw,
+    or with ``settings_seed`` on that seed's draw of the same scenarios (a held-out run: the
+    sessions and arrivals are ``config.seed``'s, the settings were chosen without them)."""
+    tuned_on = config if settings_seed is None else replace(config, seed=settings_seed)
+    return load_suite_settings(tuned_on, fallback, path)
 
 
 def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAPACITY_SESSIONS,

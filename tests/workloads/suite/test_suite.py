@@ -289,6 +289,42 @@ def test_the_cached_suite_settings_match_the_quick_suite() -> None:
     assert cached["suite_key"] == suite_key(SuiteConfig(loads=(0.5, 1.0), pooled_sessions=60))
 
 
+def test_held_out_settings_are_another_draws_tuned_ones() -> None:
+    """``--settings-seed``: a suite on seed 1's draw runs at the settings tuned on seed 0's
+    (the shipped cache), where without it seed 1 finds none and every row reads untuned."""
+    from workloads.suite.cli import suite_settings
+
+    quick = SuiteConfig(loads=(0.5, 1.0), pooled_sessions=60)
+    own = suite_settings(quick, {}, None)
+    other_draw = dataclasses.replace(quick, seed=1)
+    assert own.tuned and suite_settings(other_draw, {}, None).tuned == {}
+    held_out = suite_settings(other_draw, {}, 0)
+    assert held_out.tuned == own.tuned
+    name = "generated-11/poisson-0.5/4srv"
+    assert held_out.for_row(name, "baseline") == (own.tuned[name]["baseline"], True)
+
+
+def test_held_out_settings_are_refused_where_nothing_runs_at_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from workloads.suite import cli
+    from workloads.suite.cli import add_arguments, run_from_args
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ran instead of refusing")
+
+    monkeypatch.setattr(cli, "tune_suite", ran)
+    monkeypatch.setattr(cli, "run_leave_one_out", ran)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags in (["--tune-suite"], ["--leave-one-out", "1"]):
+        args = parser.parse_args(["--settings-seed", "0", *flags])
+        args.seed, args.workers, args.no_progress = 1, 1, True
+        with pytest.raises(ValueError, match="--settings-seed"):
+            run_from_args(args, ClusterSpec(), {})
+
+
 def test_a_small_suite_runs_end_to_end() -> None:
     config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
                          pooled_sessions=4)
