@@ -153,6 +153,15 @@ def _run(args: argparse.Namespace) -> int:
         suite_cli.parse_suite_rows(args.suite_rows)  # refused before the default trace's table
     if args.tune_new_points and not args.tune_suite:
         raise ValueError("--tune-new-points goes with --tune-suite")  # before the default table
+    if args.settings_seed is not None and (
+            args.tune_suite or args.leave_one_out or args.develop or args.day is not None
+            or args.suite == "off" or args.trace or args.policies or args.servers != 1
+            or args.live or args.bench_sim or args.strip_session_ids):
+        # before the default trace's table, and not silently ignored where no suite runs
+        raise ValueError("--settings-seed runs the suite's tuned rows at another draw's "
+                         "settings: it takes no --tune-suite, --leave-one-out, --develop, "
+                         "--day, --suite off, --trace, --policies, --servers, --live, "
+                         "--bench-sim or --strip-session-ids")
     if args.day_capacity and args.day is None:
         raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
     if args.develop:

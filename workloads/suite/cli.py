@@ -235,9 +235,16 @@ def suite_settings(config: SuiteConfig, fallback: dict[str, dict[str, Any]],
                    settings_seed: int | None, path: Path = SUITE_SETTINGS_PATH) -> SuiteSettings:
     """The cached settings ``config``'s suite runs at: those tuned on ``config``'s own draw,
     or with ``settings_seed`` on that seed's draw of the same scenarios (a held-out run: the
-    sessions and arrivals are ``config.seed``'s, the settings were chosen without them)."""
+    sessions and arrivals are ``config.seed``'s, the settings were chosen without them).
+    A ``settings_seed`` whose draw has no scenario cached is refused: every row would run
+    untuned under a held-out heading."""
     tuned_on = config if settings_seed is None else replace(config, seed=settings_seed)
-    return load_suite_settings(tuned_on, fallback, path)
+    settings = load_suite_settings(tuned_on, fallback, path)
+    if settings_seed is not None and not settings.tuned:
+        raise ValueError(f"--settings-seed {settings_seed}: {path} holds no settings tuned on "
+                         f"seed {settings_seed}'s draw of the --suite's scenarios on this "
+                         f"cluster (--tune-suite --seed {settings_seed} makes them)")
+    return settings
 
 
 def capacity(suite: SuiteResult, settings: SuiteSettings, *, sessions: int = CAPACITY_SESSIONS,

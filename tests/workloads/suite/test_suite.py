@@ -325,6 +325,45 @@ def test_held_out_settings_are_refused_where_nothing_runs_at_them(
             run_from_args(args, ClusterSpec(), {})
 
 
+def test_held_out_settings_with_none_cached_for_that_draw_are_refused(tmp_path: Path) -> None:
+    """``--settings-seed`` on a draw the cache holds no settings for would run every row
+    untuned under a "held out" heading: refused, whatever ``--seed`` is."""
+    from workloads.suite.cli import suite_settings
+
+    quick = SuiteConfig(loads=(0.5, 1.0), pooled_sessions=60)
+    with pytest.raises(ValueError, match="--settings-seed 5"):
+        suite_settings(dataclasses.replace(quick, seed=1), {}, 5)
+    with pytest.raises(ValueError, match="--settings-seed 0"):
+        suite_settings(SuiteConfig(), {}, 0)  # the cache is the quick suite's
+    with pytest.raises(ValueError, match="--settings-seed 0"):
+        suite_settings(quick, {}, 0, tmp_path / "suite_settings.json")
+    assert suite_settings(dataclasses.replace(quick, seed=1), {}, None).tuned == {}
+
+
+def test_settings_seed_is_refused_up_front_where_no_suite_runs_at_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the suite's tuned rows do not run, ``--settings-seed`` would be silently ignored
+    (or refused only after the default trace's table): refused before anything runs."""
+    from talaria.cli import main
+    from workloads import replay_cli
+    from workloads.suite import day_cli
+
+    def ran(*args: object, **kwargs: object) -> int:
+        raise AssertionError("ran instead of refusing")
+
+    for name in ("_simulate", "_develop", "_live"):
+        monkeypatch.setattr(replay_cli, name, ran)
+    monkeypatch.setattr(day_cli, "run_day_command", ran)
+    for flags in (["--suite", "off"], ["--policies", "talaria"], ["--servers", "2"],
+                  ["--tune-suite"], ["--leave-one-out", "1"], ["--day", "1"],
+                  ["--develop", "talaria:min_slot_factor=20"], ["--live", "http://x"],
+                  ["--bench-sim"], ["--strip-session-ids"]):
+        assert main(["replay", "--settings-seed", "0", *flags]) == 2, flags
+        assert "--settings-seed" in capsys.readouterr().err
+    monkeypatch.setattr(replay_cli, "_simulate", lambda *args, **kwargs: 0)
+    assert main(["replay", "--seed", "1", "--settings-seed", "0"]) == 0  # the held-out run
+
+
 def test_a_small_suite_runs_end_to_end() -> None:
     config = SuiteConfig(traces=("miniswe",), loads=(1.0,), servers=(1,), sessions_per_server=2,
                          pooled_sessions=4)
