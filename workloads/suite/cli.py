@@ -111,9 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"(default all: {', '.join(DEV_SUITE_TRACES)})")
     p.add_argument("--settings-seed", type=int, default=None, metavar="SEED",
                    help="run the suite's rows at the settings tuned on this seed's draw "
-                   "(default: --seed's own): with --seed 1 --settings-seed 0 every peer runs "
-                   "on other sessions at the settings chosen in hindsight on seed 0's, a "
-                   "held-out check of that choice")
+                   "(default: --seed's own): with --seed 1 --settings-seed 0 the baseline "
+                   "and every peer run seed 1's draw (other arrivals; sessions drawn anew "
+                   "from the same trace, so some recur) at the settings chosen in hindsight "
+                   "on seed 0's, a held-out check of that choice")
     p.add_argument("--dev-draws", type=int, default=1, metavar="DRAWS",
                    help="with --develop: independent draws of the scenarios, pooled (default 1)")
 
