@@ -193,9 +193,6 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
         return None
     config = replace(_SIZES[args.suite], seed=args.seed,
                      spec=replace(spec, servers=1))
-    if args.settings_seed is not None and (args.tune_suite or args.leave_one_out):
-        raise ValueError("--settings-seed runs the peers at settings tuned on another draw: "
-                         "not with --tune-suite or --leave-one-out")
     if args.leave_one_out:
         if args.tune_suite:
             raise ValueError("--leave-one-out runs Talaria's one setting: no --tune-suite")

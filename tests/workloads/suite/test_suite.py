@@ -304,27 +304,6 @@ def test_held_out_settings_are_another_draws_tuned_ones() -> None:
     assert held_out.for_row(name, "baseline") == (own.tuned[name]["baseline"], True)
 
 
-def test_held_out_settings_are_refused_where_nothing_runs_at_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-
-    from workloads.suite import cli
-    from workloads.suite.cli import add_arguments, run_from_args
-
-    def ran(*args: object, **kwargs: object) -> None:
-        raise AssertionError("ran instead of refusing")
-
-    monkeypatch.setattr(cli, "tune_suite", ran)
-    monkeypatch.setattr(cli, "run_leave_one_out", ran)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    for flags in (["--tune-suite"], ["--leave-one-out", "1"]):
-        args = parser.parse_args(["--settings-seed", "0", *flags])
-        args.seed, args.workers, args.no_progress = 1, 1, True
-        with pytest.raises(ValueError, match="--settings-seed"):
-            run_from_args(args, ClusterSpec(), {})
-
-
 def test_held_out_settings_with_none_cached_for_that_draw_are_refused(tmp_path: Path) -> None:
     """``--settings-seed`` on a draw the cache holds no settings for would run every row
     untuned under a "held out" heading: refused, whatever ``--seed`` is."""
