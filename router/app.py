@@ -34,7 +34,7 @@ from router.api import openai_schema as schema
 from router.api.answer_parser import AnswerParser, answer_parser
 from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
-from router.api.prompt_tokens import ContextOverflow, tokenize_prompt
+from router.api.prompt_tokens import ContextOverflow, PromptTooLarge, tokenize_prompt
 from router.api.reasoning import (
     ReasoningSplitter,
     answer_splitter,
@@ -51,7 +51,7 @@ from router.instances.health import HealthPoller
 from router.instances.http import HttpInstanceClient
 from router.instances.kv_room import OutputRoom, kv_capacity, output_room
 from router.instances.placement import POLICIES, PlacementContext
-from router.limits import LIMITS_KEY, InflightGate, PromptTooLarge, RouterLimits, body_items_bound
+from router.limits import LIMITS_KEY, InflightGate, RouterLimits, body_items_bound
 from router.metrics import RouterMetrics
 from router.sessions.identity import SessionHeaders, resolve_session
 from router.sessions.inference import SessionInference
@@ -345,7 +345,7 @@ async def _complete(
     with request.app[GATE_KEY].admit():
         try:
             prompt = await tokenize_prompt(request, tok, body, prefill + (answer.prefill if answer else ""))
-        except (ContextOverflow, PromptTooLarge) as exc:  # before any output room is priced
+        except ContextOverflow as exc:  # before any output room is priced
             reason = "prompt_bytes" if isinstance(exc, PromptTooLarge) else "context_length"
             request.app[CORE_KEY].metrics.rejected.inc(model=tok.name, reason=reason)
             raise

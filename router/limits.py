@@ -3,9 +3,9 @@
 - a session id is at most ``max_session_id_chars`` printable ASCII characters
   (:func:`check_session_id`; 400 otherwise): it is stored in both tables and echoed in a
   header;
-- a prompt's size is checked before it is tokenized (:func:`check_prompt_bytes`): no text
-  longer than ``context length x max_prompt_bytes_per_token`` bytes can fit, so none is
-  tokenized just to be refused;
+- a prompt's size is checked before it is tokenized (:func:`prompt_bytes`, refused by
+  ``router.api.prompt_tokens`` as a context overflow): no text longer than ``context length x
+  max_prompt_bytes_per_token`` bytes can fit, so none is tokenized just to be refused;
 - at most ``max_inflight_calls`` calls are in the router at once (tokenizing, waiting or
   streaming; a token count is one while it tokenizes): beyond, 429 with ``Retry-After``
   (:class:`InflightGate`, which also drains them at shut-down);
@@ -30,15 +30,13 @@ import structlog
 from aiohttp import web
 
 from router.sessions.table import BRANCH_SUFFIX_CHARS
-from talaria.protocol.errors import ApiError, bad_request, overloaded
+from talaria.protocol.errors import bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
 
 log = structlog.get_logger(__name__)
 
 __all__ = [
-    "LIMITS_KEY", "InflightGate", "PromptTooLarge", "RouterLimits", "body_items_bound", "check_prompt_bytes",
-    "check_session_id",
-    "prompt_bytes",
+    "LIMITS_KEY", "InflightGate", "RouterLimits", "body_items_bound", "check_session_id", "prompt_bytes",
 ]
 
 
@@ -115,25 +113,6 @@ def _text_bytes(value: Any, keys: bool = False) -> int:
     if isinstance(value, list):
         return sum(_text_bytes(v, keys) for v in value)
     return 0
-
-
-class PromptTooLarge(ApiError):
-    """400: a prompt's text longer than any tokenization of it could fit in the context (a
-    type of its own so that a call's refusal is counted: ``talaria_router_rejected_total``)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(400, message, param=param, code="invalid_value")  # as bad_request's
-
-
-def check_prompt_bytes(size: int, context_len: int, bytes_per_token: int, param: str) -> None:
-    """:class:`PromptTooLarge` for a text that cannot fit the context whatever it tokenizes to."""
-    limit = context_len * bytes_per_token
-    if size > limit:
-        raise PromptTooLarge(
-            f"the prompt is {size} bytes long; the context holds {context_len} tokens and no "
-            f"prompt over {limit} bytes is accepted ({bytes_per_token} bytes per token)",
-            param,
-        )
 
 
 class InflightGate:

@@ -1,8 +1,8 @@
 """A request's prompt as token ids, and the refusal of a prompt the model cannot take.
 
 A prompt's size is checked before it is tokenized (its bytes, or the count of its token
-ids, ``router.limits``); once tokenized, a prompt that leaves no token for the answer is a
-:class:`ContextOverflow`: a 400 each API's clients recognise as a context overflow (agents
+ids, ``router.limits``); a text over the byte bound (:class:`PromptTooLarge`) or, once
+tokenized, a prompt that leaves no token for the answer is a :class:`ContextOverflow`: a 400 each API's clients recognise as a context overflow (agents
 compact or truncate on it): ``code: "context_length_exceeded"`` naming the request's prompt
 field on the OpenAI APIs, ``prompt is too long: N tokens > M maximum`` on Anthropic's
 (``router.api.anthropic_api``). A pure token count (``count_tokens``) is not bounded by the
@@ -15,11 +15,11 @@ from aiohttp import web
 
 from router.api.body_limits import off_loop_if_large
 from router.api.openai_schema import CompletionBody
-from router.limits import LIMITS_KEY, check_prompt_bytes, prompt_bytes
+from router.limits import LIMITS_KEY, prompt_bytes
 from router.tokenization import ModelTokenizer, Prompt
 from talaria.protocol.errors import ApiError, bad_request
 
-__all__ = ["ContextOverflow", "check_prompt_len", "tokenize_prompt"]
+__all__ = ["ContextOverflow", "PromptTooLarge", "check_prompt_bytes", "check_prompt_len", "tokenize_prompt"]
 
 
 class ContextOverflow(ApiError):
@@ -34,6 +34,30 @@ class ContextOverflow(ApiError):
     def anthropic_message(self) -> str:
         """Anthropic's words for it (Claude Code and proxies match ``prompt is too long``)."""
         return f"prompt is too long: {self.prompt_tokens} tokens > {self.max_prompt_tokens} maximum"
+
+
+class PromptTooLarge(ContextOverflow):
+    """A prompt's text longer than any tokenization of it could fit in the context: a context
+    overflow as clients read one, its token count the least the bound allows (no token is
+    longer than its bytes per token); a type of its own so that its refusal is counted by
+    its reason (``talaria_router_rejected_total``)."""
+
+    def anthropic_message(self) -> str:
+        """Anthropic's words first (what clients match and read the counts from), then why."""
+        return f"{super().anthropic_message()}; {self.message}"
+
+
+def check_prompt_bytes(size: int, tok: ModelTokenizer, bytes_per_token: int, param: str) -> None:
+    """:class:`PromptTooLarge` for a text that cannot fit the context whatever it tokenizes to."""
+    limit = tok.context_len * bytes_per_token
+    if size > limit:
+        least = -(-size // bytes_per_token)
+        raise PromptTooLarge(
+            f"the prompt is {size} bytes long, so at least {least} tokens; model {tok.name!r} allows at "
+            f"most {tok.context_len - 1} prompt tokens (context length {tok.context_len}), and no prompt "
+            f"over {limit} bytes is accepted ({bytes_per_token} bytes per token)",
+            param, least, tok.context_len - 1,
+        )
 
 
 def check_prompt_len(n: int, tok: ModelTokenizer, param: str) -> None:
@@ -59,7 +83,7 @@ async def tokenize_prompt(
     size = await off_loop_if_large(request, prompt_bytes, body.messages, body.prompt,
                                    body.tools.tools)
     size += len(prefill.encode())
-    check_prompt_bytes(size, tok.context_len, limits.max_prompt_bytes_per_token, param)
+    check_prompt_bytes(size, tok, limits.max_prompt_bytes_per_token, param)
     try:
         if body.messages is not None:
             prompt = await tok.tokenize_chat(body.messages, size, body.tools.tools, prefill, body.template_kwargs)
