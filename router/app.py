@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
 ``POST /v1/messages`` (Anthropic's API), ``POST /v1/responses`` (OpenAI's Responses API),
-``GET /v1/models``, ``GET /health`` (503 while no instance is healthy), ``GET /live``
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (503 while no instance is healthy), ``GET /live``
 (200 while the process serves), ``GET /metrics``. The handlers validate, tokenize and
 build a :class:`~talaria.protocol.CallRequest`; :class:`~router.core.RouterCore` places and
 forwards it. A stream sends its headers at its first token, or before it once it has waited
@@ -19,7 +19,6 @@ instance.
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from router.api import anthropic_api, anthropic_schema, openai_api, responses_ap
 from router.api import openai_schema as schema
 from router.api.answer_parser import AnswerParser, answer_parser
 from router.api.body_limits import BODY_DECODER_KEY, BodyDecoder, parsed_body
+from router.api.model_list import model_routes
 from router.api.output_budget import OVERFLOW_RULES, OutputBudget, output_budget
 from router.api.prompt_tokens import ContextOverflow, PromptTooLarge, tokenize_prompt
 from router.api.reasoning import (
@@ -218,7 +218,7 @@ def create_app(
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/", root)  # and HEAD /: agents probe the base URL before their first call
-    app.router.add_get("/v1/models", models)
+    app.router.add_routes(model_routes(tokenizers))  # GET /v1/models and /v1/models/{id}
     app.router.add_get("/health", health)
     app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)
@@ -284,20 +284,6 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def root(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
-
-
-async def models(request: web.Request) -> web.Response:
-    """The catalog in the OpenAI and the Anthropic list shapes at once (each client reads its
-    own fields and ignores the other's)."""
-    created = int(time.time())
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
-    data = [
-        {"id": name, "object": "model", "created": created, "owned_by": "talaria",
-         "max_model_len": tok.context_len, "type": "model", "display_name": name, "created_at": stamp}
-        for name, tok in sorted(request.app[TOKENIZERS_KEY].items())
-    ]
-    return _json({"object": "list", "data": data, "has_more": False,
-                  "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
 async def health(request: web.Request) -> web.Response:
