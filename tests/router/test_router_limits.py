@@ -301,3 +301,23 @@ async def test_a_prompt_over_the_byte_bound_is_counted_as_a_refusal(tokenizer: M
     assert resp.status == 400 and "bytes long" in refused, refused
     assert core.metrics.rejected.get(model="tiny", reason="prompt_bytes") == 1
     assert not a.calls
+
+
+async def test_chat_accepts_the_fields_that_do_not_change_the_answer(tokenizer: ModelTokenizer) -> None:
+    """Fields the Responses API already ignores (``store``, ``metadata``, ``prompt_cache_key``,
+    ...) were a 400 on chat completions, and so were ``response_format`` and ``modalities`` at
+    the values that ask for what the server does anyway: clients that send them explicitly
+    (LiteLLM-based agents pass them through) failed every call."""
+    a = FakeInstance("a", reply(tokenizer))
+    extra = {"store": False, "metadata": {"k": "v"}, "prompt_cache_key": "pk",
+             "safety_identifier": "s", "service_tier": "auto",
+             "response_format": {"type": "text"}, "modalities": ["text"]}
+    async with serve(tokenizer, {"a": a}) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(**extra))
+        assert resp.status == 200, await resp.text()
+        for name, bad in (("store", "yes"), ("metadata", "x"), ("prompt_cache_key", 3),
+                          ("response_format", {"type": "json_object"}), ("modalities", ["audio"])):
+            resp = await client.post("/v1/chat/completions", json=chat_body(**{name: bad}))
+            assert resp.status == 400, name
+            assert (await resp.json())["error"]["param"] == name
+    assert len(a.calls) == 1
