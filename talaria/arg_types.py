@@ -5,9 +5,10 @@ not later by whatever the value configures under its own name."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
-__all__ = ["int_at_least", "positive_int"]
+__all__ = ["float_above", "float_at_least", "int_at_least", "positive_int"]
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -26,3 +27,27 @@ def int_at_least(lo: int) -> Callable[[str], int]:
 
 
 positive_int = int_at_least(1)
+
+
+def _finite_float(fits: Callable[[float], bool], bound: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and fits(value)):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def float_above(lo: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number > ``lo`` (``inf`` and ``nan`` are refused: a
+    duration, rate or scale of either never ends a run, or ends it in a conversion error)."""
+    return _finite_float(lambda v: v > lo, f"> {lo:g}")
+
+
+def float_at_least(lo: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= ``lo``."""
+    return _finite_float(lambda v: v >= lo, f">= {lo:g}")

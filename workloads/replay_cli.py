@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from talaria.arg_types import int_at_least, positive_int
+from talaria.arg_types import float_above, float_at_least, int_at_least, positive_int
 from workloads.suite import cli as suite_cli
 from workloads.suite import day_cli
 
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Poisson rates as fractions of saturation, e.g. 0.25,0.5,1")
     p.add_argument("--workers", type=positive_int, default=2, help="processes (default 2)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skew", type=float, default=1.0,
+    p.add_argument("--skew", type=float_at_least(0), default=1.0,
                    help="Zipf skew when a trace's models must be assigned catalog models")
     p.add_argument("--block-size", type=positive_int, default=128,
                    help="simulated KV block size (default 128: half the engine default's "
@@ -73,11 +73,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-staging", action="store_true",
                    help="drop the staging region from every policy (servers too small to "
                    "hold two copies of a model shard, e.g. h100x8 with qwen3-235b)")
-    p.add_argument("--sleep-efficiency", type=float, default=None,
+    p.add_argument("--sleep-efficiency", type=float_above(0), default=None,
                    help="sleep/wake rate of the vLLM/SGLang peers as a fraction of a plain "
                    "host copy's here (default: vLLM's measured rate, 0.85 of it for a wake; "
                    "1.0: no dearer than the substrate's copy)")
-    p.add_argument("--aegaeon-fixed-s", type=float, default=None,
+    p.add_argument("--aegaeon-fixed-s", type=float_at_least(0), default=None,
                    help="Aegaeon's fixed cost per switch beyond the weight copy (default 0.15 s, "
                    "an assumption inside the paper's 'sub-second'): its sensitivity")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -95,9 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --bench-sim: server counts, e.g. 1,16,64 (default)")
     day_cli.add_arguments(p)
     p.add_argument("--live", metavar="URL", help="replay against the router at URL instead")
-    p.add_argument("--time-scale", type=float, default=1.0,
+    p.add_argument("--time-scale", type=float_at_least(0), default=1.0,
                    help="live: multiply arrivals and tool gaps by this")
-    p.add_argument("--token-scale", type=float, default=1.0,
+    p.add_argument("--token-scale", type=float_above(0), default=1.0,
                    help="live: multiply token counts by this (calls beyond the context drop)")
     p.add_argument("--live-vocab", type=int_at_least(2), default=256,
                    help="live: prompt token ids are drawn from [1, this)")

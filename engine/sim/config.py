@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.sim.kv_tier import kv_tier
@@ -102,8 +103,9 @@ class SimEngineConfig:
             raise ValueError(f"a {self.switch!r} switch copies into fixed addresses: it needs "
                              "the stable substrate (or switch='sleep_wake')")
         SleepWakeRates(efficiency=self.sleep_wake_efficiency)
-        if not self.scale_up_fixed_s >= 0:
-            raise ValueError(f"scale_up_fixed_s must be >= 0, got {self.scale_up_fixed_s}")
+        if not 0 <= self.scale_up_fixed_s < math.inf:  # an endless switch never ends a run
+            raise ValueError(f"scale_up_fixed_s must be a finite number >= 0, got "
+                             f"{self.scale_up_fixed_s}")
         kv_tier(self.kv_tier)
         if self.kv_tokens is not None and self.kv_tokens < self.block_size:
             raise ValueError(f"kv_tokens must hold at least one block, got {self.kv_tokens}")

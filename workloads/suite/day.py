@@ -24,6 +24,7 @@ CPU-second, the process's peak RSS).
 
 from __future__ import annotations
 
+import math
 import random
 import resource
 import time
@@ -57,12 +58,14 @@ class DayConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.hours > 0:
-            raise ValueError(f"--day must be > 0 hours, got {self.hours}")
-        if not self.load > 0:
-            raise ValueError(f"--day-load must be > 0, got {self.load}")
-        if self.sessions_per_hour is not None and not self.sessions_per_hour > 0:
-            raise ValueError(f"--day-rate must be > 0 sessions/h, got {self.sessions_per_hour}")
+        # finite too: an endless day, or an endless rate, draws sessions for ever
+        if not 0 < self.hours < math.inf:
+            raise ValueError(f"--day must be a finite number > 0 hours, got {self.hours}")
+        if not 0 < self.load < math.inf:
+            raise ValueError(f"--day-load must be a finite number > 0, got {self.load}")
+        if self.sessions_per_hour is not None and not 0 < self.sessions_per_hour < math.inf:
+            raise ValueError(f"--day-rate must be a finite number > 0 sessions/h, got "
+                             f"{self.sessions_per_hour}")
 
 
 @dataclass(frozen=True)

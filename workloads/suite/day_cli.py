@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from talaria.arg_types import float_above
+
 if TYPE_CHECKING:
     from workloads.replay.cluster import ClusterSpec
     from workloads.replay.systems import SystemConfig
@@ -17,15 +19,15 @@ __all__ = ["add_arguments", "run_day_command"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--day", type=float, default=None, metavar="HOURS",
+    p.add_argument("--day", type=float_above(0), default=None, metavar="HOURS",
                    help="a cluster's day instead: HOURS of Poisson sessions drawn from the "
                    "trace (default: the real Claude Code trace) on --servers instances, the "
                    "first policy (default talaria); prints SCT, the SLO, sessions/h and each "
                    "server's utilisation (workloads.suite.day)")
-    p.add_argument("--day-load", type=float, default=0.5,
+    p.add_argument("--day-load", type=float_above(0), default=0.5,
                    help="with --day: the rate as a fraction of the baseline's saturation "
                    "(default 0.5)")
-    p.add_argument("--day-rate", type=float, default=None, metavar="SESSIONS_PER_HOUR",
+    p.add_argument("--day-rate", type=float_above(0), default=None, metavar="SESSIONS_PER_HOUR",
                    help="with --day: sessions per hour per server instead of --day-load")
     p.add_argument("--day-capacity", action="store_true",
                    help="with --day: instead of one rate, search each policy's (default "
