@@ -136,10 +136,6 @@ def _run(args: argparse.Namespace) -> int:
     for out in (args.json_path, args.plot, args.tune and args.settings):  # now, not in an hour
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")
-    if args.leave_one_out and (args.trace or args.policies or args.servers != 1
-                               or args.suite == "off"):
-        raise ValueError("--leave-one-out runs the suite's own scenarios: it takes no "
-                         "--trace, --policies, --servers or --suite off")
     if args.loo_rows is not None:
         if not args.leave_one_out:
             raise ValueError("--loo-rows chooses rows of --leave-one-out, which is not given")
@@ -162,6 +158,7 @@ def _run(args: argparse.Namespace) -> int:
                          "settings: it takes no --tune-suite, --leave-one-out, --develop, "
                          "--day, --suite off, --trace, --policies, --servers, --live, "
                          "--bench-sim or --strip-session-ids")
+    suite_cli.check_suite_flags(args)
     if args.day_capacity and args.day is None:
         raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
     if args.develop:
@@ -192,11 +189,6 @@ def _develop(args: argparse.Namespace) -> int:
     from workloads.benchmark.tuning import TUNED_PATH
     from workloads.replay.cluster import ClusterSpec
 
-    if (args.trace or args.policies or args.servers != 1 or args.leave_one_out
-            or args.tune_suite or args.suite != "quick" or args.day is not None):
-        raise ValueError("--develop runs the development scenarios: it takes no --trace, "
-                         "--policies, --servers, --leave-one-out, --tune-suite, --suite or "
-                         "--day")
     if args.dev_draws < 1:
         raise ValueError(f"--dev-draws must be >= 1, got {args.dev_draws}")
     spec = ClusterSpec(server=args.server, tp=args.tp, block_size=args.block_size,

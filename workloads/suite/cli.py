@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from talaria.arg_types import positive_int
 from workloads.benchmark.tuning import apply_settings, load_settings, setup_key
 from workloads.replay.cluster import ClusterSpec
 from workloads.replay.systems import SYSTEMS
@@ -59,8 +60,8 @@ from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import SUITE_SETTINGS_PATH, load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
-           "default_trace_settings", "format_capacity", "parse_loo_rows", "parse_suite_rows",
-           "run_develop", "run_from_args", "suite_settings", "tune_rows"]
+           "check_suite_flags", "default_trace_settings", "format_capacity", "parse_loo_rows", "parse_suite_rows",
+           "parse_tune_servers", "run_develop", "run_from_args", "suite_settings", "tune_rows"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-suite", action="store_true",
                    help="first tune the baseline and every peer in every scenario of the "
                    "suite, per figure (writes workloads/data/suite_settings.json)")
-    p.add_argument("--leave-one-out", type=int, default=0, metavar="DRAWS",
+    p.add_argument("--leave-one-out", type=positive_int, default=0, metavar="DRAWS",
                    help="instead of the peers and capacity: Talaria against each of its "
                    f"leave-one-out rows and a placebo (itself, arrivals moved by up to "
                    f"{PLACEBO_SHIFT_S:g} s) in every suite scenario, DRAWS independent draws "
@@ -117,6 +118,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on seed 0's, a held-out check of that choice")
     p.add_argument("--dev-draws", type=int, default=1, metavar="DRAWS",
                    help="with --develop: independent draws of the scenarios, pooled (default 1)")
+
+
+def check_suite_flags(args: argparse.Namespace) -> None:
+    """The suite modes' flags, refused before anything runs where they cannot act: each
+    would be ignored without a word, or refused only after the default trace's table."""
+    elsewhere = (args.live or args.bench_sim or args.strip_session_ids)  # no suite runs there
+    if args.develop and (args.trace or args.policies or args.servers != 1 or args.leave_one_out
+                         or args.tune_suite or args.suite != "quick" or args.day is not None
+                         or elsewhere):
+        raise ValueError("--develop runs the development scenarios: it takes no --trace, "
+                         "--policies, --servers, --leave-one-out, --tune-suite, --suite, "
+                         "--day, --live, --bench-sim or --strip-session-ids")
+    if args.leave_one_out and (args.trace or args.policies or args.servers != 1
+                               or args.suite == "off" or elsewhere):
+        raise ValueError("--leave-one-out runs the suite's own scenarios: it takes no "
+                         "--trace, --policies, --servers, --suite off, --live, --bench-sim "
+                         "or --strip-session-ids")
+    if args.tune_suite and args.leave_one_out:
+        raise ValueError("--leave-one-out runs Talaria's one setting: no --tune-suite")
+    if args.tune_suite and (args.suite == "off" or args.trace or args.policies
+                            or args.servers != 1 or args.day is not None or elsewhere):
+        raise ValueError("--tune-suite tunes the suite's scenarios, which run only on the "
+                         "embedded traces: it takes no --suite off, --trace, --policies, "
+                         "--servers, --day, --live, --bench-sim or --strip-session-ids")
+    if args.tune_servers is not None:
+        if not args.tune_suite:
+            raise ValueError("--tune-servers goes with --tune-suite")
+        parse_tune_servers(args.tune_servers, args.suite)
+
+
+def parse_tune_servers(text: str, suite: str) -> tuple[int, ...]:
+    """``--tune-servers``' server counts, each one the ``suite`` size's, none twice."""
+    known = _SIZES[suite].servers
+    try:
+        counts = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        counts = ()
+    if not counts or len(set(counts)) != len(counts) or not set(counts) <= set(known):
+        raise ValueError(f"--tune-servers must be comma-separated server counts of the suite "
+                         f"({', '.join(map(str, known))}), got {text!r}")
+    return counts
 
 
 def parse_suite_rows(text: str) -> tuple[str, ...]:
@@ -194,8 +236,6 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
     config = replace(_SIZES[args.suite], seed=args.seed,
                      spec=replace(spec, servers=1))
     if args.leave_one_out:
-        if args.tune_suite:
-            raise ValueError("--leave-one-out runs Talaria's one setting: no --tune-suite")
         rows = LOO_ROWS if args.loo_rows is None else parse_loo_rows(args.loo_rows)
         found = run_leave_one_out(config, SuiteSettings(fallback=fallback).saturation_setting(),
                                   draws=args.leave_one_out, rows=rows, workers=args.workers,
@@ -204,7 +244,7 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                 {"leave_one_out": leave_one_out_json(found, args.leave_one_out)})
     if args.tune_suite:
         servers = (None if args.tune_servers is None
-                   else tuple(int(n) for n in args.tune_servers.split(",")))
+                   else parse_tune_servers(args.tune_servers, args.suite))
         settings = tune_suite(config, fallback, workers=args.workers,
                               progress=not args.no_progress, servers=servers,
                               new_points_only=args.tune_new_points,
