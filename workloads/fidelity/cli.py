@@ -94,6 +94,11 @@ def check_args(args: argparse.Namespace) -> None:
             if name not in PRESETS:
                 raise ValueError(f"{flag}: {name!r} cannot be served live (talaria serve's "
                                  f"presets: {', '.join(PRESETS)})")
+    if args.real_model_only and args.no_real_model:
+        raise ValueError("--real-model-only and --no-real-model leave nothing to run")
+    if args.skip_steps and args.skip_replay:  # the real model's run skips both too
+        raise ValueError("--skip-steps and --skip-replay leave nothing to compare (talaria "
+                         "calibrate measures the server spec alone)")
     for out in (args.json_path, args.server):
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")

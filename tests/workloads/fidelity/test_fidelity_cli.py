@@ -22,6 +22,12 @@ from talaria.cli import main
     (["--real-policies", "vllm_sleep"], "--real-policies: 'vllm_sleep' cannot be served live"),
     (["--json", "no-such-folder/f.json"], "cannot write no-such-folder/f.json"),
     (["--server", "no-such-folder/s.json"], "cannot write no-such-folder/s.json"),
+    # contradictions: each ran the calibration (minutes), compared nothing and exited 0
+    (["--real-model-only", "--no-real-model"],
+     "--real-model-only and --no-real-model leave nothing to run"),
+    (["--skip-steps", "--skip-replay"], "--skip-steps and --skip-replay leave nothing to compare"),
+    (["--real-model-only", "--skip-steps", "--skip-replay"],
+     "--skip-steps and --skip-replay leave nothing to compare"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(
         argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
