@@ -284,6 +284,9 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     for s in systems:
         check_fits(s, s.engine_config(spec.server, spec.tp, block_size=spec.block_size),
                    spec.models)
+    settings_path = Path(args.settings) if args.settings else TUNED_PATH
+    if args.trace is None and args.policies is None and args.servers == 1:  # the suite runs
+        suite_cli.check_settings_seed(args, spec, settings_path)
     quanta = _floats(args.quanta, DEFAULT_QUANTA, "--quanta")
     fractions = _floats(args.load_fractions, DEFAULT_LOAD_FRACTIONS, "--load-fractions")
     catalog = list(spec.models)
@@ -307,7 +310,6 @@ def _simulate(args: argparse.Namespace, sessions: list[Any]) -> int:
     calls = sum(s.num_calls for s in sessions)
     print(f"replay: {len(sessions)} sessions, {calls} calls on {args.servers} x {args.server} "
           f"(TP={args.tp}), models {catalog}", flush=True)
-    settings_path = Path(args.settings) if args.settings else TUNED_PATH
     key = setup_key(sessions, spec, args.seed)
     if args.tune:
         kept = load_settings(key, settings_path) if args.policies else None

@@ -60,7 +60,7 @@ from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import SUITE_SETTINGS_PATH, load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
-           "check_suite_flags", "default_trace_settings", "format_capacity", "parse_loo_rows", "parse_suite_rows",
+           "check_settings_seed", "check_suite_flags", "default_trace_settings", "format_capacity", "parse_loo_rows", "parse_suite_rows",
            "parse_tune_servers", "run_develop", "run_from_args", "suite_settings", "tune_rows"]
 
 SLO_FACTOR = 2.0
@@ -233,8 +233,7 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
     ``--suite off``."""
     if args.suite == "off":
         return None
-    config = replace(_SIZES[args.suite], seed=args.seed,
-                     spec=replace(spec, servers=1))
+    config = _suite_config(args, spec)
     if args.leave_one_out:
         rows = LOO_ROWS if args.loo_rows is None else parse_loo_rows(args.loo_rows)
         found = run_leave_one_out(config, SuiteSettings(fallback=fallback).saturation_setting(),
@@ -267,6 +266,19 @@ def run_from_args(args: argparse.Namespace, spec: ClusterSpec,
                 f"chosen on seed {args.settings_seed}'s\n\n{text}")
         found["settings_seed"] = args.settings_seed
     return text, found
+
+
+def _suite_config(args: argparse.Namespace, spec: ClusterSpec) -> SuiteConfig:
+    return replace(_SIZES[args.suite], seed=args.seed, spec=replace(spec, servers=1))
+
+
+def check_settings_seed(args: argparse.Namespace, spec: ClusterSpec, path: Path) -> None:
+    """``--settings-seed``'s draw must be in the suite's cache (``suite_settings``): refused
+    before the default trace's table, not once it has run."""
+    if args.settings_seed is not None and args.suite != "off":
+        suite_settings(_suite_config(args, spec),
+                       default_trace_settings(spec, path, args.fixed_settings),
+                       args.settings_seed)
 
 
 def suite_settings(config: SuiteConfig, fallback: dict[str, dict[str, Any]],

@@ -83,3 +83,19 @@ def test_the_suite_flags_still_reach_a_run_that_can_use_them(
     assert main(["replay", "--tune-suite", "--tune-servers", "1", "--no-progress"]) == 0
     assert main(["replay", "--leave-one-out", "2", "--no-progress"]) == 0
     assert ran == ["sim", "sim"]
+
+
+def test_a_settings_seed_with_no_cached_draw_is_refused_before_the_default_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--settings-seed 99`` (no suite settings tuned on that draw) was refused only once
+    the default trace's table had run, minutes later."""
+    import workloads.benchmark.sweep as sweep
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ran the default trace's table before refusing")
+
+    monkeypatch.setattr(sweep, "run_many", ran)
+    assert main(["replay", "--settings-seed", "99", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--settings-seed 99:" in err[0] and "holds no settings" in err[0]
