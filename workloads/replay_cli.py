@@ -24,6 +24,10 @@ from workloads.suite import day_cli
 
 __all__ = ["register", "run_replay_command"]
 
+_LIVE_DEFAULTS: dict[str, Any] = {"time_scale": 1.0, "token_scale": 1.0, "live_vocab": 256,
+                                  "api_key": None}
+_BENCH_SERVERS = "1,16,64"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="replay a session trace: the SCT benchmark",
@@ -91,18 +95,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="benchmark the simulator instead: the first policy (default talaria) "
                    "on the trace replicated onto each of --bench-servers, each run in its own "
                    "process; prints simulated calls per second (wall and CPU) and peak RSS")
-    p.add_argument("--bench-servers", default="1,16,64",
+    p.add_argument("--bench-servers", default=_BENCH_SERVERS,
                    help="with --bench-sim: server counts, e.g. 1,16,64 (default)")
     day_cli.add_arguments(p)
     p.add_argument("--live", metavar="URL", help="replay against the router at URL instead")
-    p.add_argument("--time-scale", type=float_at_least(0), default=1.0,
+    p.add_argument("--time-scale", type=float_at_least(0), default=_LIVE_DEFAULTS["time_scale"],
                    help="live: multiply arrivals and tool gaps by this")
-    p.add_argument("--token-scale", type=float_above(0), default=1.0,
+    p.add_argument("--token-scale", type=float_above(0), default=_LIVE_DEFAULTS["token_scale"],
                    help="live: multiply token counts by this (calls beyond the context drop)")
-    p.add_argument("--live-vocab", type=int_at_least(2), default=256,
+    p.add_argument("--live-vocab", type=int_at_least(2), default=_LIVE_DEFAULTS["live_vocab"],
                    help="live: prompt token ids are drawn from [1, this)")
     p.add_argument("--max-sessions", type=positive_int, default=None, help="use the first N sessions")
-    p.add_argument("--api-key", default=None, help="live: bearer key of the router")
+    p.add_argument("--api-key", default=_LIVE_DEFAULTS["api_key"],
+                   help="live: bearer key of the router")
     suite_cli.add_arguments(p)
     p.set_defaults(func=run_replay_command)
 
@@ -136,31 +141,9 @@ def _run(args: argparse.Namespace) -> int:
     for out in (args.json_path, args.plot, args.tune and args.settings):  # now, not in an hour
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")
-    if args.loo_rows is not None:
-        if not args.leave_one_out:
-            raise ValueError("--loo-rows chooses rows of --leave-one-out, which is not given")
-        suite_cli.parse_loo_rows(args.loo_rows)  # refused before the default trace's table
-    if args.suite_rows is not None:
-        if (args.leave_one_out or args.develop or args.suite == "off" or args.trace
-                or args.policies or args.servers != 1):
-            raise ValueError("--suite-rows chooses rows of the suite's table, which runs "
-                             "only on the embedded traces; it takes no --leave-one-out, "
-                             "--develop, --suite off, --trace, --policies or --servers")
-        suite_cli.parse_suite_rows(args.suite_rows)  # refused before the default trace's table
-    if args.tune_new_points and not args.tune_suite:
-        raise ValueError("--tune-new-points goes with --tune-suite")  # before the default table
-    if args.settings_seed is not None and (
-            args.tune_suite or args.leave_one_out or args.develop or args.day is not None
-            or args.suite == "off" or args.trace or args.policies or args.servers != 1
-            or args.live or args.bench_sim or args.strip_session_ids):
-        # before the default trace's table, and not silently ignored where no suite runs
-        raise ValueError("--settings-seed runs the suite's tuned rows at another draw's "
-                         "settings: it takes no --tune-suite, --leave-one-out, --develop, "
-                         "--day, --suite off, --trace, --policies, --servers, --live, "
-                         "--bench-sim or --strip-session-ids")
-    suite_cli.check_suite_flags(args)
-    if args.day_capacity and args.day is None:
-        raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
+    suite_cli.check_suite_flags(args)  # each refused before the default trace's table
+    day_cli.check_day_flags(args)
+    _check_mode_flags(args)
     if args.develop:
         return _develop(args)
     if args.day is not None:
@@ -180,6 +163,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.live:
         return _live(args, sessions)
     return _simulate(args, sessions)
+
+
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """A flag of one mode without that mode would be ignored without a word: refused."""
+    if not args.live and any(getattr(args, k) != v for k, v in _LIVE_DEFAULTS.items()):
+        raise ValueError("--time-scale, --token-scale, --live-vocab and --api-key go with --live")
+    if not args.bench_sim and args.bench_servers != _BENCH_SERVERS:
+        raise ValueError("--bench-servers goes with --bench-sim")
+    if not args.strip_session_ids and args.shared_prefix:
+        raise ValueError("--shared-prefix goes with --strip-session-ids")
 
 
 def _develop(args: argparse.Namespace) -> int:

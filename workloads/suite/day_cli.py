@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from workloads.suite.day import DayConfig
     from workloads.traces.trace import Session
 
-__all__ = ["add_arguments", "run_day_command"]
+__all__ = ["DAY_LOAD", "add_arguments", "check_day_flags", "run_day_command"]
+
+DAY_LOAD = 0.5  # --day-load's default: half the baseline's saturation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "trace (default: the real Claude Code trace) on --servers instances, the "
                    "first policy (default talaria); prints SCT, the SLO, sessions/h and each "
                    "server's utilisation (workloads.suite.day)")
-    p.add_argument("--day-load", type=float_above(0), default=0.5,
+    p.add_argument("--day-load", type=float_above(0), default=DAY_LOAD,
                    help="with --day: the rate as a fraction of the baseline's saturation "
                    "(default 0.5)")
     p.add_argument("--day-rate", type=float_above(0), default=None, metavar="SESSIONS_PER_HOUR",
@@ -37,6 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --day: the slot rule and quantum of every policy but "
                    "Talaria (which runs its one configuration), e.g. drained/60 (default: "
                    "each one's setting tuned on the default trace)")
+
+
+def check_day_flags(args: argparse.Namespace) -> None:
+    """``--day``'s own flags without ``--day``, which would be ignored: refused."""
+    if args.day_capacity and args.day is None:
+        raise ValueError("--day-capacity searches a cluster's day: give --day HOURS")
+    if args.day is None and (args.day_load != DAY_LOAD or args.day_rate is not None
+                             or args.day_setting is not None):
+        raise ValueError("--day-load, --day-rate and --day-setting go with --day")
 
 
 def run_day_command(args: argparse.Namespace) -> int:
