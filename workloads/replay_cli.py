@@ -141,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
     for out in (args.json_path, args.plot, args.tune and args.settings):  # now, not in an hour
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")
+        if out and Path(out).is_dir():
+            raise ValueError(f"cannot write {out}: it is a folder")
     suite_cli.check_suite_flags(args)  # each refused before the default trace's table
     day_cli.check_day_flags(args)
     _check_mode_flags(args)

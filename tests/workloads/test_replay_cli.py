@@ -256,9 +256,15 @@ def test_bench_sim_with_cut_fused_steps_runs_the_default_first_for_a_ratio(
      "--bench-servers must be comma-separated integers >= 1, got '0'"),
     (["replay", "--tune", "--suite", "off", "--policies", "talaria", "--settings",
       "{missing}/t.json"], 2, "its folder does not exist"),
+    # a folder as an output was refused only when the run wrote its results, at its end
+    (["replay", "--suite", "off", "--policies", "talaria", "--json", "{folder}"], 2,
+     "it is a folder"),
+    (["replay", "--suite", "off", "--policies", "talaria", "--plot", "{folder}"], 2,
+     "it is a folder"),
 ], ids=["trace-is-a-folder", "json-folder-missing", "tp-heads", "live-unreachable",
         "models-into-a-file", "live-not-a-url", "bench-servers-not-numbers",
-        "bench-servers-zero", "tune-settings-folder-missing"])
+        "bench-servers-zero", "tune-settings-folder-missing", "json-is-a-folder",
+        "plot-is-a-folder"])
 def test_a_users_mistake_is_one_line_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, says: str,
 ) -> None:
@@ -266,7 +272,7 @@ def test_a_users_mistake_is_one_line_naming_it(
     divide: one line naming it and a non-zero exit, before any long run, no traceback."""
     afile = tmp_path / "a-file"
     afile.write_text("x")
-    argv = [a.format(missing=tmp_path / "nope", file=afile) for a in argv]
+    argv = [a.format(missing=tmp_path / "nope", file=afile, folder=tmp_path) for a in argv]
     assert main(argv) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"talaria {argv[0]}: error:") and says in err[0]

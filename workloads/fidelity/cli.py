@@ -102,6 +102,8 @@ def check_args(args: argparse.Namespace) -> None:
     for out in (args.json_path, args.server):
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its folder does not exist")
+        if Path(out).is_dir():
+            raise ValueError(f"cannot write {out}: it is a folder")
 
 
 def run_fidelity_command(args: argparse.Namespace) -> int:

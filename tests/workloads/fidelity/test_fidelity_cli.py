@@ -22,6 +22,8 @@ from talaria.cli import main
     (["--real-policies", "vllm_sleep"], "--real-policies: 'vllm_sleep' cannot be served live"),
     (["--json", "no-such-folder/f.json"], "cannot write no-such-folder/f.json"),
     (["--server", "no-such-folder/s.json"], "cannot write no-such-folder/s.json"),
+    (["--json", "."], "cannot write .: it is a folder"),  # was found when the run wrote it
+    (["--server", "."], "cannot write .: it is a folder"),
     # contradictions: each ran the calibration (minutes), compared nothing and exited 0
     (["--real-model-only", "--no-real-model"],
      "--real-model-only and --no-real-model leave nothing to run"),
