@@ -168,10 +168,19 @@ def load_settings(key: str | None, path: Path = TUNED_PATH) -> Tuned | None:
     or cluster (``key`` None: whatever trace and cluster they were made for)."""
     if not path.exists():
         return None
-    data = orjson.loads(path.read_bytes())
+    try:
+        data = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a tuned-settings file ({exc})") from None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    ideal = data.get("ideal", {}) if isinstance(data, dict) else None
+    if not (isinstance(rows, dict) and isinstance(ideal, dict) and all(
+            isinstance(r, dict) and isinstance(r.get("setting"), dict) for r in rows.values())):
+        raise ValueError(f"{path}: not a tuned-settings file (a table of rows, each with its "
+                         f"setting, as --tune writes)")
     if key is not None and data.get("setup_key") != key:
         return None
-    return Tuned(dict(data["rows"]), dict(data.get("ideal", {})))
+    return Tuned(dict(rows), dict(ideal))
 
 
 def apply_settings(
