@@ -60,8 +60,9 @@ from workloads.suite.scenarios import Scenario, SuiteConfig, draw_sessions
 from workloads.suite.tuning import SUITE_SETTINGS_PATH, load_suite_settings, tune_suite
 
 __all__ = ["CAPACITY_SESSIONS", "CAPACITY_TRACE", "SLO_FACTOR", "add_arguments", "capacity",
-           "check_settings_seed", "check_suite_flags", "default_trace_settings", "format_capacity", "parse_loo_rows", "parse_suite_rows",
-           "parse_tune_servers", "run_develop", "run_from_args", "suite_settings", "tune_rows"]
+           "check_settings_seed", "check_suite_flags", "default_trace_settings",
+           "format_capacity", "parse_loo_rows", "parse_suite_rows", "parse_tune_servers",
+           "run_develop", "run_from_args", "suite_settings", "tune_rows"]
 
 SLO_FACTOR = 2.0
 CAPACITY_TRACE = "claude-code"
