@@ -8,7 +8,8 @@ accept and render alike:
   API);
 - ``input`` as a string (one user message) or a list of items: ``message`` items (``type``
   may be left out) of role ``system``, ``developer``, ``user`` or ``assistant``, whose
-  content is a string or ``input_text`` / ``output_text`` parts; ``function_call`` items
+  content is a string or ``input_text`` / ``output_text`` parts (an earlier answer's
+  ``refusal`` part is its text); ``function_call`` items
   (``call_id``, ``name``, ``arguments``) and ``custom_tool_call`` items (``call_id``,
   ``name``, ``input`` -> the arguments ``{"input": input}``) -> the assistant turn's
   ``tool_calls`` (joined to the assistant message just before them, as the model wrote them);
@@ -242,8 +243,8 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 
 
 def _text(content: Any, where: str, omitted: Omissions) -> str:
-    """A string, or the text of an array of ``input_text`` / ``output_text`` parts (an image
-    or file part is a line saying what was left out)."""
+    """A string, or the text of an array of ``input_text`` / ``output_text`` / ``refusal``
+    parts (an image or file part is a line saying what was left out)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -256,9 +257,13 @@ def _text(content: Any, where: str, omitted: Omissions) -> str:
         elif kind == "input_file":
             parts.append(omitted.openai_file(part.get("file_data"), part.get("filename"),
                                              part.get("file_id"), part.get("file_url")))
+        elif kind == "refusal":  # a refused answer's part, in a history from OpenAI's API
+            if not isinstance(part.get("refusal"), str):
+                raise bad_request(f"{where}[{j}].refusal must be a string", f"{where}[{j}].refusal")
+            parts.append(part["refusal"])
         elif not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise bad_request(f"{where}[{j}]: content of type {kind!r} is not supported (only input_text, "
-                              "output_text, input_image and input_file are)", f"{where}[{j}]")
+                              "output_text, refusal, input_image and input_file are)", f"{where}[{j}]")
         elif not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
         else:

@@ -651,3 +651,27 @@ async def test_codex_shaped_request(tiny_tokenizer: ModelTokenizer) -> None:
     assert final["status"] == "completed" and final["prompt_cache_key"] == "conv-7"
     assert [i["type"] for i in final["output"]] == ["message", "custom_tool_call"]
     assert final["output"][1]["input"] == PATCH
+
+
+async def test_a_refusal_part_in_the_history_is_the_assistant_text(tiny_tokenizer: ModelTokenizer) -> None:
+    """An assistant message of a history from OpenAI's own API can hold a ``refusal`` part
+    (the output content type a refused answer has); it was a 400, so a conversation resumed
+    against Talaria ended at once. It is that turn's text."""
+    instance = scripted(tiny_tokenizer, "Fine.")
+    history = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Do it."}]},
+        {"type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+        {"role": "user", "content": "Then say fine."},
+    ]
+    async with serve(tiny_tokenizer, instance) as client:
+        resp = await client.post("/v1/responses", json=body(input=history))
+        assert resp.status == 200, await resp.text()
+        history[1]["content"] = [{"type": "refusal", "refusal": 3}]
+        resp = await client.post("/v1/responses", json=body(input=history))
+        assert resp.status == 400 and "refusal" in (await resp.json())["error"]["message"]
+    assert instance.calls[0].prompt_token_ids == tiny_tokenizer.encode_chat([
+        {"role": "user", "content": "Do it."},
+        {"role": "assistant", "content": "I can't help with that."},
+        {"role": "user", "content": "Then say fine."},
+    ])
