@@ -12,8 +12,9 @@ their HTTP status; after it, a streamed error event (then ``[DONE]`` on the Open
 client as a generic message naming the request id, the detail goes to the log. A client that goes away (noticed while its call
 waits too), or a stop string reached, aborts the call on its instance. Bounds on what
 requests may take: ``router.limits``. At shut-down (the router no longer listens), calls in
-flight get ``drain_timeout_s`` to finish; the rest are cancelled, each aborting itself on its
-instance.
+flight get ``drain_timeout_s`` to finish; then those waiting on an instance end as failed
+calls (an error event, or a 503 before any answer) and are aborted there, and what is left
+is cancelled, each call aborting itself on its instance.
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def create_app(
             await client.close()
 
     async def drain(_app: web.Application) -> None:
-        await app[GATE_KEY].drain(config.drain_timeout_s, config.deadlines.state_s)
+        await app[GATE_KEY].drain(config.drain_timeout_s, config.deadlines.state_s, core.shut_down)
 
     app.on_shutdown.append(drain)
     app.on_cleanup.append(close)

@@ -37,8 +37,14 @@ from router.instances.call_health import CallHealth, HealthRules
 from router.instances.deadlines import DeadlineMissed, Deadlines, first_token_deadline
 from router.instances.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
 from router.instances.state_polls import StatePolls
-from router.instances.waits import InstanceMarkedDown, InstanceWaits, close_stream
+from router.instances.waits import (
+    InstanceMarkedDown,
+    InstanceWaits,
+    RouterShuttingDown,
+    close_stream,
+)
 from router.metrics import RouterMetrics
+from router.outcomes import CallRejected, NoHealthyInstance, call_outcome
 from router.sessions.books import SessionBooks, SessionCall
 from router.sessions.inference import SessionInference
 from router.sessions.output_lengths import OutputLengths
@@ -58,20 +64,9 @@ from talaria.protocol.text import block_hashes
 
 log = structlog.get_logger(__name__)
 
+__all__ = ["MAX_ATTEMPTS", "CallRejected", "NoHealthyInstance", "RouterCore"]
+
 MAX_ATTEMPTS = 2  # the first choice and one retry
-
-
-class NoHealthyInstance(RuntimeError):
-    """No healthy instance can take the call."""
-
-
-class CallRejected(RuntimeError):
-    """The instance refused the call as invalid (its 4xx other than 429)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class RouterCore:
@@ -185,10 +180,18 @@ class RouterCore:
         if kind == "unreachable" or self.call_health.failure(instance_id, self.now()):
             self.mark_down(instance_id, f"call failed ({kind}): {exc}", answering=kind != "unreachable")
 
+    def shut_down(self) -> None:
+        """The router shuts down past its drain: every call still waiting on an instance ends
+        now as a failed one (``router.instances.waits``), aborted there, and no call is placed."""
+        self.waits.close()
+
     def cleanup_sessions(self) -> int:
         return self.books.cleanup(self.now())
 
     async def close(self) -> None:
+        """Stop: the aborts under way get their deadline to reach their instances."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.deadlines.state_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -215,8 +218,9 @@ class RouterCore:
         return self.policy.choose(self.placement_call(call), session, self.states, self.candidates())
 
     def candidates(self) -> set[str]:
-        """Where calls may go: the healthy instances, else the suspect ones."""
-        return set(self.healthy or self.suspect)
+        """Where calls may go: the healthy instances, else the suspect ones (none once the
+        router shuts down)."""
+        return set() if self.waits.closed else set(self.healthy or self.suspect)
 
     async def submit(self, call: CallRequest, repeated: int | None = None) -> AsyncIterator[CallEvent]:
         """Place and forward ``call``; yields its events, each tagged with ``instance_id``.
@@ -263,7 +267,7 @@ class RouterCore:
                 event = await self._next(stream, call, instance_id)
         except BaseException as exc:
             if not finished:
-                outcome = _outcome(exc, opened=instance_id is not None)
+                outcome = call_outcome(exc, opened=instance_id is not None)
             raise
         finally:
             label = instance_id or (tried[-1] if tried and outcome != "error" else "none")
@@ -290,6 +294,8 @@ class RouterCore:
         """Send the call down ``ranked`` until one instance gives its first event: at most
         ``MAX_ATTEMPTS`` failures (an instance marked down meanwhile costs none, and is
         skipped when not yet tried); ``tried`` gets each instance as it is tried."""
+        if self.waits.closed:
+            raise NoHealthyInstance("the router is shutting down")
         if not ranked:
             raise NoHealthyInstance(f"no healthy instance can serve model {call.model!r}")
         errors: list[Exception] = []
@@ -331,6 +337,8 @@ class RouterCore:
                 return instance_id, stream, first
             self._release(instance_id, pcall)
             await close_stream(stream)
+        if self.waits.closed:
+            raise NoHealthyInstance("the router is shutting down")
         overloaded = [e for e in errors if isinstance(e, Overloaded)]
         if overloaded:
             raise Overloaded(str(overloaded[-1]), min(e.retry_after_s for e in overloaded))
@@ -357,10 +365,12 @@ class RouterCore:
         return CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error=message)
 
     def _cut(self, instance_id: str, call_id: str, exc: InstanceMarkedDown) -> None:
-        """A call cut from an instance marked down: counted (not against its health: the mark
-        is already made) and aborted there in the background (it may not answer for long)."""
-        self.metrics.call_failures.inc(instance=instance_id, kind="marked_down")
-        log.warning("router.call_cut", instance=instance_id, call_id=call_id, error=str(exc))
+        """A call cut from an instance marked down (or by the shut-down): counted (not against
+        its health) and aborted there in the background (it may not answer for long)."""
+        shutdown = isinstance(exc, RouterShuttingDown)
+        self.metrics.call_failures.inc(instance=instance_id, kind="shutdown" if shutdown else "marked_down")
+        (log.info if shutdown else log.warning)(
+            "router.call_cut", instance=instance_id, call_id=call_id, error=str(exc))
         self._background(self._abort_quietly(instance_id, call_id))
 
     async def _abort_quietly(self, instance_id: str, call_id: str) -> None:
@@ -433,18 +443,4 @@ class RouterCore:
         forget = getattr(self.clients.get(instance_id), "forget_sessions", None)
         if forget is not None:
             forget(keys)
-
-
-def _outcome(exc: BaseException, opened: bool) -> str:
-    """How a call that raised before its last event ends in the metrics: ``aborted`` (its
-    consumer stopped after the first event: a client gone; a stop string is ``ok``), ``client_left``
-    (cancelled before its first event), ``rejected`` (the instance refused it as invalid: the
-    client's error), ``overloaded``, else ``error``."""
-    if opened:
-        return "aborted"
-    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-        return "client_left"
-    if isinstance(exc, CallRejected):
-        return "rejected"
-    return "overloaded" if isinstance(exc, Overloaded) else "error"
 

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
@@ -143,9 +143,11 @@ class InflightGate:
             if task is not None:
                 self._tasks.discard(task)
 
-    async def drain(self, timeout_s: float, grace_s: float) -> None:
-        """Shut-down: let the calls inside finish for ``timeout_s``, then cancel the rest
-        and give them ``grace_s`` to leave (a cancelled call aborts itself on its instance)."""
+    async def drain(self, timeout_s: float, grace_s: float, cut: Callable[[], None] | None = None) -> None:
+        """Shut-down: let the calls inside finish for ``timeout_s``; then ``cut`` ends those
+        waiting on an instance as failed calls (their error event, or 503), given ``grace_s``
+        to answer; the rest are cancelled and given ``grace_s`` to leave (a cancelled call
+        aborts itself on its instance)."""
         if not self._tasks:
             return
         log.info("router.draining", calls=len(self._tasks), timeout_s=timeout_s)
@@ -153,6 +155,13 @@ class InflightGate:
         left = set(self._tasks)
         if not left:
             return
+        if cut is not None:
+            log.warning("router.drain_timeout", cutting=len(left))
+            cut()
+            await asyncio.wait(left, timeout=grace_s)
+            left = set(self._tasks)
+            if not left:
+                return
         log.warning("router.drain_timeout", cancelling=len(left))
         for task in left:
             task.cancel()

@@ -9,6 +9,10 @@ streams that flow); a call that gets nothing is cut with :class:`InstanceMarkedD
 re-places it when it had no event yet and ends it with an error event otherwise. So a hung
 instance (SIGSTOP) holds its calls for the time it takes to be marked down plus the grace,
 not for their first-token deadline.
+
+At shut-down, once the drain timeout has passed, :meth:`InstanceWaits.close` cuts every wait
+at once, and every later one, with :class:`RouterShuttingDown`: the core ends those calls
+as failed ones (a 503 before the first event, an error event after it), not re-placed.
 """
 
 from __future__ import annotations
@@ -21,17 +25,22 @@ from dataclasses import dataclass
 from router.instances.deadlines import DeadlineMissed
 from talaria.protocol import CallEvent, InstanceUnavailable
 
-__all__ = ["InstanceMarkedDown", "InstanceWaits", "close_stream"]
+__all__ = ["InstanceMarkedDown", "InstanceWaits", "RouterShuttingDown", "close_stream"]
 
 
 class InstanceMarkedDown(InstanceUnavailable):
     """The instance was marked down while the call waited on it."""
 
 
+class RouterShuttingDown(InstanceMarkedDown):
+    """The router shut down while the call waited on its instance."""
+
+
 @dataclass(eq=False)
 class _Wait:
     scope: asyncio.Timeout
     cut: bool = False  # its deadline was brought forward by a mark down
+    closed: bool = False  # ... by the router's shut-down
 
 
 class InstanceWaits:
@@ -41,6 +50,7 @@ class InstanceWaits:
         self.grace_s = grace_s
         self._waits: dict[str, set[_Wait]] = {}
         self._down: set[str] = set()
+        self.closed = False
 
     def down(self, instance_id: str) -> None:
         """The instance stopped answering: bound every wait on it by the grace from now."""
@@ -50,6 +60,15 @@ class InstanceWaits:
             deadline = asyncio.get_running_loop().time() + self.grace_s
             for wait in waits:
                 _bound(wait, deadline)
+
+    def close(self) -> None:
+        """The router is shutting down: end every wait now, and every later one at once."""
+        self.closed = True
+        now = asyncio.get_running_loop().time()
+        for waits in self._waits.values():
+            for wait in waits:
+                _bound(wait, now)
+                wait.closed = True
 
     def up(self, instance_id: str) -> None:
         """The instance answers again: later waits on it keep their own deadlines."""
@@ -73,11 +92,16 @@ class InstanceWaits:
         try:
             async with asyncio.timeout_at(None if seconds is None else loop.time() + seconds) as scope:
                 wait = _Wait(scope)
-                if instance_id in self._down:
+                if self.closed:
+                    _bound(wait, loop.time())
+                    wait.closed = True
+                elif instance_id in self._down:
                     _bound(wait, loop.time() + self.grace_s)
                 waits.add(wait)
                 return await anext(stream)
         except TimeoutError:
+            if wait is not None and wait.closed:
+                raise RouterShuttingDown("the router is shutting down") from None
             if wait is not None and wait.cut:
                 raise InstanceMarkedDown(
                     f"instance {instance_id} was marked down while the call waited for its {what}"

@@ -1,0 +1,37 @@
+"""How a call ends before its last event: the refusals ``RouterCore.submit`` raises, and the
+``outcome`` label each end gets in ``talaria_router_requests_total``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from talaria.protocol import Overloaded
+
+__all__ = ["CallRejected", "NoHealthyInstance", "call_outcome"]
+
+
+class NoHealthyInstance(RuntimeError):
+    """No healthy instance can take the call (or the router is shutting down)."""
+
+
+class CallRejected(RuntimeError):
+    """The instance refused the call as invalid (its 4xx other than 429)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def call_outcome(exc: BaseException, opened: bool) -> str:
+    """How a call that raised before its last event ends in the metrics: ``aborted`` (its
+    consumer stopped after the first event: a client gone; a stop string is ``ok``), ``client_left``
+    (cancelled before its first event), ``rejected`` (the instance refused it as invalid: the
+    client's error), ``overloaded``, else ``error``."""
+    if opened:
+        return "aborted"
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "client_left"
+    if isinstance(exc, CallRejected):
+        return "rejected"
+    return "overloaded" if isinstance(exc, Overloaded) else "error"
