@@ -12,6 +12,7 @@ import hmac
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
@@ -23,6 +24,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+log = structlog.get_logger(__name__)
 
 
 def header_bytes(value: str) -> bytes:
@@ -67,13 +70,19 @@ def key_middleware(key: str, protects: Callable[[str], bool]) -> Any:
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, or 408 when it has not arrived within ``timeout_s`` (a slow sender
-    does not hold a connection and a handler for minutes)."""
+    does not hold a connection and a handler for minutes); a client that closed its
+    connection before it arrived is logged (info) and answered 499, which nobody reads: no
+    internal error."""
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
     except TimeoutError:
         raise ApiError(
             408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout"
         ) from None
+    except ConnectionResetError as exc:
+        log.info("request.client_gone", path=request.path, error=str(exc))
+        raise ApiError(499, "the client closed its connection before its request body arrived",
+                       code="client_closed_request") from None
 
 
 def client_gone(request: web.Request) -> bool:
