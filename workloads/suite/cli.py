@@ -128,12 +128,14 @@ def check_suite_flags(args: argparse.Namespace) -> None:
         if not args.leave_one_out:
             raise ValueError("--loo-rows chooses rows of --leave-one-out, which is not given")
         parse_loo_rows(args.loo_rows)
+    elsewhere = (args.live or args.bench_sim or args.strip_session_ids)  # no suite runs there
     if args.suite_rows is not None:
         if (args.leave_one_out or args.develop or args.suite == "off" or args.trace
-                or args.policies or args.servers != 1):
+                or args.policies or args.servers != 1 or args.day is not None or elsewhere):
             raise ValueError("--suite-rows chooses rows of the suite's table, which runs "
                              "only on the embedded traces; it takes no --leave-one-out, "
-                             "--develop, --suite off, --trace, --policies or --servers")
+                             "--develop, --suite off, --trace, --policies, --servers, --day, "
+                             "--live, --bench-sim or --strip-session-ids")
         parse_suite_rows(args.suite_rows)
     if args.tune_new_points and not args.tune_suite:
         raise ValueError("--tune-new-points goes with --tune-suite")
@@ -145,7 +147,6 @@ def check_suite_flags(args: argparse.Namespace) -> None:
                          "settings: it takes no --tune-suite, --leave-one-out, --develop, "
                          "--day, --suite off, --trace, --policies, --servers, --live, "
                          "--bench-sim or --strip-session-ids")
-    elsewhere = (args.live or args.bench_sim or args.strip_session_ids)  # no suite runs there
     if args.develop and (args.trace or args.policies or args.servers != 1 or args.leave_one_out
                          or args.tune_suite or args.suite != "quick" or args.day is not None
                          or elsewhere):

@@ -47,6 +47,11 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--develop", "talaria", "--live", "http://x"], "--develop runs the development"),
     (["--develop", "talaria", "--bench-sim"], "--develop runs the development"),
     (["--develop", "talaria", "--strip-session-ids"], "--develop runs the development"),
+    # --suite-rows beside a mode that runs no suite was ignored without a word
+    (["--suite-rows", "talaria", "--live", "http://x"], "--suite-rows chooses rows"),
+    (["--suite-rows", "talaria", "--bench-sim"], "--suite-rows chooses rows"),
+    (["--suite-rows", "talaria", "--strip-session-ids"], "--suite-rows chooses rows"),
+    (["--suite-rows", "talaria", "--day", "1"], "--suite-rows chooses rows"),
 ])
 def test_a_suite_flag_that_cannot_act_is_refused_up_front(
     nothing_runs: None, capsys: pytest.CaptureFixture[str], argv: list[str], says: str,
