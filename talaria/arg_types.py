@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["float_above", "float_at_least", "int_at_least", "positive_int"]
+__all__ = ["check_output_path", "float_above", "float_at_least", "int_at_least", "positive_int"]
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -51,3 +52,12 @@ def float_above(lo: float) -> Callable[[str], float]:
 def float_at_least(lo: float) -> Callable[[str], float]:
     """An argparse ``type``: a finite number >= ``lo``."""
     return _finite_float(lambda v: v >= lo, f">= {lo:g}")
+
+
+def check_output_path(out: str | Path) -> None:
+    """A file a command will write at its end: refused now (``ValueError``) when its folder
+    does not exist or it names a folder, not after the run."""
+    if not Path(out).resolve().parent.is_dir():
+        raise ValueError(f"cannot write {out}: its folder does not exist")
+    if Path(out).is_dir():
+        raise ValueError(f"cannot write {out}: it is a folder")

@@ -18,7 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from talaria.arg_types import float_above, float_at_least, int_at_least, positive_int
+from talaria.arg_types import (
+    check_output_path,
+    float_above,
+    float_at_least,
+    int_at_least,
+    positive_int,
+)
 from workloads.suite import cli as suite_cli
 from workloads.suite import day_cli
 
@@ -139,10 +145,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     for out in (args.json_path, args.plot, args.tune and args.settings):  # now, not in an hour
-        if out and not Path(out).resolve().parent.is_dir():
-            raise ValueError(f"cannot write {out}: its folder does not exist")
-        if out and Path(out).is_dir():
-            raise ValueError(f"cannot write {out}: it is a folder")
+        if out:
+            check_output_path(out)
     suite_cli.check_suite_flags(args)  # each refused before the default trace's table
     day_cli.check_day_flags(args)
     _check_mode_flags(args)

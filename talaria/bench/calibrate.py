@@ -41,6 +41,7 @@ import torch
 from engine.layers.moe import DENSE_MAX_TOKENS
 from engine.sim.model_spec import ModelSpec
 from substrate.devices import DeviceSpec, ServerSpec, server_to_dict
+from talaria.arg_types import check_output_path
 from talaria.bench import calibrate_kernels as k
 from talaria.bench.calibrate_overheads import fit_engine
 from talaria.bench.calibration_conditions import current_conditions
@@ -168,10 +169,7 @@ def run_calibrate_command(out: str, threads: int) -> int:
     checked first: nothing is measured or written (the tiny models included) for bad ones."""
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
-    if not Path(out).resolve().parent.is_dir():
-        raise ValueError(f"cannot write {out}: its folder does not exist")
-    if Path(out).is_dir():
-        raise ValueError(f"cannot write {out}: it is a folder")
+    check_output_path(out)
     print(f"calibrating this machine at {threads} thread(s) per rank "
           f"(load average {', '.join(f'{x:.2f}' for x in os.getloadavg())})...", flush=True)
     server, info = calibrate_here(threads, log=lambda line: print(line, flush=True))

@@ -12,16 +12,6 @@ from workloads import replay_cli
 from workloads.suite import day_cli
 
 
-@pytest.fixture
-def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def ran(*args: object, **kwargs: object) -> int:
-        raise AssertionError("ran instead of refusing")
-
-    for name in ("_simulate", "_develop", "_live"):
-        monkeypatch.setattr(replay_cli, name, ran)
-    monkeypatch.setattr(day_cli, "run_day_command", ran)
-
-
 @pytest.mark.parametrize(("argv", "says"), [
     (["--day-load", "0.3"], "--day-load, --day-rate and --day-setting go with --day"),
     (["--day-rate", "10"], "--day-load, --day-rate and --day-setting go with --day"),

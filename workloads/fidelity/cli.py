@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from talaria.arg_types import check_output_path
 from workloads.fidelity.replays import ReplaySetup
 
 __all__ = ["check_args", "register", "run_fidelity_command"]
@@ -100,10 +101,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--skip-steps and --skip-replay leave nothing to compare (talaria "
                          "calibrate measures the server spec alone)")
     for out in (args.json_path, args.server):
-        if not Path(out).resolve().parent.is_dir():
-            raise ValueError(f"cannot write {out}: its folder does not exist")
-        if Path(out).is_dir():
-            raise ValueError(f"cannot write {out}: it is a folder")
+        check_output_path(out)
 
 
 def run_fidelity_command(args: argparse.Namespace) -> int:

@@ -12,17 +12,6 @@ import pytest
 from talaria.cli import main
 from workloads import replay_cli
 from workloads.suite import cli as suite_cli
-from workloads.suite import day_cli
-
-
-@pytest.fixture
-def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def ran(*args: object, **kwargs: object) -> int:
-        raise AssertionError("ran instead of refusing")
-
-    for name in ("_simulate", "_develop", "_live"):
-        monkeypatch.setattr(replay_cli, name, ran)
-    monkeypatch.setattr(day_cli, "run_day_command", ran)
 
 
 @pytest.mark.parametrize(("argv", "says"), [
