@@ -112,6 +112,8 @@ class Sampler:
                 )
                 sp = torch.softmax(sorted_x, dim=-1)
                 before = sp.cumsum(dim=-1) - sp  # a token is kept while those before it miss p
-                sorted_x = sorted_x.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
+                cut = before >= top_p.unsqueeze(1)
+                cut[:, 0] = False  # a top_p under float32's smallest is 0.0 here: keep the top
+                sorted_x = sorted_x.masked_fill(cut, float("-inf"))
             x = torch.empty_like(x).scatter_(-1, order, sorted_x)
         return torch.softmax(x, dim=-1)

@@ -102,6 +102,15 @@ def test_top_p_stops_at_the_first_token_reaching_p() -> None:
     assert seen == {0}
 
 
+def test_a_top_p_below_float32s_smallest_keeps_the_most_likely_token() -> None:
+    # top_p=1e-50 passes the (0, 1] check but is 0.0 as a float32 tensor: the cut must still
+    # keep the first sorted token, not mask every one (NaN probabilities, token 0 each time).
+    x = logits(4, seed=8)
+    out = Sampler(gen(8))(x, [SamplingParams(top_p=1e-50)] * 4)
+    assert out.token_ids == x.argmax(-1).tolist()
+    assert not bool(Sampler._filtered_probs(x, [SamplingParams(top_p=1e-50)] * 4).isnan().any())
+
+
 def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
     # HF's TopKLogitsWarper and vLLM mask only logits below the k-th largest: a tie at the
     # boundary stays in (common with bfloat16 logits), whichever order the sort put it in.
