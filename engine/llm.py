@@ -47,6 +47,8 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine argument(s) {unknown}; EngineConfig "
                             f"takes {sorted(known)}")
         model = model_dir(model)  # a .gguf file: its converted directory
+        if not (model / "config.json").is_file():  # before the tokenizer, which asks the Hub
+            raise FileNotFoundError(f"no config.json in model directory {str(model)!r}")
         self.config = EngineConfig(model=model, **engine_args)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.core: EngineCore | None = EngineCore(self.config, tokenizer=self.tokenizer)

@@ -367,3 +367,14 @@ def test_llm_takes_engine_config_fields_and_names_an_unknown_one(model_dirs) -> 
         llm.shutdown()
     with pytest.raises(TypeError, match="max_num_seq'"):
         LLM(model_dirs["llama"], max_num_seq=4)
+
+
+def test_llm_names_a_missing_model_directory(tmp_path: Path) -> None:
+    """A mistyped path is a FileNotFoundError naming it, not the tokenizer's Hugging Face
+    Hub error about repo ids (the path is never a Hub id: the engine loads local files)."""
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(tmp_path / "empty")
