@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -63,15 +64,20 @@ class LLM:
     def generate(
         self,
         prompts: list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt; outputs are in prompt order."""
+        """Generate for every prompt; outputs are in prompt order. ``params``: one for all,
+        or a list (or tuple) of one per prompt."""
         core = self.engine
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")
         if params is None:
             params = SamplingParams()
-        param_list = params if isinstance(params, list) else [params] * len(prompts)
+        param_list = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
+        wrong = [type(p).__name__ for p in param_list if not isinstance(p, SamplingParams)]
+        if wrong:
+            raise TypeError("params must be a SamplingParams or a list of them, one per prompt; "
+                            f"got {wrong[0]}")
         if len(param_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
         token_lists = [self._tokens(p) for p in prompts]

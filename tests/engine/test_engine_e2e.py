@@ -288,6 +288,22 @@ def test_string_prompts_are_tokenized_and_outputs_detokenized(
         llm.generate([text, text], [GREEDY])
 
 
+def test_generate_takes_a_sequence_of_sampling_params_and_names_a_wrong_one(
+    model_dirs: dict[str, Path],
+) -> None:
+    """A tuple of SamplingParams is a sequence of them (as vLLM takes); anything else than
+    SamplingParams is a TypeError naming ``params``, not an AttributeError from inside the
+    engine."""
+    llm = make_llm(model_dirs["llama"])
+    by_list = llm.generate([[5, 6], [7, 8]], [GREEDY, GREEDY])
+    by_tuple = llm.generate([[5, 6], [7, 8]], (GREEDY, GREEDY))
+    assert [o.token_ids for o in by_tuple] == [o.token_ids for o in by_list]
+    for bad in ({"max_tokens": 4}, [GREEDY, {"max_tokens": 4}], [GREEDY, None]):
+        with pytest.raises(TypeError, match="params"):
+            llm.generate([[5, 6], [7, 8]], bad)  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished()
+
+
 class HostStore:
     """A dict-backed secondary KV cache holding copies of device blocks by block hash."""
 
