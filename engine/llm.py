@@ -84,10 +84,13 @@ class LLM:
 
         ids: list[str] = []
         try:
-            for tokens, p in zip(token_lists, param_list, strict=True):
+            for i, (tokens, p) in enumerate(zip(token_lists, param_list, strict=True)):
                 rid = f"llm-{self._counter}"
                 self._counter += 1
-                core.add_request(EngineRequest(rid, tokens, p))
+                try:
+                    core.add_request(EngineRequest(rid, tokens, p))
+                except ValueError as err:  # its request id is not one the caller knows
+                    raise ValueError(f"prompts[{i}]: {err}") from err
                 ids.append(rid)
             results = self._run(core, ids)
         except BaseException:

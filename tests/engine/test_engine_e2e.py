@@ -274,6 +274,18 @@ def test_bad_input_raises_and_allocates_nothing(model_dirs: dict[str, Path]) -> 
     assert ok.num_generated_tokens >= 1
 
 
+def test_a_refused_prompt_is_named_by_its_index(model_dirs: dict[str, Path]) -> None:
+    """The engine's request ids count over the LLM's life ('llm-7' on a second call), so a
+    refusal names the prompt's place in the list the caller passed."""
+    llm = make_llm(model_dirs["llama"], max_model_len=40)
+    llm.generate([[5, 6]], GREEDY)
+    with pytest.raises(ValueError, match=r"prompts\[2\]: .*max_model_len"):
+        llm.generate([[5, 6], [7, 8], [5] * 40], GREEDY)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: .*outside the vocabulary"):
+        llm.generate([[5, 6], [5, VOCAB]], GREEDY)
+    assert not llm.engine.has_unfinished()
+
+
 def test_string_prompts_are_tokenized_and_outputs_detokenized(
     model_dirs: dict[str, Path], tokenizer
 ) -> None:
