@@ -18,7 +18,8 @@ class EngineConfig:
     At ``tensor_parallel_size`` > 1 the ranks meet at ``distributed_address``:
     ``distributed_port`` (0: a free port chosen by the OS); a collective that waits longer
     than ``distributed_timeout_s`` fails. ``cuda_graphs``: on a GPU at TP=1, decode-only
-    steps are replayed from CUDA graphs (``engine.graphs.decode``).
+    steps are replayed from CUDA graphs (``engine.graphs.decode``). The integer, boolean and
+    number settings are checked by type (a boolean is not an integer) before their ranges.
     """
 
     model: str | Path
@@ -40,6 +41,7 @@ class EngineConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -57,6 +59,32 @@ class EngineConfig:
         check_distributed_settings(
             self.tensor_parallel_size, self.distributed_port, self.distributed_timeout_s
         )
+
+    def _check_types(self) -> None:
+        """Each setting's type, before any range check compares it (a boolean is not an
+        integer, nor is an integer a boolean)."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value) and not (value is None and name in _OPTIONAL_FIELDS):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        for name in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+_INT_FIELDS = ("max_model_len", "block_size", "num_kv_blocks", "max_num_batched_tokens",
+               "max_num_seqs", "tensor_parallel_size", "seed", "distributed_port")
+_OPTIONAL_FIELDS = ("max_model_len", "num_kv_blocks")
+_BOOL_FIELDS = ("enable_prefix_caching", "cuda_graphs")
+_NUMBER_FIELDS = ("kv_memory_fraction", "distributed_timeout_s")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_distributed_settings(tensor_parallel_size: int, port: int, timeout_s: float) -> None:

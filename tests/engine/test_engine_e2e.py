@@ -406,3 +406,23 @@ def test_llm_names_a_missing_model_directory(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         LLM(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"block_size": 4.0}, {"block_size": True}, {"num_kv_blocks": 16.0},
+        {"max_model_len": "128"}, {"max_num_batched_tokens": 8.5}, {"max_num_seqs": 2.5},
+        {"tensor_parallel_size": 1.0}, {"seed": "0"}, {"distributed_port": "0"},
+        {"enable_prefix_caching": "no"}, {"cuda_graphs": 0}, {"kv_memory_fraction": "0.5"},
+        {"distributed_timeout_s": True},
+    ],
+)
+def test_engine_config_refuses_a_wrong_type_by_name(bad: dict[str, object]) -> None:
+    """A setting of the wrong type is a ValueError naming it, as SamplingParams' are: before,
+    enable_prefix_caching="no" turned caching on, block_size=True was 1, a float block
+    count failed inside torch.zeros and a string length in a comparison."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EngineConfig(model="unused", **bad)  # type: ignore[arg-type]
+    EngineConfig(model="unused", num_kv_blocks=None, max_model_len=None, kv_memory_fraction=1,
+                 distributed_timeout_s=5, dtype=torch.float16, device=torch.device("cpu"))
