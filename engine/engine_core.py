@@ -43,7 +43,8 @@ class EngineCore:
         kv_cache: torch.Tensor | None = None,
         secondary: SecondaryKVCache | None = None,
     ) -> None:
-        if runner is None:
+        started = runner is None  # then this core starts (and, on a failure, stops) it
+        if started:
             config = dataclasses.replace(config, model=model_dir(config.model))
         self.config = config
         if runner is None and config.tensor_parallel_size > 1:
@@ -51,6 +52,21 @@ class EngineCore:
 
             runner = start_tensor_parallel(config, kv_cache)  # type: ignore[assignment]
         self.runner = runner if runner is not None else ModelRunner.from_config(config, kv_cache)
+        try:
+            self._build(config, tokenizer, eos_token_ids, secondary)
+        except BaseException:
+            if started:  # its tensor-parallel workers (nothing to stop at TP=1)
+                self.shutdown()
+            raise
+
+    def _build(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        eos_token_ids: list[int] | None,
+        secondary: SecondaryKVCache | None,
+    ) -> None:
+        """Everything but the runner, whose workers a failure here must stop."""
         hf_config = self.runner.hf_config
         model_max = getattr(hf_config, "max_position_embeddings", None)
         if config.max_model_len is not None:

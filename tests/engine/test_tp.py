@@ -197,6 +197,19 @@ def test_llm_refuses_unshardable_model_before_starting_workers(
 
 # ------------------------------------------------------------------ multi-process
 @pytest.mark.slow
+def test_a_core_refused_after_its_workers_started_stops_them(model_dirs: dict[str, Path]) -> None:
+    """A check that fails once the workers run (max_model_len against the model's) stops
+    them at once: a notebook keeps the last exception, whose frames hold the half-built
+    core, so they stayed up (on a GPU, holding their memory) until the interpreter exited."""
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="max_position_embeddings") as refused:
+        LLM(model_dirs["llama"], tensor_parallel_size=2, device="cpu", kv_cache_blocks=8,
+            max_model_len=10**6)
+    assert refused.tb is not None  # the frames stay referenced, as in a notebook
+    assert set(multiprocessing.active_children()) == before
+
+
+@pytest.mark.slow
 def test_every_architecture_tp2_equals_tp1_and_transformers(
     pool: WorkerGroup, model_dirs: dict[str, Path]
 ) -> None:
