@@ -30,11 +30,11 @@ class SamplingParams:
 
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0  # 0 disables top-k
+    top_k: int = 0  # 0 (or vLLM's -1) disables top-k
     top_p: float = 1.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # a str or None is taken too (vLLM's)
+    stop_token_ids: list[int] = field(default_factory=list)  # None too
     ignore_eos: bool = False
     logprobs: bool = False
     thinking_budget: int | None = None
@@ -43,8 +43,7 @@ class SamplingParams:
     thinking_from_start: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        self._take_vllm_spellings()
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -52,7 +51,7 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if self.seed is not None and not (
             _is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
         ):
@@ -66,6 +65,18 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._check_thinking_budget()
+
+    def _take_vllm_spellings(self) -> None:
+        """What a script written for vLLM passes for the defaults: one stop string, ``None``
+        for no stop strings or ids, ``top_k=-1`` for no top-k."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if _is_int(self.top_k) and self.top_k == -1:
+            self.top_k = 0
 
     def _check_thinking_budget(self) -> None:
         budget = self.thinking_budget

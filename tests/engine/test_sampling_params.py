@@ -49,3 +49,12 @@ def test_good_values_pass() -> None:
     for start in ({"thinking_from_start": True}, {"thinking_start_ids": [5, 6]}):
         assert SamplingParams(thinking_budget=0, thinking_end_ids=[7], **start).thinking_budget == 0  # type: ignore[arg-type]
     assert SamplingParams(thinking_end_ids=[7]).thinking_budget is None  # ids without a budget: unused
+
+
+def test_vllms_spellings_of_none_are_taken() -> None:
+    """A script written for vLLM passes ``stop=None``, ``stop_token_ids=None`` and ``top_k=-1``
+    (vLLM's "no top-k" before 0 was): each means what the default means."""
+    p = SamplingParams(stop=None, stop_token_ids=None, top_k=-1)  # type: ignore[arg-type]
+    assert (p.stop, p.stop_token_ids, p.top_k) == ([], [], 0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
