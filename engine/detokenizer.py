@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "StopStringWatcher", "decode_text"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "StopStringWatcher", "decode_text", "output_text"]
 
 PROMPT_TAIL = 6  # prompt tokens that seed the window (so a space at the join decodes right)
 
@@ -136,3 +136,18 @@ class StopStringWatcher:
     def add(self, token_id: int) -> bool:
         """Append one output token; True once the output text contains a stop string."""
         return self._matcher.feed(self._detok.push([token_id]))[1]
+
+
+def output_text(tokenizer: Any, prompt_token_ids: Sequence[int], output_ids: Sequence[int],
+                stops: Sequence[str]) -> str:
+    """A finished request's text as the engine's stop-string watch read it: decoded with the
+    end of the prompt as context (a decoder that drops the first token's leading space when
+    it decodes alone keeps it here, as vLLM's text does), cut before the earliest stop
+    string."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+    matcher = StopMatcher(stops)
+    text, stopped = matcher.feed(detok.push(output_ids))
+    if not stopped:
+        more, stopped = matcher.feed(detok.flush())
+        text += more if stopped else more + matcher.flush()
+    return text

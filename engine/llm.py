@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.detokenizer import output_text
 from engine.engine_core import EngineCore
 from engine.interface import EngineRequest, FinishReason
 from engine.sampling_params import SamplingParams
@@ -160,11 +161,7 @@ class LLM:
         tokens = r["tokens"]
         if ev.finish_reason == FinishReason.STOP and self._is_stop_token(tokens[-1], params):
             tokens = tokens[:-1]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        for s in params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
+        text = output_text(self.tokenizer, prompt, tokens, params.stop)
         return GenerationOutput(
             request_id=rid,
             prompt_token_ids=prompt,
