@@ -68,6 +68,7 @@ import structlog
 from substrate.ledger import check_memory_settings
 from talaria.policies.config import PolicyConfig
 from talaria.protocol.http import key_problem
+from talaria.serving.addresses import hosts_overlap
 
 log = structlog.get_logger("talaria.serving.config")
 
@@ -286,7 +287,7 @@ class ServeConfig:
             if getattr(e, key) < 1:
                 raise ConfigError(f"[engine].{key} must be >= 1, got {getattr(e, key)}")
         seen: set[str] = set()
-        ports: set[tuple[str, int]] = set()
+        taken: list[tuple[str, int]] = []  # the fixed instance addresses so far
         for i, inst in enumerate(self.instances):
             where = f"[instances][{i}]"
             if not inst.id or not re.fullmatch(r"[A-Za-z0-9_.-]+", inst.id):
@@ -295,13 +296,13 @@ class ServeConfig:
                 raise ConfigError(f"{where}.id {inst.id!r} is used by two instances")
             seen.add(inst.id)
             _port(inst.port, f"{where}.port")
-            if inst.port and (inst.host, inst.port) in ports:
+            if inst.port and any(p == inst.port and hosts_overlap(h, inst.host) for h, p in taken):
                 raise ConfigError(f"{where}.port {inst.port} is used by two instances")
-            if inst.port and (inst.host, inst.port) == (r.host, r.port):
+            if inst.port == r.port and inst.port and hosts_overlap(inst.host, r.host):
                 # `serve` starts the instances first: the router would fail to listen only
                 # once every model had loaded.
                 raise ConfigError(f"{where}.port {inst.port} is the router's ([router].port)")
-            ports.add((inst.host, inst.port))
+            taken.append((inst.host, inst.port))
             if inst.tensor_parallel_size < 1:
                 raise ConfigError(f"{where}.tensor_parallel_size must be >= 1, got {inst.tensor_parallel_size}")
             try:

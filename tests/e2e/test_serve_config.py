@@ -106,6 +106,42 @@ def test_errors_name_the_key(data: dict, needle: str) -> None:
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"router": {"host": "0.0.0.0", "port": 9100}, "instances": [{"id": "a", "port": 9100}]},
+         "[instances][0].port 9100 is the router's"),
+        ({"router": {"port": 9100}, "instances": [{"id": "a", "host": "0.0.0.0", "port": 9100}]},
+         "[instances][0].port 9100 is the router's"),
+        ({"router": {"host": "localhost", "port": 9100}, "instances": [{"id": "a", "port": 9100}]},
+         "[instances][0].port 9100 is the router's"),
+        ({"instances": [{"id": "a", "host": "0.0.0.0", "port": 5}, {"id": "b", "port": 5}]},
+         "[instances][1].port 5 is used by two instances"),
+        ({"instances": [{"id": "a", "host": "::", "port": 5}, {"id": "b", "host": "::1", "port": 5}]},
+         "[instances][1].port 5 is used by two instances"),
+        ({"instances": [{"id": "a", "host": "", "port": 5}, {"id": "b", "host": "::1", "port": 5}]},
+         "[instances][1].port 5 is used by two instances"),
+    ],
+)
+def test_a_port_a_wildcard_host_already_takes_is_refused(data: dict, needle: str) -> None:
+    """A wildcard host (``0.0.0.0``, ``::``, ``""``) takes its port on every address of its
+    family, and ``localhost`` on both loopbacks: a router on ``0.0.0.0:9100`` beside an
+    instance on ``127.0.0.1:9100`` was accepted, and `talaria serve` failed to listen only
+    once every model had loaded (two instances so: the second one's start failed, after its
+    models had loaded)."""
+    with pytest.raises(ValueError) as info:
+        ServeConfig.from_dict(data)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"), [("127.0.0.1", "127.0.0.2"), ("127.0.0.1", "::1"), ("0.0.0.0", "::1"), ("::", "127.0.0.1")]
+)
+def test_one_port_on_addresses_that_do_not_overlap_is_accepted(a: str, b: str) -> None:
+    ServeConfig.from_dict({"instances": [{"id": "a", "host": a, "port": 5},
+                                         {"id": "b", "host": b, "port": 5}]})
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 @pytest.mark.parametrize(
     ("section", "key"),
