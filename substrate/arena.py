@@ -26,6 +26,10 @@ from torch import nn
 from substrate.layout import WeightLayout, align_up, dtype_size, view_bytes
 
 
+class ArenaAllocationError(ValueError):
+    """The arena's one allocation failed (more memory than the device has); names the sizes."""
+
+
 class DeviceArena:
     def __init__(
         self, device: torch.device | str, weight_bytes: int, staging_bytes: int, kv_bytes: int
@@ -38,7 +42,15 @@ class DeviceArena:
         self.staging_bytes = align_up(staging_bytes)
         self.kv_bytes = align_up(kv_bytes)
         total = self.weight_bytes + self.staging_bytes + self.kv_bytes
-        self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        try:
+            self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError, the CPU allocator's, a bad device
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ArenaAllocationError(
+                f"the device arena ({total} bytes: weights {self.weight_bytes}, KV "
+                f"{self.kv_bytes}, staging {self.staging_bytes}) cannot be allocated on "
+                f"{self.device}: {reason}"
+            ) from exc
         w, k = self.weight_bytes, self.weight_bytes + self.kv_bytes
         self.weight_region = self.buffer[:w]
         self.kv_region = self.buffer[w:k]

@@ -45,6 +45,7 @@ INSTANCE_KEY_ENV = "TALARIA_INSTANCE_KEY"
 def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
     """The instance's live MultiModelEngine over the whole catalog."""
     from engine.multi_model.engine import MultiModelConfig, MultiModelEngine
+    from substrate.arena import ArenaAllocationError
 
     lens = {m.max_model_len for m in config.models.values()}
     kwargs: dict[str, Any] = dict(
@@ -73,7 +74,11 @@ def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
             f"instance {entry.id!r}: tensor_parallel_size={entry.tensor_parallel_size}, but this "
             "build's multi-model engine runs on one device only"
         )
-    return MultiModelEngine(config.model_paths(), MultiModelConfig(**kwargs))
+    try:
+        return MultiModelEngine(config.model_paths(), MultiModelConfig(**kwargs))
+    except ArenaAllocationError as exc:
+        raise ConfigError(f"instance {entry.id!r}: {exc}; its KV region is its [[instances]] "
+                          f"{'kv_bytes' if entry.kv_bytes is not None else 'kv_blocks'}") from exc
 
 
 def run_instance(

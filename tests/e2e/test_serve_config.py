@@ -243,6 +243,25 @@ def test_the_instance_engine_gets_the_engine_section(tmp_path: Path) -> None:
         engine.shutdown()
 
 
+@pytest.mark.parametrize(("memory", "key"), [({"kv_blocks": 10**12}, "kv_blocks"),
+                                             ({"kv_bytes": "100TiB"}, "kv_bytes")])
+def test_memory_the_device_cannot_hold_is_one_line_naming_the_instance_and_its_key(
+    tmp_path: Path, memory: dict, key: str
+) -> None:
+    """A KV region no device holds (``kv_blocks = 1000000000000``, ``kv_bytes = "100TiB"``)
+    ended the instance process with torch's allocator traceback, naming neither the
+    instance nor the setting; ``talaria instance`` prints a ValueError as one line."""
+    from engine.models.tiny import write_random_checkpoint
+    from talaria.serving.instance_main import build_engine
+
+    path = write_random_checkpoint(tmp_path / "tiny-llama", "llama")
+    config = ServeConfig.from_dict({"models": {"m": {"path": str(path)}},
+                                    "instances": [{"id": "a", **memory}]})
+    with pytest.raises(ValueError, match=rf"instance 'a': the device arena \(.*\) cannot be "
+                                         rf"allocated on cpu: .*\[\[instances\]\] {key}"):
+        build_engine(config, config.instances[0])
+
+
 @pytest.mark.parametrize("instances", ["[[instances]]\nid = \"a\"\n", ""])
 def test_an_unknown_instance_id_is_refused_before_any_model_is_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
