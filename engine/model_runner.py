@@ -53,6 +53,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+DTYPE_NAMES = ("auto", *sorted(_DTYPES))  # what ``dtype`` settings may name
 
 
 def resolve_device(name: str) -> torch.device:

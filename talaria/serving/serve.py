@@ -54,7 +54,7 @@ from aiohttp import web
 
 from talaria.clock import new_live_loop
 from talaria.protocol.http import JsonErrorRunner
-from talaria.serving.config import ServeConfig
+from talaria.serving.config import ConfigError, ServeConfig
 from talaria.serving.instance_main import INSTANCE_KEY_ENV
 from talaria.serving.supervisor import Supervisor
 
@@ -103,6 +103,7 @@ def serve(
     kill_after_s: float | None = None,
 ) -> int:
     """Run instances and router until SIGINT/SIGTERM; returns the exit status."""
+    _check_engine_names(config)
     config.convert_gguf_models()
     for name, path in config.model_paths().items():
         if not (Path(path) / "config.json").is_file():
@@ -200,6 +201,18 @@ def _restart(
     entry = config.instance(instance_id)
     child.url = f"http://{entry.host}:{entry.port}"
     return child
+
+
+def _check_engine_names(config: ServeConfig) -> None:
+    """ConfigError now for an ``[engine]`` name no engine takes, which every instance would
+    otherwise refuse only once started (the names are the engine's: torch loads here)."""
+    from engine.attention.selector import BACKEND_NAMES
+    from engine.model_runner import DTYPE_NAMES
+
+    for key, names in (("dtype", DTYPE_NAMES), ("attention_backend", BACKEND_NAMES)):
+        value = getattr(config.engine, key)
+        if value not in names:
+            raise ConfigError(f"[engine].{key} must be one of {list(names)}, got {value!r}")
 
 
 def _check_router_address(host: str, port: int) -> None:

@@ -262,6 +262,30 @@ def test_memory_the_device_cannot_hold_is_one_line_naming_the_instance_and_its_k
         build_engine(config, config.instances[0])
 
 
+@pytest.mark.parametrize(("key", "value"), [("dtype", "int3"), ("attention_backend", "flash9")])
+def test_an_engine_setting_no_engine_takes_is_refused_before_any_instance_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    key: str, value: str,
+) -> None:
+    """``[engine] dtype = "int3"`` (or an unknown attention backend) was accepted: every
+    instance process started, imported the engine and only then failed, with a line naming
+    neither ``[engine]`` nor the key."""
+    from engine.models.tiny import write_random_checkpoint
+    from talaria.cli import main
+    from talaria.serving import serve as serve_module
+
+    def spawned(*_args: object, **_kw: object) -> None:
+        raise AssertionError("an instance was started")
+
+    monkeypatch.setattr(serve_module.subprocess, "Popen", spawned)
+    path = write_random_checkpoint(tmp_path / "m", "llama")
+    file = tmp_path / "serve.toml"
+    file.write_text(f'[router]\nport = 0\n[engine]\n{key} = "{value}"\n'
+                    f'[models.m]\npath = "{path}"\n')
+    assert main(["serve", "--config", str(file), "--log-level", "error"]) == 2
+    assert f"[engine].{key} must be one of" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("instances", ["[[instances]]\nid = \"a\"\n", ""])
 def test_an_unknown_instance_id_is_refused_before_any_model_is_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
