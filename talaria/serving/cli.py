@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace, router_factory: RouterFactory) -> int:
     if args.port is not None:
         config.router.port = args.port
         config.with_defaults()  # re-validates the port
-    return serve(config, router_factory)
+    return serve(config, router_factory, log_level=args.log_level)
 
 
 def _instance(args: argparse.Namespace) -> int:

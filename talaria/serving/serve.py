@@ -101,8 +101,10 @@ def serve(
     router_factory: RouterFactory,
     start_timeout_s: float = 600.0,
     kill_after_s: float | None = None,
+    log_level: str = "info",
 ) -> int:
-    """Run instances and router until SIGINT/SIGTERM; returns the exit status."""
+    """Run instances and router until SIGINT/SIGTERM; returns the exit status. ``log_level``:
+    the instances' (``talaria serve --log-level``, which sets this process's own)."""
     _check_engine_names(config)
     config.convert_gguf_models()
     for name, path in config.model_paths().items():
@@ -120,11 +122,13 @@ def serve(
     children: list[InstanceProcess] = []
     try:
         for entry in config.instances:
-            children.append(_spawn(entry.id, config_file, workdir, key, entry.id in reserved))
+            children.append(_spawn(entry.id, config_file, workdir, key, entry.id in reserved,
+                                   log_level))
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
             return runner.run(_run(
                 config, children, router_factory, start_timeout_s,
-                lambda iid: _restart(iid, config, config_file, workdir, key, iid in reserved)))
+                lambda iid: _restart(iid, config, config_file, workdir, key, iid in reserved,
+                                     log_level)))
     finally:
         _stop_children(children, kill_after)
         for sock in reserved.values():
@@ -168,36 +172,38 @@ def _without_keys(config: ServeConfig) -> ServeConfig:
 
 
 def instance_command(
-    instance_id: str, config_file: Path, ready: Path, reuse_port: bool = False
+    instance_id: str, config_file: Path, ready: Path, reuse_port: bool = False,
+    log_level: str = "info",
 ) -> list[str]:
     """How an instance process is started: ``-P`` keeps the working directory off its
     import path; ``reuse_port``: its port is one this process holds."""
     return [
         sys.executable, "-P", "-m", "talaria.cli", "instance",
         "--config", str(config_file), "--id", instance_id,
-        "--ready-file", str(ready), "--parent-pid", str(os.getpid()),
+        "--ready-file", str(ready), "--parent-pid", str(os.getpid()), "--log-level", log_level,
         *(["--reuse-port"] if reuse_port else []),
     ]
 
 
 def _spawn(
-    instance_id: str, config_file: Path, workdir: Path, key: str | None, reuse_port: bool
+    instance_id: str, config_file: Path, workdir: Path, key: str | None, reuse_port: bool,
+    log_level: str,
 ) -> InstanceProcess:
     ready = workdir / f"{instance_id}.ready"
     ready.unlink(missing_ok=True)  # a restart: the dead process's file
     env = {**os.environ, INSTANCE_KEY_ENV: key or ""}
-    proc = subprocess.Popen(instance_command(instance_id, config_file, ready, reuse_port), env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(instance_command(instance_id, config_file, ready, reuse_port, log_level),
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     log.info("serve.instance_started", instance=instance_id, pid=proc.pid)
     return InstanceProcess(instance_id, proc, ready)
 
 
 def _restart(
     instance_id: str, config: ServeConfig, config_file: Path, workdir: Path, key: str | None,
-    reuse_port: bool,
+    reuse_port: bool, log_level: str,
 ) -> InstanceProcess:
     """A fresh process for a dead instance, on the port its predecessor had."""
-    child = _spawn(instance_id, config_file, workdir, key, reuse_port)
+    child = _spawn(instance_id, config_file, workdir, key, reuse_port, log_level)
     entry = config.instance(instance_id)
     child.url = f"http://{entry.host}:{entry.port}"
     return child

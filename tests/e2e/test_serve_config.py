@@ -286,6 +286,30 @@ def test_an_engine_setting_no_engine_takes_is_refused_before_any_instance_starts
     assert f"[engine].{key} must be one of" in capsys.readouterr().err
 
 
+def test_the_instances_log_at_the_level_serve_was_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``talaria serve --log-level warning`` quieted the router alone: every instance process
+    was started without the flag, so it went on logging at info."""
+    from engine.models.tiny import write_random_checkpoint
+    from talaria.cli import build_parser, main
+    from talaria.serving import serve as serve_module
+
+    commands: list[list[str]] = []
+
+    def spawned(command: list[str], **_kw: object) -> None:
+        commands.append(command)
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(serve_module.subprocess, "Popen", spawned)
+    path = write_random_checkpoint(tmp_path / "m", "llama")
+    file = tmp_path / "serve.toml"
+    file.write_text(f'[router]\nport = 0\n[models.m]\npath = "{path}"\n')
+    assert main(["serve", "--config", str(file), "--log-level", "warning"]) == 1
+    (command,) = commands
+    assert build_parser().parse_args(command[command.index("instance"):]).log_level == "warning"
+
+
 @pytest.mark.parametrize("instances", ["[[instances]]\nid = \"a\"\n", ""])
 def test_an_unknown_instance_id_is_refused_before_any_model_is_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
