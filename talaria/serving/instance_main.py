@@ -30,6 +30,7 @@ from aiohttp import web
 
 from talaria.clock import new_live_loop
 from talaria.protocol.http import JsonErrorRunner
+from talaria.serving.addresses import http_url
 from talaria.serving.config import ConfigError, InstanceEntry, ServeConfig
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ async def _serve(
                 f"instance {entry.id!r} cannot listen on {entry.host}:{entry.port}: {exc}"
             ) from exc
         port = int(runner.addresses[-1][1])  # the real port when 0 asked for a free one
-        url = f"http://{entry.host}:{port}"
+        url = http_url(entry.host, port)
         log.info("instance.ready", instance=entry.id, url=url)
         if ready_file is not None:
             _write_atomic(ready_file, {"id": entry.id, "pid": os.getpid(), "url": url})

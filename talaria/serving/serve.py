@@ -54,6 +54,7 @@ from aiohttp import web
 
 from talaria.clock import new_live_loop
 from talaria.protocol.http import JsonErrorRunner
+from talaria.serving.addresses import http_url, socket_family
 from talaria.serving.config import ConfigError, ServeConfig
 from talaria.serving.instance_main import INSTANCE_KEY_ENV
 from talaria.serving.supervisor import Supervisor
@@ -92,7 +93,7 @@ def instance_urls(config: ServeConfig) -> dict[str, str]:
                 f"[instances][{i}].port is 0: a router started alone needs each instance's "
                 "fixed port (start them with `talaria instance` first)"
             )
-        urls[entry.id] = f"http://{entry.host}:{entry.port}"
+        urls[entry.id] = http_url(entry.host, entry.port)
     return urls
 
 
@@ -205,7 +206,7 @@ def _restart(
     """A fresh process for a dead instance, on the port its predecessor had."""
     child = _spawn(instance_id, config_file, workdir, key, reuse_port, log_level)
     entry = config.instance(instance_id)
-    child.url = f"http://{entry.host}:{entry.port}"
+    child.url = http_url(entry.host, entry.port)
     return child
 
 
@@ -247,7 +248,7 @@ def _reserve_ports(config: ServeConfig) -> dict[str, socket.socket]:
     reserved: dict[str, socket.socket] = {}
     for entry in config.instances:
         if entry.port == 0:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock = socket.socket(socket_family(entry.host), socket.SOCK_STREAM)
             if reuse is not None:
                 sock.setsockopt(socket.SOL_SOCKET, reuse, 1)
                 reserved[entry.id] = sock
@@ -274,7 +275,7 @@ async def _run(
     restart: Callable[[str], InstanceProcess],
 ) -> int:
     stop = _stop_event()
-    urls = {e.id: f"http://{e.host}:{e.port}" for e in config.instances}
+    urls = {e.id: http_url(e.host, e.port) for e in config.instances}
     # Build the router (tokenizers load) while the instances start.
     app_future = asyncio.get_running_loop().run_in_executor(None, router_factory, config, urls)
     key = config.router.instance_key or ""
@@ -365,7 +366,7 @@ async def _start_router(config: ServeConfig, app: web.Application) -> web.AppRun
             f"the router cannot listen on {config.router.host}:{config.router.port}: {exc}"
         ) from exc
     port = int(runner.addresses[-1][1])
-    url = f"http://{config.router.host}:{port}"
+    url = http_url(config.router.host, port)
     log.info("serve.router_ready", url=url)
     print(f"ROUTER_READY {url}/v1", flush=True)
     return runner

@@ -131,3 +131,45 @@ def test_a_router_port_in_use_is_refused_before_any_instance_starts(
         config = ServeConfig.from_dict({"router": {"port": port}, "instances": [{"id": "a"}]})
         with pytest.raises(ValueError, match=f"the router cannot listen on 127.0.0.1:{port}"):
             serve.serve(config, lambda _c, _u: web.Application())
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("host", ["::1", "::", "0.0.0.0", ""])
+async def test_an_instance_on_an_ipv6_or_wildcard_host_is_reached_at_its_url(
+    tmp_path: Path, host: str
+) -> None:
+    """An instance on host ``::1`` (or ``""``) got the URL ``http://::1:PORT``
+    (``http://:PORT``), which nothing connects to: `talaria serve` waited its whole start-up
+    timeout (600 s) for an instance that was serving, and at port 0 it failed at once with
+    'Address family for hostname not supported' (its port was picked over IPv4)."""
+    if ":" in host and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    config = ServeConfig.from_dict({"instances": [{"id": "a", "host": host}]})
+    reserved = serve._reserve_ports(config)
+    entry = config.instance("a")
+    ready = tmp_path / "a.ready"
+    try:
+        app = web.Application()
+        app.router.add_get("/ping", lambda _r: web.Response(text="up"))
+        instance = _Instance()
+        running = asyncio.ensure_future(
+            _serve(app, entry, ready, instance, reuse_port="a" in reserved))  # type: ignore[arg-type]
+        while not ready.is_file() and not running.done():
+            await asyncio.sleep(0.01)
+        url = orjson.loads(ready.read_bytes())["url"]
+        assert url == serve.instance_urls(config)["a"]
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/ping") as resp:
+            assert await resp.text() == "up"
+        instance.stop.set()
+        await running
+    finally:
+        for sock in reserved.values():
+            sock.close()
