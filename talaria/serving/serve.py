@@ -56,6 +56,7 @@ from talaria.clock import new_live_loop
 from talaria.protocol.http import JsonErrorRunner
 from talaria.serving.addresses import http_url, socket_family
 from talaria.serving.config import ConfigError, ServeConfig
+from talaria.serving.host_memory import check_host_kv
 from talaria.serving.instance_main import INSTANCE_KEY_ENV
 from talaria.serving.supervisor import Supervisor
 
@@ -107,6 +108,7 @@ def serve(
     """Run instances and router until SIGINT/SIGTERM; returns the exit status. ``log_level``:
     the instances' (``talaria serve --log-level``, which sets this process's own)."""
     _check_engine_names(config)
+    check_host_kv(config)
     config.convert_gguf_models()
     for name, path in config.model_paths().items():
         if not (Path(path) / "config.json").is_file():
