@@ -28,6 +28,7 @@ connects to none, and a client would wait for their tools' results.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,9 @@ from router.api.template_kwargs import thinking_switch
 from talaria.protocol.errors import bad_request
 
 __all__ = ["MessagesRequest", "parse_messages", "parse_count_tokens", "metadata_session_id"]
+
+# Claude Code's older user_id: user_<hash>_account_<account uuid, perhaps empty>_session_<uuid>
+_LEGACY_USER_ID = re.compile(r"user_[0-9a-fA-F]+_account_[^_]*_session_(.+)\Z", re.DOTALL)
 
 _IGNORED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # no slot in an open model's template
 _MEDIA_BLOCKS = frozenset({"image", "document"})
@@ -135,7 +139,9 @@ def _refuse_mcp_servers(servers: Any) -> None:
 
 def metadata_session_id(metadata: Any) -> str | None:
     """The session Claude Code names in ``metadata.user_id``: a JSON string with
-    ``session_id``, or the older ``user_<hash>_account_<id>_session_<uuid>``."""
+    ``session_id``, or the older ``user_<hex hash>_account_<id>_session_<uuid>``. Any other
+    user id is the end user's (Anthropic SDK users send one for all their conversations):
+    no session."""
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
@@ -150,8 +156,8 @@ def metadata_session_id(metadata: Any) -> str | None:
             return None
         session = parsed.get("session_id") if isinstance(parsed, dict) else None
         return session if isinstance(session, str) and session else None
-    _, found, session = user.rpartition("_session_")
-    return session if found and session else None
+    legacy = _LEGACY_USER_ID.match(user)  # any other string is an end user's id, no session
+    return legacy.group(1) if legacy else None
 
 
 def _object(data: Any) -> dict[str, Any]:

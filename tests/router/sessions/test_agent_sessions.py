@@ -78,6 +78,17 @@ def test_claude_code_metadata_user_id() -> None:
     assert metadata_session_id({"user_id": '{"device_id": "d", "account_uuid": "", "session_id": "s-9"}'}) == "s-9"
     assert metadata_session_id({"user_id": "user_abc_account_42_session_0d1e-77"}) == "0d1e-77"
     assert metadata_session_id({"user_id": "someone"}) is None
+
+
+def test_only_claude_codes_user_id_shape_names_a_session() -> None:
+    """An Anthropic SDK user's ``metadata.user_id`` is its own end-user id, no session: one
+    that merely contains ``_session_`` (``alice_session_1``, ``bob_session_1``) was cut at it,
+    so two users' conversations became one session "1" (and a non-ASCII tail a 400)."""
+    assert metadata_session_id({"user_id": "alice_session_1"}) is None
+    assert metadata_session_id({"user_id": "team_b_session_1"}) is None
+    assert metadata_session_id({"user_id": "acme_session_caf\u00e9"}) is None
+    legacy = "user_" + "ab12" * 16 + "_account_" + "_session_" + "9f0e-1"  # no account: Claude Code's
+    assert metadata_session_id({"user_id": legacy}) == "9f0e-1"
     assert metadata_session_id(None) is None
 
 
