@@ -160,7 +160,8 @@ class SessionBooks:
         if self.inference is None:
             call.session_id, call.last_call = f"anon-{call.call_id}", True
             return True, False
-        call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes, repeated)
+        call.session_id = self.inference.assign(call.model, call.prompt_token_ids, hashes, repeated,
+                                                taken=self.table.__contains__)
         return call.last_call, self.inference.calls(call.session_id) == 1
 
     def _parent(self, call: CallRequest, record: SessionRecord, hashes: list[int]) -> SessionBranch | None:

@@ -10,10 +10,12 @@ the few tokens after that block (the prompt's partial tail) are compared exactly
 
 Rules (why each call lands where it does):
 - the call joins a session whose latest prompt is a prefix of its prompt (equal counts: a
-  retry); none: it starts a new session, ``inferred-<n>``. A prompt whose chat template
-  ended it with think tags after the generation prompt (thinking switched off: an empty
-  ``<think></think>``; opened: ``<think>``) stands only up to them, before any prefill: the
-  next turn renders that answer without them (``router.tokenization.Prompt.repeated``);
+  retry); none: it starts a new session, ``inferred-<n>`` (an ``n`` whose name no client's
+  session holds: the counter starts at 0 again in every router process). A prompt whose
+  chat template ended it with think tags after the generation prompt (thinking switched
+  off: an empty ``<think></think>``; opened: ``<think>``) stands only up to them, before any
+  prefill: the next turn renders that answer without them
+  (``router.tokenization.Prompt.repeated``);
 - among several, the one whose latest answer the prompt also repeats for longest (the agent
   sent that answer back), then the most recently seen;
 - prompts from different models never match; sessions are forgotten when the router drops
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.instances.placement import common_prefix_len
@@ -69,13 +71,20 @@ class SessionInference:
         return session_id in self._anchors
 
     def assign(self, model: str, prompt: Sequence[int], hashes: Sequence[int],
-               repeated: int | None = None) -> str:
-        """The session this prompt continues (a new one if none); its first ``repeated``
-        tokens (None: all), what the next prompt repeats, become the session's latest
-        prompt. ``hashes``: ``block_hashes(prompt, block_size)``."""
-        session_id = self.match(model, prompt, hashes) or f"{self.prefix}{next(self._ids)}"
+               repeated: int | None = None, taken: Callable[[str], bool] | None = None) -> str:
+        """The session this prompt continues (a new one if none, named so that ``taken``
+        says it is not: a session a client named so); its first ``repeated`` tokens (None:
+        all), what the next prompt repeats, become the session's latest prompt. ``hashes``:
+        ``block_hashes(prompt, block_size)``."""
+        session_id = self.match(model, prompt, hashes) or self._new_id(taken)
         self._set_anchor(session_id, model, prompt, hashes, self.calls(session_id) + 1, repeated)
         return session_id
+
+    def _new_id(self, taken: Callable[[str], bool] | None) -> str:
+        while True:
+            session_id = f"{self.prefix}{next(self._ids)}"
+            if taken is None or not taken(session_id):
+                return session_id
 
     def calls(self, session_id: str) -> int:
         """How many prompts the session has been assigned (0: unknown)."""

@@ -218,3 +218,21 @@ async def test_an_inferred_session_is_tentative_until_a_second_call_continues_it
     [e async for e in core.submit(ended)]
     assert ended.session_id == first and first not in core.sessions and first not in core.inference
     await core.close()
+
+
+async def test_an_inferred_session_never_takes_the_name_of_a_client_named_one() -> None:
+    """``inferred-<n>`` counts from 0 in every router process, and a client may name its
+    session so (one that kept the X-Session-ID a router gave it before a restart): a new
+    conversation inferred as ``inferred-0`` joined that client's session, so either one's
+    last call ended both, and the other's KV was forgotten on its instance."""
+    a = FakeInstance("a", [5, 6])
+    core = RouterCore({"a": a}, "talaria", refresh_after_call=False, block_size=4,
+                      inference=SessionInference(4))
+    named = CallRequest("c0", "inferred-0", "m", [1, 2, 3, 4, 9], SamplingParams(max_tokens=2))
+    [e async for e in core.submit(named)]
+    anonymous = CallRequest("c1", "", "m", [40, 41, 42, 43, 44], SamplingParams(max_tokens=2), last_call=True)
+    [e async for e in core.submit(anonymous)]
+    assert anonymous.session_id not in ("", "inferred-0")
+    record = core.sessions.get("inferred-0")
+    assert record is not None and record.calls == 1 and len(record.branches) == 1
+    await core.close()
