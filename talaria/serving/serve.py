@@ -55,9 +55,9 @@ from aiohttp import web
 from talaria.clock import new_live_loop
 from talaria.protocol.http import JsonErrorRunner
 from talaria.serving.addresses import http_url, socket_family
-from talaria.serving.config import ConfigError, ServeConfig
-from talaria.serving.host_memory import check_host_kv
+from talaria.serving.config import ServeConfig
 from talaria.serving.instance_main import INSTANCE_KEY_ENV
+from talaria.serving.preflight import check_engine_names, check_host_kv, check_tensor_parallel
 from talaria.serving.supervisor import Supervisor
 
 log = structlog.get_logger("talaria.serving.serve")
@@ -107,12 +107,13 @@ def serve(
 ) -> int:
     """Run instances and router until SIGINT/SIGTERM; returns the exit status. ``log_level``:
     the instances' (``talaria serve --log-level``, which sets this process's own)."""
-    _check_engine_names(config)
+    check_engine_names(config)
     check_host_kv(config)
     config.convert_gguf_models()
     for name, path in config.model_paths().items():
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model {name!r}: no config.json in {path!r}")
+    check_tensor_parallel(config)
     _check_router_address(config.router.host, config.router.port)
     workdir = Path(tempfile.mkdtemp(prefix="talaria-serve-"))  # private: mode 0700
     reserved = _reserve_ports(config)
@@ -210,18 +211,6 @@ def _restart(
     entry = config.instance(instance_id)
     child.url = http_url(entry.host, entry.port)
     return child
-
-
-def _check_engine_names(config: ServeConfig) -> None:
-    """ConfigError now for an ``[engine]`` name no engine takes, which every instance would
-    otherwise refuse only once started (the names are the engine's: torch loads here)."""
-    from engine.attention.selector import BACKEND_NAMES
-    from engine.model_runner import DTYPE_NAMES
-
-    for key, names in (("dtype", DTYPE_NAMES), ("attention_backend", BACKEND_NAMES)):
-        value = getattr(config.engine, key)
-        if value not in names:
-            raise ConfigError(f"[engine].{key} must be one of {list(names)}, got {value!r}")
 
 
 def _check_router_address(host: str, port: int) -> None:

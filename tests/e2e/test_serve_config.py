@@ -331,3 +331,27 @@ def test_an_unknown_instance_id_is_refused_before_any_model_is_made(
     assert main(["instance", "--config", str(file), "--id", "nope", "--log-level", "error"]) == 2
     known = "a" if instances else "i0"
     assert f"no instance with id 'nope' in the config (ids: {known})" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_size_a_model_cannot_split_over_is_refused_before_any_instance_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An instance's ``tensor_parallel_size`` that a served model's heads do not split over was
+    refused only by the started instance, about 10 s in, and by an instance restarted with
+    backoff for as long as serve ran."""
+    from engine.models.tiny import write_random_checkpoint
+    from talaria.cli import main
+    from talaria.serving import serve as serve_module
+
+    def spawned(*_args: object, **_kw: object) -> None:
+        raise AssertionError("an instance was started")
+
+    monkeypatch.setattr(serve_module.subprocess, "Popen", spawned)
+    path = write_random_checkpoint(tmp_path / "m", "llama")
+    file = tmp_path / "serve.toml"
+    file.write_text(f'[router]\nport = 0\n[models.m]\npath = "{path}"\n'
+                    '[[instances]]\nid = "i0"\ntensor_parallel_size = 3\n')
+    assert main(["serve", "--config", str(file), "--log-level", "error"]) == 2
+    err = capsys.readouterr().err
+    assert "[instances][0].tensor_parallel_size 3" in err and "model 'm'" in err
+    assert "num_attention_heads" in err

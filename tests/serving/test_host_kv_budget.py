@@ -9,7 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from talaria.serving.config import ConfigError, ServeConfig
-from talaria.serving.host_memory import check_host_kv
+from talaria.serving.preflight import check_host_kv
 
 _GIB = 1 << 30
 
