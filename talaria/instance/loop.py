@@ -420,12 +420,12 @@ class AdmissionLoop:
             self.executor.abort(call_id)
             self.finish(pending, "abort", None)
             aborted = True
-        if aborted:
-            self.stats = self.executor.stats()
-        self.sessions.expire(self.now())
+        released = self.sessions.expire(self.now())  # unpinned blocks are free: re-read
         if self.to_forget:
             forget, self.to_forget = self.to_forget, set()
-            self.sessions.drop(forget, self.calls.sessions())
+            released |= self.sessions.drop(forget, self.calls.sessions())
+        if aborted or released:
+            self.stats = self.executor.stats()
 
     def refresh_engine_view(self, all_sessions: bool = False) -> None:
         self.stats = self.executor.stats()

@@ -210,10 +210,13 @@ class SessionKeeper:
         reload = self.rates.models[model].prefill_s(prefix_tokens)
         return continuum_ttl(list(self.gaps.recent_gaps), reload, delay)
 
-    def expire(self, now: float) -> None:
-        for res in self.reservations.expired(now):
+    def expire(self, now: float) -> bool:
+        """End the reservations expired by ``now``; True when any ended."""
+        expired = self.reservations.expired(now)
+        for res in expired:
             self.reservations.pop(res.session_id)
             self.counters["reservations_expired"] += 1
+        return bool(expired)
 
     async def yield_reservation(self, res: Reservation) -> None:
         """Memory pressure: give up a reservation's blocks, offloading them first when host
@@ -291,17 +294,21 @@ class SessionKeeper:
         self.report.touch(session_id)
         self.executor.forget_session(session_id)
 
-    def drop(self, session_ids: set[str], live_sessions: set[str]) -> None:
+    def drop(self, session_ids: set[str], live_sessions: set[str]) -> bool:
         """Sessions the router no longer holds: forgotten here too, reservations released
-        first, unless a call of theirs is here (then they are current again)."""
+        first, unless a call of theirs is here (then they are current again). True when any
+        was dropped (its blocks may be free now)."""
+        dropped = False
         for session_id in sorted(session_ids - live_sessions):
             if self.gaps.get(session_id) is None and session_id not in self.reservations:
                 continue
+            dropped = True
             try:
                 self.reservations.pop(session_id)
             finally:
                 self.forget(session_id)
                 self.counters["sessions_dropped"] += 1
+        return dropped
 
     def _entry(self, session_id: str) -> SessionKV | None:
         """The session's entry in the state report: where its KV is and its reservation;

@@ -410,3 +410,25 @@ def test_a_call_whose_answer_may_outgrow_the_kv_region_runs_only_where_it_is_len
     assert done.last.finish_reason == "length" and done.last.error is None
     assert (("activate_lent", "b") in engine.log) is lends
     assert (("activate", "b") in engine.log) is not lends
+
+
+def test_an_expired_reservation_frees_its_blocks_in_the_report_of_an_idle_instance() -> None:
+    """A reservation that expires while nothing runs gives its pinned blocks back: the state
+    report (and the router's free-KV gauge) says so at once, not at the next call's step."""
+    engine = FakeEngine(["a"], num_blocks=20, block_size=16, step_s=0.1, switch_host_s=2.0)
+    policy = preset("talaria", reservation_ttl_s=10.0)
+
+    async def main():  # type: ignore[no-untyped-def]
+        inst = Instance("i", engine, policy)
+        await inst.start()
+        await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))  # ends 2.5, reserved
+        reserved = inst.state()
+        await asyncio.sleep(13.0 - asyncio.get_running_loop().time())  # expired at 12.5
+        after = inst.state()
+        await inst.stop()
+        return reserved, after
+
+    reserved, after = run_virtual(main())
+    assert reserved.reserved_kv_blocks == 7 and reserved.free_kv_blocks == 13
+    assert after.reserved_kv_blocks == 0
+    assert after.free_kv_blocks == engine.stats().num_free_blocks == 20
