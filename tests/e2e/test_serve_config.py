@@ -3,6 +3,7 @@ key; the JSON round trip that instance processes receive; defaults without a fil
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -264,26 +265,12 @@ def test_memory_the_device_cannot_hold_is_one_line_naming_the_instance_and_its_k
 
 @pytest.mark.parametrize(("key", "value"), [("dtype", "int3"), ("attention_backend", "flash9")])
 def test_an_engine_setting_no_engine_takes_is_refused_before_any_instance_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-    key: str, value: str,
+    serve_refusal: Callable[[str, str], str], key: str, value: str,
 ) -> None:
     """``[engine] dtype = "int3"`` (or an unknown attention backend) was accepted: every
     instance process started, imported the engine and only then failed, with a line naming
     neither ``[engine]`` nor the key."""
-    from engine.models.tiny import write_random_checkpoint
-    from talaria.cli import main
-    from talaria.serving import serve as serve_module
-
-    def spawned(*_args: object, **_kw: object) -> None:
-        raise AssertionError("an instance was started")
-
-    monkeypatch.setattr(serve_module.subprocess, "Popen", spawned)
-    path = write_random_checkpoint(tmp_path / "m", "llama")
-    file = tmp_path / "serve.toml"
-    file.write_text(f'[router]\nport = 0\n[engine]\n{key} = "{value}"\n'
-                    f'[models.m]\npath = "{path}"\n')
-    assert main(["serve", "--config", str(file), "--log-level", "error"]) == 2
-    assert f"[engine].{key} must be one of" in capsys.readouterr().err
+    assert f"[engine].{key} must be one of" in serve_refusal(f'[engine]\n{key} = "{value}"\n', "")
 
 
 def test_the_instances_log_at_the_level_serve_was_given(
@@ -334,24 +321,20 @@ def test_an_unknown_instance_id_is_refused_before_any_model_is_made(
 
 
 def test_a_tensor_parallel_size_a_model_cannot_split_over_is_refused_before_any_instance_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    serve_refusal: Callable[[str, str], str],
 ) -> None:
     """An instance's ``tensor_parallel_size`` that a served model's heads do not split over was
     refused only by the started instance, about 10 s in, and by an instance restarted with
     backoff for as long as serve ran."""
-    from engine.models.tiny import write_random_checkpoint
-    from talaria.cli import main
-    from talaria.serving import serve as serve_module
-
-    def spawned(*_args: object, **_kw: object) -> None:
-        raise AssertionError("an instance was started")
-
-    monkeypatch.setattr(serve_module.subprocess, "Popen", spawned)
-    path = write_random_checkpoint(tmp_path / "m", "llama")
-    file = tmp_path / "serve.toml"
-    file.write_text(f'[router]\nport = 0\n[models.m]\npath = "{path}"\n'
-                    '[[instances]]\nid = "i0"\ntensor_parallel_size = 3\n')
-    assert main(["serve", "--config", str(file), "--log-level", "error"]) == 2
-    err = capsys.readouterr().err
+    err = serve_refusal("", '[[instances]]\nid = "i0"\ntensor_parallel_size = 3\n')
     assert "[instances][0].tensor_parallel_size 3" in err and "model 'm'" in err
     assert "num_attention_heads" in err
+
+
+def test_a_host_kv_budget_the_machine_cannot_hold_is_refused_before_any_instance_starts(
+    serve_refusal: Callable[[str, str], str],
+) -> None:
+    """``host_kv_bytes = "100TiB"`` was accepted; host KV fills as it is used, so it showed
+    only when the kernel's OOM killer ended an instance."""
+    err = serve_refusal("", '[[instances]]\nid = "i0"\nhost_kv_bytes = "100TiB"\n')
+    assert "host_kv_bytes come to 102400.0 GiB" in err

@@ -1,9 +1,8 @@
-"""Host KV budgets the machine cannot hold are refused before any instance starts (vLLM's rule
-for its swap space: over 70% of the memory an error, over 40% a warning)."""
+"""The rule for host KV budgets the machine cannot hold, vLLM's for its swap space: over 70% of
+the memory an error, over 40% a warning (`talaria serve` applying it before any instance
+starts: tests/e2e/test_serve_config.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
@@ -30,22 +29,3 @@ def test_a_budget_over_forty_percent_is_a_warning_and_below_it_nothing() -> None
         check_host_kv(_config(("20GiB", 1)), machine_bytes=40 * _GIB)
         check_host_kv(_config(("16GiB", 1)), machine_bytes=40 * _GIB)
     assert [e["event"] for e in logs] == ["serve.host_kv_large"]
-
-
-def test_serve_refuses_it_before_any_instance_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:
-    from engine.models.tiny import write_random_checkpoint
-    from talaria.cli import main
-    from talaria.serving import serve as serve_module
-
-    def spawned(*_args: object, **_kw: object) -> None:
-        raise AssertionError("an instance was started")
-
-    monkeypatch.setattr(serve_module.subprocess, "Popen", spawned)
-    path = write_random_checkpoint(tmp_path / "m", "llama")
-    file = tmp_path / "serve.toml"
-    file.write_text(f'[router]\nport = 0\n[models.m]\npath = "{path}"\n'
-                    '[[instances]]\nid = "i0"\nhost_kv_bytes = "100TiB"\n')
-    assert main(["serve", "--config", str(file), "--log-level", "error"]) == 2
-    assert "host_kv_bytes come to 102400.0 GiB" in capsys.readouterr().err
