@@ -65,11 +65,15 @@ def check_tensor_parallel(config: ServeConfig) -> None:
 
     from engine.parallel.sharding import check_shardable
 
-    sizes = {i.tensor_parallel_size: k for k, i in reversed(list(enumerate(config.instances)))
-             if i.tensor_parallel_size > 1}
+    first_with: dict[int, int] = {}  # each size above 1: the first instance that asks it
+    for k, instance in enumerate(config.instances):
+        if instance.tensor_parallel_size > 1:
+            first_with.setdefault(instance.tensor_parallel_size, k)
+    if not first_with:
+        return
     for name, path in config.model_paths().items():
-        hf_config = AutoConfig.from_pretrained(path) if sizes else None
-        for size, k in sizes.items():
+        hf_config = AutoConfig.from_pretrained(path)
+        for size, k in first_with.items():
             try:
                 check_shardable(hf_config, size)
             except ValueError as err:
