@@ -74,8 +74,10 @@ _ERROR_TYPES = {
 def error_body(status: int, message: str, streamed: bool = False) -> dict[str, Any]:
     """An error of ``status`` in Anthropic's shape; ``streamed``: an ``error`` event, where a
     429 (the instances' queues full, not the client's rate) is Anthropic's in-stream
-    overload, ``overloaded_error``."""
-    kind = "overloaded_error" if streamed and status == 429 else _ERROR_TYPES.get(status, "api_error")
+    overload, ``overloaded_error``. A status the table lacks is a request error below 500 (a
+    405, a 408), else ``api_error``."""
+    kind = ("overloaded_error" if streamed and status == 429
+            else _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"))
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
@@ -100,7 +102,8 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason or "error")
+        allow = exc.headers.get("Allow")  # a 405 names the methods allowed (RFC 9110)
+        return error_response(exc.status, exc.reason or "error", {"Allow": allow} if allow else None)
     except Exception:
         log.exception("unhandled_error", path=request.path)
         return error_response(500, "internal error")
