@@ -221,12 +221,15 @@ def one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _content(content: Any, role: str, where: str, message: dict[str, Any], omitted: Omissions) -> str:
-    """A string, or the text of an array of parts: ``text``; an ``image_url`` or ``file``
-    part becomes a line naming what was left out (``router.api.media_placeholders``)."""
+    """A string, or the text of an array of parts: ``text`` (an assistant's ``refusal`` too,
+    as its ``refusal`` beside no content); an ``image_url`` or ``file`` part becomes a line
+    naming what was left out (``router.api.media_placeholders``)."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant" and message.get("tool_calls"):
         return ""
+    if content is None and role == "assistant" and isinstance(message.get("refusal"), str):
+        return str(message["refusal"])  # an answer the model refused: its text
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or an array of content parts", f"{where}.content")
     parts: list[str] = []
@@ -234,6 +237,8 @@ def _content(content: Any, role: str, where: str, message: dict[str, Any], omitt
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image_url" and isinstance(part.get("image_url"), dict):
             parts.append(omitted.openai_image(part["image_url"].get("url")))
+        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            parts.append(part["refusal"])
         elif kind == "file" and isinstance(part.get("file"), dict):
             file = part["file"]
             parts.append(omitted.openai_file(file.get("file_data"), file.get("filename"), file.get("file_id")))
