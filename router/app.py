@@ -304,7 +304,9 @@ async def live(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
-    text = core.metrics.render(core.states, core.healthy, len(core.sessions), core.clients)
+    gate = request.app[GATE_KEY]
+    text = core.metrics.render(core.states, core.healthy, len(core.sessions), core.clients,
+                               (gate.inflight, gate.limit))
     return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

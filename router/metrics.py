@@ -99,9 +99,10 @@ class RouterMetrics:
         self.sct = Histogram("talaria_router_session_completion_seconds", "Session completion time (first call sent to last call done).", SCT_BUCKETS)
 
     def render(self, states: Mapping[str, InstanceState], healthy: set[str], sessions: int,
-               instances: Iterable[str] = ()) -> str:
+               instances: Iterable[str] = (), calls_in_flight: tuple[int, int] | None = None) -> str:
         """``instances``: every configured instance, so one that never reported has its
-        health gauge (0) too, not none."""
+        health gauge (0) too, not none. ``calls_in_flight``: the calls inside the router now
+        and its cap (beyond it a call gets 429)."""
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.cached_tokens, self.completion_tokens,
                        self.retries, self.placements, self.call_failures, self.rejected):
@@ -109,6 +110,11 @@ class RouterMetrics:
         for hist in (self.ttft, self.call_time, self.sct):
             lines += hist.render()
         lines += _gauge("talaria_router_sessions", "Sessions in the router's table.", [((), sessions)])
+        if calls_in_flight is not None:
+            lines += _gauge("talaria_router_calls_in_flight", "Calls inside the router now (tokenizing, waiting or streaming).",
+                            [((), calls_in_flight[0])])
+            lines += _gauge("talaria_router_max_calls_in_flight", "The router's cap on calls in flight (beyond it: 429).",
+                            [((), calls_in_flight[1])])
         ids = sorted(set(states) | healthy | set(instances))
         lines += _gauge("talaria_instance_healthy", "1 if the instance is healthy.",
                         [((("instance", i),), 1 if i in healthy else 0) for i in ids])
