@@ -230,9 +230,7 @@ class RouterCore:
         start = self.now()
         books = self.books.start(call, await self._hash_prompt(call), start, repeated)
         previous, sent = books.branch.instance_id, books.sent
-        siblings = books.record.side_calls_since(books.branch)
-        pcall = self.placement_call(sent, books.prompt.hashes, books.affinity, siblings)
-        ranked = self.policy.choose(pcall, books.view, self.states, self.candidates())
+        pcall: PlacementCall | None = None
         instance_id: str | None = None
         stream: AsyncIterator[CallEvent] | None = None
         first: CallEvent | None = None
@@ -241,7 +239,10 @@ class RouterCore:
         finished = False
         prefilling = True  # the call's prompt still counts as outstanding prefill
         tried: list[str] = []  # the instances the call was sent to, in order
-        try:
+        try:  # from here on the session's books are closed however the call ends
+            siblings = books.record.side_calls_since(books.branch)
+            pcall = self.placement_call(sent, books.prompt.hashes, books.affinity, siblings)
+            ranked = self.policy.choose(pcall, books.view, self.states, self.candidates())
             instance_id, stream, first = await self._open(sent, ranked, pcall, tried)
             self.metrics.placements.inc(
                 instance=instance_id, returning="yes" if previous == instance_id else "no"
@@ -399,14 +400,14 @@ class RouterCore:
     async def _finish(
         self, call: CallRequest, books: SessionCall, instance_id: str | None,
         stream: AsyncIterator[CallEvent] | None, start: float, outputs: list[int], outcome: str,
-        pcall: PlacementCall, prefilling: bool, label: str,
+        pcall: PlacementCall | None, prefilling: bool, label: str,
     ) -> None:
         """The call's end in every book. Its awaits (the abort, the stream's close) may be
         cancelled again (a shut-down cancelling what is left): the stream is closed and the
         books are kept all the same, or its session would count a call in flight forever."""
         now = self.now()
         try:
-            if instance_id is not None and stream is not None:
+            if instance_id is not None and stream is not None and pcall is not None:
                 self._release(instance_id, pcall, prefilling)
                 try:
                     if outcome == "aborted":
