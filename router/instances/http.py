@@ -7,7 +7,8 @@ the instance is unreachable; 5xx, timeouts and lines that are not a well-formed 
 it is unavailable.
 ``POST /internal/v1/calls/{id}/abort``, ``POST /internal/v1/state`` (the sessions changed
 since the last poll, merged here into the client's copy: ``talaria.protocol.state_delta``; the
-sessions the router let go, ``forget_sessions``, ride along; a large answer, the whole table
+sessions the router let go, ``forget_sessions``, ride along, unless a call used the id again
+first; a large answer, the whole table
 of a first poll, is parsed on a worker thread), ``GET /health``. Every request
 carries ``Authorization: Bearer <key>`` when the client has the instances' key.
 
@@ -96,6 +97,7 @@ class HttpInstanceClient:
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         url = f"{self.base_url}/internal/v1/calls"
+        self._forget.pop(call.session_id, None)  # a session id in use again is current
         # No total timeout: a long call streams for as long as it decodes. ``connect`` bounds
         # getting a connection (a pool wait included), ``sock_connect`` opening one.
         timeout = aiohttp.ClientTimeout(
