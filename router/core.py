@@ -244,6 +244,8 @@ class RouterCore:
             pcall = self.placement_call(sent, books.prompt.hashes, books.affinity, siblings)
             ranked = self.policy.choose(pcall, books.view, self.states, self.candidates())
             instance_id, stream, first = await self._open(sent, ranked, pcall, tried)
+            if previous is not None and previous != instance_id:  # its reservation there goes
+                self._forget_sessions(previous, [sent.session_id], reservations_only=True)
             self.metrics.placements.inc(
                 instance=instance_id, returning="yes" if previous == instance_id else "no"
             )
@@ -439,9 +441,9 @@ class RouterCore:
         if record.last_finish is not None:
             self.metrics.sct.observe(record.last_finish - record.started_at, model=record.model)
 
-    def _forget_sessions(self, instance_id: str, keys: list[str]) -> None:
-        """``instance_id`` forgets the branch ``keys`` the router let go (if its client can)."""
-        forget = getattr(self.clients.get(instance_id), "forget_sessions", None)
-        if forget is not None:
-            forget(keys)
+    def _forget_sessions(self, instance_id: str, keys: list[str], reservations_only: bool = False) -> None:
+        """``instance_id`` forgets branch ``keys``, or only their reservations (``let_go``)."""
+        name = "release_reservations" if reservations_only else "forget_sessions"
+        if (let_go := getattr(self.clients.get(instance_id), name, None)) is not None:
+            let_go(keys)
 

@@ -31,6 +31,7 @@ import aiohttp
 import orjson
 
 from router.core import CallRejected
+from router.instances.let_go import PendingLetGo
 from talaria.protocol import (
     CallEvent,
     CallRequest,
@@ -73,7 +74,7 @@ class HttpInstanceClient:
         self._control_connections = control_connections
         self._max_event_bytes = max_event_bytes
         self._cursor = SessionsCursor()
-        self._forget: dict[str, None] = {}  # sessions to forget, oldest first
+        self._let_go = PendingLetGo(MAX_PENDING_FORGET)  # what the next polls carry
         self._state_lock: asyncio.Lock | None = None  # one state poll at a time (the cursor)
 
     def _stream_http(self) -> aiohttp.ClientSession:
@@ -97,7 +98,7 @@ class HttpInstanceClient:
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         url = f"{self.base_url}/internal/v1/calls"
-        self._forget.pop(call.session_id, None)  # a session id in use again is current
+        self._let_go.withdraw(call.session_id)  # a session id in use again is current
         # No total timeout: a long call streams for as long as it decodes. ``connect`` bounds
         # getting a connection (a pool wait included), ``sock_connect`` opening one.
         timeout = aiohttp.ClientTimeout(
@@ -172,10 +173,11 @@ class HttpInstanceClient:
 
     def forget_sessions(self, session_ids: Iterable[str]) -> None:
         """Sessions the router let go: the next state polls tell the instance to forget them."""
-        for session_id in session_ids:
-            self._forget[session_id] = None
-        while len(self._forget) > MAX_PENDING_FORGET:  # the instance forgets idle ones too
-            del self._forget[next(iter(self._forget))]
+        self._let_go.add_forget(session_ids)
+
+    def release_reservations(self, session_ids: Iterable[str]) -> None:
+        """Sessions gone to another instance: the next state polls release their reservations."""
+        self._let_go.add_release(session_ids)
 
     async def state(self) -> InstanceState:
         """The instance's state, its sessions merged from what changed since the last poll."""
@@ -187,9 +189,10 @@ class HttpInstanceClient:
     async def _poll_state(self) -> InstanceState:
         url = f"{self.base_url}/internal/v1/state"
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
-        forget = list(self._forget)[:MAX_FORGET]
-        ask = self._cursor.ask(forget)
-        body = orjson.dumps({"epoch": ask.epoch, "since": ask.since, "forget": ask.forget})
+        forget, release = self._let_go.batch(MAX_FORGET)
+        ask = self._cursor.ask(forget, release)
+        fields = {"epoch": ask.epoch, "since": ask.since, "forget": ask.forget}
+        body = orjson.dumps({**fields, "release": ask.release} if ask.release else fields)
         try:
             async with self._control_http().post(
                 url, data=body, headers={**self._headers, "Content-Type": "application/json"},
@@ -205,8 +208,7 @@ class HttpInstanceClient:
             state = self._cursor.merge(*parsed)  # here: a cancelled poll leaves it as it was
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError, KeyError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: state poll failed: {exc!r}") from exc
-        for session_id in forget:
-            self._forget.pop(session_id, None)
+        self._let_go.sent(forget, release)
         return state
 
     def _parse(self, raw: bytes) -> tuple[InstanceState, SessionsDelta | None]:

@@ -3,12 +3,12 @@
 Duck-typed so the router needs nothing of ``talaria`` beyond the protocol: the target has
 ``stream(call)`` (an async iterator of CallEvents, raising InstanceUnavailable/Overloaded,
 or ValueError for a malformed call), ``abort(call_id)`` and ``state()``, each either plain
-or async, and may have ``forget_sessions(ids)``.
+or async, and may have ``forget_sessions(ids)`` and ``release_reservations(ids)``.
 
-Sessions the router lets go reach the target as they reach a live instance over HTTP
-(``router.instances.http``): held until the next state poll, then forgotten there just
-before the state is read, so the simulated replay sees them at the same moments; a session
-id a call uses again before that poll is current again and is not forgotten.
+What the router asks the target to let go of (``router.instances.let_go``) reaches it as it
+reaches a live instance over HTTP (``router.instances.http``): held until the next state
+poll, then applied there just before the state is read, so the simulated replay sees it at
+the same moments.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from router.core import CallRejected
+from router.instances.let_go import PendingLetGo
 from talaria.protocol import CallEvent, CallRequest, InstanceState
+
+MAX_PENDING_LET_GO = 1 << 20  # as the HTTP client's bound, without its per-poll cap
 
 
 class InProcessClient:
@@ -28,10 +31,10 @@ class InProcessClient:
                 raise TypeError(f"in-process instance {instance_id!r} has no {name}() method")
         self.instance_id = instance_id
         self._target = target
-        self._forget: dict[str, None] = {}  # session ids to forget at the next poll, in order
+        self._let_go = PendingLetGo(MAX_PENDING_LET_GO)
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
-        self._forget.pop(call.session_id, None)  # a session id in use again is current
+        self._let_go.withdraw(call.session_id)  # a session id in use again is current
         stream = self._target.stream(call)
         try:
             async for event in stream:
@@ -52,12 +55,22 @@ class InProcessClient:
         """Sessions the router let go: the next state poll tells the target to forget them
         (dropped when the target cannot forget)."""
         if callable(getattr(self._target, "forget_sessions", None)):
-            self._forget.update(dict.fromkeys(session_ids))
+            self._let_go.add_forget(session_ids)
+
+    def release_reservations(self, session_ids: Iterable[str]) -> None:
+        """Sessions gone to another instance: the next state poll releases their reservations
+        there (dropped when the target cannot)."""
+        if callable(getattr(self._target, "release_reservations", None)):
+            self._let_go.add_release(session_ids)
 
     async def state(self) -> InstanceState:
-        if self._forget:
-            forget, self._forget = list(self._forget), {}
-            self._target.forget_sessions(forget)
+        if self._let_go:
+            forget, release = self._let_go.batch(MAX_PENDING_LET_GO)
+            self._let_go.sent(forget, release)
+            if release:
+                self._target.release_reservations(release)
+            if forget:
+                self._target.forget_sessions(forget)
         result = self._target.state()
         if inspect.isawaitable(result):
             result = await result

@@ -335,3 +335,10 @@ class Instance:
         if session_ids:
             self.loop.to_forget.update(session_ids)
             self.loop.wake.set()
+
+    def release_reservations(self, session_ids: Sequence[str]) -> None:
+        """These sessions' calls went to another instance: the loop releases their soft
+        reservations here (their KV stays cached, unpinned, for a return)."""
+        if session_ids:
+            self.loop.to_release.update(session_ids)
+            self.loop.wake.set()

@@ -11,9 +11,8 @@ is accounted for. Time comes only from the event loop.
 
 Who touches the engine: only this task, between awaited operations (see EngineExecutor).
 Who ends a call: ``finish`` (its terminal event; it leaves the call book) exactly once, from
-delivery, abort, a refused admission, or an engine fault. A fault fails only the calls in the
-engine and the loop goes on (``talaria.instance.faults``); a call the engine cannot take
-fails alone.
+delivery, abort, a refused admission, or an engine fault. A fault fails only the calls in
+the engine and the loop goes on (``talaria.instance.faults``); a refused call fails alone.
 """
 
 from __future__ import annotations
@@ -82,6 +81,7 @@ class AdmissionLoop:
         self.healthy = True
         self.aborts: list[str] = []
         self.to_forget: set[str] = set()  # sessions the router no longer holds
+        self.to_release: set[str] = set()  # sessions gone elsewhere: their reservations go
         self.stopping = False
         self.wake = asyncio.Event()
         self._last_refresh = float("-inf")
@@ -421,9 +421,9 @@ class AdmissionLoop:
             self.finish(pending, "abort", None)
             aborted = True
         released = self.sessions.expire(self.now())  # unpinned blocks are free: re-read
-        if self.to_forget:
-            forget, self.to_forget = self.to_forget, set()
-            released |= self.sessions.drop(forget, self.calls.sessions())
+        if self.to_forget or self.to_release:
+            asks, self.to_forget, self.to_release = (self.to_forget, self.to_release), set(), set()
+            released |= self.sessions.drop(*asks, self.calls.sessions())
         if aborted or released:
             self.stats = self.executor.stats()
 

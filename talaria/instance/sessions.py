@@ -59,7 +59,8 @@ class SessionKeeper:
         # session -> (device, host) tokens; a change marks the session's report entry
         self.kv_tokens: dict[str, tuple[int, int]] = TouchingDict(self.report.touch)
         self.recent_waits: deque[float] = deque(maxlen=QUEUE_DELAY_WINDOW)
-        for key in ("reservations", "reservations_consumed", "reservations_expired"):
+        for key in ("reservations", "reservations_consumed", "reservations_expired",
+                    "reservations_released"):
             counters.setdefault(key, 0)
         counters.setdefault("reservations_yielded", 0)
         counters.setdefault("reservations_yielded_dropped", 0)
@@ -294,11 +295,16 @@ class SessionKeeper:
         self.report.touch(session_id)
         self.executor.forget_session(session_id)
 
-    def drop(self, session_ids: set[str], live_sessions: set[str]) -> bool:
+    def drop(self, session_ids: set[str], release: set[str], live_sessions: set[str]) -> bool:
         """Sessions the router no longer holds: forgotten here too, reservations released
-        first, unless a call of theirs is here (then they are current again). True when any
-        was dropped (its blocks may be free now)."""
+        first; and sessions gone to another instance (``release``): their reservations alone
+        released. Neither when a call of theirs is here (then they are current again). True
+        when any was dropped or released (its blocks may be free now)."""
         dropped = False
+        for session_id in sorted(release - session_ids - live_sessions):
+            if self.reservations.pop(session_id) is not None:
+                dropped = True
+                self.counters["reservations_released"] += 1
         for session_id in sorted(session_ids - live_sessions):
             if self.gaps.get(session_id) is None and session_id not in self.reservations:
                 continue

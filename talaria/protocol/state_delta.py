@@ -1,9 +1,10 @@
 """The state poll as a delta: the router names the version of the instance's sessions it
 holds, the instance answers with what changed since, and tells it which sessions to forget.
 
-The ask (``POST /internal/v1/state``, :class:`StateAsk`): ``{"epoch", "since", "forget"}``,
-the report's epoch and version the poller last applied (null: none) and the sessions the
-router no longer holds (at most ``MAX_FORGET`` a poll). The answer is an ``InstanceState``
+The ask (``POST /internal/v1/state``, :class:`StateAsk`): ``{"epoch", "since", "forget",
+"release"}``, the report's epoch and version the poller last applied (null: none), the
+sessions the router no longer holds and, optional, those whose soft reservation alone goes
+(their calls went elsewhere; at most ``MAX_FORGET`` of each a poll). The answer is an ``InstanceState``
 whose ``sessions`` holds only the sessions changed since, with four more fields:
 ``sessions_epoch``, ``sessions_version``, ``sessions_full`` (true: ``sessions`` is the whole
 table; the poller drops what it held) and ``sessions_removed`` (ids gone since). A poller
@@ -45,20 +46,27 @@ class StateAsk:
     epoch: str | None = None
     since: int | None = None
     forget: list[str] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: Any) -> StateAsk:
         if not isinstance(data, dict):
             raise ValueError("a state ask must be a JSON object")
-        check_keys(data, ("epoch", "since", "forget"), "the state ask")
-        epoch, since, forget = data.get("epoch"), data.get("since"), data.get("forget") or []
-        if not isinstance(forget, list) or len(forget) > MAX_FORGET:
-            raise ValueError(f"forget must be a list of at most {MAX_FORGET} session ids")
+        check_keys(data, ("epoch", "since", "forget", "release"), "the state ask")
+        epoch, since = data.get("epoch"), data.get("since")
         return cls(
             epoch=None if epoch is None else printable_id(epoch, "epoch"),
             since=None if since is None else integer(since, "since", lo=0),
-            forget=[printable_id(s, "forget[]") for s in forget],
+            forget=_session_ids(data.get("forget"), "forget"),
+            release=_session_ids(data.get("release"), "release"),
         )
+
+
+def _session_ids(value: Any, name: str) -> list[str]:
+    ids = value or []
+    if not isinstance(ids, list) or len(ids) > MAX_FORGET:
+        raise ValueError(f"{name} must be a list of at most {MAX_FORGET} session ids")
+    return [printable_id(s, f"{name}[]") for s in ids]
 
 
 def encode_report(state: InstanceState, delta: SessionsDelta) -> bytes:
@@ -80,8 +88,8 @@ class SessionsCursor:
         self.version: int | None = None
         self.sessions: dict[str, SessionKV] = {}
 
-    def ask(self, forget: list[str]) -> StateAsk:
-        return StateAsk(self.epoch, self.version, forget)
+    def ask(self, forget: list[str], release: list[str] | None = None) -> StateAsk:
+        return StateAsk(self.epoch, self.version, forget, release or [])
 
     def apply(self, data: Any) -> InstanceState:
         """Parse an answer (ValueError if malformed) and merge it (``merge``)."""

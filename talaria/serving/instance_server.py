@@ -264,6 +264,7 @@ async def _state_since(request: web.Request) -> web.Response:
     except (orjson.JSONDecodeError, ValueError) as exc:
         raise ApiError(400, f"bad state ask: {exc}") from exc
     instance = request.app[INSTANCE_KEY]
+    instance.release_reservations(ask.release)
     instance.forget_sessions(ask.forget)
     state = instance.state()
     delta = instance.sessions.report.since(ask.epoch, ask.since)

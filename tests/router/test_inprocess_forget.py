@@ -14,6 +14,7 @@ class Target:
         self.asked: list[str] = []
         if forgets:
             self.forget_sessions = lambda ids: self.asked.append("forget " + ",".join(ids))
+            self.release_reservations = lambda ids: self.asked.append("release " + ",".join(ids))
 
     async def stream(self, call: CallRequest):  # type: ignore[no-untyped-def]
         yield None
@@ -43,3 +44,12 @@ async def test_a_target_that_cannot_forget_is_polled_as_before() -> None:
     client.forget_sessions(["s1"])
     assert (await client.state()).instance_id == "i0"
     assert target.asked == ["state"]
+
+
+async def test_releases_go_before_forgets_and_a_forget_covers_a_release() -> None:
+    target = Target(forgets=True)
+    client = InProcessClient("i0", target)
+    client.release_reservations(["moved", "dropped"])
+    client.forget_sessions(["dropped"])
+    await client.state()
+    assert target.asked == ["release moved", "forget dropped", "state"]
