@@ -8,7 +8,8 @@ it is unavailable.
 ``POST /internal/v1/calls/{id}/abort``, ``POST /internal/v1/state`` (the sessions changed
 since the last poll, merged here into the client's copy: ``talaria.protocol.state_delta``; the
 sessions the router let go, ``forget_sessions``, ride along, unless a call used the id again
-first; a large answer, the whole table
+first, and the reservations to release, unless the instance is older than that list (it
+answers 400 to it: the client then stops sending releases there); a large answer, the whole table
 of a first poll, is parsed on a worker thread), ``GET /health``. Every request
 carries ``Authorization: Bearer <key>`` when the client has the instances' key.
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import structlog
 
 from router.core import CallRejected
 from router.instances.let_go import PendingLetGo
@@ -44,6 +46,12 @@ from talaria.protocol.state_delta import MAX_FORGET, SessionsCursor, SessionsDel
 
 MAX_PENDING_FORGET = 1 << 20
 LARGE_REPORT_BYTES = 256 * 1024  # about a thousand sessions: parsed on a worker thread
+
+log = structlog.get_logger(__name__)
+
+
+class _ReleaseRefused(Exception):
+    """The instance answered 400 to an ask carrying ``release``: it predates that list."""
 
 
 class HttpInstanceClient:
@@ -75,6 +83,7 @@ class HttpInstanceClient:
         self._max_event_bytes = max_event_bytes
         self._cursor = SessionsCursor()
         self._let_go = PendingLetGo(MAX_PENDING_FORGET)  # what the next polls carry
+        self._releases = True  # False once the instance refused an ask with a release
         self._state_lock: asyncio.Lock | None = None  # one state poll at a time (the cursor)
 
     def _stream_http(self) -> aiohttp.ClientSession:
@@ -176,15 +185,23 @@ class HttpInstanceClient:
         self._let_go.add_forget(session_ids)
 
     def release_reservations(self, session_ids: Iterable[str]) -> None:
-        """Sessions gone to another instance: the next state polls release their reservations."""
-        self._let_go.add_release(session_ids)
+        """Sessions gone to another instance: the next state polls release their reservations
+        (unless the instance is older than that ask: its reservations then expire)."""
+        if self._releases:
+            self._let_go.add_release(session_ids)
 
     async def state(self) -> InstanceState:
         """The instance's state, its sessions merged from what changed since the last poll."""
         if self._state_lock is None:
             self._state_lock = asyncio.Lock()
         async with self._state_lock:
-            return await self._poll_state()
+            try:
+                return await self._poll_state()
+            except _ReleaseRefused:  # an older instance: else each later poll fails too
+                log.warning("router.instance_refuses_release", instance=self.instance_id)
+                self._releases = False
+                self._let_go.release.clear()
+                return await self._poll_state()
 
     async def _poll_state(self) -> InstanceState:
         url = f"{self.base_url}/internal/v1/state"
@@ -198,6 +215,8 @@ class HttpInstanceClient:
                 url, data=body, headers={**self._headers, "Content-Type": "application/json"},
                 timeout=timeout,
             ) as response:
+                if response.status == 400 and release and b"release" in await response.read():
+                    raise _ReleaseRefused
                 if response.status != 200:
                     raise InstanceUnavailable(f"{self.instance_id}: state HTTP {response.status}")
                 raw = await response.read()
