@@ -6,7 +6,9 @@ session's calls went to another instance: the promise of a return is void there,
 stays cached for a bounce back). A forget covers a release. A session id a call uses again
 before the poll is current again and is withdrawn from both. Both ride along with a state
 poll (``router.instances.http``, ``router.instances.inprocess``) and are dropped only once a
-poll carried them, so a failed poll loses nothing.
+poll carried them, so a failed poll loses nothing; an id withdrawn and let go again while a
+poll carried it stays (the poll carried the older let-go, which the instance may have
+applied before the call that came between).
 """
 
 from __future__ import annotations
@@ -21,20 +23,24 @@ class PendingLetGo:
         """``bound``: the most ids held of each kind; beyond it the oldest go unsent (the
         instance forgets idle sessions and expires reservations by itself too)."""
         self.bound = bound
-        self.forget: dict[str, None] = {}
-        self.release: dict[str, None] = {}
+        self.forget: dict[str, int] = {}  # id -> the stamp of its let-go
+        self.release: dict[str, int] = {}
+        self._stamp = 0
+        self._carried: tuple[dict[str, int], dict[str, int]] = ({}, {})  # the last batch's
 
     def __bool__(self) -> bool:
         return bool(self.forget or self.release)
 
     def add_forget(self, session_ids: Iterable[str]) -> None:
         for session_id in session_ids:
-            self.forget[session_id] = None
+            self.forget.setdefault(session_id, self._next())
             self.release.pop(session_id, None)
         self._trim(self.forget)
 
     def add_release(self, session_ids: Iterable[str]) -> None:
-        self.release.update((s, None) for s in session_ids if s not in self.forget)
+        for session_id in session_ids:
+            if session_id not in self.forget:
+                self.release.setdefault(session_id, self._next())
         self._trim(self.release)
 
     def withdraw(self, session_id: str) -> None:
@@ -44,13 +50,23 @@ class PendingLetGo:
 
     def batch(self, limit: int) -> tuple[list[str], list[str]]:
         """The oldest ``limit`` of each kind, for one poll (still held until ``sent``)."""
-        return list(self.forget)[:limit], list(self.release)[:limit]
+        forget, release = list(self.forget)[:limit], list(self.release)[:limit]
+        self._carried = ({s: self.forget[s] for s in forget}, {s: self.release[s] for s in release})
+        return forget, release
 
     def sent(self, forget: Iterable[str], release: Iterable[str]) -> None:
-        for session_id in forget:
-            self.forget.pop(session_id, None)
-        for session_id in release:
-            self.release.pop(session_id, None)
+        """The poll that carried the last ``batch`` was answered: drop what it carried, not
+        an id let go anew since (withdrawn and added again)."""
+        for held, carried, ids in ((self.forget, self._carried[0], forget),
+                                   (self.release, self._carried[1], release)):
+            for session_id in ids:
+                if held.get(session_id) == carried.get(session_id, held.get(session_id)):
+                    held.pop(session_id, None)
+        self._carried = ({}, {})
+
+    def _next(self) -> int:
+        self._stamp += 1
+        return self._stamp
 
     def _trim(self, held: dict[str, None]) -> None:
         while len(held) > self.bound:
