@@ -83,7 +83,8 @@ class HttpInstanceClient:
         self._max_event_bytes = max_event_bytes
         self._cursor = SessionsCursor()
         self._let_go = PendingLetGo(MAX_PENDING_FORGET)  # what the next polls carry
-        self._releases = True  # False once the instance refused an ask with a release
+        self._releases = True  # False once the instance refused an ask with a release ...
+        self._refused_epoch: str | None = None  # ... in this process of it (a restart: True)
         self._state_lock: asyncio.Lock | None = None  # one state poll at a time (the cursor)
 
     def _stream_http(self) -> aiohttp.ClientSession:
@@ -196,12 +197,16 @@ class HttpInstanceClient:
             self._state_lock = asyncio.Lock()
         async with self._state_lock:
             try:
-                return await self._poll_state()
+                state = await self._poll_state()
             except _ReleaseRefused:  # an older instance: else each later poll fails too
                 log.warning("router.instance_refuses_release", instance=self.instance_id)
                 self._releases = False
                 self._let_go.release.clear()
-                return await self._poll_state()
+                state = await self._poll_state()
+                self._refused_epoch = state.epoch
+            if not self._releases and state.epoch != self._refused_epoch:
+                self._releases = True  # restarted (perhaps upgraded): try releases again
+            return state
 
     async def _poll_state(self) -> InstanceState:
         url = f"{self.base_url}/internal/v1/state"
