@@ -68,6 +68,6 @@ class PendingLetGo:
         self._stamp += 1
         return self._stamp
 
-    def _trim(self, held: dict[str, None]) -> None:
+    def _trim(self, held: dict[str, int]) -> None:
         while len(held) > self.bound:
             del held[next(iter(held))]
