@@ -298,10 +298,13 @@ class SessionKeeper:
     def drop(self, session_ids: set[str], release: set[str], live_sessions: set[str]) -> bool:
         """Sessions the router no longer holds: forgotten here too, reservations released
         first; and sessions gone to another instance (``release``): their reservations alone
-        released. Neither when a call of theirs is here (then they are current again). True
-        when any was dropped or released (its blocks may be free now)."""
+        released. Neither when a call of theirs is here (then they are current again). Hard
+        pins (Continuum's) are not released: they last their TTL whatever a router says, as
+        in Continuum's own scheduler. True when any was dropped or released (its blocks may
+        be free now)."""
         dropped = False
-        for session_id in sorted(release - session_ids - live_sessions):
+        releasable = set() if self.policy.hard_pins else release - session_ids - live_sessions
+        for session_id in sorted(releasable):
             if self.reservations.pop(session_id) is not None:
                 dropped = True
                 self.counters["reservations_released"] += 1

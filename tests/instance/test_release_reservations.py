@@ -5,6 +5,8 @@ with a release is parsed strictly, and an ask without one is read as before."""
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
@@ -63,3 +65,23 @@ def test_the_state_ask_reads_a_release_strictly() -> None:
         StateAsk.from_dict({"release": ["x"] * (MAX_FORGET + 1)})
     with pytest.raises(ValueError):
         StateAsk.from_dict({"release": ["bad\nid"]})
+
+
+async def test_hard_pins_last_their_ttl_whatever_a_release_says() -> None:
+    """Continuum's pins: its own scheduler keeps a program's KV for the TTL, told nothing of a
+    router's moves, so the row that models it does not release them either."""
+    engine = FakeEngine(["m"], num_blocks=256, step_s=0.005)
+    instance = Instance("i", engine, PolicyConfig(reservation_ttl_s=600.0, default_gap_s=30.0,
+                                                  hard_pins=True))
+    await instance.start()
+    try:
+        await _drain(instance, "moved", 1)
+        instance.release_reservations(["moved"])
+        for _ in range(20):  # the loop's turns apply what it was told
+            instance.loop.wake.set()
+            await asyncio.sleep(0.01)
+        assert {r.session_id for r in instance.sessions.reservations.all()} == {"moved"}
+        assert engine.pinned("moved") and instance.counters["reservations_released"] == 0
+        assert not instance.loop.to_release  # taken, and kept out
+    finally:
+        await instance.stop(drain=False)
