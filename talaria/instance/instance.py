@@ -331,14 +331,18 @@ class Instance:
 
     def forget_sessions(self, session_ids: Sequence[str]) -> None:
         """The router no longer holds these sessions: the loop forgets them here too (it
-        alone touches the engine)."""
-        if session_ids:
-            self.loop.to_forget.update(session_ids)
+        alone touches the engine). Only sessions known here wake it: a turn at another
+        moment is another schedule."""
+        known = [s for s in session_ids if self.sessions.known(s)]
+        if known:
+            self.loop.to_forget.update(known)
             self.loop.wake.set()
 
     def release_reservations(self, session_ids: Sequence[str]) -> None:
         """These sessions' calls went to another instance: the loop releases their soft
-        reservations here (their KV stays cached, unpinned, for a return)."""
-        if session_ids:
-            self.loop.to_release.update(session_ids)
+        reservations here (their KV stays cached, unpinned, for a return); only ones it may
+        release wake it (not Continuum's hard pins: ``SessionKeeper.drop``)."""
+        held = [s for s in session_ids if s in self.sessions.reservations]
+        if held and not self.policy.hard_pins:
+            self.loop.to_release.update(held)
             self.loop.wake.set()

@@ -295,6 +295,10 @@ class SessionKeeper:
         self.report.touch(session_id)
         self.executor.forget_session(session_id)
 
+    def known(self, session_id: str) -> bool:
+        """Whether a forget of the session has anything to drop here."""
+        return self.gaps.get(session_id) is not None or session_id in self.reservations
+
     def drop(self, session_ids: set[str], release: set[str], live_sessions: set[str]) -> bool:
         """Sessions the router no longer holds: forgotten here too, reservations released
         first; and sessions gone to another instance (``release``): their reservations alone
@@ -309,7 +313,7 @@ class SessionKeeper:
                 dropped = True
                 self.counters["reservations_released"] += 1
         for session_id in sorted(session_ids - live_sessions):
-            if self.gaps.get(session_id) is None and session_id not in self.reservations:
+            if not self.known(session_id):
                 continue
             dropped = True
             try:
