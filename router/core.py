@@ -101,7 +101,7 @@ class RouterCore:
         self._clock = clock
         self.books = SessionBooks(
             sessions if sessions is not None else SessionTable(), inference, block_size,
-            known_chain_blocks, self._session_ended, self._forget_sessions,
+            known_chain_blocks, self._session_ended, self._let_go,
         )
         self.sessions = self.books.table
         self.inference = inference
@@ -245,7 +245,7 @@ class RouterCore:
             ranked = self.policy.choose(pcall, books.view, self.states, self.candidates())
             instance_id, stream, first = await self._open(sent, ranked, pcall, tried)
             if previous is not None and previous != instance_id:  # its reservation there goes
-                self._forget_sessions(previous, [sent.session_id], reservations_only=True)
+                self._let_go(previous, [sent.session_id], reservations_only=True)
             self.metrics.placements.inc(
                 instance=instance_id, returning="yes" if previous == instance_id else "no"
             )
@@ -441,7 +441,7 @@ class RouterCore:
         if record.last_finish is not None:
             self.metrics.sct.observe(record.last_finish - record.started_at, model=record.model)
 
-    def _forget_sessions(self, instance_id: str, keys: list[str], reservations_only: bool = False) -> None:
+    def _let_go(self, instance_id: str, keys: list[str], reservations_only: bool = False) -> None:
         """``instance_id`` forgets branch ``keys``, or only their reservations (``let_go``)."""
         name = "release_reservations" if reservations_only else "forget_sessions"
         if (let_go := getattr(self.clients.get(instance_id), name, None)) is not None:

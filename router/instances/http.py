@@ -232,7 +232,7 @@ class HttpInstanceClient:
             state = self._cursor.merge(*parsed)  # here: a cancelled poll leaves it as it was
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError, KeyError) as exc:
             raise InstanceUnavailable(f"{self.instance_id}: state poll failed: {exc!r}") from exc
-        self._let_go.sent(forget, release)
+        self._let_go.sent()
         return state
 
     def _parse(self, raw: bytes) -> tuple[InstanceState, SessionsDelta | None]:

@@ -66,7 +66,7 @@ class InProcessClient:
     async def state(self) -> InstanceState:
         if self._let_go:
             forget, release = self._let_go.batch(MAX_PENDING_LET_GO)
-            self._let_go.sent(forget, release)
+            self._let_go.sent()
             if release:
                 self._target.release_reservations(release)
             if forget:

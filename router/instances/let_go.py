@@ -49,19 +49,19 @@ class PendingLetGo:
         self.release.pop(session_id, None)
 
     def batch(self, limit: int) -> tuple[list[str], list[str]]:
-        """The oldest ``limit`` of each kind, for one poll (still held until ``sent``)."""
+        """The oldest ``limit`` of each kind, for one poll (still held until ``sent``; a
+        later batch, after a poll that failed, replaces it)."""
         forget, release = list(self.forget)[:limit], list(self.release)[:limit]
         self._carried = ({s: self.forget[s] for s in forget}, {s: self.release[s] for s in release})
         return forget, release
 
-    def sent(self, forget: Iterable[str], release: Iterable[str]) -> None:
+    def sent(self) -> None:
         """The poll that carried the last ``batch`` was answered: drop what it carried, not
-        an id let go anew since (withdrawn and added again)."""
-        for held, carried, ids in ((self.forget, self._carried[0], forget),
-                                   (self.release, self._carried[1], release)):
-            for session_id in ids:
-                if held.get(session_id) == carried.get(session_id, held.get(session_id)):
-                    held.pop(session_id, None)
+        an id let go anew since (withdrawn and added again: another stamp)."""
+        for held, carried in zip((self.forget, self.release), self._carried, strict=True):
+            for session_id, stamp in carried.items():
+                if held.get(session_id) == stamp:
+                    del held[session_id]
         self._carried = ({}, {})
 
     def _next(self) -> int:

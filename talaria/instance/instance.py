@@ -341,8 +341,8 @@ class Instance:
     def release_reservations(self, session_ids: Sequence[str]) -> None:
         """These sessions' calls went to another instance: the loop releases their soft
         reservations here (their KV stays cached, unpinned, for a return); only ones it may
-        release wake it (not Continuum's hard pins: ``SessionKeeper.drop``)."""
-        held = [s for s in session_ids if s in self.sessions.reservations]
-        if held and not self.policy.hard_pins:
+        release wake it (``SessionKeeper.releasable``)."""
+        held = self.sessions.releasable(session_ids)
+        if held:
             self.loop.to_release.update(held)
             self.loop.wake.set()

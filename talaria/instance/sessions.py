@@ -17,7 +17,7 @@ router no longer holds is dropped here too (``drop``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 import structlog
 
@@ -299,16 +299,22 @@ class SessionKeeper:
         """Whether a forget of the session has anything to drop here."""
         return self.gaps.get(session_id) is not None or session_id in self.reservations
 
+    def releasable(self, session_ids: Iterable[str]) -> list[str]:
+        """Of sessions gone to another instance, those whose reservation here a release
+        takes. Not hard pins (Continuum's): they last their TTL whatever a router says, as
+        in Continuum's own scheduler."""
+        if self.policy.hard_pins:
+            return []
+        return [s for s in session_ids if s in self.reservations]
+
     def drop(self, session_ids: set[str], release: set[str], live_sessions: set[str]) -> bool:
         """Sessions the router no longer holds: forgotten here too, reservations released
         first; and sessions gone to another instance (``release``): their reservations alone
-        released. Neither when a call of theirs is here (then they are current again). Hard
-        pins (Continuum's) are not released: they last their TTL whatever a router says, as
-        in Continuum's own scheduler. True when any was dropped or released (its blocks may
-        be free now)."""
+        released (``releasable`` chose them). Neither when a call of theirs is here (then
+        they are current again). True when any was dropped or released (its blocks may be
+        free now)."""
         dropped = False
-        releasable = set() if self.policy.hard_pins else release - session_ids - live_sessions
-        for session_id in sorted(releasable):
+        for session_id in sorted(release - session_ids - live_sessions):
             if self.reservations.pop(session_id) is not None:
                 dropped = True
                 self.counters["reservations_released"] += 1

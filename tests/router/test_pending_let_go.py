@@ -25,9 +25,9 @@ def test_only_what_a_poll_carried_is_dropped() -> None:
     forget, release = held.batch(2)
     assert (forget, release) == (["f1", "f2"], ["r1", "r2"])
     held.add_forget(["f4"])  # meanwhile
-    held.sent(forget, release)
+    held.sent()
     assert held.batch(10) == (["f3", "f4"], []) and held
-    held.sent(["f3", "f4"], [])
+    held.sent()
     assert not held
 
 

@@ -19,7 +19,7 @@ def test_a_let_go_renewed_while_a_poll_carries_the_old_one_stays_pending() -> No
     held.add_release(["k"])  # ... ends, and the router lets it go again
     held.add_forget(["f"])
     held.add_release(["r"])  # still pending, not renewed: the poll carries it
-    held.sent(forget, release)
+    held.sent()
     assert held.batch(10) == (["f"], ["k"])
-    held.sent(["f"], ["k"])
+    held.sent()
     assert not held
