@@ -25,9 +25,9 @@ _TYPES: dict[int, str] = {
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
-    500: "internal_error",
-    502: "upstream_error",
-    503: "service_unavailable",
+    500: "server_error",  # OpenAI's type for every 5xx (its SDKs branch on the status)
+    502: "server_error",
+    503: "server_error",
 }
 
 

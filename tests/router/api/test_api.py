@@ -149,15 +149,18 @@ async def test_error_after_first_token(tokenizer: ModelTokenizer) -> None:
         assert not any(c.get("choices") and c["choices"][0].get("finish_reason") for c in events[:-2])
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.status == 502
-        message = (await resp.json())["error"]["message"]
-        assert message == f"the call failed on its instance; request id {a.calls[1].call_id}"
+        error = (await resp.json())["error"]
+        assert error["message"] == f"the call failed on its instance; request id {a.calls[1].call_id}"
+        assert error["type"] == "server_error"  # OpenAI's type for every 5xx
 
 
 async def test_503_and_429(tokenizer: ModelTokenizer) -> None:
     down = FakeInstance("a", reply(tokenizer), unavailable=True)
     async with serve(tokenizer, {"a": down}) as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
-        assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_healthy_instance"
+        error = (await resp.json())["error"]
+        assert resp.status == 503 and error["code"] == "no_healthy_instance"
+        assert error["type"] == "server_error"
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.status == 503 and len(down.calls) == 1  # marked down: not tried again
     busy = FakeInstance("a", reply(tokenizer), overloaded=True)
