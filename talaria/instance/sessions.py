@@ -17,7 +17,8 @@ router no longer holds is dropped here too (``drop``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TypeVar
 
 import structlog
 
@@ -36,6 +37,8 @@ from talaria.protocol import CallRequest, SessionKV
 log = structlog.get_logger("talaria.sessions")
 
 __all__ = ["SessionKeeper"]
+
+T = TypeVar("T")
 
 QUEUE_DELAY_WINDOW = 64  # recent admission waits averaged for Continuum's queueing delay
 
@@ -214,9 +217,12 @@ class SessionKeeper:
     def expire(self, now: float) -> bool:
         """End the reservations expired by ``now``; True when any ended."""
         expired = self.reservations.expired(now)
-        for res in expired:
-            self.reservations.pop(res.session_id)
+
+        def end(res: Reservation) -> None:
             self.counters["reservations_expired"] += 1
+            self.reservations.pop(res.session_id)
+
+        _each(expired, end)
         return bool(expired)
 
     async def yield_reservation(self, res: Reservation) -> None:
@@ -312,21 +318,30 @@ class SessionKeeper:
         first; and sessions gone to another instance (``release``): their reservations alone
         released (``releasable`` chose them). Neither when a call of theirs is here (then
         they are current again). True when any was dropped or released (its blocks may be
-        free now)."""
+        free now). A hook that raises for one session (``ReservationBook.pop``) leaves the
+        rest of the batch done all the same; the first error is raised at the end."""
         dropped = False
-        for session_id in sorted(release - session_ids - live_sessions):
-            if self.reservations.pop(session_id) is not None:
+
+        def release_one(session_id: str) -> None:
+            nonlocal dropped
+            if session_id in self.reservations:  # counted whether or not its hook raises
                 dropped = True
                 self.counters["reservations_released"] += 1
-        for session_id in sorted(session_ids - live_sessions):
+                self.reservations.pop(session_id)
+
+        def drop_one(session_id: str) -> None:
+            nonlocal dropped
             if not self.known(session_id):
-                continue
+                return
             dropped = True
             try:
                 self.reservations.pop(session_id)
             finally:
                 self.forget(session_id)
                 self.counters["sessions_dropped"] += 1
+
+        errors = _each(sorted(release - session_ids - live_sessions), release_one, raise_first=False)
+        _each(sorted(session_ids - live_sessions), drop_one, earlier=errors)
         return dropped
 
     def _entry(self, session_id: str) -> SessionKV | None:
@@ -347,3 +362,18 @@ class SessionKeeper:
             reserved_until=res.expires if res is not None else None,
             expected_return=res.expected_return if res is not None else None,
         )
+
+
+def _each(items: Iterable[T], action: Callable[[T], None], *, raise_first: bool = True,
+             earlier: Sequence[Exception] = ()) -> list[Exception]:
+    """``action`` on every item, whichever raise: the errors, ``earlier``'s first, are
+    returned, or the first of them raised (``raise_first``) once every item is done."""
+    errors = list(earlier)
+    for item in items:
+        try:
+            action(item)
+        except Exception as exc:
+            errors.append(exc)
+    if errors and raise_first:
+        raise errors[0]
+    return errors

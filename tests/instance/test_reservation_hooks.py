@@ -164,3 +164,49 @@ def test_a_hook_failing_as_the_reservation_is_made_leaves_it_pinned_in_the_book(
     assert booked and pinned
     assert inst.counters["reservations"] == 1 and inst.counters["reservations_expired"] == 1
     assert inst.counters["engine_faults"] == 1 and inst.healthy
+
+
+async def reserve_two(inst: Instance, eng: BrokenHoldEngine) -> None:
+    """s's and t's calls end with reservations (7 and 4 blocks pinned); then the hook breaks."""
+    await inst.start()
+    await run_call(inst, call("s-0", "s", "a", 100, 5, gap=5.0))
+    await run_call(inst, call("t-0", "t", "a", 60, 3, gap=5.0))
+    assert eng.pinned("s") and eng.pinned("t")
+    eng.broken = True
+
+
+def test_a_batch_of_drops_is_done_whole_when_the_hook_raises_for_each() -> None:
+    eng = engine()
+
+    async def main() -> Instance:
+        inst = instance(eng)
+        await reserve_two(inst, eng)
+        inst.forget_sessions(["s", "t"])
+        await asyncio.sleep(0.5)
+        await inst.stop()
+        return inst
+
+    inst = run_virtual(main())
+    for session in ("s", "t"):  # before, the first error left t pinned and remembered
+        assert not eng.pinned(session) and ("forget", session) in eng.log
+        assert inst.loop.sessions.model_of(session) is None
+    assert inst.counters["sessions_dropped"] == 2
+    assert inst.counters["engine_faults"] == 1 and inst.healthy
+
+
+def test_a_batch_of_releases_is_done_whole_when_the_hook_raises_for_each() -> None:
+    eng = engine()
+
+    async def main() -> Instance:
+        inst = instance(eng)
+        await reserve_two(inst, eng)
+        inst.release_reservations(["s", "t"])
+        await asyncio.sleep(0.5)
+        assert not inst.loop.sessions.reservations.all()
+        await inst.stop()
+        return inst
+
+    inst = run_virtual(main())
+    assert not eng.pinned("s") and not eng.pinned("t")
+    assert inst.counters["reservations_released"] == 2
+    assert inst.counters["engine_faults"] == 1 and inst.healthy
