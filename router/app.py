@@ -55,7 +55,7 @@ from router.instances.placement import POLICIES, PlacementContext
 from router.limits import LIMITS_KEY, InflightGate, RouterLimits, body_items_bound
 from router.metrics import RouterMetrics
 from router.sessions.identity import SessionHeaders, resolve_session
-from router.sessions.inference import SessionInference
+from router.sessions.inference import SessionInference, process_prefix
 from router.sessions.table import SessionTable
 from router.tokenization import ModelTokenizer, Prompt
 from talaria.protocol import CallRequest, InstanceClient, SamplingParams
@@ -178,7 +178,8 @@ def create_app(
         metrics=RouterMetrics(),
         context=PlacementContext(),
         block_size=config.block_size,
-        inference=(SessionInference(config.block_size, config.limits.max_sessions)
+        inference=(SessionInference(config.block_size, config.limits.max_sessions,
+                                    prefix=process_prefix())
                    if config.infer_sessions else None),
         deadlines=config.deadlines,
         hash_executor=hasher,

@@ -11,7 +11,9 @@ the few tokens after that block (the prompt's partial tail) are compared exactly
 Rules (why each call lands where it does):
 - the call joins a session whose latest prompt is a prefix of its prompt (equal counts: a
   retry); none: it starts a new session, ``inferred-<n>`` (an ``n`` whose name no client's
-  session holds: the counter starts at 0 again in every router process). A prompt whose
+  session holds: the counter starts at 0 again in every router process, whose names the
+  app makes ``inferred-<8 random hex>-<n>``, ``process_prefix``, so that an id kept from
+  before a restart names no new conversation). A prompt whose
   chat template ended it with think tags after the generation prompt (thinking switched
   off: an empty ``<think></think>``; opened: ``<think>``) stands only up to them, before any
   prefill: the next turn renders that answer without them
@@ -25,13 +27,14 @@ Rules (why each call lands where it does):
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.instances.placement import common_prefix_len
 
-__all__ = ["SessionInference"]
+__all__ = ["SessionInference", "process_prefix"]
 
 ANSWER_TOKENS_KEPT = 64  # of a session's latest answer: all the tie-break between sessions reads
 
@@ -47,6 +50,14 @@ class _Anchor:
     seen: int = 0  # when its latest prompt was assigned (a counter: later is larger)
     calls: int = 1  # prompts assigned to the session so far
     answer: tuple[int, ...] = ()  # the first tokens of its latest call's output
+
+
+def process_prefix() -> str:
+    """A router process's names for inferred sessions, ``inferred-<8 hex>-<n>``: the counter
+    starts at 0 in every process, so without the random part a client that kept an
+    X-Session-ID from before a restart would join a new anonymous conversation given its
+    name."""
+    return f"inferred-{secrets.token_hex(4)}-"
 
 
 class SessionInference:

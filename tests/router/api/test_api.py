@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import orjson
@@ -26,13 +27,33 @@ async def test_chat_non_streaming_with_usage(tokenizer: ModelTokenizer) -> None:
     assert data["choices"][0]["finish_reason"] == "stop"
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": "Hello world"}])
     assert a.calls[0].prompt_token_ids == prompt_ids
-    assert a.calls[0].session_id == "inferred-0" and a.calls[0].last_call  # inferred: tentative, see below
+    assert re.fullmatch(r"inferred-[0-9a-f]{8}-0", a.calls[0].session_id)
+    assert a.calls[0].last_call  # inferred: tentative, see below
     usage = data["usage"]
     assert usage["prompt_tokens"] == len(prompt_ids)
     assert usage["completion_tokens"] == len(reply(tokenizer))
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     # restored_tokens: the extension saying how many cached tokens came back from host KV
     assert usage["prompt_tokens_details"] == {"cached_tokens": 4, "restored_tokens": 3}
+
+
+async def test_an_id_kept_from_before_a_restart_names_no_new_anonymous_conversation(
+        tokenizer: ModelTokenizer) -> None:
+    """Each router process names its inferred sessions with a random part of its own: a
+    client that kept the id a router gave it before a restart (the counter starts again)
+    gets a session of its own, not the new anonymous conversation of the same number."""
+    async with serve(tokenizer, {"a": (before := FakeInstance("a", reply(tokenizer)))}) as client:
+        await client.post("/v1/chat/completions", json=chat_body(max_tokens=50))
+    kept = before.calls[0].session_id
+    async with serve(tokenizer, {"a": (a := FakeInstance("a", reply(tokenizer)))}) as client:
+        await client.post("/v1/chat/completions", json=chat_body(max_tokens=50))
+        anonymous = a.calls[0].session_id
+        resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=50),
+                                 headers={"X-Session-ID": kept})
+        assert resp.status == 200
+        record = client.server.app[CORE_KEY].sessions.get(anonymous)
+    assert anonymous != kept and a.calls[1].session_id == kept
+    assert record is not None and record.calls == 1  # not joined by the kept id's call
 
 
 async def test_chat_streaming_with_usage(tokenizer: ModelTokenizer) -> None:
