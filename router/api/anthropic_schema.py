@@ -3,8 +3,10 @@
 A ``/v1/messages`` body is translated into the OpenAI chat body the chat template takes
 (``system`` -> a system message, ``tool_use`` blocks -> assistant ``tool_calls``, each
 ``tool_result`` block -> a ``tool`` message, ``tools[].input_schema`` -> function
-``parameters``) and then validated by the same parser as ``/v1/chat/completions``, so both APIs
-accept and reject alike. What has no OpenAI counterpart stays here: consecutive turns of one
+``parameters``; a built-in client tool such as ``bash_20250124`` -> a function of its
+documented schema, a server tool such as ``web_search_20250305`` a 400:
+``router.api.anthropic_builtin_tools``) and then validated by the same parser as
+``/v1/chat/completions``, so both APIs accept and reject alike. What has no OpenAI counterpart stays here: consecutive turns of one
 role merge (as Anthropic's API does; each message's text on lines of its own); a final assistant turn is a prefill the answer continues;
 Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``document`` blocks, in
 a user turn or a tool result, become a line naming what was left out
@@ -36,6 +38,7 @@ from typing import Any
 import orjson
 
 from router.api import openai_schema
+from router.api.anthropic_builtin_tools import builtin_function
 from router.api.media_placeholders import Omissions, OwnLines, join_text
 from router.api.template_kwargs import thinking_switch
 from talaria.protocol.errors import bad_request
@@ -318,9 +321,11 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad_request(f"tools[{j}] must be an object with a name", "tools")
         schema = tool.get("input_schema")
+        if schema is None:  # a built-in client tool, by its type (router.api.anthropic_builtin_tools)
+            out.append(builtin_function(tool, f"tools[{j}]"))
+            continue
         if not isinstance(schema, dict):
-            raise bad_request(f"tools[{j}] ({tool['name']!r}): only custom tools with an input_schema "
-                              "are supported", "tools")
+            raise bad_request(f"tools[{j}] ({tool['name']!r}): input_schema must be an object", "tools")
         function: dict[str, Any] = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
