@@ -76,8 +76,8 @@ def _text_editor(name: str, undo: bool) -> BuiltinTool:
     commands = _EDIT_COMMANDS + (("undo_edit",) if undo else ())
     return BuiltinTool(
         name,
-        "View, create and edit text files: view shows a file with its lines numbered or lists a "
-        "directory, create writes a new file, str_replace replaces an exact string that occurs "
+        "View, create and edit text files: view shows a file or lists a directory, create "
+        "writes a new file, str_replace replaces an exact string that occurs "
         "once, insert adds text after a line" + (", undo_edit reverts the last edit of a file." if undo else "."),
         _schema({
             "command": _field("string", "The command to run.", enum=list(commands)),
