@@ -1,8 +1,9 @@
 """Turns a call's CallEvents into the text the client sees: detokenise, cut at stop strings,
 split a thinking model's reasoning from its answer (``router.api.reasoning``; after the stop
-strings, so one inside the reasoning ends the answer there, as vLLM's do), keep logprobs and
-usage. One assembler per call; the streaming and the collecting handler share it, so both
-answer the same text. A failure the instance reports becomes a generic
+strings, so one inside the reasoning ends the answer there, as vLLM's do), keep logprobs (of
+the tokens up to the one that completed a stop string: ``router.api.stop_cut``) and usage.
+One assembler per call; the streaming and the collecting handler share it, so both answer
+the same text. A failure the instance reports becomes a generic
 ``error`` naming the request id (the detail goes to the log), and :func:`next_event` waits
 for a call's next event while watching that its client is still there."""
 
@@ -19,6 +20,7 @@ from aiohttp import web
 from router.api import openai_schema as schema
 from router.api.answer_parser import AnswerParser
 from router.api.reasoning import ReasoningSplitter
+from router.api.stop_cut import feed_tokens
 from router.limits import LIMITS_KEY
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallUsage
@@ -59,6 +61,7 @@ class OutputAssembler:
         self._reasoning: list[str] = []
         self._detok = tok.detokenizer(prompt_ids, self._keep)
         self._stop = StopMatcher(stops)
+        self._has_stops = any(stops)
         self._want_logprobs = want_logprobs
         self._text: list[str] = []
         self._all = Piece()
@@ -80,19 +83,18 @@ class OutputAssembler:
         self.token_ids.extend(event.token_ids)
         if event.usage is not None:
             self.reported, self.reported_final = event.usage, event.finished
-        text = self._detok.push(event.token_ids)
-        if event.finished:
-            text += self._detok.flush()  # bytes that never completed a character
-        emit, stopped = self._stop.feed(text)
-        piece = self._split(emit, len(event.token_ids))
-        if self._want_logprobs and event.token_ids:
-            tokens = self._tok.token_bytes(event.token_ids)
+        cut = feed_tokens(self._detok, self._stop, event.token_ids, event.finished, self._has_stops)
+        stopped, kept = cut.stopped, event.token_ids[: cut.kept]  # none past a stop string
+        piece = self._split(cut.text, len(kept))
+        if self._want_logprobs and kept:
+            tokens = self._tok.token_bytes(kept)
             offsets = []
             for token in tokens:  # a token inside a character starts at that character
                 offsets.append(self._chars)
                 self._chars += len(self._utf8.decode(token))
             if event.logprobs:  # every event's tokens count towards the offsets
-                piece.tokens, piece.logprobs, piece.offsets = tokens, list(event.logprobs), offsets
+                piece.tokens, piece.offsets = tokens, offsets
+                piece.logprobs = event.logprobs[: cut.kept]
                 self._all.tokens += piece.tokens
                 self._all.logprobs += piece.logprobs
                 self._all.offsets += piece.offsets
