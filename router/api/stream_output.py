@@ -80,11 +80,11 @@ class OutputAssembler:
     def add(self, event: CallEvent) -> Piece:
         if self.done:
             return Piece()
-        self.token_ids.extend(event.token_ids)
         if event.usage is not None:
             self.reported, self.reported_final = event.usage, event.finished
         cut = feed_tokens(self._detok, self._stop, event.token_ids, event.finished, self._has_stops)
         stopped, kept = cut.stopped, event.token_ids[: cut.kept]  # none past a stop string
+        self.token_ids.extend(kept)
         piece = self._split(cut.text, len(kept))
         if self._want_logprobs and kept:
             tokens = self._tok.token_bytes(kept)
@@ -207,7 +207,8 @@ class OutputAssembler:
         reported = self.reported
         prompt = reported.prompt_tokens if reported else self.prompt_tokens
         # The instance's count is final only on its last event; an answer cut here (a stop
-        # string, a broken tool call) or failing mid-call counts the tokens received.
+        # string, a broken tool call) or failing mid-call counts the tokens received (up to
+        # the one that completed a stop string, as its logprobs do).
         final = self.reported_final and not self._stop.stopped
         completion = reported.completion_tokens if reported and final else len(self.token_ids)
         cached = reported.cached_tokens if reported else 0

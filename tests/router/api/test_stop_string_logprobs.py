@@ -74,6 +74,8 @@ def test_an_answer_cut_at_a_stop_string_keeps_the_logprobs_of_its_tokens_only(
     # the chunks streamed carry the same logprobs, none past the stop string
     assert streamed_chat == chat["content"]
     assert streamed_tokens == completion["tokens"] and streamed_offsets == completion["text_offset"]
+    # the tokens counted are those the logprobs cover
+    assert out.usage()["completion_tokens"] == kept
 
 
 class OneEventInstance(FakeInstance):
@@ -105,6 +107,7 @@ async def test_each_api_returns_the_logprobs_of_the_tokens_before_the_stop_strin
         assert choice["message"]["content"] == "Hello world, this "
         assert [c["token"] for c in choice["logprobs"]["content"]] == expected
         assert [c["logprob"] for c in choice["logprobs"]["content"]] == logprobs
+        assert (await resp.json())["usage"]["completion_tokens"] == 10
 
         resp = await client.post("/v1/chat/completions", json=chat_body(
             stop=["is a"], logprobs=True, stream=True))
