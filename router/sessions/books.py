@@ -56,7 +56,8 @@ class SessionBooks:
     ) -> None:
         """``on_end``: a session left the books. ``forget(instance_id, keys)``: branch keys
         (the session ids instances know) that instance holds and the router let go: every
-        branch of a session that ended, each where it last ran, and a branch dropped beyond
+        branch of a session that ended, on every instance a call of it ran on (an instance it
+        left holds its KV, released but cached, and its history), and a branch dropped beyond
         the table's bound."""
         self.table = table
         table.on_evict = self._dropped
@@ -130,11 +131,11 @@ class SessionBooks:
 
     def _dropped(self, record: SessionRecord) -> None:
         self._on_end(record)
-        held: dict[str, list[str]] = {}  # instance -> keys of the branches last there
+        held: dict[str, list[str]] = {}  # instance -> keys of the branches that ran there
         for branch in record.branches.values():
             self.chains.forget(branch.key)
-            if branch.instance_id is not None:
-                held.setdefault(branch.instance_id, []).append(branch.key)
+            for instance_id in sorted(branch.visited):
+                held.setdefault(instance_id, []).append(branch.key)
         if self._forget is not None:
             for instance_id, keys in held.items():
                 self._forget(instance_id, keys)
@@ -143,8 +144,9 @@ class SessionBooks:
 
     def _branch_dropped(self, branch: SessionBranch) -> None:
         self.chains.forget(branch.key)
-        if self._forget is not None and branch.instance_id is not None:
-            self._forget(branch.instance_id, [branch.key])
+        if self._forget is not None:
+            for instance_id in sorted(branch.visited):
+                self._forget(instance_id, [branch.key])
 
     def _head(self, prompt: Sequence[int], hashes: list[int],
               repeated: int | None) -> tuple[Sequence[int], list[int]]:

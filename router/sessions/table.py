@@ -60,6 +60,7 @@ class SessionBranch:
     prompt_blocks: int = 0  # full blocks of the prompt ``kv`` starts with
     short: tuple[int, ...] = ()  # that prompt's tokens when it is shorter than a block
     instance_id: str | None = None  # where its last call ran
+    visited: set[str] = field(default_factory=set)  # every instance a call of it ran on
     kv_tokens: int = 0  # prompt + output of its last call that ran
     calls: int = 0
     active_calls: int = 0
@@ -75,6 +76,7 @@ class SessionBranch:
                kv: ChainSample, kv_tokens: int) -> None:
         """A call of the branch ran on ``instance_id`` and left ``kv`` there (``kv_tokens``)."""
         self.instance_id, self.kv_tokens = instance_id, kv_tokens
+        self.visited.add(instance_id)
         self.set_chain(prompt, prompt_hashes, kv)
 
     def continued_by(self, prompt: Sequence[int], hashes: Sequence[int]) -> int | None:

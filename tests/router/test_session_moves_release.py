@@ -50,3 +50,21 @@ async def test_a_session_that_moves_is_released_where_it_ran_before() -> None:
     assert moved != first
     assert instances[first].released == ["s"] and instances[first].forgotten == []
     assert instances[moved].released == instances[moved].forgotten == []
+
+
+async def test_a_session_that_ends_is_forgotten_on_every_instance_it_ran_on() -> None:
+    """The instance it left holds its KV (released, still cached) and its history: its end
+    frees them there too, not only where its last call ran."""
+    a, b = Asked("a", [7, 8, 9]), Asked("b", [7, 8, 9])
+    instances = {"a": a, "b": b}
+    core = RouterCore(instances, "load", refresh_after_call=False)
+    prompt = list(range(100, 164))
+    first = await _run(core, _call(1, prompt))
+    core.mark_down(first, "test: its process stopped")
+    prompt += [7, 8, 9] + list(range(300, 316))
+    moved = await _run(core, _call(2, prompt))
+    prompt += [7, 8, 9] + list(range(400, 416))
+    last = CallRequest(call_id="c3", session_id="s", model="m", prompt_token_ids=prompt,
+                       params=SamplingParams(max_tokens=3), last_call=True)
+    assert await _run(core, last) == moved
+    assert instances[first].forgotten == ["s"] and instances[moved].forgotten == ["s"]
