@@ -108,7 +108,19 @@ class HttpInstanceClient:
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         url = f"{self.base_url}/internal/v1/calls"
-        self._let_go.withdraw(call.session_id)  # a session id in use again is current
+        withdrawn = self._let_go.withdraw(call.session_id)  # a session id in use again is current
+        started = False  # its first event came: it ran here
+        stream = self._stream(call, url)
+        try:
+            async for event in stream:
+                started = True
+                yield event
+        finally:
+            if not started:  # refused or unreachable: what it withdrew stands
+                self._let_go.restore(call.session_id, withdrawn)
+            await stream.aclose()  # its response now, not when it is collected
+
+    async def _stream(self, call: CallRequest, url: str) -> AsyncIterator[CallEvent]:
         # No total timeout: a long call streams for as long as it decodes. ``connect`` bounds
         # getting a connection (a pool wait included), ``sock_connect`` opening one.
         timeout = aiohttp.ClientTimeout(

@@ -34,14 +34,18 @@ class InProcessClient:
         self._let_go = PendingLetGo(MAX_PENDING_LET_GO)
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
-        self._let_go.withdraw(call.session_id)  # a session id in use again is current
+        withdrawn = self._let_go.withdraw(call.session_id)  # a session id in use again is current
         stream = self._target.stream(call)
+        started = False
         try:
             async for event in stream:
+                started = True
                 yield event
         except ValueError as exc:
             raise CallRejected(400, f"{self.instance_id}: {exc}") from exc
         finally:
+            if not started:  # it never ran here: what it withdrew stands
+                self._let_go.restore(call.session_id, withdrawn)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -4,7 +4,8 @@ Two kinds: sessions to forget (the router let them go: their reservation, KV pin
 chain and history go there) and sessions whose soft reservation alone is released (the
 session's calls went to another instance: the promise of a return is void there, but its KV
 stays cached for a bounce back). A forget covers a release. A session id a call uses again
-before the poll is current again and is withdrawn from both. Both ride along with a state
+before the poll is current again and is withdrawn from both, unless that call ends before
+its first event here (refused, unreachable): then the let-go stands again (``restore``). Both ride along with a state
 poll (``router.instances.http``, ``router.instances.inprocess``) and are dropped only once a
 poll carried them, so a failed poll loses nothing; an id withdrawn and let go again while a
 poll carried it stays (the poll carried the older let-go, which the instance may have
@@ -43,10 +44,20 @@ class PendingLetGo:
                 self.release.setdefault(session_id, self._next())
         self._trim(self.release)
 
-    def withdraw(self, session_id: str) -> None:
-        """A call uses ``session_id`` again: it is current, nothing of it is let go."""
-        self.forget.pop(session_id, None)
-        self.release.pop(session_id, None)
+    def withdraw(self, session_id: str) -> tuple[bool, bool]:
+        """A call uses ``session_id`` again: it is current, nothing of it is let go. Returns
+        whether a forget and a release were withdrawn, for ``restore``."""
+        return (self.forget.pop(session_id, None) is not None,
+                self.release.pop(session_id, None) is not None)
+
+    def restore(self, session_id: str, withdrawn: tuple[bool, bool]) -> None:
+        """The call that withdrew them never ran here (refused, or the instance unreachable
+        before its first event): the let-go ``withdraw`` took stands again, as a new one."""
+        forget, release = withdrawn
+        if forget:
+            self.add_forget([session_id])
+        elif release:
+            self.add_release([session_id])
 
     def batch(self, limit: int) -> tuple[list[str], list[str]]:
         """The oldest ``limit`` of each kind, for one poll (still held until ``sent``; a
