@@ -36,3 +36,21 @@ def test_each_kind_keeps_its_newest_up_to_the_bound() -> None:
     held.add_forget([f"f{i}" for i in range(5)])
     held.add_release([f"r{i}" for i in range(5)])
     assert held.batch(10) == (["f2", "f3", "f4"], ["r2", "r3", "r4"])
+
+
+def test_a_restored_let_go_outlives_the_poll_that_carried_it_before() -> None:
+    """A refused call withdrew it while a poll carried it, then restored it: the poll's
+    answer drops the carried (older) one, not the restored one, which goes out next."""
+    held = PendingLetGo(bound=10)
+    held.add_release(["s"])
+    held.add_forget(["t"])
+    assert held.batch(10) == (["t"], ["s"])
+    withdrawn = (held.withdraw("s"), held.withdraw("t"))
+    assert withdrawn == ((False, True), (True, False))
+    held.restore("s", withdrawn[0])
+    held.restore("t", withdrawn[1])
+    held.sent()
+    assert held.batch(10) == (["t"], ["s"])
+    assert held.withdraw("u") == (False, False)
+    held.restore("u", (False, False))  # nothing was withdrawn: nothing comes back
+    assert held.batch(10) == (["t"], ["s"])
