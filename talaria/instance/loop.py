@@ -30,11 +30,12 @@ from talaria.instance.intake import Intake
 from talaria.instance.kv_pressure import KVPressure
 from talaria.instance.rates import RateBook
 from talaria.instance.sessions import SessionKeeper
+from talaria.instance.slot_yield import slot_outranked
 from talaria.instance.staging import StagingRetries
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
 from talaria.policies.config import PolicyConfig
-from talaria.policies.model_choice import SlotYield, holds_slot, outranking_model
-from talaria.policies.priority import Service, best_key, first_model, next_model
+from talaria.policies.model_choice import SlotYield
+from talaria.policies.priority import Service, next_model
 from talaria.policies.round_scheduler import RoundScheduler, Slot, slot_closes
 from talaria.policies.session_prefill import hold_until
 from talaria.policies.staging import staging_target
@@ -211,6 +212,11 @@ class AdmissionLoop:
             # wait for a change, at most until its quantum ends when another model waits.
             await self.idle_wait(None if nxt == active else slot.ends)
             return
+        if nxt == active and self.policy.priority_switch:
+            # A model that outranks even a fresh slot of this one goes next: reopened, the slot
+            # would yield at once and the loop spin without awaiting (next_model weighs models
+            # by their calls waiting, the priority switch by their sessions)
+            nxt = self._outranked(Slot(nxt, self.now(), self.policy.slot_quantum_s)).model or nxt
         if nxt == active:
             if self.calls.suspended[nxt]:
                 await self._switch(nxt)  # its suspended calls resume
@@ -240,36 +246,8 @@ class AdmissionLoop:
                     slot.sp_given_up.add(res.session_id)
 
     def _outranked(self, slot: Slot) -> SlotYield:
-        """Whether a waiting session of another model outranks every session of the slot's
-        model: queued, in flight, or expected back before the switch would be over."""
-        policy = self.policy
-        now = self.now()
-        order, ratio = policy.admission_order, policy.starvation_ratio
-        floor = policy.starvation_min_wait_s
-        best_waiting = self.sessions.best_waiting_key
-        waiting_best = {}
-        for m in self.rounds.order:
-            key = None if m == slot.model else best_waiting(self.calls.waiting(m), now)
-            if key is not None:
-                waiting_best[m] = key
-        if not waiting_best:
-            return SlotYield(None, "nothing else waits")
-        own = [*self.calls.waiting(slot.model), *self.calls.running.values()]
-        keys = [best_waiting(own, now)]
-        waiting_calls = {m: len(self.calls.waiting(m)) for m in waiting_best}
-        switch_s = self.est.switch_s(first_model(order, waiting_best, waiting_calls))
-        reserved = self.sessions.reservations.for_model(slot.model)
-        returning = [r.session_id for r in reserved
-                     if holds_slot(r.expected_return, now, switch_s, policy.sp_idle_margin_s)]
-        keys.append(best_key(order, returning, lambda sid: self.sessions.service(sid, 0.0),
-                             ratio, min_wait_s=floor))
-        active_best = min((k for k in keys if k is not None), default=None)
-        served = {p.call.session_id for p in own} | {r.session_id for r in reserved}
-        return outranking_model(
-            active_best, waiting_best, slot_age_s=now - slot.opened, switch_in_s=slot.switch_s,
-            switch_to_s={m: self.est.switch_s(m) for m in waiting_best},
-            min_slot_factor=policy.min_slot_factor, order=order,
-            waiting_calls=waiting_calls, active_sessions=len(served))
+        return slot_outranked(slot, self.now(), self.rounds.order, self.policy, self.calls,
+                              self.sessions, self.est)
 
     # switching and staging --------------------------------------------------------------
 
