@@ -33,6 +33,7 @@ from talaria.instance.sessions import SessionKeeper
 from talaria.instance.slot_yield import slot_outranked
 from talaria.instance.staging import StagingRetries
 from talaria.instance.time_split import IDLE, SWITCH, TimeSplit, serving
+from talaria.instance.yield_guard import YieldGuard
 from talaria.policies.config import PolicyConfig
 from talaria.policies.model_choice import SlotYield
 from talaria.policies.priority import Service, next_model
@@ -96,6 +97,7 @@ class AdmissionLoop:
             FaultBudget(policy.max_engine_faults, policy.engine_fault_backoff_s),
         )
         self.split = TimeSplit(0.0, record=record_splits)
+        self.yield_guard = YieldGuard()
         self.intake = Intake(
             instance_id, view, policy, executor, calls, sessions, est, counters, self.faults,
             self.split, finish=self.finish, stats=lambda: self.stats,
@@ -115,6 +117,8 @@ class AdmissionLoop:
         try:
             while True:
                 self.wake.clear()
+                if self.yield_guard.must_yield():  # a spin: let the server answer
+                    await self._forced_yield()
                 try:
                     if not await self._turn():
                         break
@@ -131,6 +135,13 @@ class AdmissionLoop:
                 self.healthy = False  # the loop ended on its own (gave up, or a bug): no calls
             if self.executor.busy is None:
                 self.sessions.release_all()
+
+    async def _forced_yield(self) -> None:
+        self.counters["forced_yields"] = self.counters.get("forced_yields", 0) + 1
+        if self.counters["forced_yields"] == 1:
+            log.warning("admission_loop_spinning", instance=self.instance_id,
+                        turns=self.yield_guard.max_turns)
+        await asyncio.sleep(0)
 
     async def _turn(self) -> bool:
         """One decision; False once stopping with nothing left to serve."""
