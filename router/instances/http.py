@@ -116,8 +116,8 @@ class HttpInstanceClient:
                 started = True
                 yield event
         finally:
-            if not started:  # refused or unreachable: what it withdrew stands
-                self._let_go.restore(call.session_id, withdrawn)
+            # refused or unreachable, and no other call of it came here: what it withdrew stands
+            self._let_go.settle(call.session_id, withdrawn, ran=started)
             await stream.aclose()  # its response now, not when it is collected
 
     async def _stream(self, call: CallRequest, url: str) -> AsyncIterator[CallEvent]:

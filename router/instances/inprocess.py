@@ -35,17 +35,18 @@ class InProcessClient:
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         withdrawn = self._let_go.withdraw(call.session_id)  # a session id in use again is current
-        stream = self._target.stream(call)
+        stream = None
         started = False
         try:
+            stream = self._target.stream(call)
             async for event in stream:
                 started = True
                 yield event
         except ValueError as exc:
             raise CallRejected(400, f"{self.instance_id}: {exc}") from exc
         finally:
-            if not started:  # it never ran here: what it withdrew stands
-                self._let_go.restore(call.session_id, withdrawn)
+            # it never ran here, and no other call of it came here: what it withdrew stands
+            self._let_go.settle(call.session_id, withdrawn, ran=started)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()

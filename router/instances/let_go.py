@@ -5,8 +5,8 @@ chain and history go there) and sessions whose soft reservation alone is release
 session's calls went to another instance: the promise of a return is void there, but its KV
 stays cached for a bounce back). A forget covers a release. A session id a call uses again
 before the poll is current again and is withdrawn from both, unless that call ends before
-its first event here (refused, unreachable): then the let-go stands again (``restore``). Both ride along with a state
-poll (``router.instances.http``, ``router.instances.inprocess``) and are dropped only once a
+its first event here (refused, unreachable) and no other call of the session came here
+meanwhile: then the let-go stands again (``settle``). Both ride along with a state poll (``router.instances.http``, ``router.instances.inprocess``) and are dropped only once a
 poll carried them, so a failed poll loses nothing; an id withdrawn and let go again while a
 poll carried it stays (the poll carried the older let-go, which the instance may have
 applied before the call that came between).
@@ -15,8 +15,19 @@ applied before the call that came between).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-__all__ = ["PendingLetGo"]
+__all__ = ["PendingLetGo", "Withdrawal"]
+
+
+@dataclass(frozen=True)
+class Withdrawal:
+    """What a call's ``withdraw`` took (a forget, a release), and which use of its session
+    id here the call was (``PendingLetGo.settle`` tells whether another came since)."""
+
+    forget: bool
+    release: bool
+    use: int
 
 
 class PendingLetGo:
@@ -28,6 +39,8 @@ class PendingLetGo:
         self.release: dict[str, int] = {}
         self._stamp = 0
         self._carried: tuple[dict[str, int], dict[str, int]] = ({}, {})  # the last batch's
+        # session id -> [its calls open here, uses of it here since the first of them opened]
+        self.open_calls: dict[str, list[int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.forget or self.release)
@@ -44,19 +57,34 @@ class PendingLetGo:
                 self.release.setdefault(session_id, self._next())
         self._trim(self.release)
 
-    def withdraw(self, session_id: str) -> tuple[bool, bool]:
-        """A call uses ``session_id`` again: it is current, nothing of it is let go. Returns
-        whether a forget and a release were withdrawn, for ``restore``."""
-        return (self.forget.pop(session_id, None) is not None,
-                self.release.pop(session_id, None) is not None)
+    def withdraw(self, session_id: str) -> Withdrawal:
+        """A call uses ``session_id`` again: it is current, nothing of it is let go. The call
+        is open here until ``settle``; returns what it withdrew."""
+        uses = self.open_calls.setdefault(session_id, [0, 0])
+        uses[0] += 1
+        uses[1] += 1
+        return Withdrawal(self.forget.pop(session_id, None) is not None,
+                          self.release.pop(session_id, None) is not None, uses[1])
 
-    def restore(self, session_id: str, withdrawn: tuple[bool, bool]) -> None:
-        """The call that withdrew them never ran here (refused, or the instance unreachable
-        before its first event): the let-go ``withdraw`` took stands again, as a new one."""
-        forget, release = withdrawn
-        if forget:
+    def settle(self, session_id: str, withdrawn: Withdrawal, ran: bool) -> None:
+        """The call that withdrew ``withdrawn`` ended (``ran``: its first event came). One
+        that never ran here (refused, or the instance unreachable before its first event)
+        restores what it took, unless another call of the session came here meanwhile
+        (one of an agent's parallel calls, accepted: the session is current here after all;
+        it may even have ended, leaving a reservation the let-go would release)."""
+        uses = self.open_calls[session_id]
+        alone = uses[0] == 1 and uses[1] == withdrawn.use
+        uses[0] -= 1
+        if uses[0] == 0:
+            del self.open_calls[session_id]
+        if not ran and alone:
+            self.restore(session_id, withdrawn)
+
+    def restore(self, session_id: str, withdrawn: Withdrawal) -> None:
+        """The let-go ``withdraw`` took stands again, as a new one."""
+        if withdrawn.forget:
             self.add_forget([session_id])
-        elif release:
+        elif withdrawn.release:
             self.add_release([session_id])
 
     def batch(self, limit: int) -> tuple[list[str], list[str]]:

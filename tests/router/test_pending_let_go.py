@@ -46,11 +46,12 @@ def test_a_restored_let_go_outlives_the_poll_that_carried_it_before() -> None:
     held.add_forget(["t"])
     assert held.batch(10) == (["t"], ["s"])
     withdrawn = (held.withdraw("s"), held.withdraw("t"))
-    assert withdrawn == ((False, True), (True, False))
-    held.restore("s", withdrawn[0])
-    held.restore("t", withdrawn[1])
+    assert [(w.forget, w.release) for w in withdrawn] == [(False, True), (True, False)]
+    held.settle("s", withdrawn[0], ran=False)
+    held.settle("t", withdrawn[1], ran=False)
     held.sent()
     assert held.batch(10) == (["t"], ["s"])
-    assert held.withdraw("u") == (False, False)
-    held.restore("u", (False, False))  # nothing was withdrawn: nothing comes back
+    nothing = held.withdraw("u")
+    assert (nothing.forget, nothing.release) == (False, False)
+    held.settle("u", nothing, ran=False)  # nothing was withdrawn: nothing comes back
     assert held.batch(10) == (["t"], ["s"])
