@@ -50,4 +50,4 @@ def slot_outranked(
         active_best, waiting_best, slot_age_s=now - slot.opened, switch_in_s=slot.switch_s,
         switch_to_s={m: est.switch_s(m) for m in waiting_best},
         min_slot_factor=policy.min_slot_factor, order=order,
-        waiting_calls=waiting_sessions, active_sessions=len(served))
+        waiting_sessions=waiting_sessions, active_sessions=len(served))

@@ -57,7 +57,7 @@ def outranking_model(
     switch_to_s: Mapping[str, float],
     min_slot_factor: float,
     order: str = "remaining",
-    waiting_calls: Mapping[str, int] | None = None,
+    waiting_sessions: Mapping[str, int] | None = None,
     active_sessions: int = 1,
 ) -> SlotYield:
     """Whether the open slot of the active model yields now, and to which model.
@@ -66,17 +66,19 @@ def outranking_model(
     soon-returning sessions (None: it has none); ``waiting_best``: each other model's best
     waiting key (models with nothing waiting left out); ``switch_in_s``: what the switch
     into the active model cost; ``switch_to_s``: each other model's switch cost now;
-    ``order``: the queue order the keys are of; ``waiting_calls``: each other model's waiting
-    calls (the sessions its slot would serve; they also break ties, ``priority.first_model``);
-    ``active_sessions``: the sessions the active model's slot serves (queued, in flight or
-    expected back).
+    ``order``: the queue order the keys are of; ``waiting_sessions``: each other model's
+    distinct sessions waiting (the sessions its slot would serve; they also break ties,
+    ``priority.first_model``), counted as ``active_sessions`` is: the sessions the active
+    model's slot serves (queued, in flight or expected back). Both sides count sessions, not
+    calls, or one session's parallel calls on two models outrank each other
+    (``talaria.instance.slot_yield``).
     """
     if not waiting_best:
         return SlotYield(None, "nothing else waits")
-    waiting_calls = waiting_calls or {}
-    model = first_model(order, waiting_best, waiting_calls)
+    waiting_sessions = waiting_sessions or {}
+    model = first_model(order, waiting_best, waiting_sessions)
     if active_best is not None and not (
-            model_key(order, waiting_best[model], waiting_calls.get(model, 0))
+            model_key(order, waiting_best[model], waiting_sessions.get(model, 0))
             < model_key(order, active_best, active_sessions)):
         return SlotYield(None, "the active model's sessions come first")
     min_slot = min_slot_factor * (switch_in_s + switch_to_s.get(model, 0.0))

@@ -164,8 +164,9 @@ def next_model(
 def first_model(order: str, best: Mapping[str, tuple[float, ...]],
                 waiting_calls: Mapping[str, int]) -> str:
     """The model that ranks first by ``model_key`` (its best key under ``order`` and its
-    calls waiting, ``waiting_calls``; missing: none); among equal ranks the one with the most
-    calls waiting, then the best key itself (under ``remaining``: the earliest session), then
+    calls waiting, ``waiting_calls``, or its sessions waiting where the caller counts those,
+    as the priority switch does; missing: none); among equal ranks the one with the most
+    waiting, then the best key itself (under ``remaining``: the earliest session), then
     the first in ``best``'s order."""
     if not best:
         raise ValueError("first_model needs at least one model")

@@ -188,10 +188,10 @@ def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch
     # the active model has nothing left: any waiting session outranks it
     assert outranking_model(None, {"b": third}, slot_age_s=15.0, **kw).model == "b"
     assert outranking_model(None, {}, slot_age_s=100.0, **kw).model is None
-    # two models' best sessions tie: the one with more calls waiting is the target
+    # two models' best sessions tie: the one with more sessions waiting is the target
     tied = {"b": first, "c": first}
     assert outranking_model(third, tied, slot_age_s=30.0, **kw).model == "b"
-    assert outranking_model(third, tied, slot_age_s=30.0, waiting_calls={"b": 1, "c": 3},
+    assert outranking_model(third, tied, slot_age_s=30.0, waiting_sessions={"b": 1, "c": 3},
                             **kw).model == "c"
     # ranks count over the sessions each slot serves: b's one better session does not
     # outrank an active model serving four (5 < 10, but 5 > 10 / 4) ...
@@ -199,7 +199,7 @@ def test_a_slot_yields_only_to_an_outranking_session_once_it_paid_for_its_switch
                             **kw).model is None
     # ... and three waiting sessions of b outrank the active model's lone better one
     assert outranking_model(first, {"b": second}, slot_age_s=100.0, active_sessions=1,
-                            waiting_calls={"b": 3}, **kw).model == "b"
+                            waiting_sessions={"b": 3}, **kw).model == "b"
 
 
 def test_a_returning_session_holds_the_slot_only_when_due_before_the_switch_is_over() -> None:
