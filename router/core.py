@@ -44,7 +44,7 @@ from router.instances.waits import (
     close_stream,
 )
 from router.metrics import RouterMetrics
-from router.outcomes import CallRejected, NoHealthyInstance, call_outcome
+from router.outcomes import SHUTDOWN_ERROR, CallRejected, NoHealthyInstance, call_outcome
 from router.sessions.books import SessionBooks, SessionCall
 from router.sessions.inference import SessionInference
 from router.sessions.output_lengths import OutputLengths
@@ -364,7 +364,8 @@ class RouterCore:
             self.call_failed(instance_id, failure)
         if isinstance(failure, DeadlineMissed):
             await self._abort_quietly(instance_id, call.call_id)
-        message = f"instance {instance_id} failed mid-call: {failure}"
+        message = (SHUTDOWN_ERROR if isinstance(failure, RouterShuttingDown)
+                   else f"instance {instance_id} failed mid-call: {failure}")
         return CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error=message)
 
     def _cut(self, instance_id: str, call_id: str, exc: InstanceMarkedDown) -> None:

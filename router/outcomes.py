@@ -7,7 +7,11 @@ import asyncio
 
 from talaria.protocol import Overloaded
 
-__all__ = ["CallRejected", "NoHealthyInstance", "call_outcome"]
+__all__ = ["SHUTDOWN_ERROR", "CallRejected", "NoHealthyInstance", "call_outcome"]
+
+# The error of a call the router cut as it shut down (the drain over): its API tells the
+# client the server is shutting down (a 503), not that the call failed on its instance.
+SHUTDOWN_ERROR = "the router is shutting down"
 
 
 class NoHealthyInstance(RuntimeError):

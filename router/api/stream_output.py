@@ -22,6 +22,7 @@ from router.api.answer_parser import AnswerParser
 from router.api.reasoning import ReasoningSplitter
 from router.api.stop_cut import feed_tokens
 from router.limits import LIMITS_KEY
+from router.outcomes import SHUTDOWN_ERROR
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallUsage
 from talaria.protocol.errors import ApiError
@@ -74,6 +75,7 @@ class OutputAssembler:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_code = "instance_failed"
+        self.error_status = 502
         self.refusal: ApiError | None = None  # the call's refusal, after its stream committed
         self.done = False
 
@@ -114,14 +116,22 @@ class OutputAssembler:
 
     def raise_if_failed(self) -> None:
         """A failed call is a 502 (``instance_failed``) naming only the request id, however
-        far it got: before its first token (streamed or not) or in a collected answer."""
+        far it got: before its first token (streamed or not) or in a collected answer; one
+        the router cut as it shut down a 503 (``server_shutting_down``)."""
         if self.error is not None:
-            raise ApiError(502, self.error, code="instance_failed")
+            shutdown = self.error_status == 503
+            raise ApiError(self.error_status, self.error,
+                           code="server_shutting_down" if shutdown else "instance_failed")
 
     def fail(self, detail: str) -> None:
-        """The call failed: log ``detail``; the client is told only that, and the id."""
-        log.warning("router.call_failed", request_id=self.request_id, error=detail)
-        self.error = f"the call failed on its instance; request id {self.request_id}"
+        """The call failed: log ``detail``; the client is told only that, and the id (or, cut
+        by the router's shut-down, that the server is shutting down: a 503, to retry)."""
+        if detail == SHUTDOWN_ERROR:
+            self.error = f"the server is shutting down; request id {self.request_id}"
+            self.error_code, self.error_status = "server_shutting_down", 503
+        else:
+            log.warning("router.call_failed", request_id=self.request_id, error=detail)
+            self.error = f"the call failed on its instance; request id {self.request_id}"
         self.done = True
 
     def refuse(self, error: ApiError) -> None:
@@ -141,9 +151,10 @@ class OutputAssembler:
         self.done = True
 
     def stream_error(self) -> ApiError:
-        """The failure as a stream tells it: the refusal, else a 502 with ``error_code``."""
+        """The failure as a stream tells it: the refusal, else ``error_status`` (502, or 503 at
+        the shut-down) with ``error_code``."""
         assert self.error is not None, "the call has not failed"
-        return self.refusal or ApiError(502, self.error, code=self.error_code)
+        return self.refusal or ApiError(self.error_status, self.error, code=self.error_code)
 
     def check_calls(self, answer: AnswerParser | None, ended: bool = False) -> None:
         """Fail a stream whose announced tool call broke (``AnswerParser.failure``; ``ended``:

@@ -76,8 +76,22 @@ def test_a_stream_past_the_drain_gets_its_error_event_and_done(tokenizer: ModelT
     assert b"<truncated>" not in data, data
     assert events[-1] == b"data: [DONE]", data
     assert b'"error"' in events[-2], data
+    assert b"server is shutting down" in events[-2] and b"server_shutting_down" in events[-2], data
     assert aborted == [inst.calls[0].call_id]
     assert 1.0 - VIRTUAL_CLOCK_RESOLUTION_S <= waited < 1.5  # the drain, then the cut
+
+
+def test_a_collected_call_cut_mid_answer_by_the_drain_is_told_the_server_shuts_down(
+    tokenizer: ModelTokenizer,
+) -> None:
+    """Its first tokens came, then the drain ended: a 503 saying the server is shutting down
+    (it read "the call failed on its instance", a 502, as if the instance had failed)."""
+    inst = FakeInstance("i0", list(range(10, 20)), hold=asyncio.Event())
+    status, data, _waited, aborted = run_virtual(_shut_down_mid_call(tokenizer, inst, stream=False))
+    assert status == 503, data
+    error = orjson.loads(data)["error"]
+    assert error["code"] == "server_shutting_down" and "server is shutting down" in error["message"]
+    assert aborted == [inst.calls[0].call_id]
 
 
 def test_a_call_not_answered_by_the_drain_gets_a_503(tokenizer: ModelTokenizer) -> None:
