@@ -59,6 +59,8 @@ def check_fields(data: dict[str, Any], kind: Literal["chat", "completion"]) -> N
             f"unsupported field(s): {', '.join(refused)} (this server does not implement them)",
             refused[0],
         )
+    if data.get("user") is not None and not isinstance(data["user"], str):
+        raise bad_request("user must be a string", "user")  # OpenAI's end-user id
     if kind == "chat":
         for name, expected in IGNORED_CHAT_FIELDS.items():
             value = data.get(name)
