@@ -6,7 +6,8 @@ session's calls went to another instance: the promise of a return is void there,
 stays cached for a bounce back). A forget covers a release. A session id a call uses again
 before the poll is current again and is withdrawn from both, unless that call ends before
 its first event here (refused, unreachable) and no other call of the session came here
-meanwhile: then the let-go stands again (``settle``). Both ride along with a state poll (``router.instances.http``, ``router.instances.inprocess``) and are dropped only once a
+meanwhile: then the let-go stands again (``settle``). Both ride along with a state poll
+(``router.instances.http``, ``router.instances.inprocess``) and are dropped only once a
 poll carried them, so a failed poll loses nothing; an id withdrawn and let go again while a
 poll carried it stays (the poll carried the older let-go, which the instance may have
 applied before the call that came between).

@@ -17,7 +17,7 @@ router no longer holds is dropped here too (``drop``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable
 from typing import TypeVar
 
 import structlog
@@ -222,7 +222,9 @@ class SessionKeeper:
             self.counters["reservations_expired"] += 1
             self.reservations.pop(res.session_id)
 
-        _each(expired, end)
+        errors = _each(expired, end)
+        if errors:
+            raise errors[0]
         return bool(expired)
 
     async def yield_reservation(self, res: Reservation) -> None:
@@ -340,8 +342,10 @@ class SessionKeeper:
                 self.forget(session_id)
                 self.counters["sessions_dropped"] += 1
 
-        errors = _each(sorted(release - session_ids - live_sessions), release_one, raise_first=False)
-        _each(sorted(session_ids - live_sessions), drop_one, earlier=errors)
+        errors = (_each(sorted(release - session_ids - live_sessions), release_one)
+                  + _each(sorted(session_ids - live_sessions), drop_one))
+        if errors:
+            raise errors[0]
         return dropped
 
     def _entry(self, session_id: str) -> SessionKV | None:
@@ -364,16 +368,13 @@ class SessionKeeper:
         )
 
 
-def _each(items: Iterable[T], action: Callable[[T], None], *, raise_first: bool = True,
-             earlier: Sequence[Exception] = ()) -> list[Exception]:
-    """``action`` on every item, whichever raise: the errors, ``earlier``'s first, are
-    returned, or the first of them raised (``raise_first``) once every item is done."""
-    errors = list(earlier)
+def _each(items: Iterable[T], action: Callable[[T], None]) -> list[Exception]:
+    """``action`` on every item, whichever raise; the errors, in order (the caller raises the
+    first once its whole batch is done)."""
+    errors = []
     for item in items:
         try:
             action(item)
         except Exception as exc:
             errors.append(exc)
-    if errors and raise_first:
-        raise errors[0]
     return errors
