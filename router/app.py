@@ -59,6 +59,7 @@ from router.sessions.inference import SessionInference, process_prefix
 from router.sessions.table import SessionTable
 from router.tokenization import ModelTokenizer, Prompt
 from talaria.protocol import CallRequest, InstanceClient, SamplingParams
+from talaria.protocol.drain import drain_hurry
 from talaria.protocol.errors import (
     ApiError,
     bad_request,
@@ -209,7 +210,8 @@ def create_app(
             await client.close()
 
     async def drain(_app: web.Application) -> None:
-        await app[GATE_KEY].drain(config.drain_timeout_s, config.deadlines.state_s, core.shut_down)
+        await app[GATE_KEY].drain(config.drain_timeout_s, config.deadlines.state_s, core.shut_down,
+                                  drain_hurry(app))
 
     app.on_shutdown.append(drain)
     app.on_cleanup.append(close)

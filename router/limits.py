@@ -30,6 +30,7 @@ import structlog
 from aiohttp import web
 
 from router.sessions.table import BRANCH_SUFFIX_CHARS
+from talaria.protocol.drain import wait_unless_hurried
 from talaria.protocol.errors import bad_request, overloaded
 from talaria.protocol.fields import MAX_ID_CHARS, printable_id
 
@@ -143,20 +144,25 @@ class InflightGate:
             if task is not None:
                 self._tasks.discard(task)
 
-    async def drain(self, timeout_s: float, grace_s: float, cut: Callable[[], None] | None = None) -> None:
-        """Shut-down: let the calls inside finish for ``timeout_s``; then ``cut`` ends those
-        waiting on an instance as failed calls (their error event, or 503), given ``grace_s``
-        to answer; the rest are cancelled and given ``grace_s`` to leave (a cancelled call
-        aborts itself on its instance)."""
+    async def drain(
+        self, timeout_s: float, grace_s: float, cut: Callable[[], None] | None = None,
+        hurry: asyncio.Event | None = None,
+    ) -> None:
+        """Shut-down: let the calls inside finish for ``timeout_s``, or until ``hurry`` is
+        set (a second signal: ``talaria.protocol.drain``); then ``cut`` ends those waiting on
+        an instance as failed calls (their error event, or 503), given ``grace_s`` to answer;
+        the rest are cancelled and given ``grace_s`` to leave (a cancelled call aborts itself
+        on its instance)."""
         if not self._tasks:
             return
         log.info("router.draining", calls=len(self._tasks), timeout_s=timeout_s)
-        await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        await wait_unless_hurried(asyncio.wait(set(self._tasks)), timeout_s, hurry)
         left = set(self._tasks)
         if not left:
             return
         if cut is not None:
-            log.warning("router.drain_timeout", cutting=len(left))
+            hurried = hurry is not None and hurry.is_set()
+            log.warning("router.drain_cut" if hurried else "router.drain_timeout", cutting=len(left))
             cut()
             await asyncio.wait(left, timeout=grace_s)
             left = set(self._tasks)

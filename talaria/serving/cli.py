@@ -66,7 +66,7 @@ def _instance(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, process="instance", instance=args.id)
     config = load_serve_config(args.config, instance_id=args.id)
     ready = Path(args.ready_file) if args.ready_file else None
-    return run_instance(config, args.id, ready, args.reuse_port)
+    return run_instance(config, args.id, ready, args.reuse_port, announce=args.parent_pid is None)
 
 
 def _router(args: argparse.Namespace, router_factory: RouterFactory) -> int:

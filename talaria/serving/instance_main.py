@@ -32,6 +32,7 @@ from talaria.clock import new_live_loop
 from talaria.protocol.http import JsonErrorRunner
 from talaria.serving.addresses import http_url
 from talaria.serving.config import ConfigError, InstanceEntry, ServeConfig
+from talaria.serving.signals import ShutdownSignals
 
 if TYPE_CHECKING:
     from talaria.instance.instance import Instance
@@ -83,10 +84,13 @@ def build_engine(config: ServeConfig, entry: InstanceEntry) -> Any:
 
 
 def run_instance(
-    config: ServeConfig, instance_id: str, ready_file: Path | None = None, reuse_port: bool = False
+    config: ServeConfig, instance_id: str, ready_file: Path | None = None, reuse_port: bool = False,
+    announce: bool = True,
 ) -> int:
-    """Serve one instance until SIGINT/SIGTERM; returns the exit status. ``reuse_port``: bind
-    with SO_REUSEPORT, beside the socket by which `talaria serve` holds the port for it."""
+    """Serve one instance until SIGINT/SIGTERM (a second one cuts its drain short); returns
+    the exit status. ``reuse_port``: bind with SO_REUSEPORT, beside the socket by which
+    `talaria serve` holds the port for it. ``announce``: say on stderr what each signal does
+    (off under `talaria serve`, which says it for the whole server)."""
     from talaria.instance.instance import Instance
     from talaria.serving.instance_server import (
         InstanceServerSettings,
@@ -115,7 +119,7 @@ def run_instance(
         )
         app = create_instance_app(instance, settings)
         with asyncio.Runner(loop_factory=new_live_loop) as runner:
-            failed = runner.run(_serve(app, entry, ready_file, instance, reuse_port))
+            failed = runner.run(_serve(app, entry, ready_file, instance, reuse_port, announce))
         if instance.hung.is_set() and instance.executor.busy is not None:
             # wedged while stopping (``Instance.stop``): the engine thread cannot be joined,
             # nor the engine shut down under it; leave without either
@@ -131,13 +135,13 @@ def run_instance(
 
 async def _serve(
     app: web.Application, entry: InstanceEntry, ready_file: Path | None, instance: Instance,
-    reuse_port: bool = False,
+    reuse_port: bool = False, announce: bool = True,
 ) -> bool:
     """Serve until a signal (returns False) or until the admission loop gives up (True)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = ShutdownSignals(f"talaria instance {entry.id}", entry.drain_timeout_s,
+                              announce=announce).install()
+    signals.attach(app)
+    stop = signals.stop
     # Draining is ours (on_shutdown, bounded by drain_timeout_s); aiohttp only waits a little
     # for handlers that are still writing their last event.
     runner = JsonErrorRunner(app, shutdown_timeout=5.0, access_log=None)

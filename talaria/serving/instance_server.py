@@ -46,6 +46,7 @@ from engine.interface import ModelLimits, MultiModelEngineProtocol
 from talaria.instance.calls import CallHandle
 from talaria.instance.instance import Instance
 from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
+from talaria.protocol.drain import drain_hurry, wait_unless_hurried
 from talaria.protocol.errors import ApiError, error_middleware, overloaded
 from talaria.protocol.fields import json_depth
 from talaria.protocol.http import client_gone, key_middleware, key_problem, next_or_gone, read_body
@@ -166,15 +167,14 @@ async def _admission_loop(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _drain(app: web.Application) -> None:
-    """Stop taking calls; let in-flight ones finish for ``drain_timeout_s``, abort the rest."""
+    """Stop taking calls; let in-flight ones finish for ``drain_timeout_s`` (or until a second
+    signal hurries the drain: ``talaria.protocol.drain``), abort the rest."""
     calls = app[INFLIGHT_KEY]
     calls.accepting = False
     timeout = app[SETTINGS_KEY].drain_timeout_s
     if calls.handles:
         log.info("instance.draining", calls=len(calls.handles), timeout_s=timeout)
-        try:
-            await asyncio.wait_for(calls.empty.wait(), timeout)
-        except TimeoutError:
+        if not await wait_unless_hurried(calls.empty.wait(), timeout, drain_hurry(app)):
             log.warning("instance.drain_timeout", aborting=len(calls.handles))
     await _abort_all(app)
 

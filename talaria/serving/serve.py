@@ -18,8 +18,12 @@ one ``INSTANCE <id> <pid> <url>`` line per instance.
 Shut-down (SIGINT / SIGTERM): the router stops taking connections and gives the calls in
 flight the instances' longest ``drain_timeout_s`` (the router app's own drain), every
 instance gets SIGTERM (it drains with its own timeout), stragglers get SIGKILL after
-``kill_after_s``; the temp dir is removed. Children also die with this process
-(PR_SET_PDEATHSIG), so even a killed ``serve`` leaves nothing behind. An instance that dies
+``kill_after_s``; the temp dir is removed. A second signal cuts the drains short: the calls
+still in flight end at once, told the server is shutting down, and each instance gets
+SIGTERM twice, which cuts its own (``talaria.serving.signals``). Each child runs in a
+session of its own, so a terminal's Ctrl-C reaches this process alone and the instances
+keep serving the router's drain. Children also die with this process (PR_SET_PDEATHSIG),
+so even a killed ``serve`` leaves nothing behind. An instance that dies
 while serving is restarted with backoff (``talaria.serving.supervisor``); meanwhile the
 router marks it down and places its sessions elsewhere, and re-adds it once it answers again.
 
@@ -58,6 +62,7 @@ from talaria.serving.addresses import http_url, socket_family
 from talaria.serving.config import ServeConfig
 from talaria.serving.instance_main import INSTANCE_KEY_ENV
 from talaria.serving.preflight import check_engine_names, check_host_kv, check_tensor_parallel
+from talaria.serving.signals import ShutdownSignals
 from talaria.serving.supervisor import Supervisor
 
 log = structlog.get_logger("talaria.serving.serve")
@@ -123,6 +128,7 @@ def serve(
     _write_private(config_file, _without_keys(config).to_json())
     key = config.router.instance_key
     kill_after = kill_after_s if kill_after_s is not None else config.longest_drain_s() + 10.0
+    signals = ShutdownSignals("talaria serve", config.longest_drain_s())
     children: list[InstanceProcess] = []
     try:
         for entry in config.instances:
@@ -132,9 +138,9 @@ def serve(
             return runner.run(_run(
                 config, children, router_factory, start_timeout_s,
                 lambda iid: _restart(iid, config, config_file, workdir, key, iid in reserved,
-                                     log_level)))
+                                     log_level), signals))
     finally:
-        _stop_children(children, kill_after)
+        _stop_children(children, kill_after, hurry=signals.hurry.is_set())
         for sock in reserved.values():
             sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -146,10 +152,12 @@ def run_router(config: ServeConfig, router_factory: RouterFactory) -> int:
     config.convert_gguf_models()
 
     async def main() -> int:
-        stop = _stop_event()
-        runner = await _start_router(config, router_factory(config, urls))
+        signals = ShutdownSignals("talaria router", config.longest_drain_s()).install()
+        app = router_factory(config, urls)
+        signals.attach(app)
+        runner = await _start_router(config, app)
         try:
-            await stop.wait()
+            await signals.stop.wait()
         finally:
             await runner.cleanup()
         return 0
@@ -197,7 +205,8 @@ def _spawn(
     ready.unlink(missing_ok=True)  # a restart: the dead process's file
     env = {**os.environ, INSTANCE_KEY_ENV: key or ""}
     proc = subprocess.Popen(instance_command(instance_id, config_file, ready, reuse_port, log_level),
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=True)
     log.info("serve.instance_started", instance=instance_id, pid=proc.pid)
     return InstanceProcess(instance_id, proc, ready)
 
@@ -250,22 +259,15 @@ def _reserve_ports(config: ServeConfig) -> dict[str, socket.socket]:
     return reserved
 
 
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
 async def _run(
     config: ServeConfig,
     children: list[InstanceProcess],
     router_factory: RouterFactory,
     start_timeout_s: float,
     restart: Callable[[str], InstanceProcess],
+    signals: ShutdownSignals,
 ) -> int:
-    stop = _stop_event()
+    stop = signals.install().stop
     urls = {e.id: http_url(e.host, e.port) for e in config.instances}
     # Build the router (tokenizers load) while the instances start.
     app_future = asyncio.get_running_loop().run_in_executor(None, router_factory, config, urls)
@@ -278,6 +280,7 @@ async def _run(
             await app_future
         return 1 if not stop.is_set() else 130
     app = await app_future
+    signals.attach(app)
     runner = await _start_router(config, app)
     try:
         for child in children:
@@ -363,11 +366,14 @@ async def _start_router(config: ServeConfig, app: web.Application) -> web.AppRun
     return runner
 
 
-def _stop_children(children: list[InstanceProcess], kill_after_s: float) -> None:
-    for child in children:
-        if child.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.send_signal(signal.SIGTERM)
+def _stop_children(children: list[InstanceProcess], kill_after_s: float, hurry: bool = False) -> None:
+    """SIGTERM each child, twice when ``hurry`` (the instance then cuts its drain short, as
+    serve's own second signal did its router's); SIGKILL those left after ``kill_after_s``."""
+    for _ in range(2 if hurry else 1):
+        for child in children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + kill_after_s
     for child in children:
         try:

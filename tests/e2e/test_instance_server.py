@@ -23,6 +23,7 @@ from router.instances.http import HttpInstanceClient
 from talaria.instance.instance import Instance
 from talaria.policies.config import PolicyConfig
 from talaria.protocol import CallEvent, CallRequest, InstanceState, Overloaded, SamplingParams
+from talaria.protocol.drain import DRAIN_HURRY_KEY
 from talaria.serving.instance_server import (
     INFLIGHT_KEY,
     INSTANCE_KEY,
@@ -374,3 +375,26 @@ async def test_client_leaving_while_queued_drops_its_call(models: dict[str, Path
         await client.close()
         await wait_idle(app, server)
         await server.close()
+
+
+async def test_a_second_signal_cuts_the_drain_short(models: dict[str, Path]) -> None:
+    """The drain would wait ten minutes for the call; a second signal (the hurry event
+    `talaria instance` sets) ends it at once, aborted."""
+    instance = make_instance(models)
+    settings = InstanceServerSettings(limits=engine_limits(instance.engine), drain_timeout_s=600.0,
+                                      disconnect_poll_s=0.05)
+    app = create_instance_app(instance, settings)
+    hurry = asyncio.Event()
+    app[DRAIN_HURRY_KEY] = hurry
+    server = TestServer(app)
+    await server.start_server()
+    client = HttpInstanceClient("e2e", str(server.make_url("/")))
+    stream = client.submit(call("d", "s-d", LLAMA, list(range(3, 20)), max_tokens=1500))
+    await anext(stream)
+    rest_task = asyncio.ensure_future(_collect(stream))
+    asyncio.get_running_loop().call_later(0.3, hurry.set)
+    await server.close()
+    rest = await rest_task
+    await client.close()
+    assert rest[-1].finish_reason == "abort"
+    assert not app[INFLIGHT_KEY].handles
