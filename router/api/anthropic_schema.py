@@ -8,7 +8,11 @@ documented schema, a server tool such as ``web_search_20250305`` a 400:
 ``router.api.anthropic_builtin_tools``) and then validated by the same parser as
 ``/v1/chat/completions``, so both APIs accept and reject alike. What has no OpenAI counterpart stays here: consecutive turns of one
 role merge (as Anthropic's API does; each message's text on lines of its own); a final assistant turn is a prefill the answer continues;
-Claude Code's ``metadata.user_id`` may name the session. ``image`` and ``document`` blocks, in
+Claude Code's ``metadata.user_id`` may name the session. A ``system`` message in ``messages`` (Anthropic's
+mid-conversation system message: Claude Code sends its agent list as one after the user's turn) is a
+user turn of the prompt (``openai_schema.one_system``); as the first message it is a 400, as
+Anthropic's (the system prompt goes in the top-level ``system`` field), unless it has no content
+(Anthropic's directive form, taken anywhere), which adds nothing. ``image`` and ``document`` blocks, in
 a user turn or a tool result, become a line naming what was left out
 (``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
 resends every image its Read tool ever returned. ``thinking`` switches a reasoning model's
@@ -196,13 +200,18 @@ def _messages(messages: Any, system: Any, omitted: Omissions) -> tuple[list[dict
     turns: list[tuple[str, list[list[dict[str, Any]]]]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
-            raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system'", f"{where}.role")
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object with a role and content", where)
+        _check_role(message, i)
         blocks = _blocks(message.get("content"), f"{where}.content", omitted)
+        if message["role"] == "system" and not blocks:
+            continue  # the directive form (no content): no text for the prompt
         if turns and turns[-1][0] == message["role"]:
             turns[-1][1].append(blocks)
         else:
             turns.append((message["role"], [blocks]))
+    if not turns:
+        raise bad_request("messages must hold a user or assistant message", "messages")
     prefill = ""
     if turns[-1][0] == "assistant":
         role, merged = turns.pop()
@@ -217,6 +226,20 @@ def _messages(messages: Any, system: Any, omitted: Omissions) -> tuple[list[dict
     for role, merged in turns:
         out.extend(_assistant(merged) if role == "assistant" else _user(role, merged))
     return out, prefill
+
+
+def _check_role(message: dict[str, Any], i: int) -> None:
+    """``user`` or ``assistant``; or ``system``, Anthropic's mid-conversation system message
+    (Claude Code sends one after the user's turn), which may not come first (a 400 there, as
+    Anthropic's: the system prompt goes in the top-level field) unless it has no content,
+    the directive form Anthropic takes at any position."""
+    role, where = message.get("role"), f"messages[{i}]"
+    if role not in ("user", "assistant", "system"):
+        raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r} (the system prompt "
+                          "goes in the top-level system field)", f"{where}.role")
+    if role == "system" and i == 0 and message.get("content") != []:
+        raise bad_request(f"{where}.role: a message of role 'system' cannot be the first in messages; "
+                          "put the system prompt in the top-level system field", f"{where}.role")
 
 
 def _blocks(content: Any, where: str, omitted: Omissions) -> list[dict[str, Any]]:
