@@ -12,7 +12,8 @@ Claude Code's ``metadata.user_id`` may name the session. A ``system`` message in
 mid-conversation system message: Claude Code sends its agent list as one after the user's turn) is a
 user turn of the prompt (``openai_schema.one_system``); as the first message it is a 400, as
 Anthropic's (the system prompt goes in the top-level ``system`` field), unless it has no content
-(Anthropic's directive form, taken anywhere), which adds nothing. ``image`` and ``document`` blocks, in
+(Anthropic's directive form, taken anywhere), which adds nothing. A ``tool_use`` block outside an
+assistant message, or a ``tool_result`` block outside a user one, is a 400 naming it. ``image`` and ``document`` blocks, in
 a user turn or a tool result, become a line naming what was left out
 (``router.api.media_placeholders``; a plain-text document is its text), never a 400: Claude Code
 resends every image its Read tool ever returned. ``thinking`` switches a reasoning model's
@@ -54,6 +55,7 @@ _LEGACY_USER_ID = re.compile(r"user_[0-9a-fA-F]+_account_[^_]*_session_(.+)\Z", 
 
 _IGNORED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # no slot in an open model's template
 _MEDIA_BLOCKS = frozenset({"image", "document"})
+_BLOCK_ROLES = {"tool_use": "assistant", "tool_result": "user"}  # the one role whose message holds each
 
 
 @dataclass
@@ -203,7 +205,7 @@ def _messages(messages: Any, system: Any, omitted: Omissions) -> tuple[list[dict
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object with a role and content", where)
         _check_role(message, i)
-        blocks = _blocks(message.get("content"), f"{where}.content", omitted)
+        blocks = _blocks(message.get("content"), message["role"], f"{where}.content", omitted)
         if message["role"] == "system" and not blocks:
             continue  # the directive form (no content): no text for the prompt
         if turns and turns[-1][0] == message["role"]:
@@ -242,7 +244,10 @@ def _check_role(message: dict[str, Any], i: int) -> None:
                           "put the system prompt in the top-level system field", f"{where}.role")
 
 
-def _blocks(content: Any, where: str, omitted: Omissions) -> list[dict[str, Any]]:
+def _blocks(content: Any, role: str, where: str, omitted: Omissions) -> list[dict[str, Any]]:
+    """A message's content blocks, each checked; a tool_use block only in an assistant
+    message and a tool_result block only in a user one (elsewhere the prompt had no place
+    for them and they were dropped without a word)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
@@ -251,6 +256,9 @@ def _blocks(content: Any, where: str, omitted: Omissions) -> list[dict[str, Any]
     for j, block in enumerate(content):
         kind = _kind(block)
         at = f"{where}[{j}]"
+        if kind in _BLOCK_ROLES and role != _BLOCK_ROLES[kind]:
+            raise bad_request(f"{at}: a {kind} block belongs in a message of role {_BLOCK_ROLES[kind]!r}, "
+                              f"not {role!r}", at)
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{at}.text must be a string", at)

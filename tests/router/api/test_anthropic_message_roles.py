@@ -5,7 +5,8 @@ of role ``system`` in ``messages`` is Anthropic's mid-conversation system messag
 after a user turn, never as the first message (Anthropic answers that with a 400 telling the
 client to use the top-level field), and the form with no content (a directive) anywhere.
 Claude Code (2.1.154 on, checked with 2.1.197) sends one after the task's user turn on every
-call, so that form must keep working.
+call, so that form must keep working. A ``tool_use`` block is what an assistant wrote and a
+``tool_result`` answers it from the user's side: elsewhere they were dropped without a word.
 """
 
 from __future__ import annotations
@@ -93,3 +94,21 @@ async def test_an_unknown_role_is_a_400_naming_the_index_and_the_role(
     body = {"messages": [USER, {"role": "assistant", "content": "Sure."}, {"role": role, "content": "x"}]}
     message = _refused(*await _post(tiny_tokenizer, "/v1/messages", body))
     assert "messages[2].role" in message and repr(role) in message and "'user' or 'assistant'" in message
+
+
+@pytest.mark.parametrize(("messages", "where", "block", "role"), [
+    ([{"role": "user", "content": [{"type": "text", "text": "Run it."}, CALL]}], "messages[0].content[1]",
+     "tool_use", "user"),
+    ([USER, {"role": "assistant", "content": [RESULT]}, {"role": "user", "content": "And?"}],
+     "messages[1].content[0]", "tool_result", "assistant"),
+    ([USER, {"role": "system", "content": [RESULT]}], "messages[1].content[0]", "tool_result", "system"),
+    ([USER, {"role": "system", "content": [CALL]}], "messages[1].content[0]", "tool_use", "system"),
+])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+async def test_a_tool_block_in_the_wrong_role_is_a_400_naming_it(
+    tiny_tokenizer: ModelTokenizer, path: str, messages: list[dict[str, Any]], where: str, block: str, role: str,
+) -> None:
+    """A tool_use in a user turn or a tool_result in an assistant turn was dropped from the
+    prompt without a word (a tool_result in a system message became a tool message)."""
+    message = _refused(*await _post(tiny_tokenizer, path, {"messages": messages}))
+    assert where in message and block in message and repr(role) in message
