@@ -112,3 +112,11 @@ async def test_a_tool_block_in_the_wrong_role_is_a_400_naming_it(
     prompt without a word (a tool_result in a system message became a tool message)."""
     message = _refused(*await _post(tiny_tokenizer, path, {"messages": messages}))
     assert where in message and block in message and repr(role) in message
+
+
+async def test_a_tool_choice_naming_no_offered_tool_is_a_400_naming_it(tiny_tokenizer: ModelTokenizer) -> None:
+    """As chat's and the Responses API's (Talaria refused it already; this pins the words and
+    the shape). A tool call the model itself writes to an unknown name is passed on."""
+    body = {"messages": [USER], "tool_choice": {"type": "tool", "name": "nope"}}
+    message = _refused(*await _post(tiny_tokenizer, "/v1/messages", body))
+    assert "'nope'" in message and "not in tools" in message

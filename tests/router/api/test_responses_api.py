@@ -329,6 +329,8 @@ async def test_failure_after_the_stream_began(tokenizer: ModelTokenizer) -> None
     ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters", "an object"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "tool_choice must be"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope', which is not in tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "custom", "name": "nope"}}, "tool_choice", "'nope', which is not in tools"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format", "structured output"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"conversation": "conv_1"}, "conversation", "unsupported field(s): conversation"),
