@@ -27,12 +27,12 @@ instance's health (``router.instances.call_health``; deadlines: ``Deadlines``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Executor
-from typing import Any
 
 import structlog
 
+from router.instances.aborts import CallAborts
 from router.instances.call_health import CallHealth, HealthRules
 from router.instances.deadlines import DeadlineMissed, Deadlines, first_token_deadline
 from router.instances.placement import PlacementCall, PlacementContext, PlacementPolicy, make_policy
@@ -111,7 +111,7 @@ class RouterCore:
         # Answer their polls but cool down after failed calls: placed on only when no
         # instance is healthy (better a suspect instance than a 503).
         self.suspect: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.aborts = CallAborts(self.clients, self.deadlines.state_s)
         self._stopped: set[str] = set()  # calls whose consumer found a stop string
         self._polls = StatePolls(self._poll_state, refresh_interval_s)
 
@@ -190,11 +190,7 @@ class RouterCore:
 
     async def close(self) -> None:
         """Stop: the aborts under way get their deadline to reach their instances."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=self.deadlines.state_s)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.aborts.close()
         await self._polls.close()
 
     # ---- placement and forwarding -----------------------------------------------------------
@@ -326,13 +322,13 @@ class RouterCore:
                 self.call_failed(instance_id, failure)
                 errors.append(failure)
                 if isinstance(exc, DeadlineMissed):  # beside the retry, as a cut call's
-                    self._background(self._abort_quietly(instance_id, call.call_id))
+                    self.aborts.later(instance_id, call.call_id)
             except Overloaded as exc:
                 failures += 1
                 errors.append(exc)
             except BaseException:  # cancelled (its client left): the call goes everywhere
                 self._release(instance_id, pcall)
-                self._background(self._abort_quietly(instance_id, call.call_id))
+                self.aborts.later(instance_id, call.call_id)
                 await close_stream(stream)
                 raise
             else:
@@ -363,7 +359,7 @@ class RouterCore:
         else:
             self.call_failed(instance_id, failure)
         if isinstance(failure, DeadlineMissed):
-            await self._abort_quietly(instance_id, call.call_id)
+            await self.aborts.now(instance_id, call.call_id)
         message = (SHUTDOWN_ERROR if isinstance(failure, RouterShuttingDown)
                    else f"instance {instance_id} failed mid-call: {failure}")
         return CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error=message)
@@ -375,15 +371,7 @@ class RouterCore:
         self.metrics.call_failures.inc(instance=instance_id, kind="shutdown" if shutdown else "marked_down")
         (log.info if shutdown else log.warning)(
             "router.call_cut", instance=instance_id, call_id=call_id, error=str(exc))
-        self._background(self._abort_quietly(instance_id, call_id))
-
-    async def _abort_quietly(self, instance_id: str, call_id: str) -> None:
-        """Best effort: the instance also aborts a call whose connection closed."""
-        try:
-            async with asyncio.timeout(self.deadlines.state_s):
-                await self.clients[instance_id].abort(call_id)
-        except Exception as exc:
-            log.info("router.abort_failed", instance=instance_id, call_id=call_id, error=repr(exc))
+        self.aborts.later(instance_id, call_id)
 
     def _release(self, instance_id: str, pcall: PlacementCall, prefilling: bool = True) -> None:
         """The call no longer counts on the instance (its prefill only if not yet done)."""
@@ -414,7 +402,7 @@ class RouterCore:
                 self._release(instance_id, pcall, prefilling)
                 try:
                     if outcome == "aborted":
-                        await self._abort_quietly(instance_id, call.call_id)
+                        await self.aborts.now(instance_id, call.call_id)
                         if call.call_id in self._stopped:  # answered: counted as a finished call is
                             outcome = "ok"
                             self.call_health.success(instance_id)
@@ -430,12 +418,6 @@ class RouterCore:
                 self.context.prefix_index.insert(instance_id, call.model, more)
             if instance_id is not None and self.refresh_after_call:
                 self._polls.after_call(instance_id)
-
-    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run ``work`` beside the call (kept until done; cancelled by ``close``)."""
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _session_ended(self, record: SessionRecord) -> None:
         """A session left the router's books (its last call, idle past the TTL, evicted)."""

@@ -112,7 +112,7 @@ async def scenario(seed: int) -> tuple[RouterCore, list[Agent], list[FaultyInsta
     done.set()
     n_faults = await faults
     for _ in range(100):  # the last aborts and polls settle
-        if core._polls.idle and not core._tasks:
+        if core._polls.idle and core.aborts.idle:
             break
         await asyncio.sleep(0.5)
     await polling.aclose()
