@@ -2,7 +2,8 @@
 
 ``POST /internal/v1/calls`` (body: CallRequest JSON) streams NDJSON CallEvent lines;
 429 means overloaded (``retry_after_s`` in the body, ``Retry-After`` header); other 4xx
-mean the call is invalid; a refused connection or a stream whose connection breaks means
+mean the call is invalid; a 503 whose code is ``shutting_down`` that the instance is shutting
+down (``InstanceShuttingDown``); a refused connection or a stream whose connection breaks means
 the instance is unreachable; 5xx, timeouts and lines that are not a well-formed event mean
 it is unavailable.
 ``POST /internal/v1/calls/{id}/abort``, ``POST /internal/v1/state`` (the sessions changed
@@ -35,8 +36,10 @@ import structlog
 from router.core import CallRejected
 from router.instances.let_go import PendingLetGo
 from talaria.protocol import (
+    SHUTTING_DOWN,
     CallEvent,
     CallRequest,
+    InstanceShuttingDown,
     InstanceState,
     InstanceUnavailable,
     InstanceUnreachable,
@@ -182,6 +185,8 @@ class HttpInstanceClient:
             raise Overloaded(f"{self.instance_id}: {message}", _retry_after(body, response))
         if 400 <= response.status < 500:
             raise CallRejected(response.status, f"{self.instance_id}: {message}")
+        if response.status == 503 and isinstance(error, dict) and error.get("code") == SHUTTING_DOWN:
+            raise InstanceShuttingDown(f"{self.instance_id}: {message}")
         raise InstanceUnavailable(f"{self.instance_id}: HTTP {response.status}: {message}")
 
     async def abort(self, call_id: str) -> None:

@@ -12,10 +12,12 @@ May import: ``engine`` (its interface, sampling parameters, block hash and detok
 """
 
 from talaria.protocol.messages import (
+    SHUTTING_DOWN,
     CallEvent,
     CallRequest,
     CallUsage,
     InstanceClient,
+    InstanceShuttingDown,
     InstanceState,
     InstanceUnavailable,
     InstanceUnreachable,
@@ -32,6 +34,7 @@ __all__ = [
     "CallRequest",
     "CallUsage",
     "InstanceClient",
+    "InstanceShuttingDown",
     "InstanceState",
     "InstanceUnavailable",
     "InstanceUnreachable",
@@ -39,6 +42,7 @@ __all__ = [
     "Overloaded",
     "Residency",
     "SamplingParams",
+    "SHUTTING_DOWN",
     "SessionKV",
     "to_json",
 ]

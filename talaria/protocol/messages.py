@@ -36,9 +36,11 @@ __all__ = [
     "SessionKV",
     "InstanceState",
     "InstanceClient",
+    "InstanceShuttingDown",
     "InstanceUnavailable",
     "InstanceUnreachable",
     "Residency",
+    "SHUTTING_DOWN",
     "SamplingParams",
     "to_json",
 ]
@@ -50,6 +52,16 @@ class InstanceUnavailable(RuntimeError):
 
 class InstanceUnreachable(InstanceUnavailable):
     """Nothing answered at the instance's address (no process, refused connection)."""
+
+
+class InstanceShuttingDown(InstanceUnavailable):
+    """The instance is shutting down on its own: it refused the call (a 503 whose code is
+    ``SHUTTING_DOWN``) or aborted it before its first event. Not a failure of the instance."""
+
+
+# Why an instance ended a call it aborted (``CallEvent.abort_reason``), and the code of its
+# 503 to a new call: it is shutting down (its drain over), not failing.
+SHUTTING_DOWN = "shutting_down"
 
 
 class Overloaded(RuntimeError):
@@ -144,6 +156,9 @@ class CallEvent:
     error: str | None = None
     usage: CallUsage | None = None
     instance_id: str | None = None
+    # Why the instance aborted the call, on its last event: ``SHUTTING_DOWN`` (it shuts down
+    # past its drain). None: any other end (an instance that predates the field sends none).
+    abort_reason: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> CallEvent:
@@ -173,6 +188,7 @@ class CallEvent:
                 f: integer(usage.get(f, 0), f"usage.{f}", lo=0) for f in _USAGE_FIELDS
             }),
             instance_id=optional_text(data.get("instance_id"), "instance_id"),
+            abort_reason=optional_text(data.get("abort_reason"), "abort_reason"),
         )
 
 

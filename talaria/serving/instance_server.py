@@ -6,7 +6,8 @@ Routes:
   prompt too long / prompt and ``max_tokens`` beyond the model's KV capacity here (so a
   call that can never fit is the client's error, not a failure after it was accepted) /
   token id outside the vocabulary; 404 unknown model; 429 queue full
-  (``{"error": {...}, "retry_after_s": x}`` and a ``Retry-After`` header); 503 not accepting.
+  (``{"error": {...}, "retry_after_s": x}`` and a ``Retry-After`` header); 503 not accepting
+  (its code ``shutting_down`` once the server shuts down).
 - ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}``.
 - ``GET /internal/v1/state`` -> ``InstanceState`` JSON (every session); ``POST
   /internal/v1/state`` (a ``StateAsk``) -> the sessions changed since the version the poller
@@ -27,7 +28,9 @@ call is also checked at admission: one whose client has gone is dropped, never p
 
 Life cycle: the admission loop starts in ``cleanup_ctx``. At shutdown new calls get 503,
 in-flight calls are given ``drain_timeout_s`` to finish, the rest are aborted, then the loop
-stops.
+stops. The last event of a call aborted so carries ``abort_reason`` ``shutting_down`` (and an
+error saying so), so the router re-places it or tells its client the server is shutting
+down, rather than that it failed here.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from aiohttp import web
 from engine.interface import ModelLimits, MultiModelEngineProtocol
 from talaria.instance.calls import CallHandle
 from talaria.instance.instance import Instance
-from talaria.protocol import CallEvent, CallRequest, InstanceUnavailable, Overloaded, to_json
+from talaria.protocol import (
+    SHUTTING_DOWN,
+    CallEvent,
+    CallRequest,
+    InstanceUnavailable,
+    Overloaded,
+    to_json,
+)
 from talaria.protocol.drain import drain_hurry, wait_unless_hurried
 from talaria.protocol.errors import ApiError, error_middleware, overloaded
 from talaria.protocol.fields import json_depth
@@ -90,12 +100,13 @@ class InstanceServerSettings:
 
 
 class _Calls:
-    """The calls this server has in flight (handle by call id) and whether it still takes
-    new ones."""
+    """The calls this server has in flight (handle by call id), whether it still takes new
+    ones, and those of them it aborted because it shuts down (a subset of ``handles``)."""
 
     def __init__(self) -> None:
         self.handles: dict[str, CallHandle] = {}
         self.accepting = True
+        self.cut: set[str] = set()
         self.empty = asyncio.Event()
         self.empty.set()
 
@@ -106,6 +117,7 @@ class _Calls:
     def remove(self, handle: CallHandle) -> None:
         if self.handles.get(handle.call_id) is handle:
             del self.handles[handle.call_id]
+            self.cut.discard(handle.call_id)
         if not self.handles:
             self.empty.set()
 
@@ -180,7 +192,9 @@ async def _drain(app: web.Application) -> None:
 
 
 async def _abort_all(app: web.Application) -> None:
+    """Abort every call in flight, each marked as cut by the shut-down (``_shutdown_end``)."""
     calls = app[INFLIGHT_KEY]
+    calls.cut.update(calls.handles)
     for handle in list(calls.handles.values()):
         handle.abort()
     if calls.handles:
@@ -200,7 +214,7 @@ async def _submit(request: web.Request) -> web.StreamResponse:
     call = _parse_call(await read_body(request, settings.body_timeout_s))
     _check_call(call, instance, settings.limits)
     if not calls.accepting:
-        raise ApiError(503, f"instance {instance.instance_id!r} is shutting down")
+        raise ApiError(503, f"instance {instance.instance_id!r} is shutting down", code=SHUTTING_DOWN)
     try:
         handle = instance.submit(call)
     except Overloaded as exc:
@@ -220,6 +234,8 @@ async def _submit(request: web.Request) -> web.StreamResponse:
             if event is None:
                 log.info("instance.client_gone", call_id=call.call_id)
                 break
+            if event.finish_reason == "abort" and call.call_id in calls.cut:
+                event = _shutdown_end(event, instance.instance_id)
             await response.write(to_json(event) + b"\n")
             if event.finished:
                 finished = True
@@ -241,6 +257,13 @@ async def _next_event(
     if not handle.queue.empty():
         return await anext(handle)
     return await next_or_gone(handle, request, poll_s)
+
+
+def _shutdown_end(event: CallEvent, instance_id: str) -> CallEvent:
+    """The abort that ends a call cut by the shut-down, saying so: ``abort_reason`` for a
+    router that knows it; the error for one that predates it (a failed call, as before)."""
+    return replace(event, abort_reason=SHUTTING_DOWN,
+                   error=f"instance {instance_id!r} is shutting down: the call was aborted past its drain")
 
 
 async def _abort(request: web.Request) -> web.Response:
@@ -276,7 +299,7 @@ async def _health(request: web.Request) -> web.Response:
     if not instance.healthy:
         raise ApiError(503, f"instance {instance.instance_id!r} failed")
     if not request.app[INFLIGHT_KEY].accepting:
-        raise ApiError(503, f"instance {instance.instance_id!r} is shutting down")
+        raise ApiError(503, f"instance {instance.instance_id!r} is shutting down", code=SHUTTING_DOWN)
     return _json({"status": "ok", "instance_id": instance.instance_id})
 
 
