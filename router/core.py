@@ -380,13 +380,8 @@ class RouterCore:
         self.context.remove(instance_id, pcall.prompt_len + pcall.expected_output)
 
     def _count_usage(self, call: CallRequest, usage: CallUsage | None, n_outputs: int) -> None:
-        prompt = usage.prompt_tokens if usage else len(call.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(prompt, model=call.model)
-        completion = usage.completion_tokens if usage else n_outputs
-        self.metrics.completion_tokens.inc(completion, model=call.model)
+        completion = self.metrics.count_usage(call.model, usage, len(call.prompt_token_ids), n_outputs)
         self.outputs.observe(call.model, completion)
-        if usage:
-            self.metrics.cached_tokens.inc(usage.cached_tokens, model=call.model)
 
     async def _finish(
         self, call: CallRequest, books: SessionCall, instance_id: str | None,

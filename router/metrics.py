@@ -11,7 +11,7 @@ import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from talaria.protocol import InstanceState, Residency
+from talaria.protocol import CallUsage, InstanceState, Residency
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -97,6 +97,16 @@ class RouterMetrics:
         self.ttft = Histogram("talaria_router_ttft_seconds", "Time to first token seen by the router.", TTFT_BUCKETS)
         self.call_time = Histogram("talaria_router_call_seconds", "Call duration seen by the router.", SCT_BUCKETS)
         self.sct = Histogram("talaria_router_session_completion_seconds", "Session completion time (first call sent to last call done).", SCT_BUCKETS)
+
+    def count_usage(self, model: str, usage: CallUsage | None, prompt: int, outputs: int) -> int:
+        """A finished call's tokens: its instance's ``usage`` when it reported one, else its
+        ``prompt`` and the ``outputs`` received. Returns its completion tokens."""
+        self.prompt_tokens.inc(usage.prompt_tokens if usage else prompt, model=model)
+        completion = usage.completion_tokens if usage else outputs
+        self.completion_tokens.inc(completion, model=model)
+        if usage:
+            self.cached_tokens.inc(usage.cached_tokens, model=model)
+        return completion
 
     def render(self, states: Mapping[str, InstanceState], healthy: set[str], sessions: int,
                instances: Iterable[str] = (), calls_in_flight: tuple[int, int] | None = None) -> str:
