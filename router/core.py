@@ -21,7 +21,9 @@ within ``Deadlines.down_grace_s`` (``router.instances.waits``): one with no even
 re-placed (not its retry), one with events gets its error event. A call that missed a
 deadline is aborted on its instance, and so is one whose consumer stops early (``aclose``;
 after ``stopped_at_string`` it counts as answered). Every failure counts against the
-instance's health (``router.instances.call_health``; deadlines: ``Deadlines``).
+instance's health (``router.instances.call_health``; deadlines: ``Deadlines``), but for an
+instance that shuts down on its own (``router.instances.shutdowns``): a call it ends with no
+event yet is re-placed (not its retry), one with events gets the error its API tells as a 503.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from concurrent.futures import Executor
 
 import structlog
 
+from router.instances import shutdowns
 from router.instances.aborts import CallAborts
 from router.instances.call_health import CallHealth, HealthRules
 from router.instances.deadlines import DeadlineMissed, Deadlines, first_token_deadline
@@ -55,6 +58,7 @@ from talaria.protocol import (
     CallRequest,
     CallUsage,
     InstanceClient,
+    InstanceShuttingDown,
     InstanceState,
     InstanceUnavailable,
     InstanceUnreachable,
@@ -180,6 +184,13 @@ class RouterCore:
         if kind == "unreachable" or self.call_health.failure(instance_id, self.now()):
             self.mark_down(instance_id, f"call failed ({kind}): {exc}", answering=kind != "unreachable")
 
+    def instance_shutting_down(self, instance_id: str, call_id: str) -> None:
+        """The instance ended a call as it shuts down (``router.instances.shutdowns``): counted
+        apart, not against its health; it takes no call until a poll finds it answering."""
+        self.metrics.call_failures.inc(instance=instance_id, kind="instance_shutdown")
+        log.info("router.instance_shutting_down", instance=instance_id, call_id=call_id)
+        self.mark_down(instance_id, "it is shutting down", answering=True)
+
     def shut_down(self) -> None:
         """The router shuts down past its drain: every call still waiting on an instance ends
         now as a failed one (``router.instances.waits``), aborted there, and no call is placed."""
@@ -255,6 +266,9 @@ class RouterCore:
                     self.context.prefill_done(instance_id, pcall.prompt_len)
                 if event.finished:
                     finished = True
+                    if shutdowns.ends_call(event):
+                        self.instance_shutting_down(instance_id, call.call_id)
+                        event = shutdowns.told(event)
                     failed = event.error is not None or event.finish_reason == "error"
                     outcome = "error" if failed else "ok"
                     if not failed:
@@ -312,8 +326,13 @@ class RouterCore:
             try:
                 deadline = first_token_deadline(self.deadlines, self.states.get(instance_id), call.model)
                 first = await self.waits.next_event(instance_id, stream, deadline, "first token")
+                if shutdowns.ends_unanswered(first):
+                    raise InstanceShuttingDown(f"instance {instance_id} is shutting down")
             except InstanceMarkedDown as exc:
                 self._cut(instance_id, call.call_id, exc)
+                errors.append(exc)
+            except InstanceShuttingDown as exc:  # re-placed, as a cut call is
+                self.instance_shutting_down(instance_id, call.call_id)
                 errors.append(exc)
             except (InstanceUnavailable, StopAsyncIteration) as exc:
                 failures += 1
@@ -341,6 +360,8 @@ class RouterCore:
         overloaded = [e for e in errors if isinstance(e, Overloaded)]
         if overloaded:
             raise Overloaded(str(overloaded[-1]), min(e.retry_after_s for e in overloaded))
+        if (refusal := shutdowns.refusal(errors)) is not None:
+            raise refusal
         log.warning("router.call_unplaced", call_id=call.call_id, errors=[str(e) for e in errors])
         raise NoHealthyInstance(f"no instance could take the call ({len(errors)} tried)")
 

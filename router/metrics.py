@@ -92,7 +92,7 @@ class RouterMetrics:
         self.completion_tokens = Counter("talaria_router_completion_tokens_total", "Generated tokens.")
         self.retries = Counter("talaria_router_retries_total", "Calls retried on another instance before the first token.")
         self.placements = Counter("talaria_router_placements_total", "Calls placed, by instance and whether it was the session's previous instance.")
-        self.call_failures = Counter("talaria_router_call_failures_total", "Calls an instance failed, by instance and kind (unreachable, unavailable, deadline; marked_down: cut from an instance marked down; shutdown: cut by the router's shut-down past its drain).")
+        self.call_failures = Counter("talaria_router_call_failures_total", "Calls an instance failed, by instance and kind (unreachable, unavailable, deadline; marked_down: cut from an instance marked down; shutdown: cut by the router's shut-down past its drain; instance_shutdown: ended by its instance's own shut-down, and re-placed when it had no event yet, not a failure of the instance).")
         self.rejected = Counter("talaria_router_rejected_total", "Requests refused before placement as the client's error, by model and reason (kv_capacity, context_length: the call cannot fit; prompt_bytes: its text is too long to fit the context at any tokenization).")
         self.ttft = Histogram("talaria_router_ttft_seconds", "Time to first token seen by the router.", TTFT_BUCKETS)
         self.call_time = Histogram("talaria_router_call_seconds", "Call duration seen by the router.", SCT_BUCKETS)

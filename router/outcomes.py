@@ -7,15 +7,27 @@ import asyncio
 
 from talaria.protocol import Overloaded
 
-__all__ = ["SHUTDOWN_ERROR", "CallRejected", "NoHealthyInstance", "call_outcome"]
+__all__ = [
+    "INSTANCE_SHUTDOWN_ERROR", "SHUTDOWN_ERROR", "CallRejected", "InstancesShuttingDown",
+    "NoHealthyInstance", "call_outcome",
+]
 
 # The error of a call the router cut as it shut down (the drain over): its API tells the
 # client the server is shutting down (a 503), not that the call failed on its instance.
 SHUTDOWN_ERROR = "the router is shutting down"
+# ... and of one its instance aborted as that instance shut down, after the call's first
+# event (``router.instances.shutdowns``): told as a 503 the same way.
+INSTANCE_SHUTDOWN_ERROR = "its instance is shutting down"
 
 
 class NoHealthyInstance(RuntimeError):
     """No healthy instance can take the call (or the router is shutting down)."""
+
+
+class InstancesShuttingDown(NoHealthyInstance):
+    """An instance the call was sent to shut down before its first event, and no other
+    could take it: its client is told so, a 503 ``server_shutting_down``
+    (``router.api.stream_commit.call_error``)."""
 
 
 class CallRejected(RuntimeError):

@@ -38,6 +38,7 @@ from router.api.answer_parser import AnswerParser
 from router.api.openai_schema import CompletionBody
 from router.api.stream_output import OutputAssembler
 from router.core import CallRejected, NoHealthyInstance
+from router.outcomes import InstancesShuttingDown
 from talaria.protocol import CallEvent, CallRequest, Overloaded
 from talaria.protocol.errors import ApiError, no_healthy_instance, overloaded
 from talaria.protocol.http import next_or_gone
@@ -59,6 +60,8 @@ def check_stream_settings(commit_s: float | None, keepalive_s: float) -> None:
 def call_error(exc: Exception, call_id: str) -> ApiError:
     """The client's error for a call that could not be placed or started (what
     ``RouterCore.submit`` raises before its first event)."""
+    if isinstance(exc, InstancesShuttingDown):
+        return ApiError(503, f"{exc} (request id {call_id})", code="server_shutting_down")
     if isinstance(exc, NoHealthyInstance):
         return no_healthy_instance(f"{exc} (request id {call_id})")
     if isinstance(exc, Overloaded):

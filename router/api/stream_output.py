@@ -22,7 +22,7 @@ from router.api.answer_parser import AnswerParser
 from router.api.reasoning import ReasoningSplitter
 from router.api.stop_cut import feed_tokens
 from router.limits import LIMITS_KEY
-from router.outcomes import SHUTDOWN_ERROR
+from router.outcomes import INSTANCE_SHUTDOWN_ERROR, SHUTDOWN_ERROR
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallUsage
 from talaria.protocol.errors import ApiError
@@ -30,6 +30,11 @@ from talaria.protocol.http import next_or_gone
 from talaria.protocol.text import StopMatcher
 
 log = structlog.get_logger(__name__)
+
+
+# The errors of a call cut by a shut-down (``router.outcomes``), and who the client is told
+# shuts down.
+_SHUT_DOWN = {SHUTDOWN_ERROR: "the server", INSTANCE_SHUTDOWN_ERROR: "the instance serving the call"}
 
 
 @dataclass
@@ -117,7 +122,7 @@ class OutputAssembler:
     def raise_if_failed(self) -> None:
         """A failed call is a 502 (``instance_failed``) naming only the request id, however
         far it got: before its first token (streamed or not) or in a collected answer; one
-        the router cut as it shut down a 503 (``server_shutting_down``)."""
+        cut as the router or its instance shut down a 503 (``server_shutting_down``)."""
         if self.error is not None:
             shutdown = self.error_status == 503
             raise ApiError(self.error_status, self.error,
@@ -125,9 +130,9 @@ class OutputAssembler:
 
     def fail(self, detail: str) -> None:
         """The call failed: log ``detail``; the client is told only that, and the id (or, cut
-        by the router's shut-down, that the server is shutting down: a 503, to retry)."""
-        if detail == SHUTDOWN_ERROR:
-            self.error = f"the server is shutting down; request id {self.request_id}"
+        by the router's shut-down or its instance's, who is shutting down: a 503, to retry)."""
+        if detail in _SHUT_DOWN:
+            self.error = f"{_SHUT_DOWN[detail]} is shutting down; request id {self.request_id}"
             self.error_code, self.error_status = "server_shutting_down", 503
         else:
             log.warning("router.call_failed", request_id=self.request_id, error=detail)
