@@ -18,6 +18,7 @@ from talaria.cli import build_parser
 from talaria.serving import serve
 from talaria.serving.config import ServeConfig
 from talaria.serving.instance_main import _serve
+from talaria.serving.signals import ShutdownSignals
 
 
 def _config() -> ServeConfig:
@@ -109,7 +110,8 @@ async def test_a_router_that_cannot_be_built_ends_serve_at_once_not_after_the_in
     def broken_router(_config: ServeConfig, _urls: dict[str, str]) -> web.Application:
         raise ValueError("unknown tool-call formats {'m': 'hermse'}")
 
-    run = serve._run(config, children, broken_router, 60.0, lambda _id: children[0])
+    run = serve._run(config, children, broken_router, 60.0, lambda _id: children[0],
+                     ShutdownSignals("talaria serve", 0.0, announce=False))
     with pytest.raises(ValueError, match="hermse"):
         await asyncio.wait_for(run, 5.0)
 
