@@ -20,7 +20,8 @@ flight the instances' longest ``drain_timeout_s`` (the router app's own drain), 
 instance gets SIGTERM (it drains with its own timeout), stragglers get SIGKILL after
 ``kill_after_s``; the temp dir is removed. A second signal cuts the drains short: the calls
 still in flight end at once, told the server is shutting down, and each instance gets
-SIGTERM twice, which cuts its own (``talaria.serving.signals``). Each child runs in a
+SIGTERM and then SIGINT, its second signal, which cuts its own (``talaria.serving.signals``;
+two signals of one kind sent at once may merge into one). Each child runs in a
 session of its own, so a terminal's Ctrl-C reaches this process alone and the instances
 keep serving the router's drain. Children also die with this process (PR_SET_PDEATHSIG),
 so even a killed ``serve`` leaves nothing behind. An instance that dies
@@ -367,13 +368,15 @@ async def _start_router(config: ServeConfig, app: web.Application) -> web.AppRun
 
 
 def _stop_children(children: list[InstanceProcess], kill_after_s: float, hurry: bool = False) -> None:
-    """SIGTERM each child, twice when ``hurry`` (the instance then cuts its drain short, as
-    serve's own second signal did its router's); SIGKILL those left after ``kill_after_s``."""
-    for _ in range(2 if hurry else 1):
+    """SIGTERM each child, and SIGINT after it when ``hurry`` (a second signal: the instance
+    then cuts its drain short, as serve's own second signal did its router's; a second
+    SIGTERM sent at once could merge with the first, a standard signal pending being not
+    queued twice); SIGKILL those left after ``kill_after_s``."""
+    for sig in (signal.SIGTERM, signal.SIGINT) if hurry else (signal.SIGTERM,):
         for child in children:
             if child.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
+                    child.proc.send_signal(sig)
     deadline = time.monotonic() + kill_after_s
     for child in children:
         try:

@@ -1,0 +1,46 @@
+"""`talaria serve` hurrying its instances' drains (a second signal to serve): each instance
+must see two signals even when it is not scheduled between the two kills. Two SIGTERMs sent
+back to back merge into one pending signal (a standard signal is not queued), and the
+instance then drains for its whole ``drain_timeout_s``; here the child holds its signals
+blocked while they are sent, which makes that merge certain."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from talaria.serving.serve import InstanceProcess, _stop_children
+
+CHILD = textwrap.dedent("""
+    import asyncio, signal, sys, time
+    from talaria.serving.signals import ShutdownSignals
+
+    async def main() -> int:
+        signals = ShutdownSignals("child", 300.0, announce=False).install()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        print("ready", flush=True)
+        time.sleep(1.0)  # not scheduled: whatever is sent meanwhile stays pending
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            await asyncio.wait_for(signals.hurry.wait(), 5.0)
+        except TimeoutError:
+            return 3 if signals.stop.is_set() else 4
+        return 0
+
+    sys.exit(asyncio.run(main()))
+""")
+
+
+def test_a_hurried_stop_reaches_an_instance_not_scheduled_between_the_signals(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+                            start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        _stop_children([InstanceProcess("a", proc, tmp_path / "a.ready")], kill_after_s=20.0, hurry=True)
+        assert proc.returncode == 0, "the instance saw one signal: its drain was not hurried"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
