@@ -21,7 +21,8 @@ instance gets SIGTERM (it drains with its own timeout), stragglers get SIGKILL a
 ``kill_after_s``; the temp dir is removed. A second signal cuts the drains short: the calls
 still in flight end at once, told the server is shutting down, and each instance gets
 SIGTERM and then SIGINT, its second signal, which cuts its own (``talaria.serving.signals``;
-two signals of one kind sent at once may merge into one). Each child runs in a
+two signals of one kind sent at once may merge into one); a signal that comes while serve
+waits for its instances, its router gone, hurries them the same. Each child runs in a
 session of its own, so a terminal's Ctrl-C reaches this process alone and the instances
 keep serving the router's drain. Children also die with this process (PR_SET_PDEATHSIG),
 so even a killed ``serve`` leaves nothing behind. An instance that dies
@@ -47,8 +48,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -371,17 +373,47 @@ def _stop_children(children: list[InstanceProcess], kill_after_s: float, hurry: 
     """SIGTERM each child, and SIGINT after it when ``hurry`` (a second signal: the instance
     then cuts its drain short, as serve's own second signal did its router's; a second
     SIGTERM sent at once could merge with the first, a standard signal pending being not
-    queued twice); SIGKILL those left after ``kill_after_s``."""
-    for sig in (signal.SIGTERM, signal.SIGINT) if hurry else (signal.SIGTERM,):
+    queued twice); SIGKILL those left after ``kill_after_s``. A signal to serve meanwhile
+    (its event loop gone) hurries them too, rather than ending serve's clean-up half done."""
+    hurried = False
+
+    def hurry_children(*_args: object) -> None:
+        nonlocal hurried
+        if not hurried:
+            hurried = True
+            _signal_children(children, signal.SIGINT)
+
+    with _signals_calling(hurry_children):
+        _signal_children(children, signal.SIGTERM)
+        if hurry:
+            hurry_children()
+        deadline = time.monotonic() + kill_after_s
         for child in children:
-            if child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(sig)
-    deadline = time.monotonic() + kill_after_s
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("serve.instance_killed", instance=child.id, pid=child.pid)
+                child.proc.kill()
+                child.proc.wait()
+
+
+def _signal_children(children: list[InstanceProcess], sig: signal.Signals) -> None:
     for child in children:
-        try:
-            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("serve.instance_killed", instance=child.id, pid=child.pid)
-            child.proc.kill()
-            child.proc.wait()
+        if child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(sig)
+
+
+@contextlib.contextmanager
+def _signals_calling(handler: Callable[..., None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call ``handler`` within (in the main thread; elsewhere none can be
+    set, and nothing changes); then their handlers are what they were."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -6,6 +6,7 @@ blocked while they are sent, which makes that merge certain."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -44,3 +45,57 @@ def test_a_hurried_stop_reaches_an_instance_not_scheduled_between_the_signals(tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+WAITING = textwrap.dedent("""
+    import asyncio, sys
+    from talaria.serving.signals import ShutdownSignals
+
+    async def main() -> int:
+        signals = ShutdownSignals("child", 300.0, announce=False).install()
+        print("ready", flush=True)
+        await signals.stop.wait()
+        print("draining", flush=True)
+        try:
+            await asyncio.wait_for(signals.hurry.wait(), 5.0)
+        except TimeoutError:
+            return 3
+        return 0
+
+    sys.exit(asyncio.run(main()))
+""")
+
+SERVE = textwrap.dedent("""
+    import subprocess, sys
+    from pathlib import Path
+    from talaria.serving.serve import InstanceProcess, _stop_children
+
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
+    assert sys.stdin.readline().strip() == "go"
+    _stop_children([InstanceProcess("a", child, Path("a.ready"))], kill_after_s=20.0)
+    print("stopped", child.returncode, flush=True)
+""")
+
+
+def test_a_signal_while_serve_waits_for_its_instances_hurries_them() -> None:
+    """The router's drain is over and serve waits for its instances, its event loop gone: a
+    second Ctrl-C there raised KeyboardInterrupt out of serve's clean-up (the temp dir left
+    behind, the instances' drains not cut) where it must hurry them as one during the
+    router's drain does."""
+    serve = subprocess.Popen([sys.executable, "-c", SERVE, WAITING], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert serve.stdin is not None and serve.stdout is not None
+        assert serve.stdout.readline().strip() == b"ready"
+        serve.stdin.write(b"go\n")
+        serve.stdin.flush()
+        assert serve.stdout.readline().strip() == b"draining"
+        serve.send_signal(signal.SIGINT)
+        out, err = serve.communicate(timeout=30.0)
+        assert serve.returncode == 0, err.decode()
+        assert out.split() == [b"stopped", b"0"], "the instance's drain was not hurried"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
