@@ -22,7 +22,8 @@ instance gets SIGTERM (it drains with its own timeout), stragglers get SIGKILL a
 still in flight end at once, told the server is shutting down, and each instance gets
 SIGTERM and then SIGINT, its second signal, which cuts its own (``talaria.serving.signals``;
 two signals of one kind sent at once may merge into one); a signal that comes while serve
-waits for its instances, its router gone, hurries them the same. Each child runs in a
+waits for its instances, its router gone, hurries them the same, and one after that
+SIGKILLs them. Each child runs in a
 session of its own, so a terminal's Ctrl-C reaches this process alone and the instances
 keep serving the router's drain. Children also die with this process (PR_SET_PDEATHSIG),
 so even a killed ``serve`` leaves nothing behind. An instance that dies
@@ -374,14 +375,14 @@ def _stop_children(children: list[InstanceProcess], kill_after_s: float, hurry: 
     then cuts its drain short, as serve's own second signal did its router's; a second
     SIGTERM sent at once could merge with the first, a standard signal pending being not
     queued twice); SIGKILL those left after ``kill_after_s``. A signal to serve meanwhile
-    (its event loop gone) hurries them too, rather than ending serve's clean-up half done."""
+    (its event loop gone) hurries them too, and one after the hurry SIGKILLs them now,
+    rather than ending serve's clean-up half done."""
     hurried = False
 
     def hurry_children(*_args: object) -> None:
         nonlocal hurried
-        if not hurried:
-            hurried = True
-            _signal_children(children, signal.SIGINT)
+        _signal_children(children, signal.SIGKILL if hurried else signal.SIGINT)
+        hurried = True
 
     with _signals_calling(hurry_children):
         _signal_children(children, signal.SIGTERM)

@@ -60,6 +60,9 @@ WAITING = textwrap.dedent("""
             await asyncio.wait_for(signals.hurry.wait(), 5.0)
         except TimeoutError:
             return 3
+        if len(sys.argv) > 1:  # an instance whose hurried drain hangs
+            print("hurried", flush=True)
+            await asyncio.sleep(60.0)
         return 0
 
     sys.exit(asyncio.run(main()))
@@ -70,7 +73,7 @@ SERVE = textwrap.dedent("""
     from pathlib import Path
     from talaria.serving.serve import InstanceProcess, _stop_children
 
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
+    child = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], start_new_session=True)
     assert sys.stdin.readline().strip() == "go"
     _stop_children([InstanceProcess("a", child, Path("a.ready"))], kill_after_s=20.0)
     print("stopped", child.returncode, flush=True)
@@ -95,6 +98,30 @@ def test_a_signal_while_serve_waits_for_its_instances_hurries_them() -> None:
         out, err = serve.communicate(timeout=30.0)
         assert serve.returncode == 0, err.decode()
         assert out.split() == [b"stopped", b"0"], "the instance's drain was not hurried"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def test_a_signal_after_the_hurry_kills_the_instances_at_once() -> None:
+    """An instance whose hurried drain hangs: a further signal to serve SIGKILLs it now, as
+    an operator's Ctrl-C could end serve before (not after ``kill_after_s``)."""
+    serve = subprocess.Popen([sys.executable, "-c", SERVE, WAITING, "hang"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert serve.stdin is not None and serve.stdout is not None
+        assert serve.stdout.readline().strip() == b"ready"
+        serve.stdin.write(b"go\n")
+        serve.stdin.flush()
+        assert serve.stdout.readline().strip() == b"draining"
+        serve.send_signal(signal.SIGINT)
+        assert serve.stdout.readline().strip() == b"hurried"
+        serve.send_signal(signal.SIGINT)
+        out, err = serve.communicate(timeout=10.0)
+        assert serve.returncode == 0, err.decode()
+        assert out.split() == [b"stopped", b"-9"]
     finally:
         if serve.poll() is None:
             serve.kill()
