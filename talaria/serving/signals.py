@@ -3,7 +3,8 @@
 The first signal sets ``stop``: the server stops taking calls and drains those in flight for
 its drain time. A second sets ``hurry``, which the app's drain watches
 (``talaria.protocol.drain``): what is still in flight ends at once, each call told the server
-is shutting down, as at the drain's timeout. Further signals change nothing more; the drain's
+is shutting down, as at the drain's timeout. Further signals change nothing more (but in
+`talaria serve` waiting for its instances, its loop gone: ``serve._stop_children``); the drain's
 own bounds (a few seconds for the calls cut to answer) still hold, so nothing is left
 half-written and no child process is orphaned. ``name`` prefixes the line each signal prints
 on stderr (an operator pressing Ctrl-C sees what it did).
