@@ -96,7 +96,7 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
     except (ContextOverflow, OutputOverflow) as exc:
         return error_response(exc.status, exc.anthropic_message(), exc.headers)
     except ApiError as exc:
-        return error_response(exc.status, exc.message, exc.headers)
+        return exc.closing(error_response(exc.status, exc.message, exc.headers))
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(413, exc.text or "request body too large")
     except web.HTTPException as exc:

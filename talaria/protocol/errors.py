@@ -44,6 +44,7 @@ class ApiError(Exception):
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -53,17 +54,25 @@ class ApiError(Exception):
         self.error_type = error_type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
         self.extra = extra or {}  # top-level fields beside "error" (e.g. retry_after_s)
+        self.close_connection = close_connection  # the connection cannot serve another request
 
     def body(self) -> dict[str, Any]:
         return {**error_body(self.message, self.error_type, self.param, self.code), **self.extra}
 
     def response(self) -> web.Response:
-        return web.Response(
+        return self.closing(web.Response(
             status=self.status,
             body=orjson.dumps(self.body()),
             content_type="application/json",
             headers=self.headers,
-        )
+        ))
+
+    def closing(self, response: web.Response) -> web.Response:
+        """``response`` (this error's, in any API's shape), with ``Connection: close`` when
+        the error leaves the connection unusable."""
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def error_body(

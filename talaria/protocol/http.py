@@ -72,7 +72,8 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, or 408 when it has not arrived within ``timeout_s`` (a slow sender
     does not hold a connection and a handler for minutes); a client that closed its
     connection before it arrived is logged (info) and answered 499, which nobody reads: no
-    internal error."""
+    internal error; a body aiohttp cannot read (one its ``Content-Encoding`` does not
+    decode) is the client's error, a 400."""
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
     except TimeoutError:
@@ -83,6 +84,13 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         log.info("request.client_gone", path=request.path, error=str(exc))
         raise ApiError(499, "the client closed its connection before its request body arrived",
                        code="client_closed_request") from None
+    except web.RequestPayloadError as exc:  # e.g. a body its Content-Encoding does not decode
+        # aiohttp's parser stops at the error: the body ends here (else aiohttp reads on for
+        # the rest and logs the error again) and the connection closes after the 400
+        request.content.feed_eof()
+        detail = getattr(exc.__cause__, "message", None) or str(exc)
+        raise ApiError(400, f"the request body cannot be read: {detail}",
+                       code="bad_request_body", close_connection=True) from None
 
 
 def client_gone(request: web.Request) -> bool:
