@@ -74,8 +74,9 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
     connection before it arrived is logged (info) and answered 499, which nobody reads: no
     internal error; a body aiohttp cannot read (one its ``Content-Encoding`` does not
     decode) is the client's error, a 400."""
-    try:
-        return await asyncio.wait_for(request.read(), timeout_s)
+    try:  # not wait_for: its frame, holding the read's future, would keep the body in a cycle
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except TimeoutError:
         raise ApiError(
             408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout"
@@ -84,6 +85,10 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         log.info("request.client_gone", path=request.path, error=str(exc))
         raise ApiError(499, "the client closed its connection before its request body arrived",
                        code="client_closed_request") from None
+    except asyncio.CancelledError:  # a server that cancels the handler of a client that left
+        if client_gone(request):
+            log.info("request.client_gone", path=request.path, error="handler cancelled")
+        raise
     except web.RequestPayloadError as exc:  # e.g. a body its Content-Encoding does not decode
         # aiohttp's parser stops at the error: the body ends here (else aiohttp reads on for
         # the rest and logs the error again) and the connection closes after the 400
