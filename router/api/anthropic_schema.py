@@ -99,7 +99,7 @@ def _parse(data: dict[str, Any], extra: dict[str, Any]) -> MessagesRequest:
     tools = data.get("tools")
     if tools is not None:
         chat["tools"] = _tools(tools)
-    chat.update(_tool_choice(data.get("tool_choice")))
+    chat.update(_tool_choice(data.get("tool_choice"), bool(tools)))
     body = openai_schema.parse_chat(chat)
     body.media.count += omitted.count
     body.metadata_session_id = metadata_session_id(data.get("metadata"))
@@ -364,10 +364,14 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: Any) -> dict[str, Any]:
+def _tool_choice(choice: Any, has_tools: bool) -> dict[str, Any]:
+    """Anthropic's tool_choice as chat's; one that forces a call needs tools, said in
+    Anthropic's words (chat's check would name its own ``required``)."""
     if choice is None:
         return {}
     kind = _kind(choice)
+    if kind in ("any", "tool") and not has_tools:
+        raise bad_request(f"tool_choice of type {kind!r} needs tools", "tool_choice")
     mapped = {"auto": "auto", "any": "required", "none": "none"}
     if kind in mapped:
         out: dict[str, Any] = {"tool_choice": mapped[kind]}

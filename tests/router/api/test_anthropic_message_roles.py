@@ -120,3 +120,14 @@ async def test_a_tool_choice_naming_no_offered_tool_is_a_400_naming_it(tiny_toke
     body = {"messages": [USER], "tool_choice": {"type": "tool", "name": "nope"}}
     message = _refused(*await _post(tiny_tokenizer, "/v1/messages", body))
     assert "'nope'" in message and "not in tools" in message
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+@pytest.mark.parametrize("tools", [[], None])
+async def test_a_forcing_tool_choice_without_tools_is_refused_in_anthropic_words(
+    tiny_tokenizer: ModelTokenizer, choice: dict[str, str], tools: list[Any] | None,
+) -> None:
+    """It read "tool_choice 'required' needs tools", chat's word for ``any``."""
+    body = {"messages": [USER], "tool_choice": choice, "tools": tools}
+    message = _refused(*await _post(tiny_tokenizer, "/v1/messages", body))
+    assert message == f"tool_choice of type {choice['type']!r} needs tools"
