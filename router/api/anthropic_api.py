@@ -86,10 +86,19 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
                         content_type="application/json", headers=headers or {})
 
 
+def _anthropic_shaped(request: web.Request) -> bool:
+    """Whether the request's errors take Anthropic's shape: the Messages API's paths, and the
+    catalog's (both SDKs read ``/v1/models``) when the Anthropic SDK sends the request."""
+    if request.path.startswith(PATH_PREFIX):
+        return True
+    return request.path.startswith("/v1/models") and "anthropic-version" in request.headers
+
+
 @web.middleware
 async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Errors on the Messages API's paths in Anthropic's shape (the rest keep OpenAI's)."""
-    if not request.path.startswith(PATH_PREFIX):
+    """Errors on the Messages API's paths in Anthropic's shape, and on the model routes when
+    the Anthropic SDK asks (its ``anthropic-version`` header); the rest keep OpenAI's."""
+    if not _anthropic_shaped(request):
         return await handler(request)
     try:
         return await handler(request)

@@ -25,10 +25,13 @@ async def test_both_sdks_retrieve_a_served_model_and_get_404_for_another(tokeniz
         info = await ant.models.retrieve("tiny")
         with pytest.raises(openai.NotFoundError) as missing:
             await oai.models.retrieve("nope")
-        with pytest.raises(anthropic.NotFoundError):
+        with pytest.raises(anthropic.NotFoundError) as ant_missing:
             await ant.models.retrieve("nope")
         await oai.close()
         await ant.close()
     assert (model.id, model.object, model.owned_by) == ("tiny", "model", "talaria")
     assert (info.id, info.type, info.display_name) == ("tiny", "model", "tiny")
     assert missing.value.code == "model_not_found"
+    # each SDK's own error shape (the Anthropic SDK's 404 was OpenAI-shaped)
+    assert ant_missing.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "the model 'nope' does not exist; known models: tiny"}}
