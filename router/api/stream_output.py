@@ -124,9 +124,7 @@ class OutputAssembler:
         far it got: before its first token (streamed or not) or in a collected answer; one
         cut as the router or its instance shut down a 503 (``server_shutting_down``)."""
         if self.error is not None:
-            shutdown = self.error_status == 503
-            raise ApiError(self.error_status, self.error,
-                           code="server_shutting_down" if shutdown else "instance_failed")
+            raise ApiError(self.error_status, self.error, code=self.error_code)
 
     def fail(self, detail: str) -> None:
         """The call failed: log ``detail``; the client is told only that, and the id (or, cut

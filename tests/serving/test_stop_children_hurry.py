@@ -80,20 +80,27 @@ SERVE = textwrap.dedent("""
 """)
 
 
+def _serve_waiting_for_its_instance(*args: str) -> subprocess.Popen[bytes]:
+    """A scripted serve (``SERVE``) past its router's drain, waiting for its instance to
+    stop (``args``: the instance's behaviour)."""
+    serve = subprocess.Popen([sys.executable, "-c", SERVE, WAITING, *args], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=Path(__file__).resolve().parents[2])
+    assert serve.stdin is not None and serve.stdout is not None
+    assert serve.stdout.readline().strip() == b"ready"
+    serve.stdin.write(b"go\n")
+    serve.stdin.flush()
+    assert serve.stdout.readline().strip() == b"draining"
+    return serve
+
+
 def test_a_signal_while_serve_waits_for_its_instances_hurries_them() -> None:
     """The router's drain is over and serve waits for its instances, its event loop gone: a
     second Ctrl-C there raised KeyboardInterrupt out of serve's clean-up (the temp dir left
     behind, the instances' drains not cut) where it must hurry them as one during the
     router's drain does."""
-    serve = subprocess.Popen([sys.executable, "-c", SERVE, WAITING], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             cwd=Path(__file__).resolve().parents[2])
+    serve = _serve_waiting_for_its_instance()
     try:
-        assert serve.stdin is not None and serve.stdout is not None
-        assert serve.stdout.readline().strip() == b"ready"
-        serve.stdin.write(b"go\n")
-        serve.stdin.flush()
-        assert serve.stdout.readline().strip() == b"draining"
         serve.send_signal(signal.SIGINT)
         out, err = serve.communicate(timeout=30.0)
         assert serve.returncode == 0, err.decode()
@@ -107,15 +114,9 @@ def test_a_signal_while_serve_waits_for_its_instances_hurries_them() -> None:
 def test_a_signal_after_the_hurry_kills_the_instances_at_once() -> None:
     """An instance whose hurried drain hangs: a further signal to serve SIGKILLs it now, as
     an operator's Ctrl-C could end serve before (not after ``kill_after_s``)."""
-    serve = subprocess.Popen([sys.executable, "-c", SERVE, WAITING, "hang"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             cwd=Path(__file__).resolve().parents[2])
+    serve = _serve_waiting_for_its_instance("hang")
     try:
-        assert serve.stdin is not None and serve.stdout is not None
-        assert serve.stdout.readline().strip() == b"ready"
-        serve.stdin.write(b"go\n")
-        serve.stdin.flush()
-        assert serve.stdout.readline().strip() == b"draining"
+        assert serve.stdout is not None
         serve.send_signal(signal.SIGINT)
         assert serve.stdout.readline().strip() == b"hurried"
         serve.send_signal(signal.SIGINT)
