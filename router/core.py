@@ -47,7 +47,7 @@ from router.instances.waits import (
     close_stream,
 )
 from router.metrics import RouterMetrics
-from router.outcomes import SHUTDOWN_ERROR, CallRejected, NoHealthyInstance, call_outcome
+from router.outcomes import CallRejected, NoHealthyInstance, ShutDown, call_outcome, cut_by
 from router.sessions.books import SessionBooks, SessionCall
 from router.sessions.inference import SessionInference
 from router.sessions.output_lengths import OutputLengths
@@ -381,9 +381,9 @@ class RouterCore:
             self.call_failed(instance_id, failure)
         if isinstance(failure, DeadlineMissed):
             await self.aborts.now(instance_id, call.call_id)
-        message = (SHUTDOWN_ERROR if isinstance(failure, RouterShuttingDown)
-                   else f"instance {instance_id} failed mid-call: {failure}")
-        return CallEvent(call_id=call.call_id, finished=True, finish_reason="error", error=message)
+        end = CallEvent(call_id=call.call_id, finished=True, finish_reason="error",
+                        error=f"instance {instance_id} failed mid-call: {failure}")
+        return cut_by(end, ShutDown.ROUTER) if isinstance(failure, RouterShuttingDown) else end
 
     def _cut(self, instance_id: str, call_id: str, exc: InstanceMarkedDown) -> None:
         """A call cut from an instance marked down (or by the shut-down): counted (not against

@@ -4,20 +4,46 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, fields
+from enum import Enum
 
-from talaria.protocol import Overloaded
+from talaria.protocol import CallEvent, Overloaded
 
 __all__ = [
     "INSTANCE_SHUTDOWN_ERROR", "SHUTDOWN_ERROR", "CallRejected", "InstancesShuttingDown",
-    "NoHealthyInstance", "call_outcome",
+    "NoHealthyInstance", "ShutDown", "ShutDownEvent", "call_outcome", "cut_by",
 ]
 
-# The error of a call the router cut as it shut down (the drain over): its API tells the
-# client the server is shutting down (a 503), not that the call failed on its instance.
+# The error text (for the logs) of a call the router cut as it shut down (the drain over) ...
 SHUTDOWN_ERROR = "the router is shutting down"
 # ... and of one its instance aborted as that instance shut down, after the call's first
-# event (``router.instances.shutdowns``): told as a 503 the same way.
+# event (``router.instances.shutdowns``). Neither is read back: the API knows such a call by
+# its ``ShutDownEvent``.
 INSTANCE_SHUTDOWN_ERROR = "its instance is shutting down"
+
+
+class ShutDown(Enum):
+    """Who shut down under a call after its first event; the value is who its API names."""
+
+    ROUTER = "the server"
+    INSTANCE = "the instance serving the call"
+
+
+@dataclass
+class ShutDownEvent(CallEvent):
+    """The last event of a call cut by a shut-down: its API tells the client ``shut_down`` is
+    shutting down (a 503 ``server_shutting_down``), not that the call failed on its instance.
+    Only the router makes one (:func:`cut_by`), never from an instance's stream, so no text an
+    instance sends can pass for it."""
+
+    shut_down: ShutDown = ShutDown.ROUTER
+
+
+def cut_by(event: CallEvent, who: ShutDown) -> ShutDownEvent:
+    """``event`` (finished, its tokens kept) as the end of a call ``who``'s shut-down cut."""
+    kept = {f.name: getattr(event, f.name) for f in fields(CallEvent)}
+    kept.update(finished=True, error=SHUTDOWN_ERROR if who is ShutDown.ROUTER else INSTANCE_SHUTDOWN_ERROR)
+    return ShutDownEvent(**kept, shut_down=who)
 
 
 class NoHealthyInstance(RuntimeError):

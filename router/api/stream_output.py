@@ -22,7 +22,7 @@ from router.api.answer_parser import AnswerParser
 from router.api.reasoning import ReasoningSplitter
 from router.api.stop_cut import feed_tokens
 from router.limits import LIMITS_KEY
-from router.outcomes import INSTANCE_SHUTDOWN_ERROR, SHUTDOWN_ERROR
+from router.outcomes import ShutDown, ShutDownEvent
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallUsage
 from talaria.protocol.errors import ApiError
@@ -30,11 +30,6 @@ from talaria.protocol.http import next_or_gone
 from talaria.protocol.text import StopMatcher
 
 log = structlog.get_logger(__name__)
-
-
-# The errors of a call cut by a shut-down (``router.outcomes``), and who the client is told
-# shuts down.
-_SHUT_DOWN = {SHUTDOWN_ERROR: "the server", INSTANCE_SHUTDOWN_ERROR: "the instance serving the call"}
 
 
 @dataclass
@@ -110,7 +105,9 @@ class OutputAssembler:
         elif event.finished:
             self.done = True
             self.finish_reason = event.finish_reason or "stop"
-            if self.ends_in_failure(event):
+            if isinstance(event, ShutDownEvent):
+                self.cut(event.shut_down)
+            elif self.ends_in_failure(event):
                 self.fail(event.error or "the instance aborted the call")
         return piece
 
@@ -127,14 +124,16 @@ class OutputAssembler:
             raise ApiError(self.error_status, self.error, code=self.error_code)
 
     def fail(self, detail: str) -> None:
-        """The call failed: log ``detail``; the client is told only that, and the id (or, cut
-        by the router's shut-down or its instance's, who is shutting down: a 503, to retry)."""
-        if detail in _SHUT_DOWN:
-            self.error = f"{_SHUT_DOWN[detail]} is shutting down; request id {self.request_id}"
-            self.error_code, self.error_status = "server_shutting_down", 503
-        else:
-            log.warning("router.call_failed", request_id=self.request_id, error=detail)
-            self.error = f"the call failed on its instance; request id {self.request_id}"
+        """The call failed: log ``detail``; the client is told only that, and the id."""
+        log.warning("router.call_failed", request_id=self.request_id, error=detail)
+        self.error = f"the call failed on its instance; request id {self.request_id}"
+        self.done = True
+
+    def cut(self, who: ShutDown) -> None:
+        """A shut-down cut the call (the router's or its instance's: a ``ShutDownEvent``): the
+        client is told who is shutting down, and the id, a 503 to retry."""
+        self.error = f"{who.value} is shutting down; request id {self.request_id}"
+        self.error_code, self.error_status = "server_shutting_down", 503
         self.done = True
 
     def refuse(self, error: ApiError) -> None:

@@ -9,8 +9,8 @@ The router reads either as the instance going away, not failing:
   on the next-best instance, and that costs it none of its attempts (``RouterCore._open``);
   when no other instance takes it, the client is told the server is shutting down (a 503
   ``server_shutting_down``: ``InstancesShuttingDown``);
-- after it, the call ends with the error ``INSTANCE_SHUTDOWN_ERROR``, which its API tells
-  as that 503 (a stream: its error event), never "the call failed on its instance".
+- after it, the call ends with a ``ShutDownEvent`` (``ShutDown.INSTANCE``), which its API
+  tells as that 503 (a stream: its error event), never "the call failed on its instance".
 Either way the instance takes no new call until a state poll finds it answering (its
 restart, or a drain that did not end), and the call counts in ``call_failures`` with kind
 ``instance_shutdown``, not against the instance's health.
@@ -18,9 +18,7 @@ restart, or a drain that did not end), and the call counts in ``call_failures`` 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from router.outcomes import INSTANCE_SHUTDOWN_ERROR, InstancesShuttingDown
+from router.outcomes import InstancesShuttingDown, ShutDown, ShutDownEvent, cut_by
 from talaria.protocol import SHUTTING_DOWN, CallEvent, InstanceShuttingDown
 
 __all__ = ["ends_call", "ends_unanswered", "refusal", "told"]
@@ -37,10 +35,10 @@ def ends_unanswered(first: CallEvent) -> bool:
     return ends_call(first) and not first.token_ids
 
 
-def told(event: CallEvent) -> CallEvent:
-    """The end by the shut-down as the router's API layer tells it (``OutputAssembler.fail``):
-    its tokens kept, its error ``INSTANCE_SHUTDOWN_ERROR``."""
-    return replace(event, error=INSTANCE_SHUTDOWN_ERROR)
+def told(event: CallEvent) -> ShutDownEvent:
+    """The end by the shut-down as the router's API layer tells it (``OutputAssembler.add``):
+    its tokens kept, a ``ShutDownEvent`` of the instance."""
+    return cut_by(event, ShutDown.INSTANCE)
 
 
 def refusal(errors: list[Exception]) -> InstancesShuttingDown | None:
