@@ -5,11 +5,19 @@ A stream gives, in order, content text and for each call a :class:`ToolCallStart
 id, name), :class:`ToolCallDelta` pieces of its arguments and a :class:`ToolCallEnd` (the
 call, whole). Joined, a call's deltas are its ``arguments``, which for a complete call are
 exactly what :meth:`AnswerParser.parse` gives for the same text. A call announced and then
-broken (``router.api.tool_calls``) is the one way a stream can disagree with the collected
-answer, which reads it as text (or as a call, where Python's JSON is laxer than a client's:
-``NaN``, the call's name or arguments written twice); the stream then either ends as
-truncated answers end (the call ``cut_short`` at the answer's length limit: the finish
-reason is ``length``, not ``tool_calls``) or fails (:meth:`AnswerParser.failure`).
+broken, or ended other than by the answer's length limit (``router.api.tool_calls``), is
+where a stream disagrees with the collected answer, which reads it as text (or as a call,
+where Python's JSON is laxer than a client's: ``NaN``, the call's name or arguments written
+twice); the stream then fails (:meth:`AnswerParser.failure`).
+
+An answer its length limit cut inside a call (a forced call whose arguments outgrew
+``max_tokens``) ends as truncated answers end, finish reason ``length``, not ``tool_calls``.
+On the OpenAI APIs that call is a call, its arguments the JSON text written so far, as OpenAI
+returns one: streamed (``cut_short``) and collected alike (``parse(text, cut=True)``). The
+Anthropic API collects it as text (``parse(text)``; its stop reason is ``max_tokens``):
+``tool_use.input`` is an object, and a partial one would read as a call to run. Its stream
+has sent the call's block and ``input_json_delta`` pieces by then and cannot take them back,
+the one place the two differ there.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from router.api.tool_calls import (
     CallClosed,
     CallOpened,
     CallState,
+    CutCall,
     ParsedToolCall,
     ToolCallParser,
     ToolFormat,
@@ -137,15 +146,17 @@ class AnswerParser:
         self._held_chars = 0
         self._dropping = False  # the call under way is dropped (not parallel)
 
-    def parse(self, text: str) -> list[str | ToolCall]:
-        """A whole answer: its content pieces and its calls, in order."""
+    def parse(self, text: str, cut: bool = False) -> list[str | ToolCall]:
+        """A whole answer: its content pieces and its calls, in order. ``cut``: the answer's
+        length limit ended it, and a call it ended inside (one a stream announced) is a call
+        ``cut_short``, its arguments as far as they were written; else that call is text."""
         parser = self._reader(stream=False)
         items: list[str | ToolCall] = []
-        for item in parser.feed(text).items + parser.finish().items:
+        for item in parser.feed(text).items + parser.finish(cut).items:
             if isinstance(item, str):
                 items.append(item)
             else:
-                assert isinstance(item, ParsedToolCall), "a whole answer's calls are whole"
+                assert isinstance(item, ParsedToolCall | CutCall), "a whole answer's calls are whole or cut"
                 if self._keep_whole(item):
                     items.append(self.calls[-1])
         return items
@@ -180,11 +191,13 @@ class AnswerParser:
         assert self._streaming == stream, "an answer is parsed whole or streamed, not both"
         return self._parser
 
-    def _keep_whole(self, call: ParsedToolCall) -> bool:
+    def _keep_whole(self, call: ParsedToolCall | CutCall) -> bool:
         if not self._parallel and self.calls:
             self.dropped_calls += 1
             return False
-        self.calls.append(ToolCall(len(self.calls), new_tool_call_id(self._id_prefix), call.name, call.arguments))
+        state: CallState = "cut_short" if isinstance(call, CutCall) else "complete"
+        self.calls.append(ToolCall(len(self.calls), new_tool_call_id(self._id_prefix), call.name, call.arguments,
+                                   state))
         return True
 
     def _items(self, out: ToolOutput) -> list[AnswerItem]:

@@ -66,7 +66,7 @@ async def _collect(
     if body.kind == "chat":
         text, finish, calls = out.text, out.finish_reason, None
         if answer is not None:
-            items = answer.parse(text)
+            items = answer.parse(text, cut=finish == "length")
             text = "".join(i for i in items if isinstance(i, str))
             calls = [openai_tools.tool_call_dict(c.id, c.name, c.arguments) for c in answer.calls]
             finish = answer.finish_reason(finish)

@@ -361,7 +361,8 @@ async def _collect(
     text = out.text
     output = _Output(shape.tools)
     await output.reason(out.reasoning)
-    await output.feed(whole_call_items(answer.parse(text)) if answer is not None else [text])
+    cut = out.finish_reason == "length"
+    await output.feed(whole_call_items(answer.parse(text, cut)) if answer is not None else [text])
     status = _status(out)
     await output.finish(status)
     return web.Response(body=orjson.dumps(shape.response(status, output.items, _usage(out))),

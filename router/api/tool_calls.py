@@ -27,7 +27,9 @@ as they arrive, see ``router.api.call_body``). Invariants:
   error. In a stream, a call already announced cannot become text again: it ends
   ``malformed`` (a character that cannot continue its JSON, or its closing tag before its
   object closed) or ``cut_short`` (the answer ended inside it), and the answer decides
-  (``router.api.answer_parser``);
+  (``router.api.answer_parser``). A whole answer its length limit cut (``finish(cut=True)``)
+  gives the call a stream would have announced as a :class:`CutCall`, its arguments those
+  the stream sent;
 - whitespace between a call and its neighbours is dropped; other text is kept as written.
 """
 
@@ -46,6 +48,7 @@ __all__ = [
     "CallClosed",
     "CallOpened",
     "CallState",
+    "CutCall",
     "ParsedToolCall",
     "ToolCallParser",
     "ToolFormat",
@@ -80,6 +83,15 @@ def whole_characters(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class CutCall:
+    """A whole answer's last call, in the canonical form, cut short by the answer's length
+    limit: its arguments are the JSON text written so far (not an object yet)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class CallOpened:
     """A streamed call begins: its name is known; its arguments follow as :class:`ArgumentsText`."""
 
@@ -102,7 +114,7 @@ class CallClosed:
     state: CallState
 
 
-ParserItem = str | ParsedToolCall | CallOpened | ArgumentsText | CallClosed
+ParserItem = str | ParsedToolCall | CutCall | CallOpened | ArgumentsText | CallClosed
 
 
 @dataclass
@@ -134,7 +146,10 @@ class ToolCallParser(Protocol):
 
     def feed(self, text: str) -> ToolOutput: ...
 
-    def finish(self) -> ToolOutput: ...
+    def finish(self, cut: bool = False) -> ToolOutput:
+        """The answer ended (``cut``: at its length limit, which a whole answer's call left
+        open in the canonical form is released as a :class:`CutCall`, not as text)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -214,13 +229,13 @@ class HermesToolParser:
             self._pending = self._pending[len(self._pending) - hold:]
             return out
 
-    def finish(self) -> ToolOutput:
+    def finish(self, cut: bool = False) -> ToolOutput:
         out = ToolOutput()
         if self._body is not None:
             rest, self._unscanned = self._unscanned, ""
             if not self._scanner.done:  # after the object, ``rest`` is the closing tag, cut short
                 self._scan(rest, out)
-            self._close_call("".join(self._body), out, closed=False)
+            self._close_call("".join(self._body), out, closed=False, cut=cut)
         elif not (self._after_call and not self._pending.strip()):
             out.add_text(self._pending)
         self._pending = ""
@@ -265,7 +280,7 @@ class HermesToolParser:
             out.items.append(CallClosed("malformed"))
             self._ended = True
 
-    def _close_call(self, body: str, out: ToolOutput, closed: bool) -> None:
+    def _close_call(self, body: str, out: ToolOutput, closed: bool, cut: bool = False) -> None:
         scanner = self._scanner
         if self._announced:
             if not self._ended:
@@ -274,6 +289,10 @@ class HermesToolParser:
         elif scanner.complete:
             assert scanner.name is not None
             out.items.append(ParsedToolCall(scanner.name, "".join(self._arguments)))
+            self._after_call = True
+        elif cut and scanner.canonical and scanner.broken_at is None:  # what a stream announced
+            assert scanner.name is not None and not closed
+            out.items.append(CutCall(scanner.name, "".join(self._arguments)))
             self._after_call = True
         else:
             call = _hermes_call(body)
