@@ -60,7 +60,7 @@ from talaria.protocol.errors import ApiError
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["TOOL_ID_PREFIX", "anthropic_errors", "error_response", "respond"]
+__all__ = ["TOOL_ID_PREFIX", "anthropic_errors", "anthropic_shaped", "error_response", "respond"]
 
 TOOL_ID_PREFIX = "toolu_"
 PATH_PREFIX = "/v1/messages"
@@ -86,7 +86,7 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
                         content_type="application/json", headers=headers or {})
 
 
-def _anthropic_shaped(request: web.Request) -> bool:
+def anthropic_shaped(request: web.Request) -> bool:
     """Whether the request's errors take Anthropic's shape: the Messages API's paths, and the
     catalog's (both SDKs read ``/v1/models``) when the Anthropic SDK sends the request."""
     if request.path.startswith(PATH_PREFIX):
@@ -98,7 +98,7 @@ def _anthropic_shaped(request: web.Request) -> bool:
 async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Errors on the Messages API's paths in Anthropic's shape, and on the model routes when
     the Anthropic SDK asks (its ``anthropic-version`` header); the rest keep OpenAI's."""
-    if not _anthropic_shaped(request):
+    if not anthropic_shaped(request):
         return await handler(request)
     try:
         return await handler(request)
