@@ -155,6 +155,12 @@ class ModelTokenizer:
         return [i for i, t in self.tokenizer.added_tokens_decoder.items()
                 if t.special and t.content in texts]
 
+    def is_skipped(self, token_id: int, keep_special: Sequence[int] = ()) -> bool:
+        """Whether a decode leaves ``token_id`` out of the text: a special token (an EOS, an
+        end of turn) not in ``keep_special``."""
+        added = self.tokenizer.added_tokens_decoder.get(token_id)
+        return added is not None and added.special and token_id not in keep_special
+
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes, so the tokens that split one character (an emoji, CJK)
         each give their part of its UTF-8 (``piece_bytes``; byte-level stand-ins only in a

@@ -1,7 +1,8 @@
 """Turns a call's CallEvents into the text the client sees: detokenise, cut at stop strings,
 split a thinking model's reasoning from its answer (``router.api.reasoning``; after the stop
 strings, so one inside the reasoning ends the answer there, as vLLM's do), keep logprobs (of
-the tokens up to the one that completed a stop string: ``router.api.stop_cut``) and usage.
+the tokens up to the one that completed a stop string: ``router.api.stop_cut``; never of the
+end-of-turn token that ended the answer) and usage.
 One assembler per call; the streaming and the collecting handler share it, so both answer
 the same text. A failure the instance reports becomes a generic
 ``error`` naming the request id (the detail goes to the log), and :func:`next_event` waits
@@ -95,8 +96,9 @@ class OutputAssembler:
                 offsets.append(self._chars)
                 self._chars += len(self._utf8.decode(token))
             if event.logprobs:  # every event's tokens count towards the offsets
-                piece.tokens, piece.offsets = tokens, offsets
-                piece.logprobs = event.logprobs[: cut.kept]
+                listed = len(kept) - self._ended_by_stop_token(event, stopped, kept)
+                piece.tokens, piece.offsets = tokens[:listed], offsets[:listed]
+                piece.logprobs = event.logprobs[:listed]
                 self._all.tokens += piece.tokens
                 self._all.logprobs += piece.logprobs
                 self._all.offsets += piece.offsets
@@ -110,6 +112,13 @@ class OutputAssembler:
             elif self.ends_in_failure(event):
                 self.fail(event.error or "the instance aborted the call")
         return piece
+
+    def _ended_by_stop_token(self, event: CallEvent, stopped: bool, kept: list[int]) -> bool:
+        """The instance ended the answer at a stop token (an EOS: the router asks for no
+        other), its last: one the text leaves out. OpenAI's logprobs never list it, so the
+        answer's leave it out (its id still counts in the usage)."""
+        return (event.finished and event.finish_reason == "stop" and not stopped
+                and len(kept) == len(event.token_ids) and self._tok.is_skipped(kept[-1], self._keep))
 
     @staticmethod
     def ends_in_failure(event: CallEvent) -> bool:
