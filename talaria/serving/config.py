@@ -69,6 +69,7 @@ from substrate.ledger import check_memory_settings
 from talaria.policies.config import PolicyConfig
 from talaria.protocol.http import key_problem
 from talaria.serving.addresses import hosts_overlap
+from talaria.serving.router_section import RouterSection
 
 log = structlog.get_logger("talaria.serving.config")
 
@@ -91,28 +92,6 @@ _DEFAULT_HOST_KV_BYTES = 256 << 20
 
 class ConfigError(ValueError):
     """A serve config that cannot be used; the message names the key."""
-
-
-@dataclass
-class RouterSection:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "talaria"
-    api_key: str | None = None
-    max_body_bytes: int = 32 * 1024 * 1024
-    poll_interval_s: float = 1.0
-    instance_key: str | None = None
-    first_token_timeout_s: float = 300.0
-    stall_timeout_s: float = 60.0
-    max_inflight_calls: int = 1024
-    max_session_id_chars: int = 256
-    max_sessions: int = 100_000
-    body_timeout_s: float = 30.0
-    infer_sessions: bool = True
-    session_headers: list[str] | None = None  # None: the router's default list
-    max_tokens_overflow: str = "clamp"
-    stream_commit_s: float = 10.0  # negative: at the first token only (router.api.stream_commit)
-    stream_keepalive_s: float = 15.0
 
 
 @dataclass
