@@ -3,7 +3,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
 ``POST /v1/messages`` (Anthropic's API), ``POST /v1/responses`` (OpenAI's Responses API),
 ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (503 while no instance is healthy), ``GET /live``
-(200 while the process serves), ``GET /metrics``. The handlers validate, tokenize and
+(200 while the process serves), ``GET /metrics``; CORS for the origins ``cors`` allows (``router.cors``). The handlers validate, tokenize and
 build a :class:`~talaria.protocol.CallRequest`; :class:`~router.core.RouterCore` places and
 forwards it. A stream sends its headers at its first token, or before it once it has waited
 ``stream_commit_s`` (then keep-alives: ``router.api.stream_commit``). Errors before that get
@@ -47,6 +47,7 @@ from router.api.stream_commit import FirstEvent, Responder, check_stream_setting
 from router.api.stream_output import OutputAssembler
 from router.api.tool_calls import TOOL_FORMATS, detect_tool_format
 from router.core import RouterCore
+from router.cors import CorsConfig, install_cors
 from router.instances.deadlines import Deadlines
 from router.instances.health import HealthPoller
 from router.instances.http import HttpInstanceClient
@@ -100,6 +101,7 @@ class RouterConfig:
     # at the first token), then a keep-alive every stream_keepalive_s (router.api.stream_commit)
     stream_commit_s: float | None = 10.0
     stream_keepalive_s: float = 15.0
+    cors: CorsConfig = field(default_factory=CorsConfig)  # browser origins allowed (router.cors)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -216,6 +218,7 @@ def create_app(
     app.on_shutdown.append(drain)
     app.on_cleanup.append(close)
     app.on_response_prepare.append(_answer_headers)
+    install_cors(app, config.cors, config.session_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)  # Claude Code adds ?beta=true: paths match alone

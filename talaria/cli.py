@@ -46,6 +46,7 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
     """The router app for a ServeConfig and the instances' URLs (wired here: the
     composition root is the one place in ``talaria`` that imports ``router``)."""
     from router.app import RouterConfig, create_app
+    from router.cors import CorsConfig
     from router.instances.deadlines import Deadlines
     from router.limits import RouterLimits
     from router.sessions.identity import SessionHeaders
@@ -75,6 +76,7 @@ def _router_app(config: Any, urls: dict[str, str]) -> Any:
             drain_timeout_s=config.longest_drain_s(),
             stream_commit_s=r.stream_commit_s if r.stream_commit_s >= 0 else None,
             stream_keepalive_s=r.stream_keepalive_s,
+            cors=CorsConfig(tuple(r.cors_origins)),
         )
     )
 

@@ -17,6 +17,7 @@ max_tokens_overflow = "clamp"   # a max_tokens beyond the context's room: clamp 
 stream_commit_s = 10.0  # a stream without its first token by then sends its 200; -1: not before it
 stream_keepalive_s = 15.0       # then a keep-alive event until its first token
 session_headers = ["x-session-id", "x-claude-code-session-id"]  # replaces the default list
+cors_origins = ["http://localhost:5173"]  # browser origins allowed (CORS; "*": any); none: off
 
 [engine]                # all optional; shared by every instance
 block_size = 16
@@ -68,6 +69,7 @@ import structlog
 from substrate.ledger import check_memory_settings
 from talaria.policies.config import PolicyConfig
 from talaria.protocol.http import key_problem
+from talaria.protocol.origins import origins_problem
 from talaria.serving.addresses import hosts_overlap
 from talaria.serving.router_section import RouterSection
 
@@ -261,6 +263,8 @@ class ServeConfig:
         if headers is not None and (not isinstance(headers, list) or not headers
                                     or not all(isinstance(h, str) and h.strip() for h in headers)):
             raise ConfigError(f"[router].session_headers must be a non-empty list of header names, got {headers!r}")
+        if (problem := origins_problem(r.cors_origins)) is not None:
+            raise ConfigError(f"[router].cors_origins {problem}")
         e = self.engine
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(e, key) < 1:

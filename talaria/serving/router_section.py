@@ -3,7 +3,7 @@ CLI turns it into the router's ``RouterConfig``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["RouterSection"]
 
@@ -28,3 +28,4 @@ class RouterSection:
     max_tokens_overflow: str = "clamp"
     stream_commit_s: float = 10.0  # negative: at the first token only (router.api.stream_commit)
     stream_keepalive_s: float = 15.0
+    cors_origins: list[str] = field(default_factory=list)  # browser origins allowed (router.cors)
