@@ -117,7 +117,7 @@ class OutputAssembler:
         """The instance ended the answer at a stop token (an EOS: the router asks for no
         other), its last: one the text leaves out. OpenAI's logprobs never list it, so the
         answer's leave it out (its id still counts in the usage)."""
-        return (event.finished and event.finish_reason == "stop" and not stopped
+        return (event.finished and event.finish_reason == "stop" and not stopped and bool(kept)
                 and len(kept) == len(event.token_ids) and self._tok.is_skipped(kept[-1], self._keep))
 
     @staticmethod
