@@ -48,7 +48,7 @@ def assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"{at}.function must be an object with a string name", f"{at}.function")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
-            arguments = json_arguments(arguments, f"{at}.function.arguments")
+            arguments = call_arguments(arguments, f"{at}.function.arguments")
         elif not isinstance(arguments, dict):
             raise bad_request(f"{at}.function.arguments must be a JSON string or an object", f"{at}.function.arguments")
         out.append({**call, "function": {"name": function["name"], "arguments": arguments}})
@@ -102,14 +102,17 @@ def _flag(data: dict[str, Any], key: str) -> bool:
     return value
 
 
-def json_arguments(raw: str, where: str) -> dict[str, Any]:
-    """A tool call's ``arguments`` string as the JSON object it must be (400 naming
-    ``where`` otherwise; an empty string is ``{}``)."""
+def call_arguments(raw: str, where: str) -> dict[str, Any] | str:
+    """A tool call's ``arguments`` string as the chat template renders it: the JSON object it
+    holds (an empty string is ``{}``), or else the string itself, which the templates write
+    as is. A call cut by the token limit comes back with its JSON cut (as OpenAI's do), and
+    an agent sends that turn back in its history: refusing it would end the session, and its
+    own text renders the prompt the model wrote, so its KV stays a prefix."""
     try:
         parsed = orjson.loads(raw or "{}")
     except orjson.JSONDecodeError:
-        raise bad_request(f"{where} is not valid JSON", where) from None
+        return raw
     if not isinstance(parsed, dict):
-        raise bad_request(f"{where} must be a JSON object", where)
+        return raw
     check_depth(parsed, where)  # the chat template walks it
     return parsed

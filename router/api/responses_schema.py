@@ -58,7 +58,7 @@ import structlog
 
 from router.api import openai_schema
 from router.api.media_placeholders import Omissions, join_text
-from router.api.openai_tools import json_arguments
+from router.api.openai_tools import call_arguments
 from router.api.responses_tools import CUSTOM_INPUT, Tools, parse_tools, tool_choice
 from router.api.template_kwargs import effort_switch
 from talaria.protocol.errors import bad_request
@@ -222,12 +222,12 @@ def _call(out: list[dict[str, Any]], item: dict[str, Any], where: str, tools: To
     if item["type"] == "custom_tool_call":
         if not isinstance(item.get("input"), str):
             raise bad_request(f"{where}.input must be a string", f"{where}.input")
-        arguments: dict[str, Any] = {CUSTOM_INPUT: item["input"]}
+        arguments: dict[str, Any] | str = {CUSTOM_INPUT: item["input"]}
     else:
         raw = item.get("arguments")
         if not isinstance(raw, str):
             raise bad_request(f"{where}.arguments must be a JSON string", f"{where}.arguments")
-        arguments = json_arguments(raw, f"{where}.arguments")
+        arguments = call_arguments(raw, f"{where}.arguments")
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     if out and out[-1]["role"] == "assistant":
         out[-1].setdefault("tool_calls", []).append(call)

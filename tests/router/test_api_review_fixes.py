@@ -239,3 +239,30 @@ def test_a_tool_calls_string_arguments_reach_the_template_as_an_object(
     assert prompt('{"city": "Paris"}') == prompt('{"city":"Paris"}') == as_object
     assert '"arguments": {"city": "Paris"}' in as_object
     assert '"arguments": {}' in prompt("")
+
+
+def test_a_cut_calls_arguments_sent_back_render_as_the_model_wrote_them(
+    tiny_tokenizer: ModelTokenizer,
+) -> None:
+    """A collected answer cut inside a tool call returns the call with its JSON cut, as OpenAI
+    does; an agent sends that turn back. It was a 400 ("not valid JSON") on chat and the
+    Responses API, ending the session; now the text reaches the template as it is, so the
+    prompt holds what the model wrote (its KV a prefix of the new prompt)."""
+    from router.api.openai_tools import assistant_tool_calls
+    from router.api.responses_schema import parse_responses
+
+    cut = '{"city": "Par'
+    chat = assistant_tool_calls([{"id": "t1", "type": "function",
+                                  "function": {"name": "get_weather", "arguments": cut}}], "m")
+    assert chat[0]["function"]["arguments"] == cut
+    assert assistant_tool_calls([{"id": "t1", "type": "function", "function": {
+        "name": "f", "arguments": "[1, 2]"}}], "m")[0]["function"]["arguments"] == "[1, 2]"
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": "", "tool_calls": chat}]
+    rendered = tiny_tokenizer.decode(tiny_tokenizer.encode_chat(history, None))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}' in rendered
+
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": cut}]
+    messages = parse_responses({"model": "m", "input": items}).body.messages
+    assert messages is not None and messages[-1]["tool_calls"][0]["function"]["arguments"] == cut
