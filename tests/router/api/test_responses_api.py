@@ -313,6 +313,8 @@ async def test_failure_after_the_stream_began(tokenizer: ModelTokenizer) -> None
     ({"input": None}, "input", "missing required field 'input'"),
     ({"input": 5}, "input", "input must be a string or a non-empty array"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "role must be one of"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"x": 1}}]},
+     "input[0].arguments", "must be a JSON string"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "non-empty string"),
     ({"instructions": ["x"]}, "instructions", "instructions must be a string"),
     ({"max_output_tokens": "10"}, "max_output_tokens", "max_output_tokens must be an integer"),
