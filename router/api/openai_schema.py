@@ -134,8 +134,8 @@ def _common(data: dict[str, Any], kind: Literal["chat", "completion"]) -> Comple
     parsed = CompletionBody(kind=kind, model=model)
     parsed.temperature = _number(data, "temperature", 1.0, 0.0, 2.0)
     parsed.top_p = _number(data, "top_p", 1.0, 0.0, 1.0)
-    if parsed.top_p == 0.0:
-        raise bad_request("top_p must be in (0, 1]", "top_p")
+    if parsed.top_p == 0.0:  # a nucleus of the likeliest token alone, as OpenAI and Anthropic take 0
+        parsed.temperature, parsed.top_p = 0.0, 1.0  # greedy: the engine's top_p is in (0, 1]
     top_k = data.get("top_k")
     if top_k is not None and (not _is_int(top_k) or top_k < -1):
         raise bad_request("top_k must be an integer >= -1 (-1 or 0 disable it)", "top_k")

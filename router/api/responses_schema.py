@@ -118,11 +118,17 @@ def parse_responses(data: Any) -> ResponsesRequest:
     echo = {
         "instructions": instructions, "max_output_tokens": max_output,
         "metadata": data.get("metadata") or {}, "parallel_tool_calls": body.tools.parallel,
-        "temperature": body.temperature, "top_p": body.top_p, "tools": data.get("tools") or [],
+        "temperature": _sent(data, "temperature"), "top_p": _sent(data, "top_p"),
+        "tools": data.get("tools") or [],
         "tool_choice": data.get("tool_choice") or "auto", "prompt_cache_key": data.get("prompt_cache_key"),
         "reasoning": {"effort": effort, "summary": None},
     }
     return ResponsesRequest(body, echo, tools)
+
+
+def _sent(data: dict[str, Any], name: str) -> float:
+    """A sampling field as the request sent it (checked by then), else its default, 1."""
+    return 1.0 if data.get(name) is None else float(data[name])
 
 
 def _check_fields(data: dict[str, Any]) -> None:

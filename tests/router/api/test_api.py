@@ -208,7 +208,7 @@ BAD_INPUTS: list[tuple[str, Any, int, str]] = [
     ("/v1/chat/completions", chat_body(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("/v1/chat/completions", chat_body(temperature=3), 400, "temperature"),
     ("/v1/chat/completions", chat_body(temperature="hot"), 400, "temperature"),
-    ("/v1/chat/completions", chat_body(top_p=0), 400, "top_p"),
+    ("/v1/chat/completions", chat_body(top_p=-0.1), 400, "top_p"),
     ("/v1/chat/completions", chat_body(n=2), 400, "n=1"),
     ("/v1/chat/completions", chat_body(stop=[1]), 400, "stop"),
     ("/v1/chat/completions", chat_body(stream="yes"), 400, "stream must be a boolean"),
