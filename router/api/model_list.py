@@ -41,6 +41,8 @@ def model_routes(tokenizers: Mapping[str, ModelTokenizer]) -> list[web.RouteDef]
 
     async def one(request: web.Request) -> web.Response:
         name = request.match_info["model_id"]
+        if name not in tokenizers and name.endswith("/"):
+            name = name[:-1]  # the path's trailing slash (router.route_slashes)
         tok = tokenizers.get(name)
         if tok is None:
             raise unknown_model(name, list(tokenizers))
