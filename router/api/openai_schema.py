@@ -255,7 +255,9 @@ def _content(content: Any, role: str, where: str, message: dict[str, Any], omitt
 def _prompt(prompt: Any) -> str | list[int]:
     if prompt is None:
         raise bad_request("missing required field 'prompt'", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:  # OpenAI's batch: n answers in one response, which n=1 rules out too
+            raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one prompt a request", "prompt")
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:

@@ -203,6 +203,8 @@ BAD_INPUTS: list[tuple[str, Any, int, str]] = [
     ("/v1/chat/completions", chat_body(max_tokens=-1), 400, "max_tokens must be at least 1"),
     ("/v1/chat/completions", chat_body(user=5), 400, "user must be a string"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "user": ["u"]}, 400, "user must be a string"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "a batch of 2 prompts is not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[1], [2], [3]]}, 400, "a batch of 3 prompts"),
     ("/v1/chat/completions", chat_body(max_tokens="10"), 400, "max_tokens must be an integer"),
     ("/v1/chat/completions", chat_body(max_tokens=10**9), 400, "max_tokens"),
     ("/v1/chat/completions", chat_body(max_completion_tokens=0), 400, "max_completion_tokens"),
