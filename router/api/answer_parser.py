@@ -18,6 +18,18 @@ Anthropic API collects it as text (``parse(text)``; its stop reason is ``max_tok
 ``tool_use.input`` is an object, and a partial one would read as a call to run. Its stream
 has sent the call's block and ``input_json_delta`` pieces by then and cannot take them back,
 the one place the two differ there.
+
+Text the model writes after a complete call (before a later call, or before it ends its turn)
+is dropped, streamed and collected, as vLLM's Hermes parser drops it: the content is the text
+before the first call. A chat history's assistant message (``content`` beside ``tool_calls``)
+and a Messages one (its blocks merged into that message) cannot say that text came after the
+calls, and the chat templates write a turn's text first: kept, it was resent where the model
+never wrote it, so the next prompt parted from the session's KV where the answer began, and
+the model read itself saying before its call what it wrote after. (A Responses history can
+order it, as a second assistant turn, which parts at the same place as dropping it.) Dropped,
+every API's resent turn repeats the answer token for token to the end of its calls. Written
+before any call ran, such text is a guess at a result or narration no agent acts on; its
+tokens still count in the usage.
 """
 
 from __future__ import annotations
@@ -145,6 +157,7 @@ class AnswerParser:
         self._held = 0  # the open call's argument pieces not yet sent (the last ones)
         self._held_chars = 0
         self._dropping = False  # the call under way is dropped (not parallel)
+        self._called = False  # a call ended whole: text after it is dropped (see the module)
 
     def parse(self, text: str, cut: bool = False) -> list[str | ToolCall]:
         """A whole answer: its content pieces and its calls, in order. ``cut``: the answer's
@@ -154,11 +167,13 @@ class AnswerParser:
         items: list[str | ToolCall] = []
         for item in parser.feed(text).items + parser.finish(cut).items:
             if isinstance(item, str):
-                items.append(item)
+                if not self._called:
+                    items.append(item)
             else:
                 assert isinstance(item, ParsedToolCall | CutCall), "a whole answer's calls are whole or cut"
                 if self._keep_whole(item):
                     items.append(self.calls[-1])
+                self._called = self._called or isinstance(item, ParsedToolCall)
         return items
 
     def feed(self, text: str) -> list[AnswerItem]:
@@ -204,7 +219,8 @@ class AnswerParser:
         items: list[AnswerItem] = []
         for item in out.items:
             if isinstance(item, str):
-                items.append(item)
+                if not self._called:
+                    items.append(item)
             elif isinstance(item, ParsedToolCall):
                 items += self._whole(item)
             elif isinstance(item, CallOpened):
@@ -243,6 +259,7 @@ class AnswerParser:
         return [ToolCallDelta(self._open.index, piece)]
 
     def _end(self, state: CallState) -> list[AnswerItem]:
+        self._called = self._called or state == "complete"
         if self._dropping:
             self._dropping = False
             return []

@@ -61,6 +61,20 @@ async def test_the_resent_answer_repeats_the_generated_tokens(
     assert trip.holds, trip.explain(tok)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", APIS)
+async def test_text_after_a_call_is_dropped_so_the_calls_stay_cached(
+        tok: ModelTokenizer, api: str, stream: bool) -> None:
+    """Text after a whole call (vLLM drops it too): kept, chat and Messages resent it before
+    the call, and the next prompt parted from the KV where the answer began."""
+    trip = await round_trip(tok, api, CALL + "\nI asked for Paris.", stream=stream)
+    assert "I asked" not in json.dumps(trip.returned)
+    assert trip.kept == len(trip.prompt) + tokens(tok, CALL), trip.explain(tok)
+    between = await round_trip(tok, api, CALL + "\nAnd Lyon:\n" + CALL_2, stream=stream)
+    assert "Lyon:" not in json.dumps(between.returned) and json.dumps(between.returned).count("Lyon") == 1
+    assert between.kept >= len(between.prompt) + tokens(tok, CALL), between.explain(tok)
+
+
 def _pinned(trip: Trip, tok: ModelTokenizer, kept_text: str) -> None:
     assert not trip.holds
     assert trip.kept == len(trip.prompt) + (tokens(tok, kept_text) if kept_text else 0), trip.explain(tok)
