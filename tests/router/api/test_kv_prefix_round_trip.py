@@ -89,6 +89,27 @@ async def test_a_call_written_in_compact_json_parts_where_the_template_adds_a_sp
     _pinned(await round_trip(tok, api, compact), tok, '<tool_call>\n{"name":')
 
 
+SPACED = {  # the answer, and what of it the next prompt keeps
+    "a blank line before a call": ("I will check.\n\n" + CALL, "I will check.\n"),
+    "a space before a call": ("I will check. " + CALL, "I will check."),
+    "a newline before a lone call": ("\n" + CALL, ""),
+    "a blank line between calls": (CALL + "\n\n" + CALL_2, CALL + "\n"),
+    "no newline between calls": (CALL + CALL_2, CALL),
+    "a newline after the last call": (CALL + "\n", CALL),
+    "no newlines inside the tags": (CALL.replace(">\n", ">").replace("\n<", "<"), "<tool_call>"),
+}
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("case", list(SPACED))
+async def test_whitespace_around_calls_parts_where_it_differs_from_the_templates(
+        tok: ModelTokenizer, case: str, api: str) -> None:
+    """The parser drops whitespace around a call and the template writes one newline between
+    text and a call, between calls and inside the tags, none after the last call."""
+    answer, kept = SPACED[case]
+    _pinned(await round_trip(tok, api, answer), tok, kept)
+
+
 @pytest.mark.parametrize("api", APIS)
 async def test_reasoning_parts_where_it_began_on_a_template_that_drops_it(tok: ModelTokenizer, api: str) -> None:
     """The served ChatML templates render no reasoning (the tiny catalog has no thinking
