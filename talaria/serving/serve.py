@@ -380,9 +380,12 @@ def _stop_children(children: list[InstanceProcess], kill_after_s: float, hurry: 
     hurried = False
 
     def hurry_children(*_args: object) -> None:
+        # Marked before the children are signalled: a signal to serve while this runs (a child
+        # answering the hurry at once, its operator pressing Ctrl-C again) runs this handler
+        # again inside it, and must find the hurry sent and kill.
         nonlocal hurried
-        _signal_children(children, signal.SIGKILL if hurried else signal.SIGINT)
-        hurried = True
+        sig, hurried = (signal.SIGKILL if hurried else signal.SIGINT), True
+        _signal_children(children, sig)
 
     with _signals_calling(hurry_children):
         _signal_children(children, signal.SIGTERM)

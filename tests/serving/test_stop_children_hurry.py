@@ -12,6 +12,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+import talaria.serving.serve as serve_module
 from talaria.serving.serve import InstanceProcess, _stop_children
 
 CHILD = textwrap.dedent("""
@@ -127,3 +130,26 @@ def test_a_signal_after_the_hurry_kills_the_instances_at_once() -> None:
         if serve.poll() is None:
             serve.kill()
             serve.wait()
+
+
+def test_a_signal_while_the_hurry_is_sent_kills(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """serve's handler re-entered: a SIGINT that reaches serve while its first hurry is being
+    sent (the child answered it at once, and the operator signals again) runs the handler
+    inside itself. It must find the hurry sent and SIGKILL; it sent a second SIGINT, which a
+    child hung in its hurried drain ignores, so serve waited ``kill_after_s`` (a CI run of
+    the test above: serve still running 10 s after the second signal)."""
+    sent: list[signal.Signals] = []
+
+    def signal_children(children: list[InstanceProcess], sig: signal.Signals) -> None:
+        sent.append(sig)
+        if sig == signal.SIGINT and sent.count(signal.SIGINT) == 1:
+            signal.raise_signal(signal.SIGINT)  # runs serve's handler before this returns
+
+    class Exited:
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    monkeypatch.setattr(serve_module, "_signal_children", signal_children)
+    _stop_children([InstanceProcess("a", Exited(), tmp_path / "a.ready")],  # type: ignore[arg-type]
+                   kill_after_s=20.0, hurry=True)
+    assert sent == [signal.SIGTERM, signal.SIGINT, signal.SIGKILL]
