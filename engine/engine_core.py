@@ -130,10 +130,12 @@ class EngineCore:
         if self.tokenizer is not None and request.params.stop:
             self._stop_watchers[rid] = StopStringWatcher(self.tokenizer, prompt, request.params.stop)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, keep_session: bool = False) -> None:
         """Abort a waiting or running request, freeing its blocks; unknown ids are ignored
-        (the request may have finished already)."""
-        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        (the request may have finished already). ``keep_session``: its caller has the answer
+        (it stopped reading at a stop string or a finished tool call), so the blocks computed
+        become the session's remembered prefix, as a finished request's do."""
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, keep_session)
         if req is None:
             return
         self._forget(request_id)

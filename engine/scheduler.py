@@ -115,9 +115,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish (or abort) a request in any state, freeing every block it holds.
-        Returns the request, or None if it is unknown or already finished."""
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       keep_session: bool = False) -> Request | None:
+        """Finish (or abort) a request in any state, freeing every block it holds; its
+        computed blocks become its session's remembered prefix unless it was aborted, or
+        aborted with ``keep_session`` (its caller had the answer it wanted). Returns the
+        request, or None if it is unknown or already finished."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         request = self.requests.pop(request_id, None)
@@ -128,7 +131,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request, remember_session=status != RequestStatus.FINISHED_ABORTED)
+        self.kv.free(request, remember_session=keep_session or status != RequestStatus.FINISHED_ABORTED)
         return request
 
     def has_unfinished(self) -> bool:

@@ -368,8 +368,8 @@ async def _complete(
                 response = await respond(request, body, call, out, first, events, answer)
             finally:
                 await first.close()
-            if out.stopped_at_string:  # closing the events now is no abort: the answer is whole
-                request.app[CORE_KEY].stopped_at_string(call.call_id)
+            if out.stopped_at_string or out.settled:  # the events close with the answer whole
+                request.app[CORE_KEY].answered(call.call_id)
             return response
 
 

@@ -20,7 +20,7 @@ silent truncation. An instance marked down for not answering cuts the calls wait
 within ``Deadlines.down_grace_s`` (``router.instances.waits``): one with no event yet is
 re-placed (not its retry), one with events gets its error event. A call that missed a
 deadline is aborted on its instance, and so is one whose consumer stops early (``aclose``;
-after ``stopped_at_string`` it counts as answered). Every failure counts against the
+after ``answered`` it counts as finished, and ends so on its instance, its session kept). Every failure counts against the
 instance's health (``router.instances.call_health``; deadlines: ``Deadlines``), but for an
 instance that shuts down on its own (``router.instances.shutdowns``): a call it ends with no
 event yet is re-placed (not its retry), one with events gets the error its API tells as a 503.
@@ -116,7 +116,7 @@ class RouterCore:
         # instance is healthy (better a suspect instance than a 503).
         self.suspect: set[str] = set()
         self.aborts = CallAborts(self.clients, self.deadlines.state_s)
-        self._stopped: set[str] = set()  # calls whose consumer found a stop string
+        self._stopped: set[str] = set()  # calls whose consumer had the whole answer (``answered``)
         self._polls = StatePolls(self._poll_state, refresh_interval_s)
 
     def now(self) -> float:
@@ -287,8 +287,9 @@ class RouterCore:
             await self._finish(call, books, instance_id, stream, start, outputs, outcome, pcall,
                                prefilling, label)
 
-    def stopped_at_string(self, call_id: str) -> None:
-        """A stop string ended the call: closing its events now, its consumer has the answer."""
+    def answered(self, call_id: str) -> None:
+        """The call's answer is whole before its events end (a stop string, a settled tool
+        call): its consumer closing them now ends it on its instance as a finished call."""
         self._stopped.add(call_id)
 
     async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
@@ -418,7 +419,7 @@ class RouterCore:
                 self._release(instance_id, pcall, prefilling)
                 try:
                     if outcome == "aborted":
-                        await self.aborts.now(instance_id, call.call_id)
+                        await self.aborts.now(instance_id, call.call_id, call.call_id in self._stopped)
                         if call.call_id in self._stopped:  # answered: counted as a finished call is
                             outcome = "ok"
                             self.call_health.success(instance_id)

@@ -67,7 +67,7 @@ class CallRejected(RuntimeError):
 
 def call_outcome(exc: BaseException, opened: bool) -> str:
     """How a call that raised before its last event ends in the metrics: ``aborted`` (its
-    consumer stopped after the first event: a client gone; a stop string is ``ok``), ``client_left``
+    consumer stopped after the first event: a client gone; an answer whole is ``ok``), ``client_left``
     (cancelled before its first event), ``rejected`` (the instance refused it as invalid: the
     client's error), ``overloaded``, else ``error``."""
     if opened:

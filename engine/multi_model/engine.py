@@ -246,9 +246,9 @@ class MultiModelEngine(ServesModels):
             self._restores.append(record)
         return result
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, keep_session: bool = False) -> None:
         for core in self.cores.values():
-            core.abort(request_id)
+            core.abort(request_id, keep_session)
 
     def has_unfinished(self) -> bool:
         return bool(self._carried) or any(core.has_unfinished() for core in self.cores.values())

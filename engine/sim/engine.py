@@ -151,12 +151,12 @@ class SimEngine(ServesModels):
         self.scheduler.add_request(req)
         self._seeds[rid] = zlib.crc32(rid.encode())
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, keep_session: bool = False) -> None:
         """Abort a waiting or running request, freeing its blocks; unknown ids are ignored.
         The abort's event (no tokens) comes with the next ``step``."""
         req = None
         if self.scheduler is not None:
-            req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, keep_session)
         if req is None:
             req = self.parking.abort(request_id)
         if req is not None:

@@ -30,6 +30,12 @@ order it, as a second assistant turn, which parts at the same place as dropping 
 every API's resent turn repeats the answer token for token to the end of its calls. Written
 before any call ran, such text is a guess at a result or narration no agent acts on; its
 tokens still count in the usage.
+
+With parallel calls off, nothing the model writes after its first whole call can reach the
+answer (text after a call is dropped, and so is a second call): the answer is
+:attr:`AnswerParser.settled` there, and the router ends the call on its instance as a
+finished one (``router.api.stream_output.collect``) rather than let it write unseen until
+its end of turn or its ``max_tokens``, the stream silent meanwhile.
 """
 
 from __future__ import annotations
@@ -142,6 +148,7 @@ class AnswerParser:
         self, fmt: ToolFormat, *, any_call: bool = False, function: str | None = None,
         parallel: bool = True, id_prefix: str = "call_", min_delta_chars: int = 0,
     ) -> None:
+        self._settings = (fmt, any_call, function, parallel, id_prefix, min_delta_chars)
         self.prefill = fmt.forced_prefix(function) if (any_call or function) else ""
         self.tags = fmt.tags
         self._fmt = fmt
@@ -158,6 +165,19 @@ class AnswerParser:
         self._held_chars = 0
         self._dropping = False  # the call under way is dropped (not parallel)
         self._called = False  # a call ended whole: text after it is dropped (see the module)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more the model writes can reach the answer: parallel calls are off and
+        its first call is whole (see the module)."""
+        return not self._parallel and bool(self.calls) and self.calls[0].state == "complete"
+
+    def watcher(self) -> AnswerParser:
+        """A new parser like this one, for a collected answer's text to be streamed through
+        as it comes, so that it may end once :attr:`settled` (this one parses it whole)."""
+        fmt, any_call, function, parallel, id_prefix, min_delta_chars = self._settings
+        return AnswerParser(fmt, any_call=any_call, function=function, parallel=parallel,
+                            id_prefix=id_prefix, min_delta_chars=min_delta_chars)
 
     def parse(self, text: str, cut: bool = False) -> list[str | ToolCall]:
         """A whole answer: its content pieces and its calls, in order. ``cut``: the answer's

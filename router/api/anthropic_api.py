@@ -124,7 +124,7 @@ async def respond(
 ) -> web.StreamResponse:
     if body.stream:
         return await _stream(request, body, call, out, first, events, answer)
-    if not await collect(request, out, first.event, events):
+    if not await collect(request, out, first.event, events, answer=answer):
         return web.Response(status=499)  # the client left; the caller aborts the call
     out.raise_if_failed()
     text = out.text
@@ -289,7 +289,7 @@ async def _stream(
             await sse.items(answer.feed(piece.text) if answer is not None else [piece.text])
             out.check_calls(answer)
 
-        if not await collect(request, out, event, events, emit):
+        if not await collect(request, out, event, events, emit, answer):
             return response  # the client left; the caller aborts the call
         if out.error is None:
             await emit(out.flush())

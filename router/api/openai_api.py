@@ -58,7 +58,7 @@ async def _collect(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
     event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
 ) -> web.Response:
-    if not await collect(request, out, event, events):
+    if not await collect(request, out, event, events, answer=answer):
         return web.Response(status=499)  # the client left; the caller aborts the call
     out.raise_if_failed()
     created = int(time.time())
@@ -126,7 +126,7 @@ async def _stream(
             lp = out.chat_logprobs(piece) if piece.logprobs else None
             await _send_answer(response, piece.reasoning, items, call, body, created, lp)
 
-        if not await collect(request, out, event, events, emit):
+        if not await collect(request, out, event, events, emit, answer):
             return response  # the client left; the caller aborts the call
         rest = out.flush() if out.error is None else Piece()
         if chat and (answer is not None or rest.reasoning):

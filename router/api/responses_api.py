@@ -352,7 +352,7 @@ async def _collect(
     request: web.Request, shape: _Shape, call: CallRequest, out: OutputAssembler,
     event: CallEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.Response:
-    if not await collect(request, out, event, events):
+    if not await collect(request, out, event, events, answer=answer):
         return web.Response(status=499)  # the client left; the caller aborts the call
     out.raise_if_failed()
     full = _context_full(shape, out)
@@ -395,7 +395,7 @@ async def _stream(
             await output.feed(answer.feed(piece.text) if answer is not None else [piece.text])
             out.check_calls(answer)
 
-        if not await collect(request, out, event, events, emit):
+        if not await collect(request, out, event, events, emit, answer):
             return response  # the client left; the caller aborts the call
         if out.error is None:
             await emit(out.flush())

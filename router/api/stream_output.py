@@ -79,6 +79,7 @@ class OutputAssembler:
         self.error_status = 502
         self.refusal: ApiError | None = None  # the call's refusal, after its stream committed
         self.done = False
+        self.settled = False  # the answer was whole before its call ended (``settle``)
 
     def add(self, event: CallEvent) -> Piece:
         if self.done:
@@ -131,6 +132,11 @@ class OutputAssembler:
         cut as the router or its instance shut down a 503 (``server_shutting_down``)."""
         if self.error is not None:
             raise ApiError(self.error_status, self.error, code=self.error_code)
+
+    def settle(self) -> None:
+        """Nothing more of the call's output can reach its answer (``AnswerParser.settled``):
+        the answer ends here, its usage the tokens received."""
+        self.done, self.settled, self.finish_reason = True, True, "stop"
 
     def fail(self, detail: str) -> None:
         """The call failed: log ``detail``; the client is told only that, and the id."""
@@ -255,16 +261,23 @@ class OutputAssembler:
 
 async def collect(
     request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent],
-    emit: Callable[[Piece], Awaitable[None]] | None = None,
+    emit: Callable[[Piece], Awaitable[None]] | None = None, answer: AnswerParser | None = None,
 ) -> bool:
     """Feed the call's events to ``out`` (and each piece to ``emit``) until it is done; False
     if the client left first. Anything failing here but the client's connection fails the
-    call (``out.error``), so its answer still says so."""
+    call (``out.error``), so its answer still says so. ``answer``: the tool-call parser, fed
+    by ``emit`` in a stream (a watcher of its own reads a collected answer's text): once it is
+    ``settled``, so is ``out``, and the caller ends the call as answered."""
+    watch = answer.watcher() if answer is not None and emit is None else answer
     try:
         while True:
             piece = out.add(event)
             if emit is not None:
                 await emit(piece)
+            elif watch is not None:
+                watch.feed(piece.text)
+            if not out.done and watch is not None and watch.settled:
+                out.settle()
             if out.done:
                 return True
             following = await next_event(request, events)

@@ -25,11 +25,12 @@ class CallAborts:
         self.deadline_s = deadline_s
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def now(self, instance_id: str, call_id: str) -> None:
-        """Abort the call and wait (at most the deadline); a failure is logged, not raised."""
+    async def now(self, instance_id: str, call_id: str, answered: bool = False) -> None:
+        """Abort the call and wait (at most the deadline); a failure is logged, not raised.
+        ``answered``: its consumer had the whole answer (``InstanceClient.abort``)."""
         try:
             async with asyncio.timeout(self.deadline_s):
-                await self.clients[instance_id].abort(call_id)
+                await self.clients[instance_id].abort(call_id, answered)
         except Exception as exc:
             log.info("router.abort_failed", instance=instance_id, call_id=call_id, error=repr(exc))
 

@@ -189,8 +189,8 @@ class HttpInstanceClient:
             raise InstanceShuttingDown(f"{self.instance_id}: {message}")
         raise InstanceUnavailable(f"{self.instance_id}: HTTP {response.status}: {message}")
 
-    async def abort(self, call_id: str) -> None:
-        url = f"{self.base_url}/internal/v1/calls/{call_id}/abort"
+    async def abort(self, call_id: str, answered: bool = False) -> None:
+        url = f"{self.base_url}/internal/v1/calls/{call_id}/abort" + ("?answered=1" if answered else "")
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s)
         try:
             async with self._stream_http().post(url, headers=self._headers, timeout=timeout) as response:

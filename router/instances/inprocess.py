@@ -51,8 +51,8 @@ class InProcessClient:
             if aclose is not None:
                 await aclose()
 
-    async def abort(self, call_id: str) -> None:
-        result = self._target.abort(call_id)
+    async def abort(self, call_id: str, answered: bool = False) -> None:
+        result = self._target.abort(call_id, answered=answered)
         if inspect.isawaitable(result):
             await result
 

@@ -148,13 +148,14 @@ class EngineExecutor:
         self._check_idle("add_request")
         self.engine.add_request(request)
 
-    def abort(self, request_id: str) -> None:
-        """Abort ``request_id`` in the engine. The abort event the engine reports for it at
+    def abort(self, request_id: str, keep_session: bool = False) -> None:
+        """Abort ``request_id`` in the engine (``keep_session``: its blocks stay its session's
+        remembered prefix, as a finished call's). The abort event the engine reports for it at
         its next step is not passed on: whoever aborts has ended the call already, and by that
         step a new call may use the same id (a client may reuse one), which that event would
         end."""
         self._check_idle("abort")
-        self.engine.abort(request_id)
+        self.engine.abort(request_id, keep_session)
         self._aborted.add(request_id)
 
     def has_unfinished(self) -> bool:

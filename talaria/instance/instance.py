@@ -313,8 +313,11 @@ class Instance:
         finally:
             handle.abort()
 
-    def abort(self, call_id: str) -> bool:
-        """Abort a queued or running call; False if it is unknown or already finished."""
+    def abort(self, call_id: str, answered: bool = False) -> bool:
+        """Abort a queued or running call; False if it is unknown or already finished.
+        ``answered``: its caller has the answer it wanted (a stop string, a finished tool
+        call), so a running call ends as a finished one does: its session's KV and books are
+        kept, as for the session's next call (a reservation included)."""
         pending = self.calls.by_id.get(call_id)
         if pending is None:
             return False
@@ -322,6 +325,8 @@ class Instance:
             self.loop.finish(pending, "abort", None)
         else:
             self.loop.aborts.append(call_id)
+            if answered:
+                self.loop.answered.add(call_id)
             self.loop.wake.set()
             self.executor.interrupt()
         return True

@@ -82,6 +82,7 @@ class AdmissionLoop:
         self.stats = EngineStats()
         self.healthy = True
         self.aborts: list[str] = []
+        self.answered: set[str] = set()  # of those, calls whose caller had the answer it wanted
         self.to_forget: set[str] = set()  # sessions the router no longer holds
         self.to_release: set[str] = set()  # sessions gone elsewhere: their reservations go
         self.stopping = False
@@ -382,13 +383,17 @@ class AdmissionLoop:
         self.finish(pending, reason, event)
         self.rates.observe_restored(pending.call.model, event.num_restored_tokens)
         if reason != "abort":
-            now = self.now()
-            admitted = pending.admitted if pending.admitted is not None else now
-            self.est.observe_output(pending.out_tokens)
-            self.sessions.on_call_end(pending.call, pending.out_tokens, now,
-                                      waited_s=admitted - pending.arrived,
-                                      served_s=now - admitted)
-            self.pressure.call_ended(pending)
+            self._answered(pending)
+
+    def _answered(self, pending: PendingCall) -> None:
+        """A call its caller got an answer from (finished, or ended once answered): its
+        session's books, as the session goes on."""
+        now = self.now()
+        admitted = pending.admitted if pending.admitted is not None else now
+        self.est.observe_output(pending.out_tokens)
+        self.sessions.on_call_end(pending.call, pending.out_tokens, now,
+                                  waited_s=admitted - pending.arrived, served_s=now - admitted)
+        self.pressure.call_ended(pending)
 
     def finish(self, pending: PendingCall, reason: str, event: TokenEvent | None,
                error: str | None = None) -> None:
@@ -406,9 +411,13 @@ class AdmissionLoop:
             pending = self.calls.admitted_call(call_id)
             if pending is None:
                 continue
-            self.executor.abort(call_id)
-            self.finish(pending, "abort", None)
+            answered = call_id in self.answered
+            self.executor.abort(call_id, keep_session=answered)
+            self.finish(pending, "stop" if answered else "abort", None)
+            if answered:
+                self._answered(pending)
             aborted = True
+        self.answered.clear()
         released = self.sessions.expire(self.now())  # unpinned blocks are free: re-read
         if self.to_forget or self.to_release:
             asks, self.to_forget, self.to_release = (self.to_forget, self.to_release), set(), set()

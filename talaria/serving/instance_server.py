@@ -8,7 +8,8 @@ Routes:
   token id outside the vocabulary; 404 unknown model; 429 queue full
   (``{"error": {...}, "retry_after_s": x}`` and a ``Retry-After`` header); 503 not accepting
   (its code ``shutting_down`` once the server shuts down).
-- ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}``.
+- ``POST /internal/v1/calls/{call_id}/abort`` -> ``{"aborted": bool}`` (``?answered=1``: the
+  caller has the answer it wanted, so the call ends as a finished one, its session kept).
 - ``GET /internal/v1/state`` -> ``InstanceState`` JSON (every session); ``POST
   /internal/v1/state`` (a ``StateAsk``) -> the sessions changed since the version the poller
   holds, and the sessions it names forgotten (``talaria.protocol.state_delta``);
@@ -268,7 +269,7 @@ def _shutdown_end(event: CallEvent, instance_id: str) -> CallEvent:
 
 async def _abort(request: web.Request) -> web.Response:
     call_id = request.match_info["call_id"]
-    aborted = request.app[INSTANCE_KEY].abort(call_id)
+    aborted = request.app[INSTANCE_KEY].abort(call_id, answered=request.query.get("answered") == "1")
     return _json({"aborted": aborted, "call_id": call_id})
 
 

@@ -226,6 +226,20 @@ def test_abort_at_any_time_frees_every_block() -> None:
     assert s.num_running == 0 and s.num_waiting == 0
 
 
+@pytest.mark.parametrize("keep_session", [False, True])
+def test_an_abort_keeps_the_session_only_when_asked(keep_session: bool) -> None:
+    """An abort whose caller had the answer (a stop string, a settled tool call) leaves the
+    computed blocks as the session's remembered prefix, as a finished request does."""
+    s = make(num_blocks=8, budget=16)
+    a = Request("a", list(range(10)), SamplingParams(max_tokens=8), session_id="s")
+    s.add_request(a)
+    step(s)
+    step(s)  # prefilled, one token decoded: 11 tokens computed, two whole blocks
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED, keep_session=keep_session)
+    assert len(s.kv.session_block_hashes("s")) == (2 if keep_session else 0)
+    assert s.kv.num_free_blocks == 8 and not s.has_unfinished()
+
+
 def test_prefix_hit_counted_on_first_admission() -> None:
     s = make(budget=64)
     s.add_request(req("a", 10))

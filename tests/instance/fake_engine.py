@@ -139,14 +139,16 @@ class FakeEngine(ServesModels):
         seconds = self.step_s + prefill * self.prefill_s_per_token
         return StepResult(events, seconds, num_prefill_tokens=prefill, num_decode_tokens=decode)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, keep_session: bool = False) -> None:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
         self.aborted.append(request_id)
         self._abort_events.append(request_id)
         sid = req.request.session_id
-        if sid is not None and sid in self._kv:
+        if keep_session:
+            self._end_session(req)
+        elif sid is not None and sid in self._kv:
             self._kv[sid].device = 0
 
     def has_unfinished(self) -> bool:

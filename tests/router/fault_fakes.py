@@ -48,7 +48,7 @@ class FaultyInstance:
                 usage=CallUsage(len(call.prompt_token_ids), n) if last else None,
             )
 
-    async def abort(self, call_id: str) -> None:
+    async def abort(self, call_id: str, answered: bool = False) -> None:
         await self._alive()
         self.aborted.append(call_id)
 

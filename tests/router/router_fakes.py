@@ -89,6 +89,7 @@ class FakeInstance:
         self.hold = hold  # when set, the stream waits on it after the first token
         self.calls: list[CallRequest] = []
         self.aborted: list[str] = []
+        self.answered: list[str] = []  # of those, the calls aborted with their answer whole
         self.state_polls = 0
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
@@ -121,8 +122,10 @@ class FakeInstance:
             return None
         return CallUsage(len(call.prompt_token_ids), i + 1, self.cached_tokens, self.restored_tokens)
 
-    async def abort(self, call_id: str) -> None:
+    async def abort(self, call_id: str, answered: bool = False) -> None:
         self.aborted.append(call_id)
+        if answered:
+            self.answered.append(call_id)
 
     async def state(self) -> InstanceState:
         self.state_polls += 1

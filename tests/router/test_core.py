@@ -178,7 +178,7 @@ class DuckInstance:
         for i, tok in enumerate(REPLY):
             yield CallEvent(call.call_id, [tok], finished=i == len(REPLY) - 1, finish_reason="stop")
 
-    def abort(self, call_id: str) -> bool:
+    def abort(self, call_id: str, answered: bool = False) -> bool:
         self.aborted.append(call_id)
         return True
 

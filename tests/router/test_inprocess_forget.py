@@ -19,7 +19,7 @@ class Target:
     async def stream(self, call: CallRequest):  # type: ignore[no-untyped-def]
         yield None
 
-    def abort(self, call_id: str) -> None:
+    def abort(self, call_id: str, answered: bool = False) -> None:
         pass
 
     def state(self) -> InstanceState:

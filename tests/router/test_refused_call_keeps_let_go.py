@@ -41,7 +41,7 @@ class Target:
             raise overloaded("queue full", 1.0)
         yield CallEvent(call_id=call.call_id, token_ids=[5], finished=True, finish_reason="length")
 
-    def abort(self, call_id: str) -> None:
+    def abort(self, call_id: str, answered: bool = False) -> None:
         pass
 
     def release_reservations(self, ids: list[str]) -> None:

@@ -77,7 +77,7 @@ class Hung:
         await asyncio.sleep(3600)
         yield CallEvent(call_id=call.call_id)
 
-    async def abort(self, call_id: str) -> None:
+    async def abort(self, call_id: str, answered: bool = False) -> None:
         await asyncio.sleep(3600)
 
     async def state(self) -> InstanceState:
@@ -126,7 +126,7 @@ class SlowAbort(FakeInstance):
         finally:
             self.closed = True
 
-    async def abort(self, call_id: str) -> None:
+    async def abort(self, call_id: str, answered: bool = False) -> None:
         self.abort_started.set()
         await asyncio.sleep(3600)
 

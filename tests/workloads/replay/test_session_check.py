@@ -69,7 +69,7 @@ class _EchoInstance:
         yield CallEvent(call.call_id, [5] * n, finished=True, finish_reason="length",
                         usage=CallUsage(len(call.prompt_token_ids), n, 0))
 
-    async def abort(self, call_id: str) -> None:
+    async def abort(self, call_id: str, answered: bool = False) -> None:
         return None
 
     async def state(self) -> InstanceState:
