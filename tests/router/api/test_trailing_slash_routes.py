@@ -6,8 +6,10 @@ errors keep Anthropic's shape."""
 from __future__ import annotations
 
 import pytest
+from aiohttp import web
 from api_helpers import chat_body, scripted, serve
 
+from router.route_slashes import add_trailing_slash_routes
 from router.tokenization import ModelTokenizer
 
 MESSAGES = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
@@ -40,3 +42,18 @@ async def test_the_key_and_the_error_shape_hold_with_the_slash(tiny_tokenizer: M
         resp = await client.post("/v1/messages/", json={**MESSAGES, "model": "nope"}, headers={"x-api-key": "sk-test"})
         assert resp.status == 404 and (await resp.json())["error"]["type"] == "not_found_error"
         assert (await client.post("/v1/chat//completions", json=chat_body())).status in (401, 404)
+
+
+def test_no_copy_is_added_for_a_route_that_takes_the_slash_itself() -> None:
+    """``/v1/models/{model_id:.+}`` matches ``/v1/models/tiny/`` already (the model list
+    strips the slash); a copy at ``{model_id}/`` would never be matched."""
+    app = web.Application()
+    app.router.add_get("/v1/models/{model_id:.+}", _ok)
+    app.router.add_get("/v1/models/{model_id}/meta", _ok)
+    add_trailing_slash_routes(app.router)
+    paths = sorted({r.resource.canonical for r in app.router.routes() if r.resource is not None})
+    assert paths == ["/v1/models/{model_id}", "/v1/models/{model_id}/meta", "/v1/models/{model_id}/meta/"]
+
+
+async def _ok(_request: web.Request) -> web.Response:
+    return web.Response()
