@@ -8,7 +8,8 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
 - the stream as named SSE events: ``message_start`` (the message, empty, its input usage split
   as the first event reports it; all of it ``input_tokens`` when the stream commits before
   that event, ``router.api.stream_commit``) and ``ping``, sent at the first event or at the
-  commit, then a ``ping`` every ``stream_keepalive_s`` until the first event; per content
+  commit, then a ``ping`` every ``stream_keepalive_s`` until the first event, and after it
+  whenever the stream was silent that long (``router.api.stream_keepalive``); per content
   block ``content_block_start`` / ``_delta`` / ``_stop`` (indices 0, 1, ... in order; a
   ``tool_use`` block starts with ``input: {}`` once the call's name is known and its input
   follows as ``input_json_delta`` events as the model writes it, whose ``partial_json``
@@ -35,7 +36,6 @@ with the OpenAI API; this module writes its result as Anthropic's clients read i
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -54,6 +54,7 @@ from router.api.openai_schema import CompletionBody
 from router.api.output_budget import OutputOverflow
 from router.api.prompt_tokens import ContextOverflow
 from router.api.stream_commit import FirstEvent
+from router.api.stream_keepalive import KeepAlive, WatchedStream
 from router.api.stream_output import OutputAssembler, Piece, collect
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
@@ -208,19 +209,12 @@ class _Events:
         self.response = response
         self.index = -1
         self.open: str | None = None
-        self.sent_at = time.monotonic()  # when the last event was written
 
     async def send(self, name: str, data: dict[str, Any]) -> None:
         await self.response.write(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
-        self.sent_at = time.monotonic()
 
     async def ping(self) -> None:
         await self.send("ping", {"type": "ping"})
-
-    async def ping_if_idle(self, idle_s: float) -> None:
-        """A ``ping`` when nothing was sent for ``idle_s`` (the model thinks, its thinking hidden)."""
-        if time.monotonic() - self.sent_at >= idle_s:
-            await self.ping()
 
     async def thinking(self, text: str) -> None:
         if not text:
@@ -265,8 +259,8 @@ async def _stream(
     request: web.Request, body: CompletionBody, call: CallRequest, out: OutputAssembler,
     first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Session-ID": call.session_id})
+    response = WatchedStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                      "X-Session-ID": call.session_id})
     sse = _Events(response)
 
     async def opening(event: CallEvent | None) -> None:
@@ -282,14 +276,13 @@ async def _stream(
             return response  # the client left; the caller aborts the call
 
         async def emit(piece: Piece) -> None:
-            if body.show_reasoning:
+            if body.show_reasoning:  # else not sent: collect's keep-alive pings meanwhile
                 await sse.thinking(piece.reasoning)
-            elif piece.reasoning:  # not sent, but the client waits for it as for a first token
-                await sse.ping_if_idle(first.keepalive_s)
             await sse.items(answer.feed(piece.text) if answer is not None else [piece.text])
             out.check_calls(answer)
 
-        if not await collect(request, out, event, events, emit, answer):
+        if not await collect(request, out, event, events, emit, answer,
+                             KeepAlive(response, sse.ping, first.keepalive_s)):
             return response  # the client left; the caller aborts the call
         if out.error is None:
             await emit(out.flush())

@@ -8,7 +8,8 @@ cut short by the answer's length limit ends with ``finish_reason: "length"``, it
 incomplete, as OpenAI's do. A stream begins (its 200 and, on the chat API, the one chunk
 with ``delta.role``) at the call's first token or at its commit before it
 (``router.api.stream_commit``), then sends an SSE comment (``: keep-alive``) every
-``stream_keepalive_s`` until that token; before it begins a failure is an HTTP status. A
+``stream_keepalive_s`` until that token, and after it whenever the stream has been silent
+that long (``router.api.stream_keepalive``); before it begins a failure is an HTTP status. A
 failure after it began is an error chunk, never a silent truncation (a streamed call that
 broke is one, code ``malformed_tool_call``; a call refused after the commit carries the
 status's type and code, e.g. ``rate_limit_exceeded``); the stream ends with
@@ -35,6 +36,7 @@ from router.api import openai_schema as schema
 from router.api import openai_tools
 from router.api.answer_parser import AnswerItem, AnswerParser, ToolCallDelta, ToolCallStart
 from router.api.stream_commit import FirstEvent
+from router.api.stream_keepalive import KeepAlive, WatchedStream
 from router.api.stream_output import OutputAssembler, Piece, collect
 from talaria.protocol import CallEvent, CallRequest
 
@@ -86,7 +88,7 @@ async def _stream(
     request: web.Request, body: schema.CompletionBody, call: CallRequest, out: OutputAssembler,
     first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None = None,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(
+    response = WatchedStream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                  "X-Session-ID": call.session_id}
     )
@@ -126,7 +128,8 @@ async def _stream(
             lp = out.chat_logprobs(piece) if piece.logprobs else None
             await _send_answer(response, piece.reasoning, items, call, body, created, lp)
 
-        if not await collect(request, out, event, events, emit, answer):
+        if not await collect(request, out, event, events, emit, answer,
+                             KeepAlive(response, keep_alive, first.keepalive_s)):
             return response  # the client left; the caller aborts the call
         rest = out.flush() if out.error is None else Piece()
         if chat and (answer is not None or rest.reasoning):

@@ -19,7 +19,8 @@ with the other APIs; this module writes its result as Responses clients (Codex) 
 - the stream as named SSE events, each with a ``sequence_number`` one above the last (from 0):
   ``response.created``, ``response.in_progress`` (sent at the first event, or at the stream's
   commit before it, ``router.api.stream_commit``; then ``response.in_progress`` again every
-  ``stream_keepalive_s`` until the first event: Codex's idle timer counts the events it
+  ``stream_keepalive_s`` until the first event, and after it whenever the stream was silent
+  that long, ``router.api.stream_keepalive``: Codex's idle timer counts the events it
   parses, not SSE comments); per message ``response.output_item.added``,
   ``response.content_part.added``, ``response.output_text.delta``...,
   ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``
@@ -74,6 +75,7 @@ from router.api.openai_schema import CompletionBody
 from router.api.responses_schema import ResponsesRequest
 from router.api.responses_tools import CustomInputStream, Tools, custom_input
 from router.api.stream_commit import FirstEvent, Responder
+from router.api.stream_keepalive import KeepAlive, WatchedStream
 from router.api.stream_output import OutputAssembler, Piece, collect
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
@@ -373,8 +375,8 @@ async def _stream(
     request: web.Request, shape: _Shape, call: CallRequest, out: OutputAssembler,
     first: FirstEvent, events: AsyncIterator[CallEvent], answer: AnswerParser | None,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **shape.headers})
+    response = WatchedStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                      **shape.headers})
     output = _Output(shape.tools, response)
 
     async def opening(_first: CallEvent | None) -> None:
@@ -395,7 +397,8 @@ async def _stream(
             await output.feed(answer.feed(piece.text) if answer is not None else [piece.text])
             out.check_calls(answer)
 
-        if not await collect(request, out, event, events, emit, answer):
+        keep = KeepAlive(response, keep_alive, first.keepalive_s)
+        if not await collect(request, out, event, events, emit, answer, keep):
             return response  # the client left; the caller aborts the call
         if out.error is None:
             await emit(out.flush())

@@ -8,7 +8,8 @@ streamed call commits at its first event or ``stream_commit_s`` after it was sen
 comes first, and from its commit to its first event sends a keep-alive every
 ``stream_keepalive_s`` (each API its own: an Anthropic ``ping`` event, an SSE comment on the
 OpenAI chat API, a repeated ``response.in_progress`` on the Responses API, which Codex
-parses and ignores, so its idle timer restarts; it ignores comments).
+parses and ignores, so its idle timer restarts; it ignores comments). After it the same
+keep-alive goes out whenever the stream is silent that long (``router.api.stream_keepalive``).
 
 The invariant, who tells a client of a failure how:
 - before the commit nothing is sent; a failure gets its HTTP status (``router.app._complete``

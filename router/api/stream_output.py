@@ -22,6 +22,7 @@ from router.api import openai_schema as schema
 from router.api.answer_parser import AnswerParser
 from router.api.reasoning import ReasoningSplitter
 from router.api.stop_cut import feed_tokens
+from router.api.stream_keepalive import KeepAlive
 from router.limits import LIMITS_KEY
 from router.outcomes import ShutDown, ShutDownEvent
 from router.tokenization import ModelTokenizer
@@ -262,12 +263,15 @@ class OutputAssembler:
 async def collect(
     request: web.Request, out: OutputAssembler, event: CallEvent, events: AsyncIterator[CallEvent],
     emit: Callable[[Piece], Awaitable[None]] | None = None, answer: AnswerParser | None = None,
+    keep_alive: KeepAlive | None = None,
 ) -> bool:
     """Feed the call's events to ``out`` (and each piece to ``emit``) until it is done; False
     if the client left first. Anything failing here but the client's connection fails the
     call (``out.error``), so its answer still says so. ``answer``: the tool-call parser, fed
     by ``emit`` in a stream (a watcher of its own reads a collected answer's text): once it is
-    ``settled``, so is ``out``, and the caller ends the call as answered."""
+    ``settled``, so is ``out``, and the caller ends the call as answered. ``keep_alive``: a
+    stream's, asked after each event that leaves the answer open (one that sent nothing
+    may have left the stream silent too long, ``router.api.stream_keepalive``)."""
     watch = answer.watcher() if answer is not None and emit is None else answer
     try:
         while True:
@@ -280,6 +284,8 @@ async def collect(
                 out.settle()
             if out.done:
                 return True
+            if keep_alive is not None:
+                await keep_alive.if_idle()
             following = await next_event(request, events)
             if following is None:
                 log.info("router.client_disconnected", request_id=out.request_id)
