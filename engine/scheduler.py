@@ -76,6 +76,17 @@ def _is_decode(request: Request, num_new: int, samples: bool) -> bool:
     return samples and num_new == 1 and bool(request.output_token_ids)
 
 
+def remembers_session(request: Request, keep_session: bool = False) -> bool:
+    """Whether ``request``, finished with its status set, leaves its computed blocks as its
+    session's remembered prefix: when it finished, or was aborted with ``keep_session`` (its
+    caller had the answer) while it held its prompt's KV, as a finished request always does.
+    One preempted since (no blocks) or still recomputing its prompt leaves the session's
+    prefix as it was (its last finished call's), as a plain abort does."""
+    if request.status != RequestStatus.FINISHED_ABORTED:
+        return True
+    return keep_session and request.num_computed_tokens >= request.num_prompt_tokens
+
+
 class Scheduler:
     def __init__(
         self,
@@ -118,9 +129,8 @@ class Scheduler:
     def finish_request(self, request_id: str, status: RequestStatus,
                        keep_session: bool = False) -> Request | None:
         """Finish (or abort) a request in any state, freeing every block it holds; its
-        computed blocks become its session's remembered prefix unless it was aborted, or
-        aborted with ``keep_session`` (its caller had the answer it wanted). Returns the
-        request, or None if it is unknown or already finished."""
+        computed blocks become its session's remembered prefix as :func:`remembers_session`
+        says. Returns the request, or None if it is unknown or already finished."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         request = self.requests.pop(request_id, None)
@@ -131,7 +141,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request, remember_session=keep_session or status != RequestStatus.FINISHED_ABORTED)
+        self.kv.free(request, remember_session=remembers_session(request, keep_session))
         return request
 
     def has_unfinished(self) -> bool:
