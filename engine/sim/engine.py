@@ -43,7 +43,7 @@ from engine.interface import (
 )
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus, token_event
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, remembers_session
 from engine.served_models import ServedModels, ServesModels
 from engine.sim.config import SimEngineConfig
 from engine.sim.cost_model import CostModel
@@ -87,12 +87,9 @@ class SimEngine(ServesModels):
         self.host_kv = self.memory.host_kv
         self.host_tier = HostTier(self.host_kv, kv_tier(self.config.kv_tier), bs)
         self.parking = Parking()  # requests suspended by token-level preemption
-        self.served = ServedModels(
-            {
-                name: ModelLimits(cost.model.max_position_embeddings, cost.model.vocab_size)
-                for name, cost in self.costs.items()
-            }
-        )
+        limits = {name: ModelLimits(cost.model.max_position_embeddings, cost.model.vocab_size)
+                  for name, cost in self.costs.items()}
+        self.served = ServedModels(limits)
         self.kv: KVCacheManager | None = None
         self.scheduler: Scheduler | None = None
         self._secondary: HostKVSecondary | None = None
@@ -153,10 +150,13 @@ class SimEngine(ServesModels):
 
     def abort(self, request_id: str, keep_session: bool = False) -> None:
         """Abort a waiting or running request, freeing its blocks; unknown ids are ignored.
-        The abort's event (no tokens) comes with the next ``step``."""
+        The abort's event (no tokens) comes with the next ``step``. ``keep_session``: its
+        chain becomes the session's record, as a finished request's (``remembers_session``)."""
         req = None
         if self.scheduler is not None:
             req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, keep_session)
+            if req is not None and remembers_session(req, keep_session):
+                self.sessions.remember(self.served.active or "", req, self.kv)
         if req is None:
             req = self.parking.abort(request_id)
         if req is not None:
