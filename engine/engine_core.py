@@ -134,7 +134,8 @@ class EngineCore:
         """Abort a waiting or running request, freeing its blocks; unknown ids are ignored
         (the request may have finished already). ``keep_session``: its caller has the answer
         (it stopped reading at a stop string or a finished tool call), so the blocks computed
-        become the session's remembered prefix, as a finished request's do."""
+        become the session's remembered prefix, as a finished request's do, if it holds its
+        prompt's KV (``engine.scheduler.remembers_session``)."""
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, keep_session)
         if req is None:
             return

@@ -2,8 +2,9 @@
 
 Duck-typed so the router needs nothing of ``talaria`` beyond the protocol: the target has
 ``stream(call)`` (an async iterator of CallEvents, raising InstanceUnavailable/Overloaded,
-or ValueError for a malformed call), ``abort(call_id)`` and ``state()``, each either plain
-or async, and may have ``forget_sessions(ids)`` and ``release_reservations(ids)``.
+or ValueError for a malformed call), ``abort(call_id, answered=...)`` (``InstanceClient.abort``)
+and ``state()``, each either plain or async, and may have ``forget_sessions(ids)`` and
+``release_reservations(ids)``.
 
 What the router asks the target to let go of (``router.instances.let_go``) reaches it as it
 reaches a live instance over HTTP (``router.instances.http``): held until the next state
