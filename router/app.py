@@ -369,7 +369,7 @@ async def _complete(
             finally:
                 await first.close()
             if out.stopped_at_string or out.settled:  # the events close with the answer whole
-                request.app[CORE_KEY].answered(call.call_id)
+                request.app[CORE_KEY].answered(call.call_id, out.answered_usage())
             return response
 
 

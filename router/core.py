@@ -116,7 +116,7 @@ class RouterCore:
         # instance is healthy (better a suspect instance than a 503).
         self.suspect: set[str] = set()
         self.aborts = CallAborts(self.clients, self.deadlines.state_s)
-        self._stopped: set[str] = set()  # calls whose consumer had the whole answer (``answered``)
+        self._stopped: dict[str, CallUsage | None] = {}  # calls answered, their usage (``answered``)
         self._polls = StatePolls(self._poll_state, refresh_interval_s)
 
     def now(self) -> float:
@@ -287,10 +287,11 @@ class RouterCore:
             await self._finish(call, books, instance_id, stream, start, outputs, outcome, pcall,
                                prefilling, label)
 
-    def answered(self, call_id: str) -> None:
+    def answered(self, call_id: str, usage: CallUsage | None = None) -> None:
         """The call's answer is whole before its events end (a stop string, a settled tool
-        call): its consumer closing them now ends it on its instance as a finished call."""
-        self._stopped.add(call_id)
+        call): its consumer closing them now ends it on its instance as a finished call, its
+        ``usage`` the answer's (None: its prompt and the tokens received are counted)."""
+        self._stopped[call_id] = usage
 
     async def _hash_prompt(self, call: CallRequest) -> PromptHashes:
         """The prompt's block hashes, reusing a known chain of its session's (``router.sessions.prefix_chain``);
@@ -423,12 +424,12 @@ class RouterCore:
                         if call.call_id in self._stopped:  # answered: counted as a finished call is
                             outcome = "ok"
                             self.call_health.success(instance_id)
-                            self._count_usage(call, None, len(outputs))
+                            self._count_usage(call, self._stopped[call.call_id], len(outputs))
                 finally:
                     await close_stream(stream)
                 self.metrics.call_time.observe(now - start, model=call.model)
         finally:
-            self._stopped.discard(call.call_id)
+            self._stopped.pop(call.call_id, None)
             self.metrics.requests.inc(model=call.model, instance=label, outcome=outcome)
             more = self.books.end(call, books, instance_id, now, outputs)
             if instance_id is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -231,6 +231,13 @@ class OutputAssembler:
         it; a decode of the answer alone can differ at its start (a SentencePiece word piece
         there loses its space) and miss a stop string the stream matched."""
         return self._stop.matched
+
+    def answered_usage(self) -> CallUsage | None:
+        """The usage of an answer whole before its call ended (a stop string, ``settle``) as
+        its API tells it: the prompt, cached and restored tokens its instance reported with its
+        first tokens and the tokens the answer kept; None if no usage came."""
+        kept = len(self.token_ids)
+        return replace(self.reported, completion_tokens=kept) if self.reported is not None else None
 
     def usage(self) -> dict[str, Any]:
         reported = self.reported
