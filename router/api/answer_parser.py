@@ -172,10 +172,13 @@ class AnswerParser:
         its first call is whole (see the module)."""
         return not self._parallel and bool(self.calls) and self.calls[0].state == "complete"
 
-    def watcher(self) -> AnswerParser:
+    def watcher(self) -> AnswerParser | None:
         """A new parser like this one, for a collected answer's text to be streamed through
-        as it comes, so that it may end once :attr:`settled` (this one parses it whole)."""
+        as it comes, so that it may end once :attr:`settled` (this one parses it whole); None
+        with parallel calls on, as such an answer never settles."""
         fmt, any_call, function, parallel, id_prefix, min_delta_chars = self._settings
+        if parallel:
+            return None
         return AnswerParser(fmt, any_call=any_call, function=function, parallel=parallel,
                             id_prefix=id_prefix, min_delta_chars=min_delta_chars)
 
