@@ -4,9 +4,10 @@
 With parallel tool calls on, text a model writes after a whole call is dropped but still
 runs on its instance (a later call could follow it), so a model that rambles after its call
 sends nothing on the stream all that while; so does text held back for a possible stop
-string. The instance here paces its tokens (``PACE_S`` apart) so that the silent stretch
-outlasts several keep-alive periods, while the text before the call, sent token by token
-at the same pace, gets none. Apart from the keep-alives the stream is the one an unpaced
+string. The instance here paces its tokens so that the silent stretch outlasts several
+keep-alive periods (``SILENT_PACE_S`` apart), while the text before the call, sent token by
+token ``PACE_S`` apart, gets none (an event loop stalled for most of a period at a token
+that sends nothing would give it one, so the period is 15 paces). Apart from the keep-alives the stream is the one an unpaced
 instance gets."""
 
 from __future__ import annotations
@@ -24,31 +25,32 @@ from test_tool_call_streams_http import APIS, ARGUMENTS
 from router.tokenization import ModelTokenizer
 from talaria.protocol import CallEvent, CallRequest
 
-PERIOD_S = 0.05  # stream_keepalive_s
-PACE_S = 0.01  # between the paced tokens
+PERIOD_S = 0.15  # stream_keepalive_s
+PACE_S = 0.01  # between the tokens of text that is sent
+SILENT_PACE_S = 0.03  # between the tokens of text that sends nothing
 TEXT = "Writing a.py, one moment.\n"
 CALL = f'<tool_call>\n{{"name": "write", "arguments": {ARGUMENTS}}}\n</tool_call>'
 RAMBLE = "\nNow I wait for the result." * 3  # dropped: written after the call
 
 
 class PacedInstance(ScriptedInstance):
-    """Answers ``parts`` (text, paced or not) a token per event, each paced token ``PACE_S``
-    after the one before it."""
+    """Answers ``parts`` (text, and the seconds between its tokens: 0 unpaced) a token per
+    event."""
 
-    def __init__(self, tok: ModelTokenizer, parts: list[tuple[str, bool]]) -> None:
+    def __init__(self, tok: ModelTokenizer, parts: list[tuple[str, float]]) -> None:
         ids: list[int] = []
-        self.paced: list[bool] = []
-        for text, paced in parts:
+        self.paces: list[float] = []
+        for text, pace_s in parts:
             part = tok.encode_text(text, add_special_tokens=False)
             ids += part
-            self.paced += [paced] * len(part)
+            self.paces += [pace_s] * len(part)
         super().__init__("i0", [ids + [EOS]])
-        self.paced.append(False)
+        self.paces.append(0.0)
 
     async def submit(self, call: CallRequest) -> AsyncIterator[CallEvent]:
         async for i, event in _numbered(super().submit(call)):
-            if self.paced[i]:
-                await asyncio.sleep(PACE_S)
+            if self.paces[i]:
+                await asyncio.sleep(self.paces[i])
             yield event
 
 
@@ -89,8 +91,8 @@ def call_span(api: str, blocks: list[tuple[str | None, Any]]) -> tuple[int, int]
 
 
 async def stream(tok: ModelTokenizer, path: str, body: dict[str, Any], paced: bool,
-                 parts: list[tuple[str, bool]]) -> list[tuple[str | None, Any]]:
-    instance = PacedInstance(tok, parts if paced else [(text, False) for text, _ in parts])
+                 parts: list[tuple[str, float]]) -> list[tuple[str | None, Any]]:
+    instance = PacedInstance(tok, parts if paced else [(text, 0.0) for text, _ in parts])
     config = {"stream_keepalive_s": PERIOD_S} if paced else {}
     async with serve(tok, {"i0": instance}, **config) as client:
         resp = await client.post(path, json={"model": "tiny", **body, "stream": True})
@@ -102,7 +104,7 @@ async def stream(tok: ModelTokenizer, path: str, body: dict[str, Any], paced: bo
 async def test_a_stream_silent_after_its_call_keeps_alive_and_answers_as_before(
         tiny_tokenizer: ModelTokenizer, api: str) -> None:
     path, body = APIS[api]
-    parts = [(TEXT, True), (CALL, False), (RAMBLE, True)]
+    parts = [(TEXT, PACE_S), (CALL, 0.0), (RAMBLE, SILENT_PACE_S)]
     blocks = await stream(tiny_tokenizer, path, body, True, parts)
     start, end = call_span(api, blocks)
     keep_alive = KEEP_ALIVE[api]
@@ -126,7 +128,7 @@ async def test_text_held_back_for_a_stop_string_keeps_the_stream_alive(tiny_toke
     cannot: the stream sends its comment meanwhile, and the text is the same after it."""
     stop = "x" * 40 + "!"
     body = {"prompt": "Hello", "max_tokens": 200, "stop": [stop]}
-    parts = [("Start ", True), ("x" * 36, True), ("y end.", False)]
+    parts = [("Start ", PACE_S), ("x" * 36, SILENT_PACE_S), ("y end.", 0.0)]
     blocks = await stream(tiny_tokenizer, "/v1/completions", body, True, parts)
     kinds = [kind for kind, _ in blocks]
     assert kinds.count("comment") >= 3
