@@ -240,6 +240,25 @@ def test_an_abort_keeps_the_session_only_when_asked(keep_session: bool) -> None:
     assert s.kv.num_free_blocks == 8 and not s.has_unfinished()
 
 
+def test_an_answered_abort_of_a_preempted_request_keeps_the_session_prefix() -> None:
+    """An answered abort of a request the scheduler had preempted (no computed blocks then)
+    leaves the session's remembered prefix as it was (its last finished call's) rather than
+    replace it with an empty chain."""
+    s = Scheduler(KVCacheManager(4, BS), 64, 8, max_model_len=256)
+    s.add_request(Request("s0", list(range(50, 58)), SamplingParams(max_tokens=1), session_id="s"))
+    while s.has_unfinished():
+        step(s)
+    remembered = s.kv.session_block_hashes("s")
+    assert len(remembered) == 2  # its prompt's two blocks
+    s.add_request(Request("a", list(range(8)), SamplingParams(max_tokens=6)))
+    s.add_request(Request("b", list(range(50, 58)), SamplingParams(max_tokens=6), session_id="s"))
+    step(s)
+    out = step(s)
+    assert out.preempted_ids == ["b"] and s.requests["b"].status == RequestStatus.PREEMPTED
+    s.finish_request("b", RequestStatus.FINISHED_ABORTED, keep_session=True)
+    assert s.kv.session_block_hashes("s") == remembered
+
+
 def test_prefix_hit_counted_on_first_admission() -> None:
     s = make(budget=64)
     s.add_request(req("a", 10))
