@@ -148,7 +148,7 @@ class AnswerParser:
         self, fmt: ToolFormat, *, any_call: bool = False, function: str | None = None,
         parallel: bool = True, id_prefix: str = "call_", min_delta_chars: int = 0,
     ) -> None:
-        self._settings = (fmt, any_call, function, parallel, id_prefix, min_delta_chars)
+        self._forced = (any_call, function)  # tool_choice, for ``watcher``
         self.prefill = fmt.forced_prefix(function) if (any_call or function) else ""
         self.tags = fmt.tags
         self._fmt = fmt
@@ -176,11 +176,11 @@ class AnswerParser:
         """A new parser like this one, for a collected answer's text to be streamed through
         as it comes, so that it may end once :attr:`settled` (this one parses it whole); None
         with parallel calls on, as such an answer never settles."""
-        fmt, any_call, function, parallel, id_prefix, min_delta_chars = self._settings
-        if parallel:
+        if self._parallel:
             return None
-        return AnswerParser(fmt, any_call=any_call, function=function, parallel=parallel,
-                            id_prefix=id_prefix, min_delta_chars=min_delta_chars)
+        any_call, function = self._forced
+        return AnswerParser(self._fmt, any_call=any_call, function=function, parallel=False,
+                            id_prefix=self._id_prefix, min_delta_chars=self._min_delta_chars)
 
     def parse(self, text: str, cut: bool = False) -> list[str | ToolCall]:
         """A whole answer: its content pieces and its calls, in order. ``cut``: the answer's
