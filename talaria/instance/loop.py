@@ -26,6 +26,7 @@ from talaria.instance.calls import CallBook, PendingCall, terminal_event, token_
 from talaria.instance.estimates import Estimator
 from talaria.instance.executor import EngineBusy, EngineExecutor
 from talaria.instance.faults import EngineFaults, FaultBudget
+from talaria.instance.heartbeats import Heartbeats
 from talaria.instance.intake import Intake
 from talaria.instance.kv_pressure import KVPressure
 from talaria.instance.rates import RateBook
@@ -99,6 +100,7 @@ class AdmissionLoop:
         )
         self.split = TimeSplit(0.0, record=record_splits)
         self.yield_guard = YieldGuard()
+        self.heartbeats = Heartbeats(instance_id, policy.call_heartbeat_s)
         self.intake = Intake(
             instance_id, view, policy, executor, calls, sessions, est, counters, self.faults,
             self.split, finish=self.finish, stats=lambda: self.stats,
@@ -123,9 +125,7 @@ class AdmissionLoop:
                 try:
                     if not await self._turn():
                         break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
+                except Exception as exc:  # not a cancellation: a BaseException
                     if not await self._recover(exc):
                         break
         except Exception:  # a bug outside the engine (the fault path itself): end, logged
@@ -349,6 +349,7 @@ class AdmissionLoop:
             if pending is None:
                 continue  # aborted meanwhile
             self._deliver(pending, event)
+        self.heartbeats.sweep(self.now(), self.calls.running)
         self.stats = self.executor.stats()
         self.stats = await self.pressure.demote(self.active_model, self.stats) or self.stats
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:

@@ -142,6 +142,10 @@ class PolicyConfig:
     # the engine (a hung collective, a driver fault): the instance is unhealthy and its
     # process exits to be restarted; 0 disables the watchdog
     engine_op_timeout_s: float = 600.0
+    # a running call that has sent its first token and made no progress for this long gets
+    # an empty event, so the router's stall deadline (60 s) and a client's idle timeout see
+    # it alive while the engine holds it (talaria.instance.heartbeats); 0 sends none
+    call_heartbeat_s: float = 5.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -172,7 +176,8 @@ class PolicyConfig:
             if not getattr(self, key) > 0:
                 raise ValueError(f"PolicyConfig.{key} must be > 0, got {getattr(self, key)!r}")
         non_negative = ("sp_horizon_s", "sp_budget_s", "sp_idle_margin_s", "default_gap_s",
-                        "engine_fault_backoff_s", "engine_op_timeout_s", "min_slot_factor")
+                        "engine_fault_backoff_s", "engine_op_timeout_s", "min_slot_factor",
+                        "call_heartbeat_s")
         if self.starvation_floor_s is not None and not self.starvation_floor_s >= 0:
             raise ValueError(f"PolicyConfig.starvation_floor_s must be >= 0, got "
                              f"{self.starvation_floor_s!r}")

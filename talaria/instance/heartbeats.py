@@ -1,0 +1,54 @@
+"""Heartbeats: an empty event for a call mid-answer that the engine holds without a step.
+
+Once a call has sent its first token, its consumer expects its events to keep coming: the
+router ends a call whose next event is later than its stall deadline (``Deadlines.stall_s``,
+60 s) as a failed instance, and a client or proxy cuts a stream silent past its idle timeout.
+Yet the engine can hold a running call for long without a step of its own: preempted for KV
+blocks, it is recomputed only once the calls holding them have freed enough. The loop is alive
+and serving then. (A call that token-level preemption parks until its model's next slot is
+not running and gets none: no live engine suspends calls.)
+
+So every ``period_s`` of the loop's clock, each running call whose output has not moved since
+the previous sweep (at least ``period_s`` ago) and that has sent its first token gets an event
+with no tokens (``CallEvent`` with ``token_ids`` empty, not finished): the router sees its
+instance alive and the client's stream gets a keep-alive (``router.api.stream_keepalive``).
+A call waits at most two periods for one. Calls whose consumer reads their ends only
+(``CallHandle.holds_steps``: the simulated replay) get none; before the first token the
+router's first-token deadline, which counts the instance's reported wait, applies instead.
+Heartbeats come from the admission loop's own turns, so a wedged loop sends none and the
+stall deadline still finds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from talaria.instance.calls import PendingCall
+from talaria.protocol import CallEvent
+
+__all__ = ["Heartbeats"]
+
+
+class Heartbeats:
+    def __init__(self, instance_id: str, period_s: float) -> None:
+        """``period_s``: seconds between sweeps; 0 sends none."""
+        self.instance_id = instance_id
+        self.period_s = period_s
+        self.sent = 0
+        self._next_sweep = float("-inf")
+        self._output_at_sweep: dict[str, int] = {}  # call id -> its output tokens then
+
+    def sweep(self, now: float, running: Mapping[str, PendingCall]) -> None:
+        """Put a heartbeat on each running call that made no progress since the last sweep."""
+        if self.period_s <= 0 or now < self._next_sweep:
+            return
+        self._next_sweep = now + self.period_s
+        before, self._output_at_sweep = self._output_at_sweep, {}
+        for call_id, pending in running.items():
+            out = pending.out_tokens
+            if out <= 0 or pending.handle.holds_steps:
+                continue
+            self._output_at_sweep[call_id] = out
+            if before.get(call_id) == out:
+                pending.handle.put(CallEvent(call_id=call_id, instance_id=self.instance_id))
+                self.sent += 1
