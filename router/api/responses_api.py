@@ -249,16 +249,16 @@ class _Output:
         await self.close_reasoning("incomplete" if status == "incomplete" else "completed")
         await self.close_text("incomplete" if status == "incomplete" else "completed")
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The items so far, an open one with its content so far (status ``incomplete``)."""
+    def snapshot(self, open_status: str = "incomplete") -> list[dict[str, Any]]:
+        """The items so far, an open one with its content so far and ``open_status``."""
         if self._call is not None:
             call = self._call
-            return [*self.items[:-1], {**call.item, call.key: call.sent, "status": "incomplete"}]
+            return [*self.items[:-1], {**call.item, call.key: call.sent, "status": open_status}]
         if self._reasoning is not None:
-            return [*self.items[:-1], _reasoning(self.items[-1]["id"], "".join(self._reasoning), "incomplete")]
+            return [*self.items[:-1], _reasoning(self.items[-1]["id"], "".join(self._reasoning), open_status)]
         if self._text is None:
             return list(self.items)
-        return [*self.items[:-1], _message(self.items[-1]["id"], "".join(self._text), "incomplete")]
+        return [*self.items[:-1], _message(self.items[-1]["id"], "".join(self._text), open_status)]
 
     async def _open_text(self) -> None:
         item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
@@ -385,7 +385,8 @@ async def _stream(
         await keep_alive()
 
     async def keep_alive() -> None:  # Codex parses it and ignores it: its idle timer restarts
-        await output.send("response.in_progress", {"response": shape.response("in_progress", [])})
+        await output.send("response.in_progress", {"response": shape.response(
+            "in_progress", output.snapshot("in_progress"))})  # the answer so far, never stale
 
     try:
         event = await first.stream(out, opening, keep_alive)

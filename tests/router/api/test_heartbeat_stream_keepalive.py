@@ -9,11 +9,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
 from api_helpers import EOS, serve
 from router_fakes import ScriptedInstance
 from test_silent_stream_keepalive import without_keep_alives
 from test_stream_commit import KEEP_ALIVE, blocks_of
+from test_stream_commit_clients import router
 from test_tool_call_streams_http import APIS
 
 from router.tokenization import ModelTokenizer
@@ -61,3 +63,40 @@ async def test_heartbeats_become_keep_alives_and_the_answer_is_unchanged(
     assert kinds.count(KEEP_ALIVE[api]) >= 3
     plain = await _stream(tiny_tokenizer, api, 0)
     assert without_keep_alives(api, held) == without_keep_alives(api, plain)
+
+
+async def test_a_responses_keep_alive_mid_answer_carries_the_answer_so_far(
+        tiny_tokenizer: ModelTokenizer) -> None:
+    """Its ``response.in_progress`` is the response as it stands (the open message with its
+    text so far, in progress), not the empty one of the stream's start: a client that takes
+    the event's response as its state loses nothing."""
+    blocks = await _stream(tiny_tokenizer, "responses", BEATS)
+    text, checked = "", 0
+    for kind, data in blocks:
+        if kind == "response.output_text.delta":
+            text += data["delta"]
+        elif kind == "response.in_progress" and text:
+            output = data["response"]["output"]
+            assert len(output) == 1 and output[0]["status"] == "in_progress"
+            assert output[0]["type"] == "message" and output[0]["content"][0]["text"] == text
+            checked += 1
+    assert checked >= 3 and text == TEXT
+
+
+async def test_the_openai_accumulator_reads_a_held_responses_stream_as_before(
+        tiny_tokenizer: ModelTokenizer) -> None:
+    """``responses.stream`` (the SDK's accumulator takes a lifecycle event's output items)
+    ends with the same response whether or not keep-alives went out mid-answer."""
+    async def final_text(beats: int) -> tuple[str, int]:
+        instance = HoldingInstance(tiny_tokenizer, beats)
+        async with router(tiny_tokenizer, instance, stream_keepalive_s=PERIOD_S) as server:
+            client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="k", max_retries=0)
+            async with client.responses.stream(model="tiny", input="Hello world") as stream:
+                kinds = [event.type async for event in stream]
+                final = await stream.get_final_response()
+            await client.close()
+        return final.output_text, kinds.count("response.in_progress")
+
+    held, plain = await final_text(BEATS), await final_text(0)
+    assert held[0] == plain[0] == TEXT
+    assert held[1] >= plain[1] + 3
