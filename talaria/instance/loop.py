@@ -382,7 +382,6 @@ class AdmissionLoop:
             return
         reason = event.finish_reason.value if event.finish_reason is not None else "stop"
         self.finish(pending, reason, event)
-        self.rates.observe_restored(pending.call.model, event.num_restored_tokens)
         if reason != "abort":
             self._answered(pending)
 
@@ -398,7 +397,9 @@ class AdmissionLoop:
 
     def finish(self, pending: PendingCall, reason: str, event: TokenEvent | None,
                error: str | None = None) -> None:
-        """The call's terminal event: it leaves the book and its handle ends."""
+        """Its terminal event: it leaves the book, its handle ends, its host restores count."""
+        if pending.usage is not None:
+            self.rates.observe_restored(pending.call.model, pending.usage.restored_tokens)
         self.calls.remove(pending.call.call_id)
         self.split.finish(pending.call.call_id, self.now())
         pending.handle.put(terminal_event(pending, reason, event, error, self.instance_id))
