@@ -55,7 +55,7 @@ from router.instances.kv_room import OutputRoom, kv_capacity, output_room
 from router.instances.placement import POLICIES, PlacementContext
 from router.limits import LIMITS_KEY, InflightGate, RouterLimits, body_items_bound
 from router.metrics import RouterMetrics
-from router.route_slashes import add_trailing_slash_routes
+from router.route_slashes import add_merged_slash_routes, add_trailing_slash_routes, merged_path
 from router.sessions.identity import SessionHeaders, resolve_session
 from router.sessions.inference import SessionInference, process_prefix
 from router.sessions.table import SessionTable
@@ -231,6 +231,7 @@ def create_app(
     app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)
     add_trailing_slash_routes(app.router)  # /v1/chat/completions/ is /v1/chat/completions
+    add_merged_slash_routes(app.router)  # so is /v1//chat/completions
     return app
 
 
@@ -251,6 +252,7 @@ async def _answer_headers(request: web.Request, response: web.StreamResponse) ->
 def _protected(path: str) -> bool:
     """The API and /metrics (instance states, session counts) need the key; the probes
     (/, /health, /live) do not."""
+    path = merged_path(path)
     return path.startswith("/v1/") or path.rstrip("/") == "/metrics"
 
 

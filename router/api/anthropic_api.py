@@ -56,6 +56,7 @@ from router.api.prompt_tokens import ContextOverflow
 from router.api.stream_commit import FirstEvent
 from router.api.stream_keepalive import KeepAlive, WatchedStream
 from router.api.stream_output import OutputAssembler, Piece, collect
+from router.route_slashes import merged_path
 from talaria.protocol import CallEvent, CallRequest
 from talaria.protocol.errors import ApiError
 
@@ -90,9 +91,10 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 def anthropic_shaped(request: web.Request) -> bool:
     """Whether the request's errors take Anthropic's shape: the Messages API's paths, and the
     catalog's (both SDKs read ``/v1/models``) when the Anthropic SDK sends the request."""
-    if request.path.startswith(PATH_PREFIX):
+    path = merged_path(request.path)
+    if path.startswith(PATH_PREFIX):
         return True
-    return request.path.startswith("/v1/models") and "anthropic-version" in request.headers
+    return path.startswith("/v1/models") and "anthropic-version" in request.headers
 
 
 @web.middleware
