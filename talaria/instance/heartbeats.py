@@ -16,7 +16,10 @@ A call waits at most two periods for one. Calls whose consumer reads their ends 
 (``CallHandle.holds_steps``: the simulated replay) get none; before the first token the
 router's first-token deadline, which counts the instance's reported wait, applies instead.
 Heartbeats come from the admission loop's own turns, so a wedged loop sends none and the
-stall deadline still finds it.
+stall deadline still finds it. Nor do they keep a call alive for ever: one that has made no
+progress for ``limit_s`` (the instance's ``engine_op_timeout_s``, after which an engine
+operation counts as wedged) gets no more, so a request stuck in a live loop still ends at the
+router's stall deadline.
 """
 
 from __future__ import annotations
@@ -30,25 +33,31 @@ __all__ = ["Heartbeats"]
 
 
 class Heartbeats:
-    def __init__(self, instance_id: str, period_s: float) -> None:
-        """``period_s``: seconds between sweeps; 0 sends none."""
+    def __init__(self, instance_id: str, period_s: float, limit_s: float) -> None:
+        """``period_s``: seconds between sweeps, 0 sends none; ``limit_s``: a call held that
+        long gets no more (0: no limit)."""
         self.instance_id = instance_id
         self.period_s = period_s
+        self.limit_s = limit_s
         self.sent = 0
         self._next_sweep = float("-inf")
-        self._output_at_sweep: dict[str, int] = {}  # call id -> its output tokens then
+        # call id -> (its output tokens at the last sweep, the sweep that first saw that many)
+        self._seen: dict[str, tuple[int, float]] = {}
 
     def sweep(self, now: float, running: Mapping[str, PendingCall]) -> None:
         """Put a heartbeat on each running call that made no progress since the last sweep."""
         if self.period_s <= 0 or now < self._next_sweep:
             return
         self._next_sweep = now + self.period_s
-        before, self._output_at_sweep = self._output_at_sweep, {}
+        before, self._seen = self._seen, {}
         for call_id, pending in running.items():
             out = pending.out_tokens
             if out <= 0 or pending.handle.holds_steps:
                 continue
-            self._output_at_sweep[call_id] = out
-            if before.get(call_id) == out:
+            last, since = before.get(call_id, (-1, now))
+            if last != out:
+                since = now
+            self._seen[call_id] = (out, since)
+            if last == out and not (0 < self.limit_s <= now - since):
                 pending.handle.put(CallEvent(call_id=call_id, instance_id=self.instance_id))
                 self.sent += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import pytest
 from aiohttp.test_utils import TestServer
 from fake_engine import FakeEngine
 from instance_helpers import call
@@ -50,12 +51,14 @@ def _engine() -> HoldingEngine:
     return HoldingEngine(["m"], num_blocks=400, step_s=0.1)
 
 
-def _timed_events(heartbeat_s: float, step_events: bool = True) -> tuple[list[tuple[float, CallEvent]], int]:
+def _timed_events(heartbeat_s: float, step_events: bool = True, limit_s: float = 600.0,
+                  ) -> tuple[list[tuple[float, CallEvent]], int]:
     """The held call's events with their loop times, and the heartbeats the instance sent."""
     engine = _engine()
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, PolicyConfig(call_heartbeat_s=heartbeat_s))
+        policy = PolicyConfig(call_heartbeat_s=heartbeat_s, engine_op_timeout_s=limit_s)
+        inst = Instance("i", engine, policy)
         await inst.start()
         held = call("c0", "s0", "m", 40, max_tokens=8)
         held.step_events = step_events
@@ -94,17 +97,27 @@ def test_without_heartbeats_the_held_call_is_silent_for_the_whole_hold() -> None
     assert _longest_gap(timed) >= HOLD_STEPS * 0.1
 
 
+def test_a_call_held_past_the_limit_gets_no_more_heartbeats() -> None:
+    """Held 30 s, sweeps every 5 s, a 12 s limit (the instance's engine_op_timeout_s): the
+    sweeps that find it held 5 and 10 s since the first one that saw it held beat, the later
+    ones do not, so it is silent longer than two periods (unlimited, it never is)."""
+    timed, sent = _timed_events(heartbeat_s=5.0, limit_s=12.0)
+    assert sent == 2
+    assert _longest_gap(timed) > 2 * 5.0 + 0.2
+
+
 def test_a_consumer_of_ends_only_gets_no_heartbeat() -> None:
     timed, sent = _timed_events(heartbeat_s=5.0, step_events=False)
     assert sent == 0
     assert [len(e.token_ids) for _, e in timed] == [1, 7]  # its first token, then the rest
 
 
-def _through_router(heartbeat_s: float) -> list[CallEvent]:
+def _through_router(heartbeat_s: float, limit_s: float = 600.0) -> list[CallEvent]:
     engine = _engine()
 
     async def main():  # type: ignore[no-untyped-def]
-        inst = Instance("i", engine, PolicyConfig(call_heartbeat_s=heartbeat_s))
+        policy = PolicyConfig(call_heartbeat_s=heartbeat_s, engine_op_timeout_s=limit_s)
+        inst = Instance("i", engine, policy)
         await inst.start()
         core = RouterCore({"i": InProcessClient("i", inst)}, "load", refresh_after_call=False,
                           deadlines=Deadlines(first_token_s=300.0, stall_s=12.0))
@@ -125,8 +138,10 @@ def test_the_router_keeps_a_held_call_that_sends_heartbeats() -> None:
     assert sum(len(e.token_ids) for e in events) == 8
 
 
-def test_the_router_cuts_a_held_call_without_heartbeats() -> None:
-    events = _through_router(heartbeat_s=0.0)
+@pytest.mark.parametrize("limit_s", [None, 12.0], ids=["no-heartbeats", "held-past-the-limit"])
+def test_the_router_cuts_a_held_call_without_heartbeats(limit_s: float | None) -> None:
+    events = (_through_router(heartbeat_s=0.0) if limit_s is None
+              else _through_router(heartbeat_s=5.0, limit_s=limit_s))
     assert events[-1].finish_reason == "error" and "event after the last" in (events[-1].error or "")
 
 
