@@ -48,7 +48,7 @@ def model_routes(tokenizers: Mapping[str, ModelTokenizer]) -> list[web.RouteDef]
             raise unknown_model(name, list(tokenizers))
         return _json(_entry(name, tok, int(time.time())))
 
-    return [web.get("/v1/models", listing), web.get("/v1/models/{model_id:.+}", one)]
+    return [web.get("/v1/models", listing), web.get("/v1/models/{model_id:[^/].*}", one)]
 
 
 def _page(names: list[str], query: Mapping[str, str]) -> tuple[list[str], bool]:

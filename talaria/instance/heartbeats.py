@@ -16,7 +16,9 @@ A call waits at most two periods for one. Calls whose consumer reads their ends 
 (``CallHandle.holds_steps``: the simulated replay) get none; before the first token the
 router's first-token deadline, which counts the instance's reported wait, applies instead.
 Heartbeats come from the admission loop's own turns, so a wedged loop sends none and the
-stall deadline still finds it. Nor do they keep a call alive for ever: one that has made no
+stall deadline still finds it; and only after a sweep period in which the engine ran a step,
+so a loop whose engine runs nothing at all (a request waiting for blocks that never free)
+sends none either. Nor do they keep a call alive for ever: one that has made no
 progress for ``limit_s`` (the instance's ``engine_op_timeout_s``, after which an engine
 operation counts as wedged) gets no more, so a request stuck in a live loop still ends at the
 router's stall deadline.
@@ -40,16 +42,20 @@ class Heartbeats:
         self.period_s = period_s
         self.limit_s = limit_s
         self.sent = 0
+        self._engine_ran = False  # a step ran something since the last sweep
         self._next_sweep = float("-inf")
         # call id -> (its output tokens at the last sweep, the sweep that first saw that many)
         self._seen: dict[str, tuple[int, float]] = {}
 
-    def sweep(self, now: float, running: Mapping[str, PendingCall]) -> None:
-        """Put a heartbeat on each running call that made no progress since the last sweep."""
+    def sweep(self, now: float, running: Mapping[str, PendingCall], stepped: bool) -> None:
+        """After an engine step (``stepped``: it ran something), put a heartbeat on each
+        running call that made no progress since the last sweep."""
+        self._engine_ran |= stepped
         if self.period_s <= 0 or now < self._next_sweep:
             return
         self._next_sweep = now + self.period_s
         before, self._seen = self._seen, {}
+        ran, self._engine_ran = self._engine_ran, False
         for call_id, pending in running.items():
             out = pending.out_tokens
             if out <= 0 or pending.handle.holds_steps:
@@ -58,6 +64,6 @@ class Heartbeats:
             if last != out:
                 since = now
             self._seen[call_id] = (out, since)
-            if last == out and not (0 < self.limit_s <= now - since):
+            if ran and last == out and not (0 < self.limit_s <= now - since):
                 pending.handle.put(CallEvent(call_id=call_id, instance_id=self.instance_id))
                 self.sent += 1

@@ -349,12 +349,14 @@ class AdmissionLoop:
             if pending is None:
                 continue  # aborted meanwhile
             self._deliver(pending, event)
-        self.heartbeats.sweep(self.now(), self.calls.running)
+        ran = bool(result.events) or (result.num_steps > 0 and result.seconds > 0)
+        self.heartbeats.sweep(self.now(), self.calls.running, ran)
         self.stats = self.executor.stats()
+        self.rates.observe_restores(self.active_model, self.stats.restored_tokens_total)
         self.stats = await self.pressure.demote(self.active_model, self.stats) or self.stats
         if self.now() - self._last_refresh >= self.policy.state_refresh_s:
             self.refresh_engine_view(all_sessions=True)
-        if not result.events and (result.num_steps == 0 or result.seconds <= 0):
+        if not ran:
             if await self.intake.unstall(self.stats):
                 return
             # Nothing could run (e.g. the engine waits for memory): do not spin, and say so
@@ -397,9 +399,7 @@ class AdmissionLoop:
 
     def finish(self, pending: PendingCall, reason: str, event: TokenEvent | None,
                error: str | None = None) -> None:
-        """Its terminal event: it leaves the book, its handle ends, its host restores count."""
-        if pending.usage is not None:
-            self.rates.observe_restored(pending.call.model, pending.usage.restored_tokens)
+        """The call's terminal event: it leaves the book and its handle ends."""
         self.calls.remove(pending.call.call_id)
         self.split.finish(pending.call.call_id, self.now())
         pending.handle.put(terminal_event(pending, reason, event, error, self.instance_id))

@@ -61,6 +61,7 @@ class RateBook:
         self.kv_offload_bytes_per_s = Ewma(alpha)
         self.kv_offloaded_bytes = 0
         self.kv_restored_bytes = 0.0
+        self._restored_tokens_seen = 0
 
     def observe(self, kind: str, result: StepResult | MoveReport, model: str | None) -> None:
         if isinstance(result, StepResult):
@@ -78,9 +79,15 @@ class RateBook:
             if result.seconds > 0:
                 self.kv_offload_bytes_per_s.update(result.bytes_per_s)
 
-    def observe_restored(self, model: str, tokens: int) -> None:
-        """A call of ``model`` had ``tokens`` of its prompt restored from the host store."""
-        self.kv_restored_bytes += tokens * self.kv_bytes_per_token[model]
+    def observe_restores(self, model: str | None, restored_tokens_total: int) -> None:
+        """After an engine step: the engine's count of tokens restored from the host store
+        (``EngineStats.restored_tokens_total``, never decreasing); what it grew by since the
+        last step was ``model``'s, the active one (only its requests ran). Every restore
+        counts, whether or not its call went on to an event."""
+        grown, self._restored_tokens_seen = (restored_tokens_total - self._restored_tokens_seen,
+                                             restored_tokens_total)
+        if grown > 0 and model in self.kv_bytes_per_token:
+            self.kv_restored_bytes += grown * self.kv_bytes_per_token[model]
 
     def restore_s(self, model: str, tokens: int) -> float:
         """Estimated seconds to restore ``tokens`` of ``model``'s KV from the host store."""

@@ -33,6 +33,8 @@ def test_rates_learn_from_reported_seconds() -> None:
     assert rates.restore_s("a", 1000) == pytest.approx(1000 * 100 / 2e6)
     assert rates.restore_s("b", 1000) == pytest.approx(1000 * 300 / 2e6)  # each model its own
     assert RateBook(["a"], 0.5, {"a": 100.0}).restore_s("a", 1000) == 0.0  # no rate yet: free
-    rates.observe_restored("b", 10)
-    rates.observe_restored("a", 10)
+    rates.observe_restores("b", 10)  # the engine's running total: 10 of b's
+    rates.observe_restores("a", 20)  # then 10 of a's
+    rates.observe_restores("a", 20)  # a step that restored nothing
+    rates.observe_restores(None, 20)
     assert rates.kv_restored_bytes == 4000
