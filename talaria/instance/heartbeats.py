@@ -28,10 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import structlog
+
 from talaria.instance.calls import PendingCall
 from talaria.protocol import CallEvent
 
 __all__ = ["Heartbeats"]
+
+log = structlog.get_logger("talaria.heartbeats")
 
 
 class Heartbeats:
@@ -64,6 +68,13 @@ class Heartbeats:
             if last != out:
                 since = now
             self._seen[call_id] = (out, since)
-            if ran and last == out and not (0 < self.limit_s <= now - since):
-                pending.handle.put(CallEvent(call_id=call_id, instance_id=self.instance_id))
-                self.sent += 1
+            if not ran or last != out:
+                continue
+            held_s = now - since
+            if 0 < self.limit_s <= held_s:
+                if held_s - self.period_s < self.limit_s:  # the first sweep past the limit
+                    log.warning("call_held_past_limit", instance=self.instance_id,
+                                call_id=call_id, held_s=round(held_s, 3))
+                continue
+            pending.handle.put(CallEvent(call_id=call_id, instance_id=self.instance_id))
+            self.sent += 1

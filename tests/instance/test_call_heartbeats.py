@@ -12,6 +12,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from fake_engine import FakeEngine
 from instance_helpers import call
+from structlog.testing import capture_logs
 
 from engine.interface import StepResult
 from router.core import RouterCore
@@ -101,9 +102,12 @@ def test_a_call_held_past_the_limit_gets_no_more_heartbeats() -> None:
     """Held 30 s, sweeps every 5 s, a 12 s limit (the instance's engine_op_timeout_s): the
     sweeps that find it held 5 and 10 s since the first one that saw it held beat, the later
     ones do not, so it is silent longer than two periods (unlimited, it never is)."""
-    timed, sent = _timed_events(heartbeat_s=5.0, limit_s=12.0)
+    with capture_logs() as logs:
+        timed, sent = _timed_events(heartbeat_s=5.0, limit_s=12.0)
     assert sent == 2
     assert _longest_gap(timed) > 2 * 5.0 + 0.2
+    warned = [e for e in logs if e["event"] == "call_held_past_limit"]
+    assert len(warned) == 1 and warned[0]["call_id"] == "c0" and 12.0 <= warned[0]["held_s"] < 17.0
 
 
 def test_a_consumer_of_ends_only_gets_no_heartbeat() -> None:
