@@ -139,6 +139,16 @@ class FakeEngine(ServesModels):
         seconds = self.step_s + prefill * self.prefill_s_per_token
         return StepResult(events, seconds, num_prefill_tokens=prefill, num_decode_tokens=decode)
 
+    def step_without(self, request_id: str) -> StepResult:
+        """A step in which request ``request_id`` does nothing, no token and no event (as a
+        request the engine preempted, or one inside a chunked prefill); the rest step on."""
+        req = self._reqs.pop(request_id, None)
+        try:
+            return FakeEngine.step(self)
+        finally:
+            if req is not None:
+                self._reqs[request_id] = req
+
     def abort(self, request_id: str, keep_session: bool = False) -> None:
         req = self._reqs.pop(request_id, None)
         if req is None:

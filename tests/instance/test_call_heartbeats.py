@@ -40,11 +40,7 @@ class HoldingEngine(FakeEngine):
         req = self._reqs.get(self.held)
         if req is not None and req.out == 3 and self.steps_held < HOLD_STEPS:
             self.steps_held += 1
-            del self._reqs[self.held]
-            try:
-                return super().step()
-            finally:
-                self._reqs[self.held] = req
+            return self.step_without(self.held)
         return super().step()
 
 
