@@ -39,13 +39,14 @@ log = structlog.get_logger("talaria.heartbeats")
 
 
 class Heartbeats:
-    def __init__(self, instance_id: str, period_s: float, limit_s: float) -> None:
+    def __init__(self, instance_id: str, period_s: float, limit_s: float,
+                 counters: dict[str, int]) -> None:
         """``period_s``: seconds between sweeps, 0 sends none; ``limit_s``: a call held that
-        long gets no more (0: no limit)."""
+        long gets no more (0: no limit). Each heartbeat counts in ``counters["heartbeats"]``."""
         self.instance_id = instance_id
         self.period_s = period_s
         self.limit_s = limit_s
-        self.sent = 0
+        self.counters = counters
         self._engine_ran = False  # a step ran something since the last sweep
         self._next_sweep = float("-inf")
         # call id -> (its output tokens at the last sweep, the sweep that first saw that many)
@@ -77,4 +78,4 @@ class Heartbeats:
                                 call_id=call_id, held_s=round(held_s, 3))
                 continue
             pending.handle.put(CallEvent(call_id=call_id, instance_id=self.instance_id))
-            self.sent += 1
+            self.counters["heartbeats"] = self.counters.get("heartbeats", 0) + 1

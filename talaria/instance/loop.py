@@ -100,7 +100,7 @@ class AdmissionLoop:
         )
         self.split = TimeSplit(0.0, record=record_splits)
         self.yield_guard = YieldGuard()
-        self.heartbeats = Heartbeats(instance_id, policy.call_heartbeat_s, policy.engine_op_timeout_s)
+        self.heartbeats = Heartbeats(instance_id, policy.call_heartbeat_s, policy.engine_op_timeout_s, counters)
         self.intake = Intake(
             instance_id, view, policy, executor, calls, sessions, est, counters, self.faults,
             self.split, finish=self.finish, stats=lambda: self.stats,

@@ -65,7 +65,7 @@ def _timed_events(heartbeat_s: float, step_events: bool = True, limit_s: float =
         timed = [(loop.time(), e) async for e in handle]
         await other.collect()
         await inst.stop()
-        return timed, inst.loop.heartbeats.sent
+        return timed, inst.counters.get("heartbeats", 0)
 
     return run_virtual(main())
 
