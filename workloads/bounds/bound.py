@@ -19,7 +19,9 @@ a non-negative mix of lower bounds is one) and the mean (the mean of the order s
 - all sessions arriving together (a burst), SCT is completion time, and the k sessions that
   finish first finish no sooner than the larger of their largest ``crit`` and their summed
   work over ``m``: the k-th SCT is at least the least of that over every set of k sessions
-  (``_subset_bound``);
+  (``_subset_bound``); and, as a step decodes for one model and a session decodes one
+  token a step, their models' decode steps are counted apart and each step's fixed cost
+  once (``workloads.bounds.decode_steps``, a third fact that takes the first two further);
 - any arrivals, the mean: completion times are at least those of preemptive SRPT on one
   machine of speed ``m`` with each session released at its arrival and sized ``w_i`` (SRPT
   completes at least as many jobs as any schedule by every time: Schrage, "A proof of the
@@ -50,13 +52,21 @@ from engine.sim.config import SimEngineConfig
 from engine.sim.cost_model import CostModel
 from substrate.devices import server_preset
 from talaria.clock import VIRTUAL_CLOCK_RESOLUTION_S
-from workloads.bounds.call_work import WorkModel, call_shapes, critical_seconds, replayed_lengths
+from workloads.bounds.call_work import (
+    WorkModel,
+    call_shapes,
+    critical_seconds,
+    replayed_lengths,
+    step_fixed_seconds,
+)
+from workloads.bounds.decode_steps import DECODE_LAMS, decode_step_bound
 from workloads.replay.cluster import ClusterSpec
 from workloads.replay.driver import AGENT_MAX_TOKENS, call_contexts
 from workloads.suite.stats import percentile
 from workloads.traces.trace import Session
 
-__all__ = ["GRID", "LowerBound", "SessionBound", "lower_bound", "pooled_bound", "session_bounds"]
+__all__ = ["GRID", "LowerBound", "SessionBound", "lower_bound", "pooled_bound", "session_bounds",
+           "step_floors"]
 
 # (lam, shares): lam weighs compute against memory; shares split a step's fixed cost by
 # tokens, by decodes and by decode context (``workloads.bounds.call_work.WorkModel``).
@@ -72,6 +82,9 @@ class SessionBound:
     arrival_s: float
     critical_s: float  # least SCT: the calls' critical paths and the tool gaps
     work_s: tuple[float, ...]  # least server work, one per GRID point
+    model: str = ""
+    decodes: int = 0  # decode steps: each call's output tokens after its first
+    token_work_s: tuple[float, ...] = ()  # token terms with no step's G, one per DECODE_LAMS
 
 
 @dataclass
@@ -106,6 +119,8 @@ def session_bounds(
                                   lam, shares)
                      for lam, shares in grid]
               for name, cost in costs.items()}
+    terms = {name: [WorkModel.token_terms(cost, budget, lam) for lam in DECODE_LAMS]
+             for name, cost in costs.items()}
     context = call_contexts(spec)
     lengths = replayed_lengths(sessions, AGENT_MAX_TOKENS, context)
     out = []
@@ -114,16 +129,32 @@ def session_bounds(
         cost, work = costs[s.model], models[s.model]
         critical = 0.0
         totals = [0.0] * len(work)
+        tokens = [0.0] * len(DECODE_LAMS)
+        decodes = 0
         for shape in call_shapes(s, spec.block_size, lengths, max_tokens=AGENT_MAX_TOKENS,
                                  context=context[s.model]):
             steps = math.ceil(shape.new_tokens / budget) + max(0, shape.output - 1)
             critical += critical_seconds(cost, shape, budget) - steps * tick
+            decodes += max(0, shape.output - 1)
             for i, model in enumerate(work):
                 totals[i] += model.call_seconds(shape)
+            for i, model in enumerate(terms[s.model]):
+                tokens[i] += model.call_seconds(shape)
         gaps = [c.tool_gap_s or 0.0 for c in s.calls[:-1]]
         critical += sum(max(0.0, g - tick) for g in gaps)
-        out.append(SessionBound(s.session_id, s.arrival_s, max(0.0, critical), tuple(totals)))
+        out.append(SessionBound(s.session_id, s.arrival_s, max(0.0, critical), tuple(totals),
+                                s.model, decodes, tuple(tokens)))
     return out
+
+
+def step_floors(spec: ClusterSpec) -> list[dict[str, float]]:
+    """Per ``DECODE_LAMS`` point, each model's least step cost less the clock's resolution
+    (``workloads.bounds.decode_steps``)."""
+    server = server_preset(spec.server)
+    terms = {name: CostModel(server, model, spec.tp).terms()
+             for name, model in spec.catalog().items()}
+    return [{name: step_fixed_seconds(t, lam, 1) - VIRTUAL_CLOCK_RESOLUTION_S
+             for name, t in terms.items()} for lam in DECODE_LAMS]
 
 
 def lower_bound(sessions: Sequence[Session], spec: ClusterSpec) -> LowerBound:
@@ -152,6 +183,14 @@ def lower_bound(sessions: Sequence[Session], spec: ClusterSpec) -> LowerBound:
         if mean > mean_bound:
             mean_bound, mean_source = mean, "capacity"
     if burst:
+        for i, floors in enumerate(step_floors(spec)):
+            steps = decode_step_bound(
+                [b.critical_s for b in bounds], [b.model for b in bounds],
+                [b.decodes for b in bounds], [b.token_work_s[i] for b in bounds], floors,
+                servers)
+            for k, value in enumerate(steps):
+                if value > stats[k]:
+                    stats[k], source[k] = value, "capacity"
         burst_mean = sum(stats) / len(stats)
         if burst_mean >= mean_bound:
             mean_bound = burst_mean

@@ -35,12 +35,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.sim.cost_model import CostModel, combine
+from engine.sim.cost_model import CostModel, StepTerms, combine
 from engine.sim.step_time import DecodeLine
 from workloads.traces.trace import Session
 
 __all__ = ["CallShape", "WorkModel", "alone_seconds", "answer_tokens", "call_shapes",
-           "critical_seconds", "prefill_chunks", "prefill_seconds", "replayed_lengths"]
+           "critical_seconds", "prefill_chunks", "prefill_seconds", "replayed_lengths",
+           "step_fixed_seconds"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,13 @@ def critical_seconds(cost: CostModel, shape: CallShape, budget: int) -> float:
     return combine(compute, memory, t.overlap) + rest + _decode_alone(cost, shape)
 
 
+def step_fixed_seconds(t: StepTerms, lam: float, tokens: int) -> float:
+    """G(T): what a step of ``tokens`` new tokens costs beyond its tokens' and rows' own
+    terms under ``lam`` (the collectives' latency, the step overhead and ``1 - lam`` of the
+    weights read); it grows with T, as the weights a step reads do."""
+    return t.collective_fixed + t.overhead_fixed + (1.0 - lam) * t.weights(tokens)
+
+
 def _decode_alone(cost: CostModel, shape: CallShape) -> float:
     decodes = shape.output - 1
     return DecodeLine.of(cost, 1).seconds(shape.prompt, decodes) if decodes > 0 else 0.0
@@ -180,16 +188,31 @@ class WorkModel:
            kv_capacity_tokens: int, lam: float, shares: tuple[float, float, float]) -> WorkModel:
         """``max_decodes``: the most decodes a step of this model can hold; ``shares``: how
         a step's fixed cost is shared out (by tokens, by decodes, by decode context)."""
+        if abs(sum(shares) - 1.0) >= 1e-9:
+            raise ValueError(f"shares must sum to 1, got {shares}")
+        return cls._shared(cost, max_decodes, max_num_batched_tokens, kv_capacity_tokens,
+                           lam, shares)
+
+    @classmethod
+    def token_terms(cls, cost: CostModel, max_num_batched_tokens: int, lam: float) -> WorkModel:
+        """The coefficients with no share of a step's fixed cost G: what a call's tokens and
+        rows add to the steps that hold them, the steps' own G left to be charged per step
+        (``workloads.bounds.decode_steps``)."""
+        return cls._shared(cost, 1, max_num_batched_tokens, 1, lam, (0.0, 0.0, 0.0))
+
+    @classmethod
+    def _shared(cls, cost: CostModel, max_decodes: int, max_num_batched_tokens: int,
+                kv_capacity_tokens: int, lam: float,
+                shares: tuple[float, float, float]) -> WorkModel:
         by_tokens, by_decodes, by_context = shares
-        if not (0.0 <= lam <= 1.0 and min(shares) >= 0.0
-                and abs(sum(shares) - 1.0) < 1e-9):
-            raise ValueError(f"lam must be in [0, 1] and shares non-negative summing to 1, got "
+        if not (0.0 <= lam <= 1.0 and min(shares) >= 0.0):
+            raise ValueError(f"lam must be in [0, 1] and shares non-negative, got "
                              f"{lam}, {shares}")
         t = cost.terms()
         seqs, budget = max_decodes, max_num_batched_tokens
 
         def fixed(tokens: int) -> float:  # a step's cost that no token's own term covers
-            return t.collective_fixed + t.overhead_fixed + (1.0 - lam) * t.weights(tokens)
+            return step_fixed_seconds(t, lam, tokens)
 
         per_token = (lam * t.compute_per_token + (1.0 - lam) * t.kv_per_token
                      + t.collective_per_token + t.overhead_per_token)

@@ -12,7 +12,10 @@ schedule with free switches) or the least- or most-served sessions first shorten
 sessions at others' expense, as the systems compared do. So the bound runs a family of
 schedules (``IDEAL_SCHEDULES``) and takes, for each percentile, the best of them; the tuner
 (``workloads.benchmark.tuning``) searches the family once and the benchmark re-runs only the members
-that bound p50 and p95.
+that bound p50 and p95. Its batching is more than a step of the simulator's engine gives (a
+model's engines run side by side, so a batch costs what its longest member's step costs
+alone), so it may read below the lower bound where that counts each decode step's tokens
+(``workloads.bounds.decode_steps``).
 """
 
 from __future__ import annotations
