@@ -148,20 +148,43 @@ def session_bounds(
 
 
 def step_floors(spec: ClusterSpec) -> list[dict[str, float]]:
-    """Per ``DECODE_LAMS`` point, each model's least step cost less the clock's resolution
+    """Per ``DECODE_LAMS`` point, each model's least G over the step sizes its engine takes
+    (1 to ``max_num_batched_tokens`` tokens) less the clock's resolution
     (``workloads.bounds.decode_steps``)."""
+    budget = spec.max_num_batched_tokens or SimEngineConfig().max_num_batched_tokens
     server = server_preset(spec.server)
-    terms = {name: CostModel(server, model, spec.tp).terms()
-             for name, model in spec.catalog().items()}
-    return [{name: step_fixed_seconds(t, lam, 1) - VIRTUAL_CLOCK_RESOLUTION_S
-             for name, t in terms.items()} for lam in DECODE_LAMS]
+    costs = {name: CostModel(server, model, spec.tp) for name, model in spec.catalog().items()}
+    least = {name: (cost.terms(), cost.least_weights_seconds(budget))
+             for name, cost in costs.items()}
+    return [{name: step_fixed_seconds(t, lam, weights) - VIRTUAL_CLOCK_RESOLUTION_S
+             for name, (t, weights) in least.items()} for lam in DECODE_LAMS]
 
 
 def lower_bound(sessions: Sequence[Session], spec: ClusterSpec) -> LowerBound:
-    """The bound for ``sessions`` replayed on ``spec``'s cluster."""
+    """The bound for ``sessions`` replayed on ``spec``'s cluster. A session that starts after
+    another's call (a subagent's ``start_after``, or a first call that ``waits_for`` one) is
+    timed from that start, which the schedule sets, so its steps need not fall inside the
+    window the capacity facts give it: its critical path alone bounds it, the capacity facts
+    take the others, and the two parts are pooled (``pooled_bound``: each part's sorted SCTs
+    are at least its bounds, so the union's are)."""
     if not sessions:
         raise ValueError("the bound needs at least one session")
+    later = {s.session_id for s in sessions if s.start_after is not None or s.calls[0].waits_for}
     bounds = session_bounds(sessions, spec)
+    parts = []
+    if len(later) < len(bounds):
+        parts.append(_capacity_bound([b for b in bounds if b.session_id not in later], spec))
+    if later:
+        crit = sorted(b.critical_s for b in bounds if b.session_id in later)
+        parts.append(LowerBound(
+            percentile(crit, 50), percentile(crit, 95), sum(crit) / len(crit),
+            dict.fromkeys(("p50", "p95", "mean"), "critical path"), crit,
+            ["critical path"] * len(crit)))
+    return pooled_bound(parts)
+
+
+def _capacity_bound(bounds: Sequence[SessionBound], spec: ClusterSpec) -> LowerBound:
+    """Every fact of the module doc over sessions timed from their arrivals."""
     servers = spec.servers
     crit = sorted(b.critical_s for b in bounds)
     stats = list(crit)

@@ -16,13 +16,15 @@ never the prompt's last token, as the replay counts ``reusable``), and its outpu
   overhead`` for any ``lam`` in [0, 1]; C, the KV part of M and the per-token and per-row
   parts of the collectives and overhead are sums over the step's tokens and rows
   (``engine.sim.cost_model.StepTerms``). What is left, G(T) for a step of T tokens (the
-  collectives' latency, the step overhead and ``1 - lam`` of the weights read), is concave
-  in T with G(T) / T falling, and is shared out three ways, mixed by ``shares``:
-  by tokens, G(B) / B each (a step holds at most B = ``max_num_batched_tokens``); by
-  decodes, G(D) / D each (at most D decodes: ``max_num_seqs``, and one per session of the
-  model, as a session has one call in flight); by context, G(1) * L / K for a decode
+  collectives' latency, the step overhead and ``1 - lam`` of the weights read), has G(T) / T
+  falling as T grows (G itself grows, but for an engine that runs every MoE expert for
+  small batches: its G drops just past that range), and is shared out three ways, mixed by
+  ``shares``: by tokens, G(B) / B each (a step holds at most B = ``max_num_batched_tokens``);
+  by decodes, G(D) / D each (at most D decodes: ``max_num_seqs``, and one per session of
+  the model, as a session has one call in flight); by context, G_least * L / K for a decode
   attending L cached tokens (the KV every decode of a step attends is on the device at
-  once, at most K = the model's largest KV region). Each way gives out at most G(T) per
+  once, at most K = the model's largest KV region; G_least the least G over steps of 1 to
+  B tokens, ``CostModel.least_weights_seconds``). Each way gives out at most G(T) per
   step, and so does any mix. Prefill rows and KV reads are counted at their fewest (the
   fewest chunks, the short one first). The host's per-token, per-decode and per-context
   overheads are sums too and count in full; a measured CPU's per-weight-byte product time
@@ -157,11 +159,11 @@ def critical_seconds(cost: CostModel, shape: CallShape, budget: int) -> float:
     return combine(compute, memory, t.overlap) + rest + _decode_alone(cost, shape)
 
 
-def step_fixed_seconds(t: StepTerms, lam: float, tokens: int) -> float:
-    """G(T): what a step of ``tokens`` new tokens costs beyond its tokens' and rows' own
-    terms under ``lam`` (the collectives' latency, the step overhead and ``1 - lam`` of the
-    weights read); it grows with T, as the weights a step reads do."""
-    return t.collective_fixed + t.overhead_fixed + (1.0 - lam) * t.weights(tokens)
+def step_fixed_seconds(t: StepTerms, lam: float, weights_s: float) -> float:
+    """G: what a step costs beyond its tokens' and rows' own terms under ``lam`` (the
+    collectives' latency, the step overhead and ``1 - lam`` of the weights read, ``weights_s``:
+    ``t.weights(T)`` for a step of T tokens)."""
+    return t.collective_fixed + t.overhead_fixed + (1.0 - lam) * weights_s
 
 
 def _decode_alone(cost: CostModel, shape: CallShape) -> float:
@@ -212,7 +214,9 @@ class WorkModel:
         seqs, budget = max_decodes, max_num_batched_tokens
 
         def fixed(tokens: int) -> float:  # a step's cost that no token's own term covers
-            return step_fixed_seconds(t, lam, tokens)
+            return step_fixed_seconds(t, lam, t.weights(tokens))
+
+        least = step_fixed_seconds(t, lam, cost.least_weights_seconds(budget))
 
         per_token = (lam * t.compute_per_token + (1.0 - lam) * t.kv_per_token
                      + t.collective_per_token + t.overhead_per_token)
@@ -221,7 +225,7 @@ class WorkModel:
             per_prefill_token=per_token + token_share,
             per_decode_token=(per_token + token_share + by_decodes * fixed(seqs) / seqs
                               + t.overhead_per_decode),
-            per_decode_context=(by_context * fixed(1) / kv_capacity_tokens
+            per_decode_context=(by_context * least / kv_capacity_tokens
                                 + t.overhead_per_decode_context),
             per_row=lam * t.compute_per_row + t.collective_per_row + t.overhead_per_row,
             per_prefill_pair=lam * t.compute_per_prefill_pair,

@@ -11,14 +11,17 @@ sessions that all finish by time x:
   decode for Q's sessions of model M number at least the most decode steps one of them takes,
   ``max d_i`` over those sessions (``d_i``: each call's output tokens after its first, which
   the prefill's last chunk samples, summed over the session's calls);
-- a step holds one model's tokens, and costs at least G_M(1) (``call_work.step_fixed_seconds``,
-  which grows with the step's tokens) plus what its tokens and rows add
-  (``WorkModel.token_terms``: additive over calls, ``v_i`` a session's sum), less the virtual
-  clock's resolution, as a timer fires up to that early (``talaria.clock``);
+- a step holds one model's tokens, and costs at least G_M, the least fixed cost of a step of
+  1 to ``max_num_batched_tokens`` tokens (``call_work.step_fixed_seconds`` at
+  ``CostModel.least_weights_seconds``: G grows with a step's tokens, but for an engine that
+  runs every MoE expert for small batches, whose G drops just past that range), plus what
+  its tokens and rows add (``WorkModel.token_terms``: additive over calls, ``v_i`` a
+  session's sum), less the virtual clock's resolution, as a timer fires up to that early
+  (``talaria.clock``);
 - every step that serves Q runs inside [0, x], and each server runs one step at a time, so
   those steps take at most ``servers * x``.
 
-So ``sum over models M of (G_M(1) - tick) * max d_i over Q's sessions of M + sum over Q of
+So ``sum over models M of (G_M - tick) * max d_i over Q's sessions of M + sum over Q of
 v_i <= servers * x``, and ``x >= crit_i`` for each session of Q; the k-th smallest SCT is at
 least the least x that some k sessions allow. Each ``lam`` of ``DECODE_LAMS`` (compute
 weighed against memory, as in ``call_work``) gives a valid bound.
@@ -55,7 +58,7 @@ def decode_step_bound(
     """For k = 1..n, a lower bound on the k-th smallest SCT of a burst of these sessions:
     ``critical`` each one's critical path, ``models`` its model, ``decodes`` its decode
     steps, ``token_work`` its token terms ``v_i``; ``step_floor`` each model's least cost
-    of a step, tick taken off (``G_M(1) - tick``); ``servers`` the servers' count."""
+    of a step, tick taken off (``G_M - tick``); ``servers`` the servers' count."""
     n = len(critical)
     if not n == len(models) == len(decodes) == len(token_work):
         raise ValueError("one critical path, model, decode count and token work per session")
@@ -65,12 +68,16 @@ def decode_step_bound(
     steps = np.asarray(decodes, dtype=float)[order]
     work = np.asarray(token_work, dtype=float)[order]
     best = np.full(n, np.inf)
+    members: dict[str, list[int]] = {}
+    by_model: dict[str, np.ndarray] = {}  # h_M over each model's sessions among the first j
     for j in range(1, n + 1):
+        model = names[j - 1]
+        mine = members.setdefault(model, [])
+        mine.append(j - 1)
+        by_model[model] = _least_work(steps[mine], work[mine], max(0.0, step_floor[model]))
         least = np.zeros(1)  # least[k]: the least work of k sessions among the first j
-        for model in sorted(set(names[:j])):
-            mine = np.array([i for i in range(j) if names[i] == model])
-            least = _min_plus(least, _least_work(steps[mine], work[mine],
-                                                 max(0.0, step_floor[model])))
+        for name in sorted(by_model):
+            least = _min_plus(least, by_model[name])
         value = np.maximum(crit[j - 1], least[1:] / servers)
         best[:j] = np.minimum(best[:j], value)
     return [float(v) for v in best]
@@ -92,7 +99,9 @@ def _least_work(steps: np.ndarray, work: np.ndarray, floor: float) -> np.ndarray
 
 def _min_plus(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """c[k] = min over i + j = k of a[i] + b[j]."""
+    if len(a) < len(b):
+        a, b = b, a
     out = np.full(len(a) + len(b) - 1, np.inf)
-    i, j = np.indices((len(a), len(b)))
-    np.minimum.at(out, (i + j).ravel(), (a[:, None] + b[None, :]).ravel())
+    for i, value in enumerate(b):
+        np.minimum(out[i:i + len(a)], a + value, out=out[i:i + len(a)])
     return out

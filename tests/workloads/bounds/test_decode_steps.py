@@ -1,23 +1,28 @@
 """The decode-step fact of the burst bound (``workloads.bounds.decode_steps``): it is the least
-over every set of sessions, its premise holds in the cost model, and where it binds (sessions
-of three models decoding at once on one server) no row beats it."""
+over every set of sessions, its premise holds in the cost model (an engine whose step cost
+drops past its dense range included), and where it binds (sessions of three models decoding
+at once on one server; a batch past the dense range) no row beats it; a subagent, timed from
+its own start, is bounded by its critical path alone."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
+import orjson
 import pytest
 
 from engine.sim.cost_model import CostModel
-from engine.sim.model_spec import DEFAULT_CATALOG
+from engine.sim.model_spec import DEFAULT_CATALOG, ModelSpec
+from substrate.devices import server_preset, server_to_dict
 from workloads.bounds.bound import GRID, _subset_bound, lower_bound, session_bounds
 from workloads.bounds.decode_steps import decode_step_bound
 from workloads.replay.cluster import ClusterSpec
 from workloads.replay.driver import run_sim
 from workloads.replay.systems import SYSTEMS
 from workloads.suite.stats import percentile
-from workloads.traces.trace import Call, Session
+from workloads.traces.trace import Call, CallRef, Session
 
 SPEC = ClusterSpec()
 
@@ -42,13 +47,55 @@ def test_decode_step_bound_is_the_least_over_every_set() -> None:
             assert got[k - 1] == pytest.approx(brute), (k, models, crit, decodes, work)
 
 
-def test_a_step_costs_more_for_holding_more_tokens() -> None:
-    """The fact's premise: G(T), a step's cost beyond its tokens' own terms, is least at one
-    token (the weights a step reads never fall as it holds more tokens)."""
-    for model in DEFAULT_CATALOG:
-        terms = CostModel.from_names(model=model).terms()
-        reads = [terms.weights(tokens) for tokens in range(1, 2049)]
-        assert all(b >= a for a, b in itertools.pairwise(reads)), model
+def _dense_server(tmp_path: Path) -> str:
+    """h200x8 with an engine that runs every MoE expert up to 64 tokens, as `talaria
+    calibrate` writes for a measured CPU: a step's fixed cost drops just past 64 tokens."""
+    server = server_to_dict(server_preset("h200x8"))
+    server.update(name="h200x8-dense64", efficiency={"moe_dense_max_tokens": 64})
+    path = tmp_path / "dense64.json"
+    path.write_bytes(orjson.dumps(server))
+    return str(path)
+
+
+def test_the_least_weights_read_is_the_least_over_every_step_size(tmp_path: Path) -> None:
+    """The fact's premise: each step costs at least the least G over the sizes a step can
+    take, here checked by brute force on a preset and on an engine whose G drops past its
+    dense range (where G at one token is not the least)."""
+    dense = _dense_server(tmp_path)
+    for server in ("h200x8", dense):
+        for model in DEFAULT_CATALOG:
+            cost = CostModel(server_preset(server), ModelSpec.load(model), 8)
+            reads = [cost.terms().weights(tokens) for tokens in range(1, 2049)]
+            assert cost.least_weights_seconds(2048) == pytest.approx(min(reads)), (server, model)
+    qwen = CostModel(server_preset(dense), ModelSpec.load("qwen3-235b-a22b"), 8)
+    assert qwen.least_weights_seconds(2048) < qwen.terms().weights(1)
+
+
+def test_a_batch_past_the_dense_range_does_not_beat_the_bound(tmp_path: Path) -> None:
+    """65 long answers of one MoE model at once on the dense engine: their decode steps hold
+    65 tokens, whose G is below G at one token; charged at one token's, the bound's last
+    order statistic (430.2 s) stood above every row's (baseline 429.0 s: a review's case)."""
+    spec = ClusterSpec(server=_dense_server(tmp_path), models=("qwen3-235b-a22b",))
+    trace = [Session(f"s{i}", "qwen3-235b-a22b", (Call(16, 16001, None),)) for i in range(65)]
+    bound = lower_bound(trace, spec)
+    scts = sorted(s.sct_s for s in run_sim(trace, SYSTEMS["baseline"], spec).sessions)
+    assert all(sct >= b for sct, b in zip(scts, bound.order_stats, strict=True))
+
+
+def test_a_subagent_is_bounded_by_its_own_path_from_its_own_start() -> None:
+    """A subagent started by its parent's call is timed from that start: the burst's
+    capacity facts do not hold it (before, its bound read 21.1 s where it ran in 14.2)."""
+    trace = [Session("a", "qwen3-235b-a22b", (Call(100, 2000, None),)),
+             Session("b", "glm-4.5-air", (Call(100, 2000, None),), parent_id="a",
+                     start_after=CallRef("a", 0))]
+    bound = lower_bound(trace, SPEC)
+    crit = {s.session_id: s.critical_s for s in session_bounds(trace, SPEC)}
+    assert bound.order_stats[-1] <= max(crit.values()) + 1e-9
+    for name in ("baseline", "talaria", "aegaeon"):
+        result = run_sim(trace, SYSTEMS[name], SPEC)
+        scts = sorted(s.sct_s for s in result.sessions)
+        assert all(sct >= b for sct, b in zip(scts, bound.order_stats, strict=True)), name
+        assert sum(scts) / len(scts) >= bound.sct_mean_s, name
 
 
 def test_three_models_decoding_at_once_wait_for_each_other_and_no_row_beats_it() -> None:
