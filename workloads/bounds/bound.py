@@ -123,6 +123,9 @@ def session_bounds(
              for name, cost in costs.items()}
     context = call_contexts(spec)
     lengths = replayed_lengths(sessions, AGENT_MAX_TOKENS, context)
+    continued = {(c.prefix_from.session_id, c.prefix_from.call) for s in sessions
+                 for c in s.calls
+                 if c.prefix_from is not None and c.prefix_from.session_id != s.session_id}
     out = []
     tick = VIRTUAL_CLOCK_RESOLUTION_S
     for s in sessions:
@@ -132,7 +135,7 @@ def session_bounds(
         tokens = [0.0] * len(DECODE_LAMS)
         decodes = 0
         for shape in call_shapes(s, spec.block_size, lengths, max_tokens=AGENT_MAX_TOKENS,
-                                 context=context[s.model]):
+                                 context=context[s.model], continued=continued):
             steps = math.ceil(shape.new_tokens / budget) + max(0, shape.output - 1)
             critical += critical_seconds(cost, shape, budget) - steps * tick
             decodes += max(0, shape.output - 1)

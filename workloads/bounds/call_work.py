@@ -34,7 +34,7 @@ never the prompt's last token, as the replay counts ``reusable``), and its outpu
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.sim.cost_model import CostModel, StepTerms, combine
@@ -80,7 +80,8 @@ def replayed_lengths(sessions: Sequence[Session], max_tokens: int | None,
 
 def call_shapes(session: Session, block_size: int,
                 parent_lengths: dict[tuple[str, int], int] | None = None, *,
-                max_tokens: int | None = None, context: int | None = None) -> list[CallShape]:
+                max_tokens: int | None = None, context: int | None = None,
+                continued: Collection[tuple[str, int]] | None = None) -> list[CallShape]:
     """Each call's shape. A call extending its session's previous one may find the previous
     prompt and output cached, but for the output's last token (its KV is never computed); a
     call starting with an earlier call of its own session (``prefix_from``) that call's
@@ -88,7 +89,11 @@ def call_shapes(session: Session, block_size: int,
     ``prefix_from`` another session's call counts that call's prompt and output
     (``parent_lengths``: (session id, call index) -> prompt + output tokens; missing: none).
     Outputs are the answers the replay gets (``answer_tokens``: cut at ``max_tokens`` and
-    at the model's ``context``), not always the trace's."""
+    at the model's ``context``), not always the trace's. ``continued`` (the bound's count):
+    the (session id, call index) of calls another session's prompt continues; another
+    session's prefill may then have computed such a call's last token before this session's
+    next call, and the parent's next call may have computed it before a continuing session's
+    call, so those prefixes count whole (None: as a session alone computes them)."""
     shapes = []
     totals: list[int] = []  # each earlier call's prompt + output tokens of this session
     for k, call in enumerate(session.calls):
@@ -96,12 +101,14 @@ def call_shapes(session: Session, block_size: int,
         computed = 0
         ref = call.prefix_from
         if ref is not None and ref.session_id != session.session_id:
-            computed = max(0, (parent_lengths or {}).get((ref.session_id, ref.call), 0) - 1)
+            whole = (parent_lengths or {}).get((ref.session_id, ref.call), 0)
+            computed = whole if continued is not None else max(0, whole - 1)
         elif ref is not None and 0 <= ref.call < k - 1:
             # an earlier call than the last: the call after it computed its answer's last token
             computed = totals[ref.call]
         elif k > 0:
-            computed = totals[-1] - 1
+            whole = continued is not None and (session.session_id, k - 1) in continued
+            computed = totals[-1] if whole else totals[-1] - 1
         if call.prefix_tokens is not None:
             computed = min(computed, call.prefix_tokens)
         cached = min(computed, call.input_tokens - 1) // block_size * block_size

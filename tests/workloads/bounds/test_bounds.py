@@ -199,6 +199,34 @@ def test_a_prompt_that_starts_with_an_earlier_call_than_the_last_stays_above_the
     _assert_not_below(served, lower_bound(trace, SPEC), "baseline")
 
 
+@pytest.mark.parametrize("parent_next_first", [True, False])
+def test_a_subagent_continuing_a_call_that_ends_on_a_block_edge_stays_above_the_bound(
+        parent_next_first: bool) -> None:
+    """A call of 1000 + 24 tokens ends on a block edge (8 x 128), and another session's
+    prompt continues it: whichever of the parent's next call and the subagent prefills it
+    second finds its last token computed, one block more than a session alone finds (a
+    review's cases: both read below the bound before, on every row)."""
+    model = "qwen3-235b-a22b"
+    spec = ClusterSpec(models=(model,))
+    if parent_next_first:  # the subagent starts after the parent's next call
+        trace = [Session("p", model, (Call(1000, 24, 1.0), Call(1100, 1, None))),
+                 Session("c", model, (Call(8024, 1, None, prefix_from=CallRef("p", 0),
+                                           waits_for=(CallRef("p", 0),)),),
+                         parent_id="p", start_after=CallRef("p", 1))]
+    else:  # the subagent prefills first, during the parent's tool gap
+        trace = [Session("w", model, (Call(16, 2, None),)),
+                 Session("p", model, (Call(1000, 24, 10.0), Call(8024, 1, None)),
+                         arrival_s=30.0),
+                 Session("c", model, (Call(1100, 1, None, prefix_from=CallRef("p", 0)),),
+                         parent_id="p", start_after=CallRef("p", 0))]
+    bound = lower_bound(trace, spec)
+    for name in ("baseline", "talaria", "vllm_sleep"):
+        served = run_sim(trace, SYSTEMS[name], spec)
+        scts = sorted(s.sct_s for s in served.sessions)
+        assert all(x >= b for x, b in zip(scts, bound.order_stats, strict=True)), name
+        _assert_not_below(served, bound, name)
+
+
 def test_shared_device_never_runs_two_models_at_once() -> None:
     """Whatever the schedule, the ideal's GPU time adds up: no model's steps overlap
     another's, so with every session of both models always busy the makespan is at least
