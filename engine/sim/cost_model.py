@@ -277,17 +277,24 @@ class CostModel:
         ) * m.weight_dtype_bytes
         return layer_bytes, m.vocab_size * m.hidden_size * max(2, m.weight_dtype_bytes)
 
-    def least_weights_seconds(self, max_tokens: int) -> float:
-        """The least ``StepTerms.weights`` over steps of 1 to ``max_tokens`` tokens. It grows
-        with the tokens (more of a MoE layer's experts hit) but for an engine that runs
-        every expert up to ``moe_dense_max_tokens``, whose next size reads only the experts
-        its tokens hit: the least is at one token or just past that range."""
+    def least_weights_seconds(self, max_tokens: int, min_tokens: int = 1) -> float:
+        """The least ``StepTerms.weights`` over steps of ``min_tokens`` to ``max_tokens``
+        tokens. It grows with the tokens (more of a MoE layer's experts hit) but for an
+        engine that runs every expert up to ``moe_dense_max_tokens`` (``dense_moe``), whose
+        next size reads only the experts its tokens hit: the least is at the smallest size or
+        just past that range."""
         t = self.terms()
-        sizes = {1}
+        sizes = {min_tokens}
         dense = self.eff.moe_dense_max_tokens
-        if self.model.num_moe_layers and dense + 1 <= max_tokens:
+        if self.dense_moe and min_tokens <= dense < max_tokens:
             sizes.add(dense + 1)
         return min(t.weights(n) for n in sizes)
+
+    @property
+    def dense_moe(self) -> bool:
+        """Whether a step of a few tokens runs every MoE expert (and so may cost more than
+        one of a few more tokens)."""
+        return bool(self.model.num_moe_layers) and self.eff.moe_dense_max_tokens > 0
 
     def terms(self) -> StepTerms:
         """This model's step time as sums over what a step holds (``StepTerms``)."""

@@ -151,7 +151,11 @@ def critical_seconds(cost: CostModel, shape: CallShape, budget: int) -> float:
     """A lower bound on the call's latency in any schedule: its prefill steps cost at least
     ``max(sum C, sum M)`` over the fewest chunks, short first (the compute is the same
     whatever the chunking; the weights, KV reads and fixed parts are fewest so), plus their
-    collectives and overheads; each decode step at least a step of this call alone."""
+    collectives and overheads; each decode step at least a step of this call alone. On an
+    engine that runs every MoE expert for small batches (``CostModel.dense_moe``) a step of
+    a few more tokens may cost less than one of this call's alone, so there a chunk reads
+    the least weights of any step that could hold it and a decode step is priced from its
+    own terms at the least weights and least compute (``_decode_least``)."""
     t = cost.terms()
     chunks = prefill_chunks(shape, budget)
     new = shape.new_tokens
@@ -159,11 +163,11 @@ def critical_seconds(cost: CostModel, shape: CallShape, budget: int) -> float:
     rows = len(chunks)
     compute = (new * t.compute_per_token + rows * t.compute_per_row
                + pairs * t.compute_per_prefill_pair)
-    memory = (sum(t.weights(n) for n, _ in chunks)
+    memory = (sum(cost.least_weights_seconds(budget, n) for n, _ in chunks)
               + (sum(ctx for _, ctx in chunks) + new) * t.kv_per_token)
     rest = (rows * (t.collective_fixed + t.overhead_fixed + t.collective_per_row
                     + t.overhead_per_row) + new * (t.collective_per_token + t.overhead_per_token))
-    return combine(compute, memory, t.overlap) + rest + _decode_alone(cost, shape)
+    return combine(compute, memory, t.overlap) + rest + _decode_least(cost, shape, budget)
 
 
 def step_fixed_seconds(t: StepTerms, lam: float, weights_s: float) -> float:
@@ -176,6 +180,32 @@ def step_fixed_seconds(t: StepTerms, lam: float, weights_s: float) -> float:
 def _decode_alone(cost: CostModel, shape: CallShape) -> float:
     decodes = shape.output - 1
     return DecodeLine.of(cost, 1).seconds(shape.prompt, decodes) if decodes > 0 else 0.0
+
+
+def _decode_least(cost: CostModel, shape: CallShape, budget: int) -> float:
+    """The call's decode steps at the least any step holding them costs: as alone, but on a
+    ``dense_moe`` engine each from the decode's own ``StepTerms`` (one token, one row, its
+    attention pairs and KV reads) at the least weights and compute of a step of 1 to
+    ``budget`` tokens."""
+    decodes = shape.output - 1
+    if decodes <= 0:
+        return 0.0
+    if not cost.dense_moe:
+        return _decode_alone(cost, shape)
+    t = cost.terms()
+    line = DecodeLine(
+        num_seqs=1,
+        compute0=t.compute_per_token + t.compute_per_row + t.compute_per_decode_pair,
+        compute_per_token=t.compute_per_decode_pair,
+        memory0=cost.least_weights_seconds(budget) + t.kv_per_token,
+        memory_per_token=t.kv_per_token,
+        fixed=(t.collective_fixed + t.collective_per_token + t.collective_per_row
+               + t.overhead_fixed + t.overhead_per_token + t.overhead_per_row
+               + t.overhead_per_decode),
+        overlap=t.overlap,
+        fixed_per_token=t.overhead_per_decode_context,
+    )
+    return line.seconds(shape.prompt, decodes)
 
 
 @dataclass(frozen=True)
@@ -228,9 +258,13 @@ class WorkModel:
         per_token = (lam * t.compute_per_token + (1.0 - lam) * t.kv_per_token
                      + t.collective_per_token + t.overhead_per_token)
         token_share = by_tokens * fixed(budget) / budget
+        # a step of D decodes or more: the least G over those sizes (G may drop past a
+        # dense range, so a larger step than D decodes may cost less than G(D))
+        decode_fixed = step_fixed_seconds(t, lam, cost.least_weights_seconds(max(budget, seqs),
+                                                                             seqs))
         return cls(
             per_prefill_token=per_token + token_share,
-            per_decode_token=(per_token + token_share + by_decodes * fixed(seqs) / seqs
+            per_decode_token=(per_token + token_share + by_decodes * decode_fixed / seqs
                               + t.overhead_per_decode),
             per_decode_context=(by_context * least / kv_capacity_tokens
                                 + t.overhead_per_decode_context),

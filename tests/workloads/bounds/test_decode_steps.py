@@ -47,12 +47,12 @@ def test_decode_step_bound_is_the_least_over_every_set() -> None:
             assert got[k - 1] == pytest.approx(brute), (k, models, crit, decodes, work)
 
 
-def _dense_server(tmp_path: Path) -> str:
-    """h200x8 with an engine that runs every MoE expert up to 64 tokens, as `talaria
-    calibrate` writes for a measured CPU: a step's fixed cost drops just past 64 tokens."""
+def _dense_server(tmp_path: Path, dense: int = 64) -> str:
+    """h200x8 with an engine that runs every MoE expert up to ``dense`` tokens, as `talaria
+    calibrate` writes for a measured CPU (64): a step's cost drops just past that size."""
     server = server_to_dict(server_preset("h200x8"))
-    server.update(name="h200x8-dense64", efficiency={"moe_dense_max_tokens": 64})
-    path = tmp_path / "dense64.json"
+    server.update(name=f"h200x8-dense{dense}", efficiency={"moe_dense_max_tokens": dense})
+    path = tmp_path / f"dense{dense}.json"
     path.write_bytes(orjson.dumps(server))
     return str(path)
 
@@ -80,6 +80,29 @@ def test_a_batch_past_the_dense_range_does_not_beat_the_bound(tmp_path: Path) ->
     bound = lower_bound(trace, spec)
     scts = sorted(s.sct_s for s in run_sim(trace, SYSTEMS["baseline"], spec).sessions)
     assert all(sct >= b for sct, b in zip(scts, bound.order_stats, strict=True))
+
+
+@pytest.mark.parametrize("dense", [1, 64])
+def test_a_call_batched_past_the_dense_range_does_not_beat_its_critical_path(
+        tmp_path: Path, dense: int) -> None:
+    """On the dense engine a step of a few tokens runs every expert, so a call batched with
+    others can finish sooner than alone: two 2000-token answers together (dense range 1:
+    bounded at 39.6 s, served in 16.0), or a 64-token prompt beside a 1-token one
+    (calibrate's 64: one shared 65-token step). A second review's cases."""
+    model = "qwen3-235b-a22b"
+    spec = ClusterSpec(server=_dense_server(tmp_path, dense), models=(model,))
+    if dense == 1:
+        trace = [Session(f"s{i}", model, (Call(16, 2000, None),)) for i in range(2)]
+    else:
+        trace = [Session("w", model, (Call(16, 2, None),)),
+                 Session("x", model, (Call(64, 1, None),), arrival_s=30.0),
+                 Session("y", model, (Call(1, 1, None),), arrival_s=30.0)]
+    bound = lower_bound(trace, spec)
+    for name in ("baseline", "talaria", "vllm_sleep"):
+        scts = sorted(s.sct_s for s in run_sim(trace, SYSTEMS[name], spec).sessions)
+        assert all(x >= b for x, b in zip(scts, bound.order_stats, strict=True)), name
+        assert percentile(scts, 50) >= bound.sct_p50_s, name
+        assert sum(scts) / len(scts) >= bound.sct_mean_s, name
 
 
 def test_a_subagent_is_bounded_by_its_own_path_from_its_own_start() -> None:
