@@ -8,8 +8,10 @@ never the prompt's last token, as the replay counts ``reusable``), and its outpu
 - ``alone_seconds``: the call with its session alone on the server, its model resident and
   that prefix cached: prefill chunks of the step budget (the remainder first, then whole
   chunks) and one decode step per further output token, at batch 1, priced by the cost
-  model. Every step of any schedule that serves the call includes these tokens, and a step
-  never costs less for holding more, so no schedule serves the call faster.
+  model. Every step of any schedule that serves the call includes these tokens, and on the
+  presets a step never costs less for holding more, so no schedule serves the call faster;
+  on an engine that runs every MoE expert for small batches a step of a few more tokens can
+  cost less, which ``critical_seconds``, the bound's, allows for.
 - ``WorkModel``: a lower bound on the server time the call takes from a busy server, additive
   over calls, for the capacity bound (``workloads.bounds.bound``). A step costs
   ``combine(C, M) + collectives + overhead >= lam * C + (1 - lam) * M + collectives +
@@ -20,8 +22,9 @@ never the prompt's last token, as the replay counts ``reusable``), and its outpu
   falling as T grows (G itself grows, but for an engine that runs every MoE expert for
   small batches: its G drops just past that range), and is shared out three ways, mixed by
   ``shares``: by tokens, G(B) / B each (a step holds at most B = ``max_num_batched_tokens``);
-  by decodes, G(D) / D each (at most D decodes: ``max_num_seqs``, and one per session of
-  the model, as a session has one call in flight); by context, G_least * L / K for a decode
+  by decodes, G_D / D each (at most D decodes: ``max_num_seqs``, and one per session of
+  the model, as a session has one call in flight; G_D the least G of a step of D to B
+  tokens, which is G(D) but past a dense range); by context, G_least * L / K for a decode
   attending L cached tokens (the KV every decode of a step attends is on the device at
   once, at most K = the model's largest KV region; G_least the least G over steps of 1 to
   B tokens, ``CostModel.least_weights_seconds``). Each way gives out at most G(T) per
