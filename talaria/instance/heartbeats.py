@@ -49,6 +49,7 @@ class Heartbeats:
         self.counters = counters
         self._engine_ran = False  # a step ran something since the last sweep
         self._next_sweep = float("-inf")
+        self._last_sweep = float("-inf")
         # call id -> (its output tokens at the last sweep, the sweep that first saw that many)
         self._seen: dict[str, tuple[int, float]] = {}
 
@@ -59,6 +60,7 @@ class Heartbeats:
         if self.period_s <= 0 or now < self._next_sweep:
             return
         self._next_sweep = now + self.period_s
+        previous, self._last_sweep = self._last_sweep, now
         before, self._seen = self._seen, {}
         ran, self._engine_ran = self._engine_ran, False
         for call_id, pending in running.items():
@@ -73,7 +75,7 @@ class Heartbeats:
                 continue
             held_s = now - since
             if 0 < self.limit_s <= held_s:
-                if held_s - self.period_s < self.limit_s:  # the first sweep past the limit
+                if previous - since < self.limit_s:  # the first sweep past the limit
                     log.warning("call_held_past_limit", instance=self.instance_id,
                                 call_id=call_id, held_s=round(held_s, 3))
                 continue

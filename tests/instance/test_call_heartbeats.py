@@ -167,3 +167,22 @@ async def test_heartbeats_cross_the_instance_http_api() -> None:
         await client.close()
         await instance.stop(drain=False)
         await server.close()
+
+
+def test_a_late_sweep_past_the_limit_still_logs_the_held_call_once() -> None:
+    """Sweeps come from the loop's turns, so one can come late: the first sweep that finds a
+    call held past the limit logs it, however far past (the check read the period before)."""
+    from types import SimpleNamespace
+
+    from talaria.instance.heartbeats import Heartbeats
+
+    put: list[object] = []
+    pending = SimpleNamespace(out_tokens=3, handle=SimpleNamespace(holds_steps=False,
+                                                                    put=put.append))
+    beats = Heartbeats("i", period_s=5.0, limit_s=12.0, counters={})
+    with capture_logs() as logs:
+        for now in (0.0, 5.0, 10.0, 30.0, 35.0):
+            beats.sweep(now, {"c0": pending}, stepped=True)  # type: ignore[dict-item]
+    warned = [e for e in logs if e["event"] == "call_held_past_limit"]
+    assert [e["held_s"] for e in warned] == [30.0]
+    assert len(put) == 2  # at 5 and 10 s held; none once past the limit
