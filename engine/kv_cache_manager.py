@@ -143,14 +143,17 @@ class KVCacheManager:
             self._req_blocks[rid] = hits + new
             self._req_num_hashed[rid] = len(hits) + len(restored)
             return True
-        blocks = self._req_blocks.get(rid, [])
-        need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(blocks)
+        blocks = self._req_blocks.get(rid)
+        need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - (
+            len(blocks) if blocks is not None else 0)
+        if need <= 0 and blocks is not None:  # most decode steps: the last block has room
+            return True
         if need > self.pool.num_free_blocks:
             return False  # no entry made: a request without one is looked up as new
-        if rid not in self._req_blocks:
-            self._req_blocks[rid] = blocks
+        if blocks is None:
+            blocks = self._req_blocks[rid] = []
             self._req_num_hashed[rid] = 0
-        if need > 0:  # most decode steps: the last block has room
+        if need > 0:
             blocks.extend(self.pool.allocate(need))
         return True
 

@@ -110,8 +110,12 @@ class Request:
     block_hashes: list[int] = field(default_factory=list, repr=False)
     # Its thinking so far, when its params set a thinking budget (engine.thinking_budget).
     thinking: ThinkingBudget | None = field(default=None, repr=False)
+    # len(prompt_token_ids), read at every step: the prompt never changes, and a replay's
+    # prompt is a view whose len is a Python call.
+    num_prompt_tokens: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.thinking is None:
             self.thinking = ThinkingBudget.of(self.params)
 
@@ -121,11 +125,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -145,7 +145,7 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt + output without building the whole list."""
-        p = len(self.prompt_token_ids)
+        p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
@@ -162,7 +162,7 @@ def token_event(req: Request, tokens: list[int], logprobs: list[float] | None = 
         finished=reason is not None,
         finish_reason=reason,
         logprobs=logprobs,
-        num_prompt_tokens=len(req.prompt_token_ids),
+        num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=req.num_cached_tokens,
         num_restored_tokens=req.num_restored_tokens,
         num_output_tokens=len(req.output_token_ids),

@@ -164,7 +164,7 @@ class Scheduler:
         running, allocate = self.running, self.kv.allocate_slots
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_new = min(request.num_prompt_tokens + len(request.output_token_ids)
                           - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
@@ -216,7 +216,7 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         computed = request.num_computed_tokens
-        samples = computed + num_new == len(request.prompt_token_ids) + len(request.output_token_ids)
+        samples = computed + num_new == request.num_prompt_tokens + len(request.output_token_ids)
         out.scheduled.append(ScheduledRequest(request, num_new, computed,
                                               self.kv.block_ids(request.request_id), samples))
         if _is_decode(request, num_new, samples):

@@ -264,9 +264,9 @@ class SimEngine(ServesModels):
             if not s.samples or req.status is not running:
                 continue
             output = req.output_token_ids
-            seed, start = seeds[req.request_id], len(req.prompt_token_ids) + len(output)
+            seed, start = seeds[req.request_id], req.num_prompt_tokens + len(output)
             n = fused if s.num_new_tokens == 1 and output else 1
-            tokens = [ids[_synthetic_token(seed, start + k, vocab)] for k in range(n)]
+            tokens = _synthetic_tokens(ids, seed, start, n, vocab)
             output.extend(tokens)
             if n > 1:
                 req.num_computed_tokens = s.num_computed_tokens + n
@@ -444,7 +444,7 @@ class SimEngine(ServesModels):
         return self.served.check_model(model)
 
 
-def _synthetic_token(seed: int, position: int, vocab_size: int) -> int:
-    """A deterministic token id for (request, position): a multiplicative hash."""
-    return ((seed ^ (position * 0x9E3779B1)) * 0x85EBCA6B) % vocab_size
+def _synthetic_tokens(ids: Sequence[int], seed: int, start: int, n: int, vocab: int) -> list[int]:
+    """Token ids for positions ``start`` on: a multiplicative hash of (seed, position)."""
+    return [ids[((seed ^ (p * 0x9E3779B1)) * 0x85EBCA6B) % vocab] for p in range(start, start + n)]
 
