@@ -279,14 +279,15 @@ class SessionKeeper:
         """Re-read where each session's KV is; forget sessions with nothing left here that
         have been quiet for ``session_memory_s``, then, beyond ``max_sessions``, the least
         recently seen ones with no call here and no reservation (here and in the engine)."""
+        known = self.kv_tokens
         for session_id, hist in list(self.gaps.sessions.items()):
             kv = self.executor.session_kv_tokens(session_id)
             quiet = now - hist.last_seen > self.policy.session_memory_s
             empty = kv == (0, 0) and session_id not in self.reservations
             if empty and quiet and session_id not in live_sessions:
                 self.forget(session_id)
-            else:
-                self.kv_tokens[session_id] = kv
+            elif known.get(session_id) != kv:  # most sessions' KV is where it was
+                known[session_id] = kv
         excess = len(self.gaps.sessions) - self.policy.max_sessions
         if excess > 0:
             idle = sorted(

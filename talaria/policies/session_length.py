@@ -56,12 +56,12 @@ class SessionLengthPrior:
         """E[N - k | N > k] for k = ``calls_done``: the calls a session that has made k is
         still expected to make (k beyond the prior's largest value: its last stretch's
         residual, never less than one call)."""
-        if calls_done < 0:
-            raise ValueError(f"calls_done must be >= 0, got {calls_done}")
-        k = min(calls_done, int(self.quantiles[-1]))
-        cached = self._cache.get(k)
+        cached = self._cache.get(calls_done)  # keyed by calls_done: ranking asks per call
         if cached is None:
-            cached = self._cache[k] = max(1.0, _residual(self.quantiles, float(k)))
+            if calls_done < 0:
+                raise ValueError(f"calls_done must be >= 0, got {calls_done}")
+            k = min(calls_done, int(self.quantiles[-1]))
+            cached = self._cache[calls_done] = max(1.0, _residual(self.quantiles, float(k)))
         return cached
 
 
