@@ -8,7 +8,7 @@ same code is right live and in simulation; unknown rates make the work they pric
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from engine.interface import Residency
 from talaria.instance.calls import CallBook
@@ -45,23 +45,39 @@ class Estimator:
         """The answer ``call`` is expected to give: its session's last answers here, else the
         instance's recent answers, else the policy's prior; never more than ``max_tokens``.
         Nothing here knows an answer's length before it ends."""
-        hist = self.sessions.gaps.get(call.session_id)
-        if hist is not None and hist.output_tokens is not None:
-            guess = hist.output_tokens
-        elif self.output_tokens.known:
-            guess = self.output_tokens.value
-        else:
-            guess = float(self.view.policy.output_prior_tokens)
-        return max(1.0, min(float(call.params.max_tokens), guess))
+        return self.expected_outputs((call,))[0]
+
+    def expected_outputs(self, calls: Iterable[CallRequest]) -> list[float]:
+        """``expected_output`` of each call (a report prices every queue at every poll)."""
+        history, out = self.sessions.gaps.sessions.get, []
+        fallback: float | None = None  # the instance's recent answers, else the prior
+        for call in calls:
+            hist = history(call.session_id)
+            if hist is not None and hist.output_tokens is not None:
+                guess = hist.output_tokens
+            else:
+                if fallback is None:
+                    fallback = (self.output_tokens.value if self.output_tokens.known
+                                else float(self.view.policy.output_prior_tokens))
+                guess = fallback
+            out.append(max(1.0, min(float(call.params.max_tokens), guess)))
+        return out
 
     def new_tokens(self, call: CallRequest) -> int:
         """Prompt tokens the engine will have to prefill (beyond the session's device KV)."""
-        hist = self.sessions.gaps.get(call.session_id)
-        cached = 0
-        if hist is not None and hist.model == self.view.active_model:
-            device = self.sessions.kv_tokens.get(call.session_id, (0, 0))[0]
-            cached = min(device, hist.last_tokens)
-        return max(0, len(call.prompt_token_ids) - cached)
+        return self.new_tokens_of((call,))[0]
+
+    def new_tokens_of(self, calls: Iterable[CallRequest]) -> list[int]:
+        """``new_tokens`` of each call (a report prices every queue at every poll)."""
+        history, device_kv = self.sessions.gaps.sessions.get, self.sessions.kv_tokens.get
+        active, out = self.view.active_model, []
+        for call in calls:
+            hist = history(call.session_id)
+            cached = 0
+            if hist is not None and hist.model == active:
+                cached = min(device_kv(call.session_id, (0, 0))[0], hist.last_tokens)
+            out.append(max(0, len(call.prompt_token_ids) - cached))
+        return out
 
     # times ------------------------------------------------------------------------------
 
@@ -82,7 +98,7 @@ class Estimator:
 
     def queue_new_tokens(self, model: str) -> list[int]:
         """``new_tokens`` of each of the model's queued calls, in queue order."""
-        return [self.new_tokens(p.call) for p in self.calls.queues[model]]
+        return self.new_tokens_of([p.call for p in self.calls.queues[model]])
 
     def queue_service_s(self, model: str, new_tokens: list[int] | None = None) -> float:
         """A batch of the model's queued calls: their prefills, then the longest decode
@@ -94,7 +110,7 @@ class Estimator:
         if new_tokens is None:
             new_tokens = self.queue_new_tokens(model)
         prefill = sum(map(rates.prefill_s, new_tokens))
-        decode = max(self.expected_output(p.call) for p in queue) * rates.decode_step_s.value
+        decode = max(self.expected_outputs([p.call for p in queue])) * rates.decode_step_s.value
         return prefill + decode
 
     def slot_s(self, model: str) -> float:
