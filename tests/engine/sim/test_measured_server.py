@@ -229,3 +229,26 @@ def test_a_checkpoint_config_becomes_a_model_spec(tmp_path: Path, arch: str) -> 
     assert spec.kv_bytes_per_token == 2 * model.config.num_hidden_layers * spec.num_kv_heads * spec.head_dim * 4
     with pytest.raises(ValueError, match="no config.json"):
         ModelSpec.from_hf_config(tmp_path)
+
+
+def test_free_host_link_server_prices_every_host_copy_at_nothing_and_the_rest_as_the_preset() -> None:
+    """``workloads/data/servers/h200x8-free-host-link.json`` (tools/saturation_gap.py's
+    counterfactual) is the h200x8 preset with only its host link changed: every host copy
+    (a switch from host, a staging copy, a KV offload and restore) takes under a
+    microsecond, while a step and a D2D activation cost what the preset's do."""
+    path = Path(__file__).parents[3] / "workloads" / "data" / "servers" / "h200x8-free-host-link.json"
+    free, preset = load_server(path), server_preset("h200x8")
+    assert dataclasses.replace(
+        free, name=preset.name,
+        device=dataclasses.replace(free.device,
+                                   host_link_bytes_per_s=preset.device.host_link_bytes_per_s),
+    ) == preset
+    model = ModelSpec.load("qwen3-235b-a22b")
+    cheap, real = CostModel(free, model, 8), CostModel(preset, model, 8)
+    assert real.switch_seconds_host() > 1.0  # a 59 GB shard a GPU over PCIe
+    assert cheap.switch_seconds_host() < 1e-6
+    assert cheap.kv_offload_seconds(100_000) < 1e-6 and cheap.kv_restore_seconds(100_000) < 1e-6
+    assert real.kv_restore_seconds(100_000) > 1e-2
+    assert cheap.switch_seconds_staged() == real.switch_seconds_staged() > 0
+    # a step's price does not read the host link
+    assert cheap.step_seconds(2048, 30_000, 8, 8 * 4096) == real.step_seconds(2048, 30_000, 8, 8 * 4096)
