@@ -17,7 +17,7 @@ saturation rate (the baseline's burst throughput, as the suite defines it; the q
 The saturation rate is measured on the preset server, so both Talaria rows replay the same
 arrivals. Run from the repository root:
 ``.venv/bin/python tools/saturation_gap.py [--traces miniswe,claude-code-dev] [--no-oracle]``
-(about a minute a trace without the oracle, three with it, on one core).
+(about a minute a trace without the oracle, five with it, on 2 cores).
 """
 
 from __future__ import annotations
